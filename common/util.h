@@ -1,0 +1,30 @@
+/*
+ * util.h - small pieces that pagefoldd, pagefoldctl and (from the agent
+ * issue on) the agent library inside QEMU all need: the page size pagefold
+ * works in, the default socket paths, the error domain, strict number parsing.
+ *
+ * Owns nothing at run time.  Must never depend on daemon code: QEMU links it.
+ */
+#pragma once
+
+#include <glib.h>
+
+#define PF_PAGE_SHIFT 12
+#define PF_PAGE_SIZE  (1u << PF_PAGE_SHIFT)
+
+#define PF_DEFAULT_SOCKET "/run/pagefold/pagefoldd.sock"
+
+#define PF_ERROR (pf_error_quark())
+
+typedef enum {
+    PF_ERROR_FAILED,           /* anything else */
+    PF_ERROR_INVALID_ARGUMENT, /* the caller sent something malformed */
+    PF_ERROR_NOT_FOUND,        /* no such VM, process or region */
+    PF_ERROR_EXISTS,           /* already attached */
+    PF_ERROR_NO_GUEST_RAM,     /* a process without shared memfd RAM */
+} PfError;
+
+GQuark pf_error_quark(void);
+
+gboolean pf_parse_u64(const char *text, guint64 min, guint64 max,
+                      guint64 *out, GError **error);

@@ -1,0 +1,761 @@
+/*
+ * control.c - see control.h.
+ */
+#include "control.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <glib-unix.h>
+#include <glib/gstdio.h>
+#include <json-glib/json-glib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "pf-config.h"
+#include "util.h"
+
+#define MAX_CLIENTS 64
+#define MAX_PENDING_OUTPUT (16u << 20)
+#define MAX_NAME_LEN 128
+#define MAX_SCAN_NOW_PASSES 1000
+
+struct _PfControl {
+    PfScanner *scanner;
+    char *path;
+    int listen_fd;
+    guint listen_watch;
+    GPtrArray *clients;
+};
+
+typedef struct {
+    PfControl *ctl;
+    int fd;
+    guint watch;
+    guint out_watch;
+    GByteArray *in;
+    GByteArray *out;
+    gboolean discarding; /* inside an over-long line: drop to its end */
+} Client;
+
+/* ---- argument checking ---- */
+
+typedef enum { ARG_INT, ARG_STRING } ArgType;
+
+typedef struct {
+    const char *name;
+    ArgType type;
+    gboolean required;
+} ArgSpec;
+
+static gboolean
+check_args(JsonObject *args, const ArgSpec *spec, GError **error)
+{
+    g_autoptr(GList) members = args ? json_object_get_members(args) : NULL;
+
+    for (GList *l = members; l != NULL; l = l->next) {
+        const ArgSpec *a = spec;
+
+        while (a->name != NULL && g_strcmp0(a->name, l->data) != 0) {
+            a++;
+        }
+        if (a->name == NULL) {
+            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "parameter '%s' is unexpected", (const char *)l->data);
+            return FALSE;
+        }
+    }
+    for (const ArgSpec *a = spec; a->name != NULL; a++) {
+        JsonNode *n = args ? json_object_get_member(args, a->name) : NULL;
+        GType want = a->type == ARG_INT ? G_TYPE_INT64 : G_TYPE_STRING;
+
+        if (n == NULL) {
+            if (a->required) {
+                g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                            "parameter '%s' is missing", a->name);
+                return FALSE;
+            }
+            continue;
+        }
+        if (!JSON_NODE_HOLDS_VALUE(n) || json_node_get_value_type(n) != want) {
+            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "parameter '%s' must be %s", a->name,
+                        a->type == ARG_INT ? "an integer" : "a string");
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
+static gint64
+arg_int(JsonObject *args, const char *name, gint64 dflt)
+{
+    return args && json_object_has_member(args, name)
+               ? json_object_get_int_member(args, name) : dflt;
+}
+
+static const char *
+arg_str(JsonObject *args, const char *name)
+{
+    return args && json_object_has_member(args, name)
+               ? json_object_get_string_member(args, name) : NULL;
+}
+
+static PfVm *
+find_vm(PfControl *c, const char *name, GError **error)
+{
+    PfVm *vm = pf_scanner_find_vm(c->scanner, name);
+
+    if (vm == NULL) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no VM '%s' is attached", name);
+    }
+    return vm;
+}
+
+/* ---- commands ---- */
+
+static void
+vm_to_json(PfVm *vm, JsonBuilder *b)
+{
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "name");
+    json_builder_add_string_value(b, vm->name);
+    json_builder_set_member_name(b, "pid");
+    json_builder_add_int_value(b, vm->pid);
+    json_builder_set_member_name(b, "mode");
+    json_builder_add_string_value(b, vm->mode);
+    json_builder_set_member_name(b, "pages");
+    json_builder_add_int_value(b, (gint64)pf_vm_n_pages(vm));
+    json_builder_set_member_name(b, "regions");
+    json_builder_begin_array(b);
+    for (guint i = 0; i < vm->regions->len; i++) {
+        PfRegion *r = g_ptr_array_index(vm->regions, i);
+
+        json_builder_begin_object(b);
+        json_builder_set_member_name(b, "name");
+        json_builder_add_string_value(b, r->name);
+        json_builder_set_member_name(b, "host_addr");
+        json_builder_add_int_value(b, (gint64)r->host_addr);
+        json_builder_set_member_name(b, "size");
+        json_builder_add_int_value(b, (gint64)r->size);
+        json_builder_end_object(b);
+    }
+    json_builder_end_array(b);
+    json_builder_end_object(b);
+}
+
+static void
+stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b)
+{
+    GPtrArray *vms = pf_scanner_get_vms(c->scanner);
+    g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(vms->len, 1));
+    PfCounters total;
+    PfScanInfo info;
+
+    pf_scanner_collect(c->scanner, &total, per_vm);
+    pf_scanner_get_info(c->scanner, &info);
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "mode");
+    json_builder_add_string_value(b, "advise");
+    json_builder_set_member_name(b, "hash");
+    json_builder_add_string_value(b, pf_scanner_get_hash(c->scanner)->name);
+    json_builder_set_member_name(b, "last_pass_usec");
+    json_builder_add_int_value(b, (gint64)info.last_pass_usec);
+    json_builder_set_member_name(b, "knobs");
+    json_builder_begin_object(b);
+    pf_knobs_to_json(pf_scanner_get_knobs(c->scanner), b);
+    json_builder_end_object(b);
+    json_builder_set_member_name(b, "total");
+    json_builder_begin_object(b);
+    pf_counters_to_json(&total, b);
+    json_builder_end_object(b);
+    json_builder_set_member_name(b, "vms");
+    json_builder_begin_array(b);
+    for (guint i = 0; i < vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(vms, i);
+
+        if (only != NULL && only != vm) {
+            continue;
+        }
+        json_builder_begin_object(b);
+        json_builder_set_member_name(b, "name");
+        json_builder_add_string_value(b, vm->name);
+        json_builder_set_member_name(b, "pid");
+        json_builder_add_int_value(b, vm->pid);
+        json_builder_set_member_name(b, "mode");
+        json_builder_add_string_value(b, vm->mode);
+        pf_counters_to_json(&per_vm[i], b);
+        json_builder_end_object(b);
+    }
+    json_builder_end_array(b);
+    json_builder_end_object(b);
+}
+
+static gboolean
+name_is_valid(const char *name, GError **error)
+{
+    if (*name == '\0' || strlen(name) > MAX_NAME_LEN || !g_utf8_validate(name, -1, NULL)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "a VM name must be 1 to %d bytes of UTF-8", MAX_NAME_LEN);
+        return FALSE;
+    }
+    for (const char *p = name; *p; p++) {
+        if (g_ascii_iscntrl(*p)) {
+            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "a VM name must not contain control characters");
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
+static gboolean
+cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    static const ArgSpec spec[] = {
+        { "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE }, { NULL }
+    };
+    gint64 pid;
+    const char *name;
+    g_autoptr(PfVm) vm = NULL;
+    GPtrArray *vms = pf_scanner_get_vms(c->scanner);
+
+    if (!check_args(args, spec, error)) {
+        return FALSE;
+    }
+    pid = arg_int(args, "pid", 0);
+    name = arg_str(args, "name");
+    if (pid <= 0 || pid > G_MAXINT) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "pid must be a positive process id, not %" G_GINT64_FORMAT, pid);
+        return FALSE;
+    }
+    if (name != NULL && !name_is_valid(name, error)) {
+        return FALSE;
+    }
+    for (guint i = 0; i < vms->len; i++) {
+        PfVm *o = g_ptr_array_index(vms, i);
+
+        if (o->pid == pid) {
+            g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
+                        "process %d is already attached as VM '%s'", o->pid, o->name);
+            return FALSE;
+        }
+    }
+    vm = pf_vm_attach((int)pid, name, error);
+    if (vm == NULL) {
+        return FALSE;
+    }
+    if (pf_scanner_find_vm(c->scanner, vm->name) != NULL) {
+        g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
+                    "a VM named '%s' is already attached", vm->name);
+        return FALSE;
+    }
+    g_message("VM %s (pid %d) attached in mode %s: %u region(s), %zu pages",
+              vm->name, vm->pid, vm->mode, vm->regions->len, pf_vm_n_pages(vm));
+    vm_to_json(vm, b);
+    pf_scanner_add_vm(c->scanner, g_steal_pointer(&vm));
+    return TRUE;
+}
+
+static gboolean
+cmd_detach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    static const ArgSpec spec[] = { { "vm", ARG_STRING, TRUE }, { NULL } };
+    PfVm *vm;
+
+    if (!check_args(args, spec, error) ||
+        (vm = find_vm(c, arg_str(args, "vm"), error)) == NULL) {
+        return FALSE;
+    }
+    g_message("VM %s (pid %d) detached on request", vm->name, vm->pid);
+    pf_scanner_remove_vm(c->scanner, vm);
+    json_builder_begin_object(b);
+    json_builder_end_object(b);
+    return TRUE;
+}
+
+static gboolean
+cmd_list(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    static const ArgSpec spec[] = { { NULL } };
+    GPtrArray *vms = pf_scanner_get_vms(c->scanner);
+
+    if (!check_args(args, spec, error)) {
+        return FALSE;
+    }
+    json_builder_begin_array(b);
+    for (guint i = 0; i < vms->len; i++) {
+        vm_to_json(g_ptr_array_index(vms, i), b);
+    }
+    json_builder_end_array(b);
+    return TRUE;
+}
+
+static gboolean
+cmd_stats(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    static const ArgSpec spec[] = { { "vm", ARG_STRING, FALSE }, { NULL } };
+    PfVm *vm = NULL;
+
+    if (!check_args(args, spec, error)) {
+        return FALSE;
+    }
+    if (arg_str(args, "vm") != NULL && (vm = find_vm(c, arg_str(args, "vm"), error)) == NULL) {
+        return FALSE;
+    }
+    stats_to_json(c, vm, b);
+    return TRUE;
+}
+
+static gboolean
+cmd_knobs(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    static const ArgSpec spec[] = { { NULL } };
+
+    if (!check_args(args, spec, error)) {
+        return FALSE;
+    }
+    json_builder_begin_object(b);
+    pf_knobs_to_json(pf_scanner_get_knobs(c->scanner), b);
+    json_builder_end_object(b);
+    return TRUE;
+}
+
+static gboolean
+cmd_set(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    static const ArgSpec spec[] = {
+        { "knob", ARG_STRING, TRUE }, { "value", ARG_INT, TRUE }, { NULL }
+    };
+    gint64 value;
+
+    if (!check_args(args, spec, error)) {
+        return FALSE;
+    }
+    value = arg_int(args, "value", 0);
+    if (value < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "%s must not be negative", arg_str(args, "knob"));
+        return FALSE;
+    }
+    if (!pf_knobs_set(pf_scanner_get_knobs(c->scanner), arg_str(args, "knob"),
+                      (guint64)value, error)) {
+        return FALSE;
+    }
+    pf_scanner_kick(c->scanner);
+    return cmd_knobs(c, NULL, b, error);
+}
+
+static gboolean
+cmd_scan_now(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    static const ArgSpec spec[] = { { "passes", ARG_INT, FALSE }, { NULL } };
+    gint64 passes;
+
+    if (!check_args(args, spec, error)) {
+        return FALSE;
+    }
+    passes = arg_int(args, "passes", 1);
+    if (passes < 1 || passes > MAX_SCAN_NOW_PASSES) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "passes must be between 1 and %d", MAX_SCAN_NOW_PASSES);
+        return FALSE;
+    }
+    pf_scanner_run_passes(c->scanner, (guint)passes);
+    stats_to_json(c, NULL, b);
+    return TRUE;
+}
+
+static gboolean
+cmd_capabilities(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    static const ArgSpec spec[] = { { NULL } };
+
+    if (!check_args(args, spec, error)) {
+        return FALSE;
+    }
+    json_builder_begin_object(b);
+    json_builder_end_object(b);
+    return TRUE;
+}
+
+typedef gboolean (*CommandFunc)(PfControl *c, JsonObject *args, JsonBuilder *b,
+                                GError **error);
+
+static const struct {
+    const char *name;
+    CommandFunc func;
+} commands[] = {
+    { "qmp_capabilities", cmd_capabilities },
+    { "attach", cmd_attach },
+    { "detach", cmd_detach },
+    { "list", cmd_list },
+    { "stats", cmd_stats },
+    { "knobs", cmd_knobs },
+    { "set", cmd_set },
+    { "scan-now", cmd_scan_now },
+};
+
+/* ---- requests ---- */
+
+static char *
+reply_error(const char *klass, const char *desc, JsonNode *id)
+{
+    g_autoptr(JsonBuilder) b = json_builder_new();
+    g_autoptr(JsonNode) root = NULL;
+
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "error");
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "class");
+    json_builder_add_string_value(b, klass);
+    json_builder_set_member_name(b, "desc");
+    json_builder_add_string_value(b, desc);
+    json_builder_end_object(b);
+    if (id != NULL) {
+        json_builder_set_member_name(b, "id");
+        json_builder_add_value(b, json_node_copy(id));
+    }
+    json_builder_end_object(b);
+    root = json_builder_get_root(b);
+    return json_to_string(root, FALSE);
+}
+
+static const char *
+error_class(const GError *error)
+{
+    if (g_error_matches(error, PF_ERROR, PF_ERROR_NOT_FOUND)) {
+        return "DeviceNotFound";
+    }
+    return "GenericError";
+}
+
+char *
+pf_control_execute(PfControl *c, const char *line, gsize len)
+{
+    g_autoptr(JsonParser) parser = json_parser_new_immutable();
+    g_autoptr(GError) error = NULL;
+    g_autoptr(JsonBuilder) b = NULL;
+    g_autoptr(JsonNode) reply = NULL;
+    g_autoptr(GList) members = NULL;
+    JsonObject *req, *args = NULL;
+    JsonNode *root, *id, *exec, *args_node;
+    const char *name;
+
+    if (!g_utf8_validate(line, (gssize)len, NULL)) {
+        return reply_error("GenericError", "request is not valid UTF-8", NULL);
+    }
+    if (!json_parser_load_from_data(parser, line, (gssize)len, &error)) {
+        g_autofree char *desc = g_strdup_printf("JSON parse error: %s", error->message);
+
+        return reply_error("GenericError", desc, NULL);
+    }
+    root = json_parser_get_root(parser);
+    if (root == NULL || !JSON_NODE_HOLDS_OBJECT(root)) {
+        return reply_error("GenericError", "a request must be a JSON object", NULL);
+    }
+    req = json_node_get_object(root);
+    id = json_object_get_member(req, "id");
+    members = json_object_get_members(req);
+    for (GList *l = members; l != NULL; l = l->next) {
+        if (!g_str_equal(l->data, "execute") && !g_str_equal(l->data, "arguments") &&
+            !g_str_equal(l->data, "id")) {
+            g_autofree char *desc = g_strdup_printf("request member '%s' is unexpected",
+                                                    (const char *)l->data);
+
+            return reply_error("GenericError", desc, id);
+        }
+    }
+    exec = json_object_get_member(req, "execute");
+    if (exec == NULL || !JSON_NODE_HOLDS_VALUE(exec) ||
+        json_node_get_value_type(exec) != G_TYPE_STRING) {
+        return reply_error("GenericError", "'execute' must be a command name (string)", id);
+    }
+    args_node = json_object_get_member(req, "arguments");
+    if (args_node != NULL) {
+        if (!JSON_NODE_HOLDS_OBJECT(args_node)) {
+            return reply_error("GenericError", "'arguments' must be an object", id);
+        }
+        args = json_node_get_object(args_node);
+    }
+    name = json_node_get_string(exec);
+    for (gsize i = 0; i < G_N_ELEMENTS(commands); i++) {
+        if (!g_str_equal(commands[i].name, name)) {
+            continue;
+        }
+        b = json_builder_new();
+        json_builder_begin_object(b);
+        json_builder_set_member_name(b, "return");
+        if (!commands[i].func(c, args, b, &error)) {
+            return reply_error(error_class(error), error->message, id);
+        }
+        if (id != NULL) {
+            json_builder_set_member_name(b, "id");
+            json_builder_add_value(b, json_node_copy(id));
+        }
+        json_builder_end_object(b);
+        reply = json_builder_get_root(b);
+        return json_to_string(reply, FALSE);
+    }
+    {
+        g_autofree char *desc = g_strdup_printf("the command '%s' has not been found", name);
+
+        return reply_error("CommandNotFound", desc, id);
+    }
+}
+
+/* ---- the socket ---- */
+
+static void
+client_close(Client *cl)
+{
+    g_ptr_array_remove(cl->ctl->clients, cl);
+}
+
+static gboolean client_out_cb(gint fd, GIOCondition cond, gpointer user);
+
+/* Returns FALSE when it had to close the client (cl is then freed). */
+static gboolean
+client_flush(Client *cl)
+{
+    while (cl->out->len > 0) {
+        ssize_t n = send(cl->fd, cl->out->data, cl->out->len, MSG_NOSIGNAL);
+
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            if (errno == EAGAIN) {
+                break;
+            }
+            client_close(cl);
+            return FALSE;
+        }
+        g_byte_array_remove_range(cl->out, 0, (guint)n);
+    }
+    if (cl->out->len > MAX_PENDING_OUTPUT) {
+        g_message("control: closing a client that does not read its replies");
+        client_close(cl);
+        return FALSE;
+    }
+    if (cl->out->len > 0 && cl->out_watch == 0) {
+        cl->out_watch = g_unix_fd_add(cl->fd, G_IO_OUT, client_out_cb, cl);
+    }
+    return TRUE;
+}
+
+static gboolean
+client_out_cb(gint fd, GIOCondition cond, gpointer user)
+{
+    Client *cl = user;
+
+    cl->out_watch = 0;
+    client_flush(cl);
+    return G_SOURCE_REMOVE;
+}
+
+static void
+client_send(Client *cl, const char *text)
+{
+    g_byte_array_append(cl->out, (const guint8 *)text, (guint)strlen(text));
+    g_byte_array_append(cl->out, (const guint8 *)"\n", 1);
+}
+
+static void
+client_process(Client *cl)
+{
+    guint8 *nl;
+
+    while ((nl = memchr(cl->in->data, '\n', cl->in->len)) != NULL) {
+        gsize len = (gsize)(nl - cl->in->data);
+
+        if (cl->discarding) {
+            cl->discarding = FALSE;
+        } else {
+            gsize l = len;
+
+            if (l > 0 && cl->in->data[l - 1] == '\r') {
+                l--;
+            }
+            if (l > 0) {
+                g_autofree char *reply =
+                    pf_control_execute(cl->ctl, (const char *)cl->in->data, l);
+
+                client_send(cl, reply);
+            }
+        }
+        g_byte_array_remove_range(cl->in, 0, (guint)len + 1);
+    }
+    if (cl->in->len > PF_CONTROL_MAX_LINE) {
+        if (!cl->discarding) {
+            g_autofree char *desc = g_strdup_printf(
+                "request longer than %d bytes; discarded up to the next newline",
+                PF_CONTROL_MAX_LINE);
+            g_autofree char *reply = reply_error("GenericError", desc, NULL);
+
+            client_send(cl, reply);
+            cl->discarding = TRUE;
+        }
+        g_byte_array_set_size(cl->in, 0);
+    }
+}
+
+static gboolean
+client_in_cb(gint fd, GIOCondition cond, gpointer user)
+{
+    Client *cl = user;
+    guint8 buf[16384];
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+        return G_SOURCE_CONTINUE;
+    }
+    if (n <= 0) {
+        cl->watch = 0;
+        client_close(cl);
+        return G_SOURCE_REMOVE;
+    }
+    g_byte_array_append(cl->in, buf, (guint)n);
+    client_process(cl);
+    return client_flush(cl) ? G_SOURCE_CONTINUE : G_SOURCE_REMOVE;
+}
+
+static void
+client_free(Client *cl)
+{
+    if (cl->watch != 0) {
+        g_source_remove(cl->watch);
+    }
+    if (cl->out_watch != 0) {
+        g_source_remove(cl->out_watch);
+    }
+    close(cl->fd);
+    g_byte_array_unref(cl->in);
+    g_byte_array_unref(cl->out);
+    g_free(cl);
+}
+
+static gboolean
+listen_cb(gint fd, GIOCondition cond, gpointer user)
+{
+    PfControl *c = user;
+    int cfd = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    Client *cl;
+    g_autofree char *greeting = NULL;
+
+    if (cfd < 0) {
+        return G_SOURCE_CONTINUE;
+    }
+    if (c->clients->len >= MAX_CLIENTS) {
+        static const char busy[] =
+            "{\"error\": {\"class\": \"GenericError\", \"desc\": \"too many clients\"}}\n";
+
+        (void)!send(cfd, busy, sizeof(busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        close(cfd);
+        return G_SOURCE_CONTINUE;
+    }
+    cl = g_new0(Client, 1);
+    cl->ctl = c;
+    cl->fd = cfd;
+    cl->in = g_byte_array_new();
+    cl->out = g_byte_array_new();
+    g_ptr_array_add(c->clients, cl);
+    greeting = g_strdup_printf(
+        "{\"QMP\": {\"version\": {\"pagefold\": \"%s\"}, \"capabilities\": []}}", PF_VERSION);
+    client_send(cl, greeting);
+    cl->watch = g_unix_fd_add(cfd, G_IO_IN | G_IO_HUP | G_IO_ERR, client_in_cb, cl);
+    client_flush(cl);
+    return G_SOURCE_CONTINUE;
+}
+
+static gboolean
+socket_in_use(const struct sockaddr_un *addr)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    gboolean used;
+
+    if (fd < 0) {
+        return FALSE;
+    }
+    used = connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) == 0;
+    close(fd);
+    return used;
+}
+
+PfControl *
+pf_control_new(PfScanner *scanner, const char *path, GError **error)
+{
+    g_autoptr(PfControl) c = g_new0(PfControl, 1);
+    g_autofree char *dir = g_path_get_dirname(path);
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    mode_t old_umask;
+    int rc;
+
+    c->scanner = scanner;
+    c->listen_fd = -1;
+    c->clients = g_ptr_array_new_with_free_func((GDestroyNotify)client_free);
+    if (strlen(path) >= sizeof(addr.sun_path)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "socket path too long: %s", path);
+        return NULL;
+    }
+    strcpy(addr.sun_path, path);
+    if (g_mkdir_with_parents(dir, 0700) < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot create %s: %s",
+                    dir, g_strerror(e));
+        return NULL;
+    }
+    if (socket_in_use(&addr)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
+                    "another pagefoldd is listening on %s", path);
+        return NULL;
+    }
+    unlink(path);
+    c->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (c->listen_fd < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "socket: %s", g_strerror(e));
+        return NULL;
+    }
+    /* Bind under umask 077: the socket is never reachable by others, not
+     * even between bind() and chmod(). */
+    old_umask = umask(077);
+    rc = bind(c->listen_fd, (struct sockaddr *)&addr, sizeof(addr));
+    umask(old_umask);
+    if (rc < 0 || chmod(path, 0600) < 0 || listen(c->listen_fd, 16) < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot listen on %s: %s",
+                    path, g_strerror(e));
+        return NULL;
+    }
+    c->path = g_strdup(path);
+    c->listen_watch = g_unix_fd_add(c->listen_fd, G_IO_IN, listen_cb, c);
+    return g_steal_pointer(&c);
+}
+
+void
+pf_control_free(PfControl *c)
+{
+    if (c == NULL) {
+        return;
+    }
+    if (c->listen_watch != 0) {
+        g_source_remove(c->listen_watch);
+    }
+    g_clear_pointer(&c->clients, g_ptr_array_unref);
+    if (c->listen_fd >= 0) {
+        close(c->listen_fd);
+    }
+    if (c->path != NULL) {
+        unlink(c->path);
+    }
+    g_free(c->path);
+    g_free(c);
+}

@@ -1,0 +1,27 @@
+/*
+ * control.h - pagefoldd's control socket: newline-delimited JSON in QMP's
+ * shape, {"execute": CMD, "arguments": {...}, "id": ANY} answered by
+ * {"return": ...} or {"error": {"class": ..., "desc": ...}}.
+ *
+ * Owns the listening socket and its clients.  Must never let one client's
+ * bad input (malformed, huge, wrong types, unknown commands, a VM that
+ * vanished) stop the daemon or disturb another client or VM.
+ */
+#pragma once
+
+#include <glib.h>
+
+#include "scan.h"
+
+/* Longest request line accepted, newline excluded. */
+#define PF_CONTROL_MAX_LINE (64 * 1024)
+
+typedef struct _PfControl PfControl;
+
+PfControl *pf_control_new(PfScanner *scanner, const char *path, GError **error);
+void pf_control_free(PfControl *c);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfControl, pf_control_free)
+
+/* Executes one request and returns the reply (no newline).  The socket
+ * uses it for every line; tests may call it directly. */
+char *pf_control_execute(PfControl *c, const char *line, gsize len);

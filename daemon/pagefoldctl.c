@@ -1,0 +1,304 @@
+/*
+ * pagefoldctl.c - the command-line client of pagefoldd's control socket.
+ *
+ * Sends one command, prints the answer as a table (default), JSON (--json)
+ * or Prometheus text (--prometheus).  Exit status: 0 done, 1 pagefoldd said
+ * no or could not be reached, 2 bad usage.  It never changes what pagefoldd
+ * answers, only how it is shown.
+ */
+#include <errno.h>
+#include <glib.h>
+#include <json-glib/json-glib.h>
+#include <locale.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "stats.h"
+#include "util.h"
+
+static const char usage_text[] =
+    "Commands:\n"
+    "  attach PID [--name NAME]   start scanning a QEMU process's memfd RAM\n"
+    "  detach VM                  stop; VM is a name or a pid\n"
+    "  list                       the attached VMs\n"
+    "  stats [VM]                 KSM's counters, per VM and in total\n"
+    "  knobs                      the knobs and their values\n"
+    "  set KNOB VALUE             set a knob (KSM's names)\n"
+    "  scan-now [PASSES]          run full passes now, then print stats\n";
+
+static int
+usage_error(const char *msg)
+{
+    g_printerr("pagefoldctl: %s\n%s", msg, usage_text);
+    return 2;
+}
+
+static gboolean
+read_line(int fd, GString *buf, char **line, GError **error)
+{
+    for (;;) {
+        char *nl = memchr(buf->str, '\n', buf->len);
+        char chunk[65536];
+        ssize_t n;
+
+        if (nl != NULL) {
+            *line = g_strndup(buf->str, (gsize)(nl - buf->str));
+            g_string_erase(buf, 0, nl - buf->str + 1);
+            return TRUE;
+        }
+        n = read(fd, chunk, sizeof(chunk));
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                        "pagefoldd closed the connection%s%s",
+                        n < 0 ? ": " : "", n < 0 ? g_strerror(errno) : "");
+            return FALSE;
+        }
+        g_string_append_len(buf, chunk, n);
+    }
+}
+
+static JsonNode *
+call(const char *path, JsonNode *request, GError **error)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    g_autoptr(GString) buf = g_string_new(NULL);
+    g_autofree char *greeting = NULL;
+    g_autofree char *reply = NULL;
+    g_autofree char *text = json_to_string(request, FALSE);
+    g_autoptr(JsonParser) parser = json_parser_new();
+    int fd;
+    gsize off = 0;
+
+    if (strlen(path) >= sizeof(addr.sun_path)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long");
+        return NULL;
+    }
+    strcpy(addr.sun_path, path);
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot connect to %s: %s (is pagefoldd running?)", path, g_strerror(e));
+        if (fd >= 0) {
+            close(fd);
+        }
+        return NULL;
+    }
+    text = g_realloc(text, strlen(text) + 2);
+    strcat(text, "\n");
+    while (off < strlen(text)) {
+        ssize_t n = send(fd, text + off, strlen(text) - off, MSG_NOSIGNAL);
+
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "send: %s", g_strerror(errno));
+            close(fd);
+            return NULL;
+        }
+        off += (gsize)n;
+    }
+    if (!read_line(fd, buf, &greeting, error) || !read_line(fd, buf, &reply, error)) {
+        close(fd);
+        return NULL;
+    }
+    close(fd);
+    if (!json_parser_load_from_data(parser, reply, -1, error)) {
+        return NULL;
+    }
+    return json_node_copy(json_parser_get_root(parser));
+}
+
+static void
+print_json(JsonNode *node)
+{
+    g_autoptr(JsonGenerator) gen = json_generator_new();
+    g_autofree char *text = NULL;
+
+    json_generator_set_pretty(gen, TRUE);
+    json_generator_set_root(gen, node);
+    text = json_generator_to_data(gen, NULL);
+    g_print("%s\n", text);
+}
+
+static void
+print_list(JsonArray *vms)
+{
+    g_print("%-20s %7s %-7s %8s %10s\n", "VM", "PID", "MODE", "REGIONS", "RAM_MIB");
+    for (guint i = 0; i < json_array_get_length(vms); i++) {
+        JsonObject *vm = json_array_get_object_element(vms, i);
+
+        g_print("%-20s %7" G_GINT64_FORMAT " %-7s %8u %10.1f\n",
+                json_object_get_string_member(vm, "name"),
+                json_object_get_int_member(vm, "pid"),
+                json_object_get_string_member(vm, "mode"),
+                json_array_get_length(json_object_get_array_member(vm, "regions")),
+                (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0);
+    }
+}
+
+static void
+print_knobs(JsonObject *knobs)
+{
+    g_autoptr(GList) names = json_object_get_members(knobs);
+
+    for (GList *l = names; l != NULL; l = l->next) {
+        g_print("%-22s %" G_GINT64_FORMAT "\n", (const char *)l->data,
+                json_object_get_int_member(knobs, l->data));
+    }
+}
+
+int
+main(int argc, char **argv)
+{
+    g_autofree char *socket_path = NULL;
+    g_autofree char *name = NULL;
+    gboolean as_json = FALSE, as_prom = FALSE;
+    GOptionEntry entries[] = {
+        { "socket", 's', 0, G_OPTION_ARG_FILENAME, &socket_path,
+          "pagefoldd's control socket (default " PF_DEFAULT_SOCKET ")", "PATH" },
+        { "name", 'n', 0, G_OPTION_ARG_STRING, &name, "Name for attach", "NAME" },
+        { "json", 0, 0, G_OPTION_ARG_NONE, &as_json, "Print JSON", NULL },
+        { "prometheus", 0, 0, G_OPTION_ARG_NONE, &as_prom,
+          "Print stats in Prometheus text format", NULL },
+        { NULL }
+    };
+    g_autoptr(GOptionContext) ctx = g_option_context_new("COMMAND [ARGS]");
+    g_autoptr(GError) error = NULL;
+    g_autoptr(JsonBuilder) b = json_builder_new();
+    g_autoptr(JsonNode) request = NULL;
+    g_autoptr(JsonNode) reply = NULL;
+    JsonObject *robj;
+    JsonNode *ret;
+    const char *cmd;
+    guint64 num = 0;
+
+    setlocale(LC_ALL, "");
+    g_option_context_add_main_entries(ctx, entries, NULL);
+    g_option_context_set_description(ctx, usage_text);
+    if (!g_option_context_parse(ctx, &argc, &argv, &error)) {
+        return usage_error(error->message);
+    }
+    if (argc < 2) {
+        return usage_error("no command given");
+    }
+    if (as_json && as_prom) {
+        return usage_error("--json and --prometheus exclude each other");
+    }
+    cmd = argv[1];
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "execute");
+    json_builder_add_string_value(b, cmd);
+    json_builder_set_member_name(b, "arguments");
+    json_builder_begin_object(b);
+    if (g_str_equal(cmd, "attach")) {
+        if (argc != 3) {
+            return usage_error("attach takes one PID");
+        }
+        if (!pf_parse_u64(argv[2], 1, G_MAXINT, &num, &error)) {
+            return usage_error(error->message);
+        }
+        json_builder_set_member_name(b, "pid");
+        json_builder_add_int_value(b, (gint64)num);
+        if (name != NULL) {
+            json_builder_set_member_name(b, "name");
+            json_builder_add_string_value(b, name);
+        }
+    } else if (g_str_equal(cmd, "detach")) {
+        if (argc != 3) {
+            return usage_error("detach takes one VM");
+        }
+        json_builder_set_member_name(b, "vm");
+        json_builder_add_string_value(b, argv[2]);
+    } else if (g_str_equal(cmd, "stats")) {
+        if (argc > 3) {
+            return usage_error("stats takes at most one VM");
+        }
+        if (argc == 3) {
+            json_builder_set_member_name(b, "vm");
+            json_builder_add_string_value(b, argv[2]);
+        }
+    } else if (g_str_equal(cmd, "set")) {
+        if (argc != 4) {
+            return usage_error("set takes KNOB VALUE");
+        }
+        if (!pf_parse_u64(argv[3], 0, G_MAXINT64, &num, &error)) {
+            return usage_error(error->message);
+        }
+        json_builder_set_member_name(b, "knob");
+        json_builder_add_string_value(b, argv[2]);
+        json_builder_set_member_name(b, "value");
+        json_builder_add_int_value(b, (gint64)num);
+    } else if (g_str_equal(cmd, "scan-now")) {
+        if (argc > 3) {
+            return usage_error("scan-now takes at most one PASSES");
+        }
+        if (argc == 3) {
+            if (!pf_parse_u64(argv[2], 1, 1000, &num, &error)) {
+                return usage_error(error->message);
+            }
+            json_builder_set_member_name(b, "passes");
+            json_builder_add_int_value(b, (gint64)num);
+        }
+    } else if (g_str_equal(cmd, "list") || g_str_equal(cmd, "knobs")) {
+        if (argc != 2) {
+            return usage_error("this command takes no arguments");
+        }
+    } else {
+        g_autofree char *msg = g_strdup_printf("unknown command '%s'", cmd);
+
+        return usage_error(msg);
+    }
+    json_builder_end_object(b);
+    json_builder_end_object(b);
+    request = json_builder_get_root(b);
+
+    reply = call(socket_path ? socket_path : PF_DEFAULT_SOCKET, request, &error);
+    if (reply == NULL) {
+        g_printerr("pagefoldctl: %s\n", error->message);
+        return 1;
+    }
+    robj = JSON_NODE_HOLDS_OBJECT(reply) ? json_node_get_object(reply) : NULL;
+    if (robj != NULL && json_object_has_member(robj, "error")) {
+        JsonObject *e = json_object_get_object_member(robj, "error");
+
+        g_printerr("pagefoldctl: %s: %s\n", cmd, json_object_get_string_member(e, "desc"));
+        return 1;
+    }
+    if (robj == NULL || !json_object_has_member(robj, "return")) {
+        g_printerr("pagefoldctl: pagefoldd sent a reply without 'return'\n");
+        return 1;
+    }
+    ret = json_object_get_member(robj, "return");
+    if (as_json) {
+        print_json(ret);
+    } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "scan-now")) {
+        g_autofree char *text = as_prom
+            ? pf_stats_format_prometheus(json_node_get_object(ret))
+            : pf_stats_format_table(json_node_get_object(ret));
+
+        g_print("%s", text);
+    } else if (g_str_equal(cmd, "list")) {
+        print_list(json_node_get_array(ret));
+    } else if (g_str_equal(cmd, "knobs") || g_str_equal(cmd, "set")) {
+        print_knobs(json_node_get_object(ret));
+    } else if (g_str_equal(cmd, "attach")) {
+        JsonObject *vm = json_node_get_object(ret);
+
+        g_print("attached VM %s (pid %" G_GINT64_FORMAT ", mode %s): %u region(s), %.1f MiB\n",
+                json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
+                json_object_get_string_member(vm, "mode"),
+                json_array_get_length(json_object_get_array_member(vm, "regions")),
+                (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0);
+    } else if (g_str_equal(cmd, "detach")) {
+        g_print("detached VM %s\n", argv[2]);
+    }
+    return 0;
+}

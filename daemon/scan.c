@@ -1,0 +1,920 @@
+/*
+ * scan.c - see scan.h.
+ *
+ * Reading guest RAM can fault: a memfd truncated under us raises SIGBUS.
+ * QEMU seals its RAM against shrinking, but pagefoldd must survive any
+ * process it is pointed at, so page reads run under a SIGBUS guard and a
+ * faulting region is dropped, never the daemon.
+ */
+#include "scan.h"
+
+#include <errno.h>
+#include <glib-unix.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "util.h"
+
+struct _PfScanner {
+    PfKnobs knobs;
+    const PfHashAlgo *algo;
+    PfHashFunc hash;
+    guint64 zero_checksum;
+
+    GPtrArray *vms;     /* PfVm*, owned */
+    GPtrArray *regions; /* PfRegion* of all VMs, sorted by base */
+    PfRegion *last_region;
+
+    PfStableTree stable;
+    PfUnstableTree unstable;
+
+    /* cursor: the next page to visit */
+    gboolean in_pass;
+    guint cur_vm;
+    guint cur_region;
+    gsize cur_page;
+    gsize data_end; /* end of the memfd data extent holding cur_page */
+
+    guint64 full_scans;
+    guint64 memcmp_calls;
+    gint64 pass_start_usec;
+    guint64 last_pass_usec;
+
+    guint timer_id;
+    gint64 last_batch_usec;
+    PfVmGoneFunc vm_gone;
+    gpointer vm_gone_user;
+};
+
+/* ---- knobs ---- */
+
+typedef struct {
+    const char *name;
+    gsize offset;
+    guint min, max;
+    const char *help;
+} KnobInfo;
+
+#define K(field, lo, hi, help) { #field, G_STRUCT_OFFSET(PfKnobs, field), lo, hi, help }
+
+static const KnobInfo knob_info[] = {
+    K(pages_to_scan, 1, 1u << 30, "pages to scan per wake-up"),
+    K(sleep_millisecs, 0, 3600000, "milliseconds to sleep between wake-ups"),
+    K(cpu_percent, 1, 100, "cap on the scanner's CPU, percent of one core"),
+    K(target_pass_millisecs, 0, 86400000,
+      "if not 0, scan so that a full pass takes about this long"),
+    K(max_page_sharing, 2, G_MAXUINT16, "guest pages per canonical page"),
+    K(smart_scan, 0, 1, "skip pages that keep failing to merge"),
+    K(use_zero_pages, 0, 1, "treat all-zero pages apart"),
+    K(run, 0, 1, "0: stop scanning, 1: scan"),
+};
+
+#undef K
+
+void
+pf_knobs_init_default(PfKnobs *k)
+{
+    /* KSM's defaults, so a KSM user finds the same pace. */
+    k->pages_to_scan = 100;
+    k->sleep_millisecs = 20;
+    k->cpu_percent = 100;
+    k->target_pass_millisecs = 0;
+    k->max_page_sharing = 256;
+    k->smart_scan = TRUE;
+    k->use_zero_pages = TRUE;
+    k->run = TRUE;
+}
+
+static guint *
+knob_field(PfKnobs *k, const KnobInfo *ki)
+{
+    /* gboolean and guint share a size and every knob is one of them. */
+    G_STATIC_ASSERT(sizeof(gboolean) == sizeof(guint));
+    return (guint *)((char *)k + ki->offset);
+}
+
+gboolean
+pf_knobs_set(PfKnobs *k, const char *name, guint64 value, GError **error)
+{
+    for (gsize i = 0; i < G_N_ELEMENTS(knob_info); i++) {
+        const KnobInfo *ki = &knob_info[i];
+
+        if (g_strcmp0(ki->name, name) != 0) {
+            continue;
+        }
+        if (value < ki->min || value > ki->max) {
+            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "%s must be between %u and %u, not %" G_GUINT64_FORMAT,
+                        name, ki->min, ki->max, value);
+            return FALSE;
+        }
+        if (g_str_equal(name, "target_pass_millisecs") && value != 0 && value < 10) {
+            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "target_pass_millisecs must be 0 (off) or at least 10");
+            return FALSE;
+        }
+        *knob_field(k, ki) = (guint)value;
+        return TRUE;
+    }
+    g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                "unknown knob '%s'", name ? name : "");
+    return FALSE;
+}
+
+void
+pf_knobs_to_json(const PfKnobs *k, JsonBuilder *b)
+{
+    for (gsize i = 0; i < G_N_ELEMENTS(knob_info); i++) {
+        json_builder_set_member_name(b, knob_info[i].name);
+        json_builder_add_int_value(b, *knob_field((PfKnobs *)k, &knob_info[i]));
+    }
+}
+
+const char *const *
+pf_knob_names(void)
+{
+    static const char *names[G_N_ELEMENTS(knob_info) + 1];
+
+    if (names[0] == NULL) {
+        for (gsize i = 0; i < G_N_ELEMENTS(knob_info); i++) {
+            names[i] = knob_info[i].name;
+        }
+    }
+    return names;
+}
+
+/* ---- the SIGBUS guard ---- */
+
+static __thread sigjmp_buf *guard_env;
+static __thread void *guard_addr;
+
+static void
+sigbus_handler(int sig, siginfo_t *si, void *uc)
+{
+    if (guard_env != NULL) {
+        guard_addr = si->si_addr;
+        siglongjmp(*guard_env, 1);
+    }
+    /* Not ours: let the default action happen on return. */
+    signal(SIGBUS, SIG_DFL);
+}
+
+static void
+guard_install_once(void)
+{
+    static gsize done;
+
+    if (g_once_init_enter(&done)) {
+        struct sigaction sa = { 0 };
+
+        sa.sa_sigaction = sigbus_handler;
+        /* NODEFER: we leave the handler by siglongjmp without restoring
+         * the mask, and a second fault must not find SIGBUS blocked. */
+        sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGBUS, &sa, NULL);
+        g_once_init_leave(&done, 1);
+    }
+}
+
+/* ---- page space: page ids -> regions ---- */
+
+static PfRegion *
+region_of(PfScanner *s, guint32 id)
+{
+    PfRegion *r = s->last_region;
+    guint lo = 0, hi = s->regions->len;
+
+    if (r != NULL && id - r->base < r->n_pages) {
+        return r;
+    }
+    while (hi - lo > 1) {
+        guint mid = (lo + hi) / 2;
+
+        if (((PfRegion *)g_ptr_array_index(s->regions, mid))->base <= id) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    g_assert(lo < s->regions->len);
+    r = g_ptr_array_index(s->regions, lo);
+    g_assert(id - r->base < r->n_pages);
+    s->last_region = r;
+    return r;
+}
+
+static PfPage *
+page_of(guint32 id, gpointer user)
+{
+    PfRegion *r = region_of(user, id);
+
+    return &r->pages[id - r->base];
+}
+
+static const guint8 *
+page_data(PfScanner *s, guint32 id)
+{
+    PfRegion *r = region_of(s, id);
+
+    return r->map + (gsize)(id - r->base) * PF_PAGE_SIZE;
+}
+
+static gboolean
+place_region(PfScanner *s, PfRegion *r)
+{
+    guint64 candidate = 1;
+    guint pos = 0;
+
+    for (; pos < s->regions->len; pos++) {
+        PfRegion *o = g_ptr_array_index(s->regions, pos);
+
+        if (o->base - candidate >= r->n_pages) {
+            break;
+        }
+        candidate = (guint64)o->base + o->n_pages;
+    }
+    if (candidate + r->n_pages >= G_MAXUINT32) {
+        return FALSE;
+    }
+    r->base = (guint32)candidate;
+    g_ptr_array_insert(s->regions, (gint)pos, r);
+    r->vm->count[PF_PAGE_ABSENT] += r->n_pages;
+    return TRUE;
+}
+
+/* ---- page states ---- */
+
+static inline void
+set_state(PfRegion *r, PfPage *p, PfPageState state)
+{
+    r->vm->count[p->state]--;
+    r->vm->count[state]++;
+    p->state = state;
+}
+
+static void
+make_absent(PfScanner *s, PfRegion *r, gsize idx)
+{
+    PfPage *p = &r->pages[idx];
+
+    if (p->state == PF_PAGE_SHARED) {
+        pf_stable_tree_remove(&s->stable, r->base + (guint32)idx);
+    }
+    set_state(r, p, PF_PAGE_ABSENT);
+    p->checksum = 0;
+    p->age = 0;
+    p->skips = 0;
+}
+
+/* Takes the region out of the page space and the trees; the caller frees
+ * it.  Candidates of this pass may point into it: the unstable tree is
+ * emptied, which costs at most a pass of merges. */
+static void
+release_region(PfScanner *s, PfRegion *r)
+{
+    for (gsize i = 0; i < r->n_pages; i++) {
+        if (r->pages[i].state != PF_PAGE_ABSENT) {
+            make_absent(s, r, i);
+        }
+    }
+    r->vm->count[PF_PAGE_ABSENT] -= r->n_pages;
+    pf_table_clear(&s->unstable.table);
+    g_ptr_array_remove(s->regions, r);
+    s->last_region = NULL;
+}
+
+static void
+drop_region(PfScanner *s, PfRegion *r)
+{
+    PfVm *vm = r->vm;
+    guint k;
+
+    if (!g_ptr_array_find(vm->regions, r, &k)) {
+        g_return_if_reached();
+    }
+    release_region(s, r);
+    if (s->cur_vm < s->vms->len && g_ptr_array_index(s->vms, s->cur_vm) == vm) {
+        if (k < s->cur_region) {
+            s->cur_region--;
+        } else if (k == s->cur_region) {
+            s->cur_page = 0;
+            s->data_end = 0;
+        }
+    }
+    g_ptr_array_remove_index(vm->regions, k);
+}
+
+/* ---- one visit ---- */
+
+static inline gboolean
+page_equal(PfScanner *s, const guint8 *data, guint32 other)
+{
+    s->memcmp_calls++;
+    return memcmp(data, page_data(s, other), PF_PAGE_SIZE) == 0;
+}
+
+static guint
+skip_age(guint age)
+{
+    if (age <= 3) {
+        return 1;
+    }
+    if (age <= 5) {
+        return 2;
+    }
+    if (age <= 8) {
+        return 4;
+    }
+    return 8;
+}
+
+/* KSM's smart scan (6.7): a page gets three visits at full rate, then is
+ * skipped for 1, 2, 4 and at most 8 passes between visits while it keeps
+ * failing to merge. */
+static gboolean
+smart_skip(PfPage *p)
+{
+    guint age = p->age;
+
+    if (age != G_MAXUINT8) {
+        p->age++;
+    }
+    if (age < 3) {
+        return FALSE;
+    }
+    if (p->skips == 0) {
+        p->skips = skip_age(age);
+        return FALSE;
+    }
+    p->skips--;
+    return TRUE;
+}
+
+static void
+merged(PfRegion *r, PfPage *p, PfPageState state)
+{
+    set_state(r, p, state);
+    p->age = 0;
+    p->skips = 0;
+}
+
+static void
+visit(PfScanner *s, PfRegion *r, gsize idx)
+{
+    guint32 id = r->base + (guint32)idx;
+    PfPage *p = &r->pages[idx];
+    const guint8 *data = r->map + idx * PF_PAGE_SIZE;
+    PfTableIter it;
+    guint64 c;
+    guint32 other;
+
+    if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED &&
+        p->state != PF_PAGE_ZERO && smart_skip(p)) {
+        r->vm->pages_skipped++;
+        return;
+    }
+    r->vm->pages_scanned++;
+    c = s->hash(data);
+
+    /* Pages that would be merged: do they still hold what they shared?
+     * A merged page would have left by copy-on-write. */
+    if (p->state == PF_PAGE_SHARED) {
+        const PfStableNode *n = pf_stable_tree_node(&s->stable, p->node);
+
+        if (c == n->checksum &&
+            (n->members[0] == id || page_equal(s, data, n->members[0]))) {
+            return;
+        }
+        pf_stable_tree_remove(&s->stable, id);
+        set_state(r, p, PF_PAGE_VOLATILE);
+    } else if (p->state == PF_PAGE_ZERO) {
+        if (c == s->zero_checksum && pf_page_is_zero(data)) {
+            return;
+        }
+        set_state(r, p, PF_PAGE_VOLATILE);
+    }
+
+    if (p->state == PF_PAGE_ABSENT || c != p->checksum) {
+        p->checksum = c;
+        set_state(r, p, PF_PAGE_VOLATILE);
+        return;
+    }
+
+    if (s->knobs.use_zero_pages && c == s->zero_checksum && pf_page_is_zero(data)) {
+        merged(r, p, PF_PAGE_ZERO);
+        return;
+    }
+
+    pf_table_iter_init(&it, &s->stable.table, c);
+    while ((other = pf_table_iter_next(&it)) != 0) {
+        const PfStableNode *n = pf_stable_tree_node(&s->stable, other);
+
+        if (n->n_members < s->knobs.max_page_sharing &&
+            page_equal(s, data, n->members[0])) {
+            pf_stable_tree_add(&s->stable, other, id);
+            merged(r, p, PF_PAGE_SHARED);
+            return;
+        }
+    }
+
+    pf_table_iter_init(&it, &s->unstable.table, c);
+    while ((other = pf_table_iter_next(&it)) != 0) {
+        PfRegion *orr = region_of(s, other);
+        PfPage *o = &orr->pages[other - orr->base];
+        guint32 node;
+
+        if (other == id || o->state != PF_PAGE_UNSHARED ||
+            !page_equal(s, data, other)) {
+            continue;
+        }
+        pf_table_remove(&s->unstable.table, c, other);
+        node = pf_stable_tree_create(&s->stable, c);
+        pf_stable_tree_add(&s->stable, node, other);
+        merged(orr, o, PF_PAGE_SHARED);
+        pf_stable_tree_add(&s->stable, node, id);
+        merged(r, p, PF_PAGE_SHARED);
+        return;
+    }
+
+    pf_table_insert(&s->unstable.table, c, id);
+    set_state(r, p, PF_PAGE_UNSHARED);
+}
+
+/* ---- the pass loop ---- */
+
+static PfRegion *
+region_at_address(PfScanner *s, const void *addr)
+{
+    for (guint i = 0; i < s->regions->len; i++) {
+        PfRegion *r = g_ptr_array_index(s->regions, i);
+
+        if ((const guint8 *)addr >= r->map && (const guint8 *)addr < r->map + r->size) {
+            return r;
+        }
+    }
+    return NULL;
+}
+
+static gsize
+scan_range(PfScanner *s, PfRegion *r, gsize n)
+{
+    sigjmp_buf env;
+    volatile gsize i = s->cur_page;
+    gsize start = s->cur_page;
+
+    if (sigsetjmp(env, 0) != 0) {
+        PfRegion *bad;
+
+        guard_env = NULL;
+        bad = region_at_address(s, guard_addr);
+        if (bad == NULL) {
+            g_error("SIGBUS at %p outside guest RAM", guard_addr);
+        }
+        g_warning("VM %s: region %s faulted at %p (truncated under us?); "
+                  "dropping it", bad->vm->name, bad->name, guard_addr);
+        s->cur_page = i;
+        drop_region(s, bad);
+        return i - start;
+    }
+    guard_env = &env;
+    for (; i < start + n; i++) {
+        visit(s, r, i);
+    }
+    guard_env = NULL;
+    s->cur_page = start + n;
+    return n;
+}
+
+/* Moves the cursor over holes of the memfd (never touched by the guest, or
+ * discarded): reading them through the mapping would allocate them. */
+static void
+find_data(PfScanner *s, PfRegion *r)
+{
+    off_t pos = (off_t)(r->file_offset + s->cur_page * PF_PAGE_SIZE);
+    off_t data = lseek(r->fd, pos, SEEK_DATA);
+    gsize first, end;
+
+    if (data < 0) {
+        first = errno == ENXIO ? r->n_pages : s->cur_page;
+        end = r->n_pages;
+    } else {
+        off_t hole = lseek(r->fd, data, SEEK_HOLE);
+
+        first = MIN(r->n_pages, (gsize)(data - (off_t)r->file_offset) / PF_PAGE_SIZE);
+        end = hole < 0 ? r->n_pages
+                       : MIN(r->n_pages, (gsize)(hole - (off_t)r->file_offset) / PF_PAGE_SIZE);
+    }
+    for (gsize i = s->cur_page; i < first; i++) {
+        if (r->pages[i].state != PF_PAGE_ABSENT) {
+            make_absent(s, r, i);
+        }
+    }
+    s->cur_page = first;
+    s->data_end = MAX(end, first + 1);
+}
+
+static void vm_gone(PfScanner *s, PfVm *vm, const char *why);
+
+static gboolean
+begin_pass(PfScanner *s)
+{
+    gsize candidates = 0;
+
+    for (guint i = 0; i < s->vms->len;) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+        g_autoptr(GPtrArray) gone = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
+        g_autoptr(GPtrArray) added = g_ptr_array_new();
+        g_autoptr(GError) error = NULL;
+
+        if (!pf_vm_refresh(vm, gone, added, &error)) {
+            vm_gone(s, vm, error->message);
+            continue;
+        }
+        for (guint k = 0; k < gone->len; k++) {
+            release_region(s, g_ptr_array_index(gone, k));
+        }
+        for (guint k = 0; k < added->len; k++) {
+            PfRegion *r = g_ptr_array_index(added, k);
+
+            if (!place_region(s, r)) {
+                g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
+                g_ptr_array_remove(vm->regions, r);
+            }
+        }
+        candidates += pf_vm_n_pages(vm) - vm->count[PF_PAGE_SHARED] -
+                      vm->count[PF_PAGE_ZERO];
+        i++;
+    }
+    if (s->vms->len == 0) {
+        return FALSE;
+    }
+    pf_table_clear(&s->unstable.table);
+    pf_table_reserve(&s->unstable.table, candidates);
+    s->in_pass = TRUE;
+    s->cur_vm = 0;
+    s->cur_region = 0;
+    s->cur_page = 0;
+    s->data_end = 0;
+    s->pass_start_usec = g_get_monotonic_time();
+    return TRUE;
+}
+
+static void
+end_pass(PfScanner *s)
+{
+    s->in_pass = FALSE;
+    s->full_scans++;
+    s->last_pass_usec = (guint64)(g_get_monotonic_time() - s->pass_start_usec);
+}
+
+gsize
+pf_scanner_scan(PfScanner *s, gsize max_pages)
+{
+    gsize done = 0;
+
+    while (done < max_pages) {
+        PfVm *vm;
+        PfRegion *r;
+
+        if (!s->in_pass && !begin_pass(s)) {
+            break;
+        }
+        if (s->cur_vm >= s->vms->len) {
+            end_pass(s);
+            break;
+        }
+        vm = g_ptr_array_index(s->vms, s->cur_vm);
+        if (s->cur_region >= vm->regions->len) {
+            vm->full_scans++;
+            s->cur_vm++;
+            s->cur_region = 0;
+            s->cur_page = 0;
+            s->data_end = 0;
+            continue;
+        }
+        r = g_ptr_array_index(vm->regions, s->cur_region);
+        if (s->cur_page >= r->n_pages) {
+            s->cur_region++;
+            s->cur_page = 0;
+            s->data_end = 0;
+            continue;
+        }
+        if (s->cur_page >= s->data_end) {
+            find_data(s, r);
+            continue;
+        }
+        done += scan_range(s, r, MIN(max_pages - done, s->data_end - s->cur_page));
+    }
+    return done;
+}
+
+void
+pf_scanner_run_passes(PfScanner *s, guint n)
+{
+    guint64 target = s->full_scans + n + (s->in_pass ? 1 : 0);
+
+    while (s->full_scans < target && s->vms->len > 0) {
+        pf_scanner_scan(s, G_MAXSIZE);
+    }
+}
+
+/* ---- VMs ---- */
+
+static gboolean
+vm_exited_cb(gint fd, GIOCondition cond, gpointer user)
+{
+    PfVm *vm = user;
+
+    vm->watch_id = 0;
+    vm_gone(vm->scanner, vm, "its process exited");
+    return G_SOURCE_REMOVE;
+}
+
+void
+pf_scanner_add_vm(PfScanner *s, PfVm *vm)
+{
+    vm->scanner = s;
+    for (guint k = 0; k < vm->regions->len;) {
+        PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+        if (place_region(s, r)) {
+            k++;
+        } else {
+            g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
+            g_ptr_array_remove_index(vm->regions, k);
+        }
+    }
+    vm->watch_id = g_unix_fd_add(vm->pidfd, G_IO_IN, vm_exited_cb, vm);
+    g_ptr_array_add(s->vms, vm);
+}
+
+void
+pf_scanner_remove_vm(PfScanner *s, PfVm *vm)
+{
+    guint idx;
+
+    if (!g_ptr_array_find(s->vms, vm, &idx)) {
+        return;
+    }
+    while (vm->regions->len > 0) {
+        drop_region(s, g_ptr_array_index(vm->regions, vm->regions->len - 1));
+    }
+    if (idx < s->cur_vm) {
+        s->cur_vm--;
+    } else if (idx == s->cur_vm) {
+        s->cur_region = 0;
+        s->cur_page = 0;
+        s->data_end = 0;
+    }
+    g_ptr_array_remove_index(s->vms, idx);
+}
+
+static void
+vm_gone(PfScanner *s, PfVm *vm, const char *why)
+{
+    g_message("VM %s (pid %d) detached: %s", vm->name, vm->pid, why);
+    if (s->vm_gone != NULL) {
+        s->vm_gone(s, vm, why, s->vm_gone_user);
+    }
+    pf_scanner_remove_vm(s, vm);
+}
+
+GPtrArray *
+pf_scanner_get_vms(PfScanner *s)
+{
+    return s->vms;
+}
+
+PfVm *
+pf_scanner_find_vm(PfScanner *s, const char *name_or_pid)
+{
+    guint64 pid = 0;
+    gboolean numeric = pf_parse_u64(name_or_pid, 1, G_MAXINT, &pid, NULL);
+
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (g_strcmp0(vm->name, name_or_pid) == 0) {
+            return vm;
+        }
+    }
+    for (guint i = 0; numeric && i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if ((guint64)vm->pid == pid) {
+            return vm;
+        }
+    }
+    return NULL;
+}
+
+/* ---- pacing ---- */
+
+static gint64
+thread_cpu_usec(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (gint64)ts.tv_sec * G_USEC_PER_SEC + ts.tv_nsec / 1000;
+}
+
+static gsize
+batch_size(PfScanner *s)
+{
+    guint64 pages = 0, period_usec;
+
+    if (s->knobs.target_pass_millisecs == 0) {
+        return s->knobs.pages_to_scan;
+    }
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        pages += pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT];
+    }
+    period_usec = (guint64)s->knobs.sleep_millisecs * 1000 + (guint64)s->last_batch_usec;
+    return (gsize)MAX(1, (pages * period_usec + s->knobs.target_pass_millisecs * 1000ull - 1) /
+                             (s->knobs.target_pass_millisecs * 1000ull));
+}
+
+static gboolean
+scanner_tick(gpointer user)
+{
+    PfScanner *s = user;
+    guint64 sleep_ms = s->knobs.sleep_millisecs;
+
+    s->timer_id = 0;
+    if (s->knobs.run && s->vms->len > 0) {
+        gint64 t0 = g_get_monotonic_time();
+        gint64 cpu0 = thread_cpu_usec();
+        gint64 cpu;
+
+        pf_scanner_scan(s, batch_size(s));
+        s->last_batch_usec = g_get_monotonic_time() - t0;
+        cpu = thread_cpu_usec() - cpu0;
+        if (s->knobs.cpu_percent < 100) {
+            guint64 cap_ms = (guint64)cpu * (100 - s->knobs.cpu_percent) /
+                             s->knobs.cpu_percent / 1000;
+
+            sleep_ms = MAX(sleep_ms, cap_ms);
+        }
+    }
+    s->timer_id = g_timeout_add((guint)sleep_ms, scanner_tick, s);
+    return G_SOURCE_REMOVE;
+}
+
+void
+pf_scanner_start(PfScanner *s)
+{
+    if (s->timer_id == 0) {
+        s->timer_id = g_timeout_add(s->knobs.sleep_millisecs, scanner_tick, s);
+    }
+}
+
+void
+pf_scanner_stop(PfScanner *s)
+{
+    if (s->timer_id != 0) {
+        g_source_remove(s->timer_id);
+        s->timer_id = 0;
+    }
+}
+
+void
+pf_scanner_kick(PfScanner *s)
+{
+    if (s->timer_id != 0) {
+        pf_scanner_stop(s);
+        pf_scanner_start(s);
+    }
+}
+
+/* ---- counters ---- */
+
+void
+pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
+{
+    guint n_vms = s->vms->len;
+    g_autofree double *share = g_new0(double, MAX(n_vms, 1));
+    g_autofree double *size_share = g_new0(double, MAX(n_vms, 1));
+    g_autofree guint64 *shared = g_new0(guint64, MAX(n_vms, 1));
+    g_autofree guint64 *meta = g_new0(guint64, MAX(n_vms, 1));
+    guint64 common_bytes = pf_stable_tree_bytes(&s->stable) +
+                           pf_table_bytes(&s->unstable.table);
+
+    for (guint i = 0; i < n_vms; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        vm->stats_index = i;
+        size_share[i] = (double)pf_vm_n_pages(vm);
+    }
+    /* Each canonical page counts 1/n to the VM of each of its n sharers. */
+    for (guint id = 1; id < s->stable.nodes->len; id++) {
+        const PfStableNode *n = pf_stable_tree_node(&s->stable, id);
+
+        for (guint32 m = 0; m < n->n_members; m++) {
+            share[region_of(s, n->members[m])->vm->stats_index] += 1.0 / n->n_members;
+        }
+    }
+    pf_apportion(s->stable.n_nodes, share, n_vms, shared);
+    pf_apportion(common_bytes, size_share, n_vms, meta);
+
+    memset(total, 0, sizeof(*total));
+    for (guint i = 0; i < n_vms; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+        PfCounters *c = &per_vm[i];
+        gsize n_pages = pf_vm_n_pages(vm);
+
+        memset(c, 0, sizeof(*c));
+        c->pages_shared = shared[i];
+        c->pages_sharing = vm->count[PF_PAGE_SHARED] - shared[i];
+        c->pages_unshared = vm->count[PF_PAGE_UNSHARED];
+        c->pages_volatile = vm->count[PF_PAGE_VOLATILE];
+        c->zero_pages = vm->count[PF_PAGE_ZERO];
+        c->pages_skipped = vm->pages_skipped;
+        c->pages_scanned = vm->pages_scanned;
+        c->full_scans = vm->full_scans;
+        c->pages_tracked = n_pages - vm->count[PF_PAGE_ABSENT];
+        c->metadata_bytes = n_pages * sizeof(PfPage) + meta[i];
+        c->general_profit = (gint64)((c->pages_sharing + c->zero_pages) * PF_PAGE_SIZE) -
+                            (gint64)c->metadata_bytes;
+        pf_counters_add(total, c);
+    }
+    /* A pass covers all VMs: the total counts passes, not their sum. */
+    total->full_scans = s->full_scans;
+}
+
+void
+pf_scanner_get_info(PfScanner *s, PfScanInfo *info)
+{
+    info->memcmp_calls = s->memcmp_calls;
+    info->last_pass_usec = s->last_pass_usec;
+    info->stable_nodes = s->stable.n_nodes;
+}
+
+/* ---- life ---- */
+
+PfScanner *
+pf_scanner_new(const PfHashAlgo *hash)
+{
+    PfScanner *s = g_new0(PfScanner, 1);
+
+    guard_install_once();
+    pf_knobs_init_default(&s->knobs);
+    s->algo = hash ? hash : pf_hash_default();
+    s->vms = g_ptr_array_new_with_free_func((GDestroyNotify)pf_vm_free);
+    s->regions = g_ptr_array_new();
+    pf_stable_tree_init(&s->stable, page_of, s);
+    pf_unstable_tree_init(&s->unstable, page_of, s);
+    pf_scanner_set_hash_func(s, s->algo->func);
+    return s;
+}
+
+void
+pf_scanner_set_hash_func(PfScanner *s, PfHashFunc func)
+{
+    static const guint8 zero[PF_PAGE_SIZE];
+
+    s->hash = func;
+    s->zero_checksum = func(zero);
+}
+
+const PfHashAlgo *
+pf_scanner_get_hash(PfScanner *s)
+{
+    return s->algo;
+}
+
+PfKnobs *
+pf_scanner_get_knobs(PfScanner *s)
+{
+    return &s->knobs;
+}
+
+void
+pf_scanner_set_vm_gone_func(PfScanner *s, PfVmGoneFunc func, gpointer user)
+{
+    s->vm_gone = func;
+    s->vm_gone_user = user;
+}
+
+void
+pf_scanner_free(PfScanner *s)
+{
+    if (s == NULL) {
+        return;
+    }
+    pf_scanner_stop(s);
+    while (s->vms->len > 0) {
+        pf_scanner_remove_vm(s, g_ptr_array_index(s->vms, s->vms->len - 1));
+    }
+    g_ptr_array_unref(s->vms);
+    g_ptr_array_unref(s->regions);
+    pf_stable_tree_destroy(&s->stable);
+    pf_unstable_tree_destroy(&s->unstable);
+    g_free(s);
+}

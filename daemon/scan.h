@@ -1,0 +1,95 @@
+/*
+ * scan.h - the scanner: KSM's scan loop over the guest RAM of attached VMs.
+ *
+ * Each visit of a page, in KSM's order:
+ *   1. smart scan may skip a page that has kept failing to merge;
+ *   2. the page's checksum is computed; if it changed since the last visit
+ *      the page is volatile: counted, and skipped this pass;
+ *   3. an all-zero page becomes a zero page (use_zero_pages);
+ *   4. the stable tree is searched: an equal canonical page (checksum, then
+ *      memcmp) takes the page as one more sharer;
+ *   5. the unstable tree is searched: an equal candidate (checksum, then
+ *      memcmp) and this page become a new stable node; else the page is
+ *      inserted as a candidate.
+ * The unstable tree is emptied at the start of each pass.
+ *
+ * In mode=advise nothing is merged: a stable node points at its first guest
+ * page and the counters say what merging would save.  Sharers are checked
+ * against that page (memcmp) at each visit and leave when they differ, as a
+ * merged page would leave on copy-on-write.
+ *
+ * The scanner runs on the main loop's thread and must never block there for
+ * long: its batches are bounded by pages_to_scan (or the pass-time target),
+ * and its CPU by cpu_percent.
+ */
+#pragma once
+
+#include <glib.h>
+
+#include "hash.h"
+#include "stats.h"
+#include "tree.h"
+#include "vm.h"
+
+typedef struct {
+    guint pages_to_scan;         /* pages per wake-up (KSM) */
+    guint sleep_millisecs;       /* sleep between wake-ups (KSM) */
+    guint cpu_percent;           /* cap: % of one core, 1..100 */
+    guint target_pass_millisecs; /* 0: off; else sets the batch size so a
+                                  * full pass takes about this long */
+    guint max_page_sharing;      /* sharers per canonical page (KSM) */
+    gboolean smart_scan;         /* KSM >= 6.7 */
+    gboolean use_zero_pages;     /* zero pages apart (KSM) */
+    gboolean run;                /* 0: stopped, 1: scanning (KSM) */
+} PfKnobs;
+
+void pf_knobs_init_default(PfKnobs *k);
+/* Validates and sets one knob by its KSM name. */
+gboolean pf_knobs_set(PfKnobs *k, const char *name, guint64 value, GError **error);
+void pf_knobs_to_json(const PfKnobs *k, JsonBuilder *b);
+const char *const *pf_knob_names(void);
+
+typedef struct _PfScanner PfScanner;
+
+typedef void (*PfVmGoneFunc)(PfScanner *s, PfVm *vm, const char *why, gpointer user);
+
+PfScanner *pf_scanner_new(const PfHashAlgo *hash);
+void pf_scanner_free(PfScanner *s);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfScanner, pf_scanner_free)
+
+/* Tests may bring their own (weak) checksum to forge collisions. */
+void pf_scanner_set_hash_func(PfScanner *s, PfHashFunc func);
+const PfHashAlgo *pf_scanner_get_hash(PfScanner *s);
+
+PfKnobs *pf_scanner_get_knobs(PfScanner *s);
+/* Called when a VM leaves on its own (its process exited). */
+void pf_scanner_set_vm_gone_func(PfScanner *s, PfVmGoneFunc func, gpointer user);
+
+/* Takes ownership of vm. */
+void pf_scanner_add_vm(PfScanner *s, PfVm *vm);
+/* Releases everything the VM holds in the trees, then frees it. */
+void pf_scanner_remove_vm(PfScanner *s, PfVm *vm);
+GPtrArray *pf_scanner_get_vms(PfScanner *s);
+PfVm *pf_scanner_find_vm(PfScanner *s, const char *name_or_pid);
+
+/* Visits up to max_pages pages; stops early at the end of a pass.
+ * Returns the pages visited. */
+gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
+/* Scans until n passes have ended (the current one counts if begun). */
+void pf_scanner_run_passes(PfScanner *s, guint n);
+
+/* Scans in the background on the default main context, paced by knobs. */
+void pf_scanner_start(PfScanner *s);
+void pf_scanner_stop(PfScanner *s);
+/* Call after changing knobs, to re-pace the next wake-up. */
+void pf_scanner_kick(PfScanner *s);
+
+/* Counters of all VMs, and of each (in pf_scanner_get_vms() order). */
+void pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm);
+
+typedef struct {
+    guint64 memcmp_calls;
+    guint64 last_pass_usec;
+    guint64 stable_nodes;
+} PfScanInfo;
+void pf_scanner_get_info(PfScanner *s, PfScanInfo *info);

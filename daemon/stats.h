@@ -1,0 +1,56 @@
+/*
+ * stats.h - KSM's counters, how they are attributed to VMs, and how they are
+ * shown (JSON on the control socket; a table and Prometheus text in
+ * pagefoldctl, which formats from that JSON).
+ *
+ * The names and meanings are KSM's (Documentation/admin-guide/mm/ksm.rst):
+ *   pages_shared    canonical pages in use (stable nodes)
+ *   pages_sharing   pages that share them, beyond the canonical one: saved
+ *   pages_unshared  unique pages repeatedly checked (in the unstable tree)
+ *   pages_volatile  pages changing too fast to be put in a tree
+ *   pages_skipped   smart scan: visits skipped, cumulative
+ *   pages_scanned   pages visited, cumulative
+ *   full_scans      completed passes
+ *   zero_pages      all-zero pages (KSM's ksm_zero_pages with use_zero_pages)
+ *   general_profit  bytes saved minus the bytes of pagefold's metadata
+ *
+ * Attribution: a canonical page used by n guest pages counts 1/n to the VM
+ * of each of them.  Those fractions are rounded by the largest-remainder
+ * method so that the per-VM integers add up exactly to the totals; every
+ * per-VM pages_shared is within 1 of its exact share.
+ */
+#pragma once
+
+#include <glib.h>
+#include <json-glib/json-glib.h>
+
+typedef struct {
+    guint64 pages_shared;
+    guint64 pages_sharing;
+    guint64 pages_unshared;
+    guint64 pages_volatile;
+    guint64 pages_skipped;
+    guint64 pages_scanned;
+    guint64 full_scans;
+    guint64 zero_pages;
+    guint64 pages_tracked;  /* pages with a record: KSM's rmap_items */
+    guint64 metadata_bytes;
+    gint64 general_profit;
+} PfCounters;
+
+/*
+ * Splits total (an integer) into n integer parts proportional to shares,
+ * by largest remainder: parts sum to total exactly.  shares need not sum to
+ * total; ties go to the lower index.
+ */
+void pf_apportion(guint64 total, const double *shares, gsize n, guint64 *parts);
+
+void pf_counters_add(PfCounters *sum, const PfCounters *c);
+void pf_counters_to_json(const PfCounters *c, JsonBuilder *b);
+
+/* The field names of PfCounters in output order, NULL-terminated. */
+const char *const *pf_counter_names(void);
+
+/* Render the JSON returned by the "stats" command. */
+char *pf_stats_format_table(JsonObject *stats);
+char *pf_stats_format_prometheus(JsonObject *stats);

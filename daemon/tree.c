@@ -1,0 +1,328 @@
+/*
+ * tree.c - see tree.h.  Linear probing with tombstones: removal is rare next
+ * to lookups, and tombstones avoid having to re-key neighbours (a cache miss
+ * into a page record each).  The tables grow at 3/4 load.
+ */
+#include "tree.h"
+
+#include <string.h>
+
+#define TOMBSTONE G_MAXUINT32
+#define MIN_CAPACITY 64
+
+static inline guint32
+fold_tag(guint64 checksum)
+{
+    return (guint32)checksum ^ (guint32)(checksum >> 32);
+}
+
+static inline gsize
+home_slot(const PfTable *t, guint64 checksum)
+{
+    /* Fibonacci hashing: jhash2 and crc32c leave bits unused, xxh3 does not
+     * need it, and the multiply costs nothing next to the cache miss. */
+    return (gsize)((checksum * 0x9E3779B97F4A7C15ull) >> 32) & t->mask;
+}
+
+void
+pf_table_init(PfTable *t, PfTableKeyFunc key, gpointer user)
+{
+    memset(t, 0, sizeof(*t));
+    t->key = key;
+    t->user = user;
+    t->mask = MIN_CAPACITY - 1;
+    t->slots = g_new0(PfTableEntry, MIN_CAPACITY);
+}
+
+void
+pf_table_destroy(PfTable *t)
+{
+    g_clear_pointer(&t->slots, g_free);
+    t->n = t->removed = 0;
+}
+
+void
+pf_table_clear(PfTable *t)
+{
+    memset(t->slots, 0, (t->mask + 1) * sizeof(PfTableEntry));
+    t->n = t->removed = 0;
+}
+
+static void
+table_place(PfTable *t, guint64 checksum, guint32 value)
+{
+    gsize i = home_slot(t, checksum);
+
+    while (t->slots[i].value != 0 && t->slots[i].value != TOMBSTONE) {
+        i = (i + 1) & t->mask;
+    }
+    if (t->slots[i].value == TOMBSTONE) {
+        t->removed--;
+    }
+    t->slots[i].tag = fold_tag(checksum);
+    t->slots[i].value = value;
+    t->n++;
+}
+
+static void
+table_rehash(PfTable *t, gsize capacity)
+{
+    PfTableEntry *old = t->slots;
+    gsize old_capacity = t->mask + 1;
+
+    t->slots = g_new0(PfTableEntry, capacity);
+    t->mask = capacity - 1;
+    t->n = t->removed = 0;
+    for (gsize i = 0; i < old_capacity; i++) {
+        guint32 v = old[i].value;
+
+        if (v != 0 && v != TOMBSTONE) {
+            table_place(t, t->key(v, t->user), v);
+        }
+    }
+    g_free(old);
+}
+
+void
+pf_table_reserve(PfTable *t, gsize n_entries)
+{
+    gsize want = MIN_CAPACITY;
+
+    while (want * 3 / 4 < n_entries) {
+        want *= 2;
+    }
+    if (want > t->mask + 1) {
+        table_rehash(t, want);
+    }
+}
+
+void
+pf_table_insert(PfTable *t, guint64 checksum, guint32 value)
+{
+    g_assert(value != 0 && value != TOMBSTONE);
+    if ((t->n + t->removed + 1) * 4 > (t->mask + 1) * 3) {
+        /* Many tombstones: rehashing at the same size is enough. */
+        gsize capacity = t->mask + 1;
+
+        if ((t->n + 1) * 2 > capacity) {
+            capacity *= 2;
+        }
+        table_rehash(t, capacity);
+    }
+    table_place(t, checksum, value);
+}
+
+void
+pf_table_iter_init(PfTableIter *it, const PfTable *t, guint64 checksum)
+{
+    it->table = t;
+    it->checksum = checksum;
+    it->tag = fold_tag(checksum);
+    it->pos = home_slot(t, checksum);
+    it->probes = 0;
+}
+
+static gssize
+iter_next_slot(PfTableIter *it)
+{
+    const PfTable *t = it->table;
+
+    while (it->probes <= t->mask) {
+        gsize i = it->pos;
+        const PfTableEntry *e = &t->slots[i];
+
+        it->pos = (it->pos + 1) & t->mask;
+        it->probes++;
+        if (e->value == 0) {
+            it->probes = t->mask + 1;
+            return -1;
+        }
+        if (e->value != TOMBSTONE && e->tag == it->tag &&
+            t->key(e->value, t->user) == it->checksum) {
+            return (gssize)i;
+        }
+    }
+    return -1;
+}
+
+guint32
+pf_table_iter_next(PfTableIter *it)
+{
+    gssize i = iter_next_slot(it);
+
+    return i < 0 ? 0 : it->table->slots[i].value;
+}
+
+gboolean
+pf_table_remove(PfTable *t, guint64 checksum, guint32 value)
+{
+    PfTableIter it;
+    gssize i;
+
+    pf_table_iter_init(&it, t, checksum);
+    while ((i = iter_next_slot(&it)) >= 0) {
+        if (t->slots[i].value == value) {
+            t->slots[i].value = TOMBSTONE;
+            t->n--;
+            t->removed++;
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+gsize
+pf_table_bytes(const PfTable *t)
+{
+    return (t->mask + 1) * sizeof(PfTableEntry);
+}
+
+/* ---- unstable tree ---- */
+
+static guint64
+unstable_key(guint32 page_id, gpointer user)
+{
+    PfUnstableTree *t = user;
+
+    return t->page_of(page_id, t->user)->checksum;
+}
+
+void
+pf_unstable_tree_init(PfUnstableTree *t, PfPageFunc page_of, gpointer user)
+{
+    t->page_of = page_of;
+    t->user = user;
+    pf_table_init(&t->table, unstable_key, t);
+}
+
+void
+pf_unstable_tree_destroy(PfUnstableTree *t)
+{
+    pf_table_destroy(&t->table);
+}
+
+/* ---- stable tree ---- */
+
+static PfStableNode *
+node_at(const PfStableTree *t, guint32 id)
+{
+    return &g_array_index(t->nodes, PfStableNode, id);
+}
+
+static guint64
+stable_key(guint32 node_id, gpointer user)
+{
+    return node_at(user, node_id)->checksum;
+}
+
+void
+pf_stable_tree_init(PfStableTree *t, PfPageFunc page_of, gpointer user)
+{
+    memset(t, 0, sizeof(*t));
+    t->page_of = page_of;
+    t->user = user;
+    t->nodes = g_array_new(FALSE, TRUE, sizeof(PfStableNode));
+    g_array_set_size(t->nodes, 1);
+    t->free_ids = g_array_new(FALSE, FALSE, sizeof(guint32));
+    pf_table_init(&t->table, stable_key, t);
+}
+
+void
+pf_stable_tree_destroy(PfStableTree *t)
+{
+    if (t->nodes == NULL) {
+        return;
+    }
+    for (guint i = 0; i < t->nodes->len; i++) {
+        g_free(node_at(t, i)->members);
+    }
+    g_clear_pointer(&t->nodes, g_array_unref);
+    g_clear_pointer(&t->free_ids, g_array_unref);
+    pf_table_destroy(&t->table);
+}
+
+guint32
+pf_stable_tree_create(PfStableTree *t, guint64 checksum)
+{
+    guint32 id;
+    PfStableNode *n;
+
+    if (t->free_ids->len > 0) {
+        id = g_array_index(t->free_ids, guint32, t->free_ids->len - 1);
+        g_array_set_size(t->free_ids, t->free_ids->len - 1);
+    } else {
+        id = t->nodes->len;
+        g_assert(id < G_MAXUINT32 - 1);
+        g_array_set_size(t->nodes, id + 1);
+    }
+    n = node_at(t, id);
+    n->checksum = checksum;
+    n->n_members = 0;
+    pf_table_insert(&t->table, checksum, id);
+    t->n_nodes++;
+    return id;
+}
+
+void
+pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
+{
+    PfStableNode *n = node_at(t, node_id);
+    PfPage *p = t->page_of(page_id, t->user);
+
+    g_assert(n->n_members < G_MAXUINT16);
+    if (n->n_members == n->capacity) {
+        guint32 cap = MAX(2u, n->capacity * 2);
+
+        n->members = g_renew(guint32, n->members, cap);
+        t->member_bytes += (cap - n->capacity) * sizeof(guint32);
+        n->capacity = cap;
+    }
+    p->node = node_id;
+    p->slot = (guint16)n->n_members;
+    n->members[n->n_members++] = page_id;
+    t->n_members++;
+}
+
+void
+pf_stable_tree_remove(PfStableTree *t, guint32 page_id)
+{
+    PfPage *p = t->page_of(page_id, t->user);
+    PfStableNode *n = node_at(t, p->node);
+    guint32 last;
+
+    g_assert(p->slot < n->n_members && n->members[p->slot] == page_id);
+    /* Swap the last member in; when slot 0 goes, that member becomes the
+     * provider, which was verified equal at its own last visit. */
+    last = n->members[--n->n_members];
+    if (last != page_id) {
+        n->members[p->slot] = last;
+        t->page_of(last, t->user)->slot = p->slot;
+    }
+    t->n_members--;
+    p->node = 0;
+    p->slot = 0;
+    if (n->n_members == 0) {
+        guint32 id = (guint32)(n - node_at(t, 0));
+
+        pf_table_remove(&t->table, n->checksum, id);
+        t->member_bytes -= n->capacity * sizeof(guint32);
+        g_clear_pointer(&n->members, g_free);
+        n->capacity = 0;
+        t->n_nodes--;
+        g_array_append_val(t->free_ids, id);
+    }
+}
+
+const PfStableNode *
+pf_stable_tree_node(const PfStableTree *t, guint32 node_id)
+{
+    return node_at(t, node_id);
+}
+
+gsize
+pf_stable_tree_bytes(const PfStableTree *t)
+{
+    return pf_table_bytes(&t->table) + t->member_bytes +
+           t->nodes->len * sizeof(PfStableNode) +
+           t->free_ids->len * sizeof(guint32);
+}

@@ -1,0 +1,356 @@
+/*
+ * vm.c - see vm.h.
+ *
+ * The memfd is opened through /proc/PID/map_files/START-END, which names
+ * exactly the file behind the mapping (QEMU may have several memfds) and
+ * gives a read-only file description of our own.  That needs CAP_SYS_ADMIN,
+ * which pagefoldd has as root.
+ */
+#include "vm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "util.h"
+
+typedef struct {
+    guint64 start, end, offset;
+    guint64 ino;
+    char *name;
+} MapsRange;
+
+static void
+maps_range_clear(gpointer p)
+{
+    g_free(((MapsRange *)p)->name);
+}
+
+/* The shared memfd mappings of a process, adjacent pieces of one file
+ * joined (QEMU's own madvise() calls can split one RAM block's VMA). */
+static GArray *
+read_memfd_ranges(int pid, GError **error)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
+    g_autofree char *text = NULL;
+    g_auto(GStrv) lines = NULL;
+    g_autoptr(GArray) out = g_array_new(FALSE, TRUE, sizeof(MapsRange));
+
+    g_array_set_clear_func(out, maps_range_clear);
+    if (!g_file_get_contents(path, &text, NULL, error)) {
+        return NULL;
+    }
+    lines = g_strsplit(text, "\n", -1);
+    for (char **l = lines; *l != NULL; l++) {
+        guint64 start, end, offset, ino;
+        char perms[8];
+        int name_at = 0;
+        const char *name;
+
+        if (sscanf(*l, "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x %7s %"
+                   G_GINT64_MODIFIER "x %*s %" G_GINT64_MODIFIER "u %n",
+                   &start, &end, perms, &offset, &ino, &name_at) != 5 ||
+            name_at == 0) {
+            continue;
+        }
+        name = *l + name_at;
+        if (!g_str_has_prefix(name, "/memfd:") || strlen(perms) != 4 ||
+            perms[0] != 'r' || perms[1] != 'w' || perms[3] != 's') {
+            continue;
+        }
+        if (out->len > 0) {
+            MapsRange *prev = &g_array_index(out, MapsRange, out->len - 1);
+
+            if (prev->ino == ino && prev->end == start &&
+                prev->offset + (prev->end - prev->start) == offset) {
+                prev->end = end;
+                continue;
+            }
+        }
+        {
+            MapsRange r = { start, end, offset, ino, NULL };
+            const char *n = name + strlen("/memfd:");
+            const char *del = g_strrstr(n, " (deleted)");
+
+            r.name = del ? g_strndup(n, del - n) : g_strdup(n);
+            g_array_append_val(out, r);
+        }
+    }
+    return g_steal_pointer(&out);
+}
+
+static PfRegion *
+region_open(PfVm *vm, const MapsRange *m, GError **error)
+{
+    g_autofree char *path = g_strdup_printf(
+        "/proc/%d/map_files/%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x",
+        vm->pid, m->start, m->end);
+    g_autofree PfRegion *r = g_new0(PfRegion, 1);
+    struct stat st;
+    void *map;
+
+    r->fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (r->fd < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR,
+                    e == ENOENT ? PF_ERROR_NOT_FOUND : PF_ERROR_FAILED,
+                    "cannot open %s: %s%s", path, g_strerror(e),
+                    e == EPERM ? " (pagefoldd needs CAP_SYS_ADMIN)" : "");
+        return NULL;
+    }
+    if (fstat(r->fd, &st) < 0 || (guint64)st.st_ino != m->ino ||
+        !S_ISREG(st.st_mode) ||
+        (guint64)st.st_size < m->offset + (m->end - m->start)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND,
+                    "region %s of process %d changed while being attached",
+                    m->name, vm->pid);
+        close(r->fd);
+        return NULL;
+    }
+    map = mmap(NULL, m->end - m->start, PROT_READ, MAP_SHARED, r->fd,
+               (off_t)m->offset);
+    if (map == MAP_FAILED) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot map region %s of process %d: %s", m->name,
+                    vm->pid, g_strerror(e));
+        close(r->fd);
+        return NULL;
+    }
+    r->vm = vm;
+    r->name = g_strdup(m->name);
+    r->host_addr = m->start;
+    r->file_offset = m->offset;
+    r->size = m->end - m->start;
+    r->n_pages = r->size / PF_PAGE_SIZE;
+    r->dev = st.st_dev;
+    r->ino = st.st_ino;
+    r->map = map;
+    r->pages = g_new0(PfPage, r->n_pages);
+    return g_steal_pointer(&r);
+}
+
+void
+pf_region_free(PfRegion *r)
+{
+    if (r == NULL) {
+        return;
+    }
+    if (r->map != NULL) {
+        munmap((void *)r->map, r->size);
+    }
+    if (r->fd >= 0) {
+        close(r->fd);
+    }
+    g_free(r->pages);
+    g_free(r->name);
+    g_free(r);
+}
+
+static gboolean
+region_matches(const PfRegion *r, const MapsRange *m)
+{
+    return r->ino == m->ino && r->host_addr == m->start &&
+           r->size == m->end - m->start && r->file_offset == m->offset;
+}
+
+gboolean
+pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
+{
+    g_autoptr(GArray) ranges = NULL;
+    g_autoptr(GArray) seen = NULL;
+
+    if (pf_vm_exited(vm)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND,
+                    "process %d has exited", vm->pid);
+        return FALSE;
+    }
+    ranges = read_memfd_ranges(vm->pid, error);
+    if (ranges == NULL) {
+        return FALSE;
+    }
+    seen = g_array_sized_new(FALSE, TRUE, sizeof(gboolean), ranges->len);
+    g_array_set_size(seen, ranges->len);
+
+    for (guint i = 0; i < vm->regions->len;) {
+        PfRegion *r = g_ptr_array_index(vm->regions, i);
+        gboolean found = FALSE;
+
+        for (guint k = 0; k < ranges->len && !r->dead; k++) {
+            if (region_matches(r, &g_array_index(ranges, MapsRange, k))) {
+                g_array_index(seen, gboolean, k) = TRUE;
+                found = TRUE;
+                break;
+            }
+        }
+        if (found) {
+            i++;
+        } else {
+            g_ptr_array_add(gone, g_ptr_array_steal_index(vm->regions, i));
+        }
+    }
+    for (guint k = 0; k < ranges->len; k++) {
+        const MapsRange *m = &g_array_index(ranges, MapsRange, k);
+        g_autoptr(GError) local = NULL;
+        PfRegion *r;
+
+        if (g_array_index(seen, gboolean, k) ||
+            m->end - m->start < PF_MIN_REGION_SIZE) {
+            continue;
+        }
+        r = region_open(vm, m, &local);
+        if (r == NULL) {
+            /* A mapping that went away between maps and open is not an
+             * error of the VM; anything else is. */
+            if (g_error_matches(local, PF_ERROR, PF_ERROR_NOT_FOUND)) {
+                continue;
+            }
+            g_propagate_error(error, g_steal_pointer(&local));
+            return FALSE;
+        }
+        g_ptr_array_add(vm->regions, r);
+        g_ptr_array_add(added, r);
+    }
+    return TRUE;
+}
+
+/* QEMU's -name guest=NAME,... or -name NAME, if the process has one. */
+static char *
+name_from_cmdline(int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/cmdline", pid);
+    g_autofree char *buf = NULL;
+    gsize len = 0;
+
+    if (!g_file_get_contents(path, &buf, &len, NULL)) {
+        return NULL;
+    }
+    for (gsize off = 0; off < len;) {
+        const char *arg = buf + off;
+        gsize alen = strnlen(arg, len - off);
+        gsize next = off + alen + 1;
+
+        if (strcmp(arg, "-name") == 0 && next < len) {
+            g_auto(GStrv) parts = g_strsplit(buf + next, ",", -1);
+
+            for (char **p = parts; *p != NULL; p++) {
+                if (g_str_has_prefix(*p, "guest=")) {
+                    return g_strdup(*p + strlen("guest="));
+                }
+                if (p == parts && strchr(*p, '=') == NULL && **p != '\0') {
+                    return g_strdup(*p);
+                }
+            }
+        }
+        off = next;
+    }
+    return NULL;
+}
+
+static char *
+default_name(int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/comm", pid);
+    g_autofree char *comm = NULL;
+    char *name = name_from_cmdline(pid);
+
+    if (name != NULL) {
+        return name;
+    }
+    if (g_file_get_contents(path, &comm, NULL, NULL)) {
+        g_strstrip(comm);
+        return g_strdup_printf("%s-%d", comm, pid);
+    }
+    return g_strdup_printf("pid-%d", pid);
+}
+
+PfVm *
+pf_vm_attach(int pid, const char *name, GError **error)
+{
+    g_autoptr(PfVm) vm = g_new0(PfVm, 1);
+    g_autoptr(GPtrArray) gone = g_ptr_array_new();
+    g_autoptr(GPtrArray) added = g_ptr_array_new();
+
+    vm->pid = pid;
+    vm->pidfd = -1;
+    vm->mode = "advise";
+    vm->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
+    if (pid <= 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "%d is not a process id", pid);
+        return NULL;
+    }
+    /* The pidfd first: from here on a reused pid cannot fool us. */
+    vm->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (vm->pidfd < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR,
+                    e == ESRCH ? PF_ERROR_NOT_FOUND : PF_ERROR_FAILED,
+                    "no process %d: %s", pid, g_strerror(e));
+        return NULL;
+    }
+    if (!pf_vm_refresh(vm, gone, added, error)) {
+        return NULL;
+    }
+    if (vm->regions->len == 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NO_GUEST_RAM,
+                    "process %d has no guest RAM pagefold can scan: no shared "
+                    "memfd mapping of at least %u KiB (is it a QEMU with "
+                    "-object memory-backend-memfd,share=on?)",
+                    pid, PF_MIN_REGION_SIZE / 1024);
+        return NULL;
+    }
+    if (pf_vm_exited(vm)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND,
+                    "process %d exited while being attached", pid);
+        return NULL;
+    }
+    vm->name = name && *name ? g_strdup(name) : default_name(pid);
+    return g_steal_pointer(&vm);
+}
+
+void
+pf_vm_free(PfVm *vm)
+{
+    if (vm == NULL) {
+        return;
+    }
+    if (vm->watch_id != 0) {
+        g_source_remove(vm->watch_id);
+    }
+    g_clear_pointer(&vm->regions, g_ptr_array_unref);
+    if (vm->pidfd >= 0) {
+        close(vm->pidfd);
+    }
+    g_free(vm->name);
+    g_free(vm);
+}
+
+gboolean
+pf_vm_exited(const PfVm *vm)
+{
+    struct pollfd pfd = { .fd = vm->pidfd, .events = POLLIN };
+
+    /* A pidfd turns readable when its process exits. */
+    return poll(&pfd, 1, 0) != 0;
+}
+
+gsize
+pf_vm_n_pages(const PfVm *vm)
+{
+    gsize n = 0;
+
+    for (guint i = 0; i < vm->regions->len; i++) {
+        n += ((PfRegion *)g_ptr_array_index(vm->regions, i))->n_pages;
+    }
+    return n;
+}

@@ -1,0 +1,69 @@
+/*
+ * vm.h - one attached VM: its process, its guest-RAM regions and its share
+ * of the counters.
+ *
+ * vm.c finds a VM's RAM the way QEMU lays it out (shared memfd mappings in
+ * /proc/PID/maps), takes each memfd read-only and maps it PROT_READ.  It
+ * must never map guest RAM writable, and never touch the pages (touching a
+ * hole of a memfd through a mapping allocates it): the scanner reads them.
+ */
+#pragma once
+
+#include <glib.h>
+#include <sys/types.h>
+
+#include "page.h"
+
+/* Smaller shared memfds are not guest RAM (QEMU's RAM blocks are MiBs). */
+#define PF_MIN_REGION_SIZE (1u << 20)
+
+typedef struct _PfVm PfVm;
+
+typedef struct {
+    PfVm *vm;
+    char *name;          /* memfd name, e.g. "memory-backend-memfd" */
+    guint64 host_addr;   /* where the VM process maps it */
+    guint64 file_offset; /* of host_addr in the memfd */
+    gsize size;
+    gsize n_pages;
+    dev_t dev;
+    ino_t ino;
+    int fd;              /* O_RDONLY */
+    const guint8 *map;   /* PROT_READ, MAP_SHARED */
+    PfPage *pages;       /* one record per page */
+    guint32 base;        /* page id of pages[0] */
+    gboolean dead;       /* faulted (truncated under us): drop it */
+} PfRegion;
+
+struct _PfVm {
+    char *name;
+    int pid;
+    int pidfd;
+    GPtrArray *regions;  /* PfRegion*, owned */
+    const char *mode;    /* "advise" until agents exist */
+    /* pages of this VM in each PfPageState */
+    gsize count[PF_PAGE_N_STATES];
+    guint64 pages_scanned;
+    guint64 pages_skipped;
+    guint64 full_scans;
+    guint watch_id;      /* pidfd watch, owned by the scanner */
+    gpointer scanner;    /* the PfScanner that owns this VM */
+    guint stats_index;   /* scratch for the scanner's attribution */
+};
+
+PfVm *pf_vm_attach(int pid, const char *name, GError **error);
+void pf_vm_free(PfVm *vm);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfVm, pf_vm_free)
+
+gboolean pf_vm_exited(const PfVm *vm);
+gsize pf_vm_n_pages(const PfVm *vm);
+
+/*
+ * Re-reads the VM's mappings.  Regions no longer mapped by the VM move from
+ * vm->regions to *gone (the caller releases their pages, then frees them);
+ * new ones are appended to vm->regions and to *added.
+ */
+gboolean pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added,
+                       GError **error);
+
+void pf_region_free(PfRegion *r);

@@ -1,0 +1,338 @@
+/*
+ * scan-test.c - the scanner on synthetic guests with known layouts: the
+ * counters must be exactly those KSM's rules give, pass after pass.
+ * Guests are real memfds held by child processes, attached by pid.
+ */
+#include <glib.h>
+#include <string.h>
+
+#include "guestmem.h"
+#include "scan.h"
+#include "util.h"
+
+/* Two 64 MiB guests (16384 pages each). */
+static const PfLayout layout64 = {
+    .identical = 8000, .duplicate = 500, .unique = 3000,
+    .zero = 3000, .volatile_ = 1000, .holes = 884,
+};
+
+typedef struct {
+    PfGuest *guest[2];
+    int pid[2];
+    PfScanner *scanner;
+    PfCounters total;
+    PfCounters vm[2];
+} Fixture;
+
+static void
+collect(Fixture *f)
+{
+    PfCounters sum = { 0 };
+
+    pf_scanner_collect(f->scanner, &f->total, f->vm);
+    /* Per-VM figures add up exactly to the totals. */
+    pf_counters_add(&sum, &f->vm[0]);
+    pf_counters_add(&sum, &f->vm[1]);
+    g_assert_cmpuint(sum.pages_shared, ==, f->total.pages_shared);
+    g_assert_cmpuint(sum.pages_sharing, ==, f->total.pages_sharing);
+    g_assert_cmpuint(sum.pages_unshared, ==, f->total.pages_unshared);
+    g_assert_cmpuint(sum.pages_volatile, ==, f->total.pages_volatile);
+    g_assert_cmpuint(sum.zero_pages, ==, f->total.zero_pages);
+    g_assert_cmpuint(sum.pages_scanned, ==, f->total.pages_scanned);
+    g_assert_cmpuint(sum.pages_skipped, ==, f->total.pages_skipped);
+    g_assert_cmpint(sum.general_profit, ==, f->total.general_profit);
+    g_assert_cmpuint(sum.metadata_bytes, ==, f->total.metadata_bytes);
+}
+
+static void
+fixture_setup(Fixture *f, gconstpointer data)
+{
+    const PfLayout *l = data ? data : &layout64;
+
+    for (int i = 0; i < 2; i++) {
+        f->guest[i] = pf_guest_new("memory-backend-memfd", l, (guint32)i + 1);
+        f->pid[i] = pf_guest_hold(f->guest[i]);
+    }
+    f->scanner = pf_scanner_new(NULL);
+    for (int i = 0; i < 2; i++) {
+        g_autoptr(GError) error = NULL;
+        PfVm *vm = pf_vm_attach(f->pid[i], i == 0 ? "a" : "b", &error);
+
+        g_assert_no_error(error);
+        g_assert_cmpuint(vm->regions->len, ==, 1);
+        pf_scanner_add_vm(f->scanner, vm);
+    }
+}
+
+static void
+fixture_teardown(Fixture *f, gconstpointer data)
+{
+    pf_scanner_free(f->scanner);
+    for (int i = 0; i < 2; i++) {
+        pf_guest_release(f->pid[i]);
+        pf_guest_free(f->guest[i]);
+    }
+}
+
+static void
+pass_and_churn(Fixture *f)
+{
+    pf_scanner_run_passes(f->scanner, 1);
+    pf_guest_churn(f->guest[0]);
+    pf_guest_churn(f->guest[1]);
+}
+
+static void
+test_two_guests(Fixture *f, gconstpointer data)
+{
+    const gsize written = 16384 - 884;
+
+    pf_scanner_get_knobs(f->scanner)->smart_scan = FALSE;
+
+    /* Pass 1: every page is new, so its checksum "changed": all volatile. */
+    pass_and_churn(f);
+    collect(f);
+    g_assert_cmpuint(f->total.full_scans, ==, 1);
+    g_assert_cmpuint(f->total.pages_tracked, ==, 2 * written);
+    g_assert_cmpuint(f->total.pages_volatile, ==, 2 * written);
+    g_assert_cmpuint(f->total.pages_shared + f->total.pages_sharing +
+                     f->total.pages_unshared + f->total.zero_pages, ==, 0);
+    g_assert_cmpuint(f->total.pages_scanned, ==, 2 * written);
+
+    /* Pass 2: stable checksums go to the trees.
+     * identical: 8000 nodes of 2 pages.  duplicate: 1000 pages of one
+     * content, max_page_sharing 256: nodes of 256+256+256+232.
+     * unique: in the unstable tree.  volatile: rewritten, so volatile. */
+    for (int pass = 2; pass <= 4; pass++) {
+        pass_and_churn(f);
+        collect(f);
+        g_assert_cmpuint(f->total.full_scans, ==, pass);
+        g_assert_cmpuint(f->total.pages_shared, ==, 8000 + 4);
+        g_assert_cmpuint(f->total.pages_sharing, ==, 8000 + 996);
+        g_assert_cmpuint(f->total.pages_unshared, ==, 2 * 3000);
+        g_assert_cmpuint(f->total.zero_pages, ==, 2 * 3000);
+        g_assert_cmpuint(f->total.pages_volatile, ==, 2 * 1000);
+        g_assert_cmpuint(f->total.pages_skipped, ==, 0);
+        g_assert_cmpuint(f->total.pages_scanned, ==, pass * 2 * written);
+
+        /* Attribution: identical nodes count 1/2 to each VM; of the
+         * duplicate nodes a has 1 + 244/256, b 12/256 + 2: a 4001.95,
+         * b 4002.05, rounded by largest remainder to 4002 + 4002. */
+        for (int v = 0; v < 2; v++) {
+            g_assert_cmpuint(f->vm[v].pages_shared, ==, 4002);
+            g_assert_cmpuint(f->vm[v].pages_sharing, ==, 8500 - 4002);
+            g_assert_cmpuint(f->vm[v].pages_unshared, ==, 3000);
+            g_assert_cmpuint(f->vm[v].zero_pages, ==, 3000);
+            g_assert_cmpuint(f->vm[v].pages_volatile, ==, 1000);
+            g_assert_cmpuint(f->vm[v].full_scans, ==, pass);
+        }
+    }
+    /* KSM's general_profit: (sharing + zero) pages minus the metadata. */
+    g_assert_cmpint(f->total.general_profit, ==,
+                    (gint64)((8996 + 6000) * PF_PAGE_SIZE) - (gint64)f->total.metadata_bytes);
+    g_assert_cmpuint(f->total.metadata_bytes, >=, 2 * 16384 * 16);
+}
+
+static void
+test_smart_scan(Fixture *f, gconstpointer data)
+{
+    const gsize written = 16384 - 884;
+
+    for (int pass = 1; pass <= 6; pass++) {
+        pass_and_churn(f);
+    }
+    collect(f);
+    /* Unique and volatile pages never merge: visits 1-4 at full rate, the
+     * 5th skipped (age 4, one skip), the 6th visited again.  The counters
+     * keep their meaning while pages are skipped. */
+    g_assert_cmpuint(f->total.pages_skipped, ==, 2 * (3000 + 1000));
+    g_assert_cmpuint(f->total.pages_scanned, ==, 6 * 2 * written - 2 * 4000);
+    g_assert_cmpuint(f->total.pages_shared, ==, 8004);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 8996);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 6000);
+    g_assert_cmpuint(f->total.pages_volatile, ==, 2000);
+}
+
+/* A page that changes leaves its group, like a merged page on a write;
+ * it comes back once it is equal again and stable. */
+static void
+test_leave_and_rejoin(Fixture *f, gconstpointer data)
+{
+    guint8 *page = f->guest[1]->mem; /* b's first identical page */
+    g_autofree guint8 *saved = g_memdup2(page, PF_PAGE_SIZE);
+
+    pf_scanner_get_knobs(f->scanner)->smart_scan = FALSE;
+    /* Without churn the "volatile" pages are stable and identical across
+     * the guests too: 1000 more nodes of 2. */
+    pf_scanner_run_passes(f->scanner, 2);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 9996);
+
+    page[100] ^= 0xff;
+    pf_scanner_run_passes(f->scanner, 1);
+    collect(f);
+    /* Its node keeps a's page: pages_shared stays, one sharer fewer. */
+    g_assert_cmpuint(f->total.pages_shared, ==, 9004);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 9995);
+    g_assert_cmpuint(f->vm[1].pages_volatile, ==, 1);
+
+    memcpy(page, saved, PF_PAGE_SIZE);
+    pf_scanner_run_passes(f->scanner, 1); /* changed again: volatile */
+    pf_scanner_run_passes(f->scanner, 1); /* stable: joins the node */
+    collect(f);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 9996);
+
+    /* The first page of a node (its content provider) changes: the node
+     * lives on with the other sharer providing the content. */
+    f->guest[0]->mem[7] ^= 1;
+    pf_scanner_run_passes(f->scanner, 1);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_shared, ==, 9004);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 9995);
+    f->guest[0]->mem[7] ^= 1;
+    pf_scanner_run_passes(f->scanner, 2);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 9996);
+}
+
+/* A checksum anyone can collide: XOR of the page's 64-bit words.  Swapping
+ * two words keeps it and changes the content. */
+static guint64
+weak_hash(const void *page)
+{
+    const guint64 *w = page;
+    guint64 h = 0;
+
+    for (gsize i = 0; i < PF_PAGE_SIZE / 8; i++) {
+        h ^= w[i];
+    }
+    return h;
+}
+
+static void
+swap_words(guint8 *page)
+{
+    guint64 a, b;
+
+    memcpy(&a, page, 8);
+    memcpy(&b, page + 8, 8);
+    memcpy(page, &b, 8);
+    memcpy(page + 8, &a, 8);
+}
+
+static const PfLayout layout_small = {
+    .identical = 64, .unique = 64, .zero = 8, .volatile_ = 8, .holes = 256 - 144,
+};
+
+static void
+test_forged_collision(Fixture *f, gconstpointer data)
+{
+    guint8 *a0 = f->guest[0]->mem;
+    guint8 *b0 = f->guest[1]->mem;
+    guint8 *b1 = f->guest[1]->mem + PF_PAGE_SIZE;
+    PfScanInfo info;
+
+    pf_scanner_set_hash_func(f->scanner, weak_hash);
+    pf_scanner_get_knobs(f->scanner)->smart_scan = FALSE;
+    /* b's first page: a's first page with two words swapped.  Same weak
+     * checksum, different content: they must never be grouped. */
+    swap_words(b0);
+    g_assert_cmpuint(weak_hash(a0), ==, weak_hash(b0));
+    g_assert_cmpint(memcmp(a0, b0, PF_PAGE_SIZE), !=, 0);
+
+    pf_scanner_run_passes(f->scanner, 3);
+    collect(f);
+    pf_scanner_get_info(f->scanner, &info);
+    /* 63 identical and 8 unchurned volatile pages pair up. */
+    g_assert_cmpuint(f->total.pages_shared, ==, 63 + 8);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 63 + 8);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 2 * 64 + 2);
+    g_assert_cmpuint(info.memcmp_calls, >, 0);
+
+    /* A sharer rewritten to a colliding content keeps its checksum; the
+     * memcmp with the provider still throws it out of the group. */
+    swap_words(b1);
+    g_assert_cmpuint(weak_hash(b1), ==, weak_hash(f->guest[0]->mem + PF_PAGE_SIZE));
+    pf_scanner_run_passes(f->scanner, 1);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 62 + 8);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 2 * 64 + 3);
+}
+
+/* Volatile pages are identical across the guests at every generation, yet
+ * they change between visits: never mergeable. */
+static void
+test_volatile_never_merge(Fixture *f, gconstpointer data)
+{
+    pf_scanner_get_knobs(f->scanner)->smart_scan = FALSE;
+    for (int pass = 0; pass < 5; pass++) {
+        pass_and_churn(f);
+        collect(f);
+        g_assert_cmpuint(f->total.pages_volatile, ==, pass == 0 ? 2 * 144 : 2 * 8);
+        g_assert_cmpuint(f->total.pages_shared + f->total.pages_sharing, ==,
+                         pass == 0 ? 0 : 64 + 64);
+    }
+}
+
+static void
+test_use_zero_pages_off(Fixture *f, gconstpointer data)
+{
+    PfKnobs *k = pf_scanner_get_knobs(f->scanner);
+
+    k->smart_scan = FALSE;
+    k->use_zero_pages = FALSE;
+    pf_scanner_run_passes(f->scanner, 2);
+    collect(f);
+    /* Zero pages merge like any other content: 16 pages, one node
+     * (beside 64 + 8 nodes of identical and unchurned volatile pages). */
+    g_assert_cmpuint(f->total.zero_pages, ==, 0);
+    g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8 + 1);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 64 + 8 + 15);
+}
+
+/* Detaching a VM releases its pages from every node; the other VM's
+ * counters stay exact. */
+static void
+test_detach(Fixture *f, gconstpointer data)
+{
+    PfVm *b;
+
+    pf_scanner_get_knobs(f->scanner)->smart_scan = FALSE;
+    pf_scanner_run_passes(f->scanner, 2);
+    b = pf_scanner_find_vm(f->scanner, "b");
+    g_assert_nonnull(b);
+    pf_scanner_remove_vm(f->scanner, b);
+    pf_scanner_collect(f->scanner, &f->total, f->vm);
+    /* a's identical (and unchurned volatile) pages are each alone in their
+     * node now: like a KSM page left with one mapping, it stays. */
+    g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 0);
+    g_assert_cmpuint(f->vm[0].pages_shared, ==, 64 + 8);
+    pf_scanner_run_passes(f->scanner, 1);
+    pf_scanner_collect(f->scanner, &f->total, f->vm);
+    g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 64);
+    g_assert_nonnull(pf_scanner_find_vm(f->scanner, "a"));
+    g_assert_null(pf_scanner_find_vm(f->scanner, "b"));
+}
+
+int
+main(int argc, char **argv)
+{
+    g_test_init(&argc, &argv, NULL);
+    g_test_add("/scan/two-guests-64mib", Fixture, NULL, fixture_setup, test_two_guests,
+               fixture_teardown);
+    g_test_add("/scan/smart-scan", Fixture, NULL, fixture_setup, test_smart_scan,
+               fixture_teardown);
+    g_test_add("/scan/leave-and-rejoin", Fixture, NULL, fixture_setup, test_leave_and_rejoin,
+               fixture_teardown);
+    g_test_add("/scan/forged-collision", Fixture, &layout_small, fixture_setup,
+               test_forged_collision, fixture_teardown);
+    g_test_add("/scan/volatile-never-merge", Fixture, &layout_small, fixture_setup,
+               test_volatile_never_merge, fixture_teardown);
+    g_test_add("/scan/use-zero-pages-off", Fixture, &layout_small, fixture_setup,
+               test_use_zero_pages_off, fixture_teardown);
+    g_test_add("/scan/detach", Fixture, &layout_small, fixture_setup, test_detach,
+               fixture_teardown);
+    return g_test_run();
+}
