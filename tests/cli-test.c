@@ -1,0 +1,345 @@
+/*
+ * cli-test.c - pagefoldd and pagefoldctl as a user runs them, against
+ * stand-in guests (standin-guest: memfd RAM like QEMU's, not a VM).
+ */
+#include <gio/gio.h>
+#include <glib.h>
+#include <glib/gstdio.h>
+#include <json-glib/json-glib.h>
+#include <stdlib.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/prctl.h>
+
+typedef struct {
+    char *dir;
+    char *sock;
+    GSubprocess *daemon;
+    GSubprocess *guest[2];
+    int pid[2];
+} Fixture;
+
+/* Children die with the test, even when an assertion aborts it: an orphan
+ * daemon would hold meson's output pipe open. */
+static void
+die_with_parent(gpointer user)
+{
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+}
+
+static GSubprocess *
+spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
+{
+    g_autoptr(GSubprocessLauncher) l = g_subprocess_launcher_new(flags);
+
+    g_subprocess_launcher_set_child_setup(l, die_with_parent, NULL, NULL);
+    return g_subprocess_launcher_spawnv(l, argv, error);
+}
+
+static const char *
+bin(const char *var)
+{
+    const char *p = g_getenv(var);
+
+    if (p == NULL) {
+        g_error("%s is not set (run through meson test)", var);
+    }
+    return p;
+}
+
+/* Runs pagefoldctl; returns its exit status, stdout in *out. */
+static int
+ctl(Fixture *f, char **out, char **err, ...)
+{
+    g_autoptr(GPtrArray) argv = g_ptr_array_new();
+    g_autoptr(GSubprocess) p = NULL;
+    g_autoptr(GError) error = NULL;
+    const char *a;
+    va_list ap;
+
+    g_ptr_array_add(argv, (char *)bin("PAGEFOLDCTL"));
+    g_ptr_array_add(argv, (char *)"--socket");
+    g_ptr_array_add(argv, f->sock);
+    va_start(ap, err);
+    while ((a = va_arg(ap, const char *)) != NULL) {
+        g_ptr_array_add(argv, (char *)a);
+    }
+    va_end(ap);
+    g_ptr_array_add(argv, NULL);
+    p = spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
+               (const char *const *)argv->pdata, &error);
+    g_assert_no_error(error);
+    g_subprocess_communicate_utf8(p, NULL, NULL, out, err, &error);
+    g_assert_no_error(error);
+    return g_subprocess_get_exit_status(p);
+}
+
+static JsonObject *
+ctl_json(Fixture *f, const char *cmd, const char *arg)
+{
+    g_autofree char *out = NULL, *err = NULL;
+    g_autoptr(JsonParser) p = json_parser_new();
+    int rc = arg ? ctl(f, &out, &err, cmd, arg, "--json", NULL)
+                 : ctl(f, &out, &err, cmd, "--json", NULL);
+
+    g_assert_cmpint(rc, ==, 0);
+    g_assert_true(json_parser_load_from_data(p, out, -1, NULL));
+    return json_node_dup_object(json_parser_get_root(p));
+}
+
+static GSubprocess *
+start_guest(const char *name, int seed, int *pid)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *guestarg = g_strdup_printf("guest=%s", name);
+    g_autofree char *seedarg = g_strdup_printf("%d", seed);
+    const char *argv[] = {
+        bin("STANDIN_GUEST"), "-name", guestarg, "--mib", "16", "--identical", "50",
+        "--zero", "20", "--volatile", "0", "--churn-ms", "0", "--seed", seedarg, "--stdin",
+        NULL
+    };
+    GSubprocess *p = spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDIN_PIPE,
+                            argv, &error);
+    g_autoptr(GDataInputStream) in = NULL;
+    g_autofree char *line = NULL;
+
+    g_assert_no_error(error);
+    in = g_data_input_stream_new(g_subprocess_get_stdout_pipe(p));
+    line = g_data_input_stream_read_line(in, NULL, NULL, &error);
+    g_assert_no_error(error);
+    g_assert_true(g_str_has_prefix(line, "ready "));
+    *pid = atoi(line + 6);
+    return p;
+}
+
+static GSubprocess *
+start_daemon(Fixture *f, GError **error, ...)
+{
+    g_autoptr(GPtrArray) argv = g_ptr_array_new();
+    const char *a;
+    va_list ap;
+
+    g_ptr_array_add(argv, (char *)bin("PAGEFOLDD"));
+    g_ptr_array_add(argv, (char *)"--socket");
+    g_ptr_array_add(argv, f->sock);
+    va_start(ap, error);
+    while ((a = va_arg(ap, const char *)) != NULL) {
+        g_ptr_array_add(argv, (char *)a);
+    }
+    va_end(ap);
+    g_ptr_array_add(argv, NULL);
+    return spawnv(G_SUBPROCESS_FLAGS_NONE, (const char *const *)argv->pdata, error);
+}
+
+static void
+setup(Fixture *f, gconstpointer data)
+{
+    g_autoptr(GError) error = NULL;
+
+    f->dir = g_dir_make_tmp("pagefold-cli-XXXXXX", &error);
+    g_assert_no_error(error);
+    f->sock = g_build_filename(f->dir, "pagefoldd.sock", NULL);
+    f->daemon = start_daemon(f, &error, "--set", "run=0", NULL);
+    g_assert_no_error(error);
+    for (int i = 0; i < 100 && !g_file_test(f->sock, G_FILE_TEST_EXISTS); i++) {
+        g_usleep(50000);
+    }
+    g_assert_true(g_file_test(f->sock, G_FILE_TEST_EXISTS));
+    f->guest[0] = start_guest("alpha", 1, &f->pid[0]);
+    f->guest[1] = start_guest("beta", 2, &f->pid[1]);
+}
+
+static void
+teardown(Fixture *f, gconstpointer data)
+{
+    for (int i = 0; i < 2; i++) {
+        if (f->guest[i]) {
+            g_subprocess_force_exit(f->guest[i]);
+            g_subprocess_wait(f->guest[i], NULL, NULL);
+            g_object_unref(f->guest[i]);
+        }
+    }
+    if (f->daemon) {
+        g_subprocess_force_exit(f->daemon);
+        g_subprocess_wait(f->daemon, NULL, NULL);
+        g_object_unref(f->daemon);
+    }
+    g_unlink(f->sock);
+    g_rmdir(f->dir);
+    g_free(f->sock);
+    g_free(f->dir);
+}
+
+static void
+test_user_session(Fixture *f, gconstpointer data)
+{
+    g_autofree char *pid0 = g_strdup_printf("%d", f->pid[0]);
+    g_autofree char *pid1 = g_strdup_printf("%d", f->pid[1]);
+    g_autofree char *out = NULL, *err = NULL;
+    g_autoptr(JsonObject) stats = NULL;
+    JsonObject *total;
+
+    /* No --name: the VM is named from its -name guest=..., like QEMU. */
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid0, NULL), ==, 0);
+    g_assert_nonnull(strstr(out, "attached VM alpha"));
+    g_assert_nonnull(strstr(out, "mode advise"));
+    g_clear_pointer(&out, g_free);
+    g_clear_pointer(&err, g_free);
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid1, "--name", "beta-vm", NULL), ==, 0);
+    g_clear_pointer(&out, g_free);
+    g_clear_pointer(&err, g_free);
+
+    g_assert_cmpint(ctl(f, &out, &err, "scan-now", "2", NULL), ==, 0);
+    g_assert_nonnull(strstr(out, "pagefold mode: advise"));
+    g_assert_nonnull(strstr(out, "beta-vm"));
+    g_clear_pointer(&out, g_free);
+    g_clear_pointer(&err, g_free);
+
+    /* 16 MiB each: 2048 identical, 819 zero, 1229 unique pages. */
+    stats = ctl_json(f, "stats", NULL);
+    total = json_object_get_object_member(stats, "total");
+    g_assert_cmpint(json_object_get_int_member(total, "pages_shared"), ==, 2048);
+    g_assert_cmpint(json_object_get_int_member(total, "pages_sharing"), ==, 2048);
+    g_assert_cmpint(json_object_get_int_member(total, "zero_pages"), ==, 2 * 819);
+    g_assert_cmpint(json_object_get_int_member(total, "pages_unshared"), ==, 2 * 1229);
+
+    g_assert_cmpint(ctl(f, &out, &err, "stats", "alpha", "--prometheus", NULL), ==, 0);
+    g_assert_nonnull(strstr(out, "pagefold_pages_sharing{vm=\"alpha\",mode=\"advise\"} 1024\n"));
+    g_assert_null(strstr(out, "beta-vm"));
+    g_clear_pointer(&out, g_free);
+    g_clear_pointer(&err, g_free);
+
+    g_assert_cmpint(ctl(f, &out, &err, "set", "pages_to_scan", "1000", NULL), ==, 0);
+    g_assert_nonnull(strstr(out, "pages_to_scan"));
+    g_clear_pointer(&out, g_free);
+    g_clear_pointer(&err, g_free);
+
+    /* A guest that dies is dropped by the daemon on its own. */
+    g_subprocess_force_exit(f->guest[1]);
+    g_subprocess_wait(f->guest[1], NULL, NULL);
+    g_clear_object(&f->guest[1]);
+    for (int i = 0; i < 100; i++) {
+        g_clear_pointer(&out, g_free);
+        g_clear_pointer(&err, g_free);
+        g_assert_cmpint(ctl(f, &out, &err, "list", NULL), ==, 0);
+        if (strstr(out, "beta-vm") == NULL) {
+            break;
+        }
+        g_usleep(50000);
+    }
+    g_assert_null(strstr(out, "beta-vm"));
+    g_assert_nonnull(strstr(out, "alpha"));
+    g_clear_pointer(&out, g_free);
+    g_clear_pointer(&err, g_free);
+
+    g_assert_cmpint(ctl(f, &out, &err, "detach", "alpha", NULL), ==, 0);
+    g_clear_pointer(&out, g_free);
+    g_clear_pointer(&err, g_free);
+
+    /* SIGTERM: a clean exit that removes the socket. */
+    g_subprocess_send_signal(f->daemon, SIGTERM);
+    g_assert_true(g_subprocess_wait(f->daemon, NULL, NULL));
+    g_assert_true(g_subprocess_get_if_exited(f->daemon));
+    g_assert_cmpint(g_subprocess_get_exit_status(f->daemon), ==, 0);
+    g_assert_false(g_file_test(f->sock, G_FILE_TEST_EXISTS));
+    g_clear_object(&f->daemon);
+}
+
+static void
+expect(Fixture *f, int want_rc, const char *want_err, ...)
+{
+    g_autoptr(GPtrArray) argv = g_ptr_array_new();
+    g_autoptr(GSubprocess) p = NULL;
+    g_autoptr(GError) error = NULL;
+    g_autofree char *out = NULL, *err = NULL;
+    const char *a;
+    va_list ap;
+
+    va_start(ap, want_err);
+    while ((a = va_arg(ap, const char *)) != NULL) {
+        g_ptr_array_add(argv, (char *)a);
+    }
+    va_end(ap);
+    g_ptr_array_add(argv, NULL);
+    p = spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
+               (const char *const *)argv->pdata, &error);
+    g_assert_no_error(error);
+    g_subprocess_communicate_utf8(p, NULL, NULL, &out, &err, &error);
+    g_assert_no_error(error);
+    if (g_subprocess_get_exit_status(p) != want_rc || strstr(err, want_err) == NULL) {
+        g_error("%s ...: exit %d, stderr '%s'; wanted exit %d and '%s'",
+                (char *)argv->pdata[1], g_subprocess_get_exit_status(p), err, want_rc, want_err);
+    }
+}
+
+static void
+test_bad_command_lines(Fixture *f, gconstpointer data)
+{
+    const char *c = bin("PAGEFOLDCTL"), *d = bin("PAGEFOLDD");
+    g_autofree char *nosock = g_build_filename(f->dir, "none.sock", NULL);
+
+    expect(f, 2, "no command given", c, "--socket", f->sock, NULL);
+    expect(f, 2, "unknown command 'frobnicate'", c, "--socket", f->sock, "frobnicate", NULL);
+    expect(f, 2, "not a non-negative whole number", c, "--socket", f->sock, "set",
+           "pages_to_scan", "12abc", NULL);
+    expect(f, 2, "attach takes one PID", c, "--socket", f->sock, "attach", NULL);
+    expect(f, 2, "exclude each other", c, "--socket", f->sock, "stats", "--json",
+           "--prometheus", NULL);
+    expect(f, 1, "between 1 and", c, "--socket", f->sock, "set", "pages_to_scan", "0", NULL);
+    expect(f, 1, "unknown knob", c, "--socket", f->sock, "set", "bogus", "1", NULL);
+    {
+        const char *sleep_argv[] = { "sleep", "60", NULL };
+        g_autoptr(GSubprocess) sleeper = spawnv(G_SUBPROCESS_FLAGS_NONE, sleep_argv, NULL);
+
+        expect(f, 1, "no guest RAM", c, "--socket", f->sock, "attach",
+               g_subprocess_get_identifier(sleeper), NULL);
+        g_subprocess_force_exit(sleeper);
+    }
+    expect(f, 1, "no VM 'ghost'", c, "--socket", f->sock, "stats", "ghost", NULL);
+    expect(f, 1, "is pagefoldd running?", c, "--socket", nosock, "list", NULL);
+
+    expect(f, 2, "unknown --hash 'md5'", d, "--socket", nosock, "--hash", "md5", NULL);
+    expect(f, 2, "unknown knob", d, "--socket", nosock, "--set", "nope=1", NULL);
+    expect(f, 2, "KNOB=VALUE", d, "--socket", nosock, "--set", "nope", NULL);
+    expect(f, 1, "another pagefoldd is listening", d, "--socket", f->sock, NULL);
+    /* The first daemon is unharmed by all of that. */
+    {
+        g_autofree char *out = NULL, *err = NULL;
+
+        g_assert_cmpint(ctl(f, &out, &err, "knobs", NULL), ==, 0);
+        g_assert_nonnull(strstr(out, "sleep_millisecs"));
+    }
+}
+
+/* With run=1 and a pass-time target, sharing rises on its own. */
+static void
+test_background_scan(Fixture *f, gconstpointer data)
+{
+    g_autofree char *pid0 = g_strdup_printf("%d", f->pid[0]);
+    g_autofree char *pid1 = g_strdup_printf("%d", f->pid[1]);
+    g_autofree char *out = NULL, *err = NULL;
+    gint64 sharing = 0;
+
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid0, NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid1, NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "set", "target_pass_millisecs", "200", NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "set", "run", "1", NULL), ==, 0);
+    for (int i = 0; i < 200 && sharing < 2048; i++) {
+        g_autoptr(JsonObject) s = ctl_json(f, "stats", NULL);
+
+        sharing = json_object_get_int_member(json_object_get_object_member(s, "total"),
+                                             "pages_sharing");
+        g_usleep(50000);
+    }
+    g_assert_cmpint(sharing, ==, 2048);
+}
+
+int
+main(int argc, char **argv)
+{
+    g_test_init(&argc, &argv, NULL);
+    g_test_add("/cli/user-session", Fixture, NULL, setup, test_user_session, teardown);
+    g_test_add("/cli/bad-command-lines", Fixture, NULL, setup, test_bad_command_lines, teardown);
+    g_test_add("/cli/background-scan", Fixture, NULL, setup, test_background_scan, teardown);
+    return g_test_run();
+}

@@ -1,0 +1,386 @@
+/*
+ * control-test.c - the control socket, over a real UNIX socket, with every
+ * kind of bad input: each gets a clear error and the daemon, the connection
+ * and the attached VMs carry on.
+ */
+#include <errno.h>
+#include <glib.h>
+#include <glib/gstdio.h>
+#include <json-glib/json-glib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "control.h"
+#include "guestmem.h"
+#include "util.h"
+
+typedef struct {
+    char *dir;
+    char *path;
+    PfScanner *scanner;
+    PfControl *control;
+    PfGuest *guest[2];
+    int pid[2];
+    int fd;
+    GString *in;
+} Fixture;
+
+static int
+client_connect(Fixture *f)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+    g_strlcpy(addr.sun_path, f->path, sizeof(addr.sun_path));
+    g_assert_cmpint(connect(fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
+    return fd;
+}
+
+/* The server runs on this thread's main context: spin it while waiting. */
+static void
+send_all(int fd, const char *buf, gsize len)
+{
+    gsize off = 0;
+
+    while (off < len) {
+        ssize_t n = send(fd, buf + off, len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+
+        if (n > 0) {
+            off += (gsize)n;
+        } else {
+            g_assert_cmpint(errno, ==, EAGAIN);
+            g_main_context_iteration(NULL, FALSE);
+        }
+    }
+}
+
+static char *
+recv_line(int fd, GString *in)
+{
+    for (;;) {
+        char *nl = memchr(in->str, '\n', in->len);
+        char buf[4096];
+        ssize_t n;
+
+        if (nl != NULL) {
+            char *line = g_strndup(in->str, (gsize)(nl - in->str));
+
+            g_string_erase(in, 0, nl - in->str + 1);
+            return line;
+        }
+        n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (n > 0) {
+            g_string_append_len(in, buf, n);
+        } else if (n == 0) {
+            return NULL;
+        } else {
+            g_assert_cmpint(errno, ==, EAGAIN);
+            if (!g_main_context_iteration(NULL, FALSE)) {
+                g_usleep(500);
+            }
+        }
+    }
+}
+
+static JsonObject *
+parse_object(const char *line)
+{
+    g_autoptr(JsonParser) p = json_parser_new();
+    g_autoptr(GError) error = NULL;
+
+    g_assert_nonnull(line);
+    json_parser_load_from_data(p, line, -1, &error);
+    g_assert_no_error(error);
+    g_assert_true(JSON_NODE_HOLDS_OBJECT(json_parser_get_root(p)));
+    return json_object_ref(json_node_get_object(json_parser_get_root(p)));
+}
+
+/* Sends raw text (a newline is added) and returns the parsed reply. */
+static JsonObject *
+raw(Fixture *f, const char *text)
+{
+    g_autofree char *line = g_strconcat(text, "\n", NULL);
+    g_autofree char *reply = NULL;
+
+    send_all(f->fd, line, strlen(line));
+    reply = recv_line(f->fd, f->in);
+    return parse_object(reply);
+}
+
+static JsonObject *
+ok(Fixture *f, const char *text)
+{
+    g_autoptr(JsonObject) r = raw(f, text);
+
+    if (!json_object_has_member(r, "return")) {
+        g_autoptr(JsonNode) n = json_node_init_object(json_node_alloc(), r);
+        g_autofree char *s = json_to_string(n, FALSE);
+
+        g_error("expected success for %s, got %s", text, s);
+    }
+    return json_object_ref(r);
+}
+
+/* Expects an error of this class whose text contains want. */
+static void
+fails(Fixture *f, const char *text, const char *klass, const char *want)
+{
+    g_autoptr(JsonObject) r = raw(f, text);
+    JsonObject *e;
+
+    g_assert_true(json_object_has_member(r, "error"));
+    e = json_object_get_object_member(r, "error");
+    g_assert_cmpstr(json_object_get_string_member(e, "class"), ==, klass);
+    if (strstr(json_object_get_string_member(e, "desc"), want) == NULL) {
+        g_error("error for %s is '%s', wanted '%s' in it", text,
+                json_object_get_string_member(e, "desc"), want);
+    }
+}
+
+static const PfLayout layout = { .identical = 300, .unique = 100, .zero = 112, .holes = 0 };
+
+static void
+setup(Fixture *f, gconstpointer data)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *greeting = NULL;
+    g_autoptr(JsonObject) g = NULL;
+
+    f->dir = g_dir_make_tmp("pagefold-control-XXXXXX", &error);
+    g_assert_no_error(error);
+    f->path = g_build_filename(f->dir, "sub", "pagefoldd.sock", NULL);
+    f->scanner = pf_scanner_new(NULL);
+    pf_scanner_get_knobs(f->scanner)->run = FALSE;
+    f->control = pf_control_new(f->scanner, f->path, &error);
+    g_assert_no_error(error);
+    for (int i = 0; i < 2; i++) {
+        f->guest[i] = pf_guest_new("memory-backend-memfd", &layout, (guint32)i + 1);
+        f->pid[i] = pf_guest_hold(f->guest[i]);
+    }
+    f->in = g_string_new(NULL);
+    f->fd = client_connect(f);
+    greeting = recv_line(f->fd, f->in);
+    g = parse_object(greeting);
+    g_assert_true(json_object_has_member(g, "QMP"));
+}
+
+static void
+teardown(Fixture *f, gconstpointer data)
+{
+    close(f->fd);
+    g_string_free(f->in, TRUE);
+    pf_control_free(f->control);
+    g_assert_false(g_file_test(f->path, G_FILE_TEST_EXISTS));
+    pf_scanner_free(f->scanner);
+    for (int i = 0; i < 2; i++) {
+        pf_guest_release(f->pid[i]);
+        pf_guest_free(f->guest[i]);
+    }
+    g_rmdir(g_path_get_dirname(f->path));
+    g_rmdir(f->dir);
+    g_free(f->path);
+    g_free(f->dir);
+}
+
+static void
+test_socket_mode(Fixture *f, gconstpointer data)
+{
+    struct stat st;
+    g_autoptr(GError) error = NULL;
+    PfControl *second;
+
+    g_assert_cmpint(stat(f->path, &st), ==, 0);
+    g_assert_cmpint(st.st_mode & 0777, ==, 0600);
+    /* A second daemon on the same socket is refused, the first untouched. */
+    second = pf_control_new(f->scanner, f->path, &error);
+    g_assert_null(second);
+    g_assert_error(error, PF_ERROR, PF_ERROR_EXISTS);
+    g_autoptr(JsonObject) r = ok(f, "{\"execute\": \"qmp_capabilities\"}");
+}
+
+static void
+test_attach_stats_detach(Fixture *f, gconstpointer data)
+{
+    g_autofree char *a = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"name\": \"vm-a\"}, \"id\": 7}",
+        f->pid[0]);
+    g_autofree char *b = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d}}", f->pid[1]);
+    g_autoptr(JsonObject) r = ok(f, a);
+    g_autoptr(JsonObject) r2 = NULL;
+    g_autoptr(JsonObject) s = NULL;
+    JsonObject *total, *ret;
+    JsonArray *vms;
+
+    g_assert_cmpint(json_object_get_int_member(r, "id"), ==, 7);
+    ret = json_object_get_object_member(r, "return");
+    g_assert_cmpstr(json_object_get_string_member(ret, "name"), ==, "vm-a");
+    g_assert_cmpstr(json_object_get_string_member(ret, "mode"), ==, "advise");
+    r2 = ok(f, b);
+
+    s = ok(f, "{\"execute\": \"scan-now\", \"arguments\": {\"passes\": 2}}");
+    ret = json_object_get_object_member(s, "return");
+    g_assert_cmpstr(json_object_get_string_member(ret, "mode"), ==, "advise");
+    total = json_object_get_object_member(ret, "total");
+    g_assert_cmpint(json_object_get_int_member(total, "pages_shared"), ==, 300);
+    g_assert_cmpint(json_object_get_int_member(total, "pages_sharing"), ==, 300);
+    g_assert_cmpint(json_object_get_int_member(total, "pages_unshared"), ==, 200);
+    g_assert_cmpint(json_object_get_int_member(total, "zero_pages"), ==, 224);
+    g_assert_cmpint(json_object_get_int_member(total, "full_scans"), ==, 2);
+    for (const char *const *n = pf_counter_names(); *n; n++) {
+        g_assert_true(json_object_has_member(total, *n));
+    }
+    vms = json_object_get_array_member(ret, "vms");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 2);
+
+    g_clear_pointer(&s, json_object_unref);
+    s = ok(f, "{\"execute\": \"stats\", \"arguments\": {\"vm\": \"vm-a\"}}");
+    vms = json_object_get_array_member(json_object_get_object_member(s, "return"), "vms");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 1);
+    g_assert_cmpint(json_object_get_int_member(json_array_get_object_element(vms, 0),
+                                               "pages_sharing"), ==, 150);
+
+    /* The same process twice, or a name taken, is refused. */
+    fails(f, a, "GenericError", "already attached");
+    {
+        g_autofree char *dup = g_strdup_printf(
+            "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"name\": \"vm-a\"}}",
+            getpid());
+        /* This test process maps both guests' RAM: a VM, but the name is taken. */
+        fails(f, dup, "GenericError", "a VM named 'vm-a' is already attached");
+    }
+    fails(f, "{\"execute\": \"detach\", \"arguments\": {\"vm\": \"nope\"}}",
+          "DeviceNotFound", "no VM 'nope'");
+    g_clear_pointer(&s, json_object_unref);
+    s = ok(f, "{\"execute\": \"detach\", \"arguments\": {\"vm\": \"vm-a\"}}");
+    g_clear_pointer(&s, json_object_unref);
+    s = ok(f, "{\"execute\": \"list\"}");
+    g_assert_cmpuint(json_array_get_length(json_object_get_array_member(s, "return")), ==, 1);
+}
+
+static void
+test_bad_requests(Fixture *f, gconstpointer data)
+{
+    g_autoptr(JsonObject) r = NULL;
+
+    fails(f, "{\"execute\": ", "GenericError", "JSON parse error");
+    fails(f, "not json at all", "GenericError", "JSON parse error");
+    fails(f, "[1, 2, 3]", "GenericError", "must be a JSON object");
+    fails(f, "42", "GenericError", "must be a JSON object");
+    fails(f, "{}", "GenericError", "'execute' must be");
+    fails(f, "{\"execute\": 5}", "GenericError", "'execute' must be");
+    fails(f, "{\"execute\": \"list\", \"arguments\": [1]}", "GenericError",
+          "'arguments' must be an object");
+    fails(f, "{\"execute\": \"list\", \"bogus\": 1}", "GenericError", "'bogus' is unexpected");
+    fails(f, "{\"execute\": \"format-disk\"}", "CommandNotFound", "'format-disk'");
+    fails(f, "{\"execute\": \"attach\"}", "GenericError", "'pid' is missing");
+    fails(f, "{\"execute\": \"attach\", \"arguments\": {\"pid\": \"12\"}}", "GenericError",
+          "'pid' must be an integer");
+    fails(f, "{\"execute\": \"attach\", \"arguments\": {\"pid\": 1.5}}", "GenericError",
+          "'pid' must be an integer");
+    fails(f, "{\"execute\": \"attach\", \"arguments\": {\"pid\": -4}}", "GenericError",
+          "positive process id");
+    fails(f, "{\"execute\": \"attach\", \"arguments\": {\"pid\": 99999999999}}", "GenericError",
+          "positive process id");
+    fails(f, "{\"execute\": \"attach\", \"arguments\": {\"pid\": 2147483646}}", "DeviceNotFound",
+          "no process");
+    fails(f, "{\"execute\": \"attach\", \"arguments\": {\"pid\": 1, \"name\": \"a\\nb\"}}",
+          "GenericError", "control characters");
+    fails(f, "{\"execute\": \"attach\", \"arguments\": {\"pid\": 1, \"extra\": true}}",
+          "GenericError", "'extra' is unexpected");
+    fails(f, "{\"execute\": \"list\", \"arguments\": {\"x\": null}}", "GenericError",
+          "'x' is unexpected");
+    fails(f, "{\"execute\": \"stats\", \"arguments\": {\"vm\": 3}}", "GenericError",
+          "'vm' must be a string");
+    fails(f, "{\"execute\": \"set\", \"arguments\": {\"knob\": \"nope\", \"value\": 1}}",
+          "GenericError", "unknown knob 'nope'");
+    fails(f, "{\"execute\": \"set\", \"arguments\": {\"knob\": \"cpu_percent\", \"value\": 0}}",
+          "GenericError", "between 1 and 100");
+    fails(f, "{\"execute\": \"set\", \"arguments\": {\"knob\": \"run\", \"value\": -1}}",
+          "GenericError", "must not be negative");
+    fails(f, "{\"execute\": \"set\", \"arguments\": {\"knob\": \"pages_to_scan\"}}",
+          "GenericError", "'value' is missing");
+    fails(f, "{\"execute\": \"scan-now\", \"arguments\": {\"passes\": 0}}", "GenericError",
+          "between 1 and");
+    fails(f, "\xff\xfe{}", "GenericError", "not valid UTF-8");
+
+    /* The id comes back whatever its type, also with an error. */
+    r = raw(f, "{\"execute\": \"nope\", \"id\": {\"tag\": [1, \"x\"]}}");
+    g_assert_true(json_object_has_member(r, "id"));
+    g_assert_cmpstr(json_object_get_string_member(
+                        json_object_get_object_member(r, "error"), "class"), ==, "CommandNotFound");
+
+    /* Knobs that were refused did not change; good ones do. */
+    g_clear_pointer(&r, json_object_unref);
+    r = ok(f, "{\"execute\": \"set\", \"arguments\": {\"knob\": \"pages_to_scan\", \"value\": 5000}}");
+    g_assert_cmpint(json_object_get_int_member(json_object_get_object_member(r, "return"),
+                                               "pages_to_scan"), ==, 5000);
+    g_assert_cmpint(json_object_get_int_member(json_object_get_object_member(r, "return"),
+                                               "cpu_percent"), ==, 100);
+}
+
+/* Over-long lines: one error, the rest of the line dropped, and the same
+ * connection still works. */
+static void
+test_huge_request(Fixture *f, gconstpointer data)
+{
+    gsize len = 3 * PF_CONTROL_MAX_LINE;
+    g_autofree char *huge = g_malloc(len + 1);
+    g_autofree char *reply = NULL;
+    g_autoptr(JsonObject) r = NULL;
+    g_autoptr(JsonObject) r2 = NULL;
+
+    memset(huge, ' ', len);
+    memcpy(huge, "{\"execute\": \"list\", \"id\": \"", 28);
+    huge[len - 1] = '\n';
+    send_all(f->fd, huge, len);
+    reply = recv_line(f->fd, f->in);
+    r = parse_object(reply);
+    g_assert_nonnull(strstr(json_object_get_string_member(
+                                json_object_get_object_member(r, "error"), "desc"),
+                            "longer than"));
+    r2 = ok(f, "{\"execute\": \"list\"}");
+}
+
+/* Clients that go away mid-line, or pipeline many requests at once. */
+static void
+test_clients(Fixture *f, gconstpointer data)
+{
+    GString *in2 = g_string_new(NULL);
+    int other = client_connect(f);
+    g_autofree char *greet = recv_line(other, in2);
+    GString *many = g_string_new(NULL);
+    g_autoptr(JsonObject) r = NULL;
+
+    send_all(other, "{\"execute\": \"li", 15);
+    close(other);
+    for (int i = 0; i < 50; i++) {
+        g_string_append_printf(many, "{\"execute\": \"knobs\", \"id\": %d}\r\n", i);
+    }
+    send_all(f->fd, many->str, many->len);
+    for (int i = 0; i < 50; i++) {
+        g_autofree char *line = recv_line(f->fd, f->in);
+        g_autoptr(JsonObject) o = parse_object(line);
+
+        g_assert_cmpint(json_object_get_int_member(o, "id"), ==, i);
+    }
+    r = ok(f, "{\"execute\": \"stats\"}");
+    g_string_free(many, TRUE);
+    g_string_free(in2, TRUE);
+}
+
+int
+main(int argc, char **argv)
+{
+    g_test_init(&argc, &argv, NULL);
+    g_test_add("/control/socket-mode", Fixture, NULL, setup, test_socket_mode, teardown);
+    g_test_add("/control/attach-stats-detach", Fixture, NULL, setup, test_attach_stats_detach,
+               teardown);
+    g_test_add("/control/bad-requests", Fixture, NULL, setup, test_bad_requests, teardown);
+    g_test_add("/control/huge-request", Fixture, NULL, setup, test_huge_request, teardown);
+    g_test_add("/control/clients", Fixture, NULL, setup, test_clients, teardown);
+    return g_test_run();
+}

@@ -1,0 +1,160 @@
+/*
+ * tree-test.c - the checksum-keyed tables behind KSM's two trees: equal
+ * checksums coexist, removal leaves the others findable, growth keeps all.
+ */
+#include <glib.h>
+
+#include "tree.h"
+
+/* Value v has key keys[v]: a test double for "page id -> checksum". */
+static guint64 keys[5000];
+
+static guint64
+key_of(guint32 v, gpointer user)
+{
+    return keys[v];
+}
+
+static GArray *
+find_all(PfTable *t, guint64 checksum)
+{
+    GArray *out = g_array_new(FALSE, FALSE, sizeof(guint32));
+    PfTableIter it;
+    guint32 v;
+
+    pf_table_iter_init(&it, t, checksum);
+    while ((v = pf_table_iter_next(&it)) != 0) {
+        g_array_append_val(out, v);
+    }
+    return out;
+}
+
+static void
+test_table_duplicates(void)
+{
+    PfTable t;
+    g_autoptr(GArray) found = NULL;
+
+    pf_table_init(&t, key_of, NULL);
+    /* 1..3 share a checksum; 4 differs only in its high half (same tag
+     * fold would differ), 5 collides in the folded tag only. */
+    keys[1] = keys[2] = keys[3] = 0x1234567887654321ull;
+    keys[4] = 0x9999567887654321ull;
+    keys[5] = 0x8765432112345678ull; /* same xor-fold as keys[1] */
+    for (guint32 v = 1; v <= 5; v++) {
+        pf_table_insert(&t, keys[v], v);
+    }
+    found = find_all(&t, keys[1]);
+    g_assert_cmpuint(found->len, ==, 3);
+    g_assert_true(pf_table_remove(&t, keys[1], 2));
+    g_assert_false(pf_table_remove(&t, keys[1], 2));
+    g_clear_pointer(&found, g_array_unref);
+    found = find_all(&t, keys[1]);
+    g_assert_cmpuint(found->len, ==, 2);
+    g_assert_cmpuint(g_array_index(found, guint32, 0) + g_array_index(found, guint32, 1), ==, 1 + 3);
+    g_clear_pointer(&found, g_array_unref);
+    found = find_all(&t, keys[5]);
+    g_assert_cmpuint(found->len, ==, 1);
+    g_assert_cmpuint(g_array_index(found, guint32, 0), ==, 5);
+    g_assert_cmpuint(t.n, ==, 4);
+    pf_table_clear(&t);
+    g_clear_pointer(&found, g_array_unref);
+    found = find_all(&t, keys[1]);
+    g_assert_cmpuint(found->len, ==, 0);
+    pf_table_destroy(&t);
+}
+
+static void
+test_table_growth_and_tombstones(void)
+{
+    PfTable t;
+
+    pf_table_init(&t, key_of, NULL);
+    for (guint32 v = 1; v < G_N_ELEMENTS(keys); v++) {
+        keys[v] = g_random_int() | ((guint64)(v % 7) << 40);
+        pf_table_insert(&t, keys[v], v);
+    }
+    g_assert_cmpuint(t.n, ==, G_N_ELEMENTS(keys) - 1);
+    g_assert_cmpuint((t.mask + 1) * 3 / 4, >=, t.n);
+    /* Remove and re-add many times: tombstones must not fill the table. */
+    for (int round = 0; round < 20; round++) {
+        for (guint32 v = 1; v < G_N_ELEMENTS(keys); v += 2) {
+            g_assert_true(pf_table_remove(&t, keys[v], v));
+        }
+        for (guint32 v = 1; v < G_N_ELEMENTS(keys); v += 2) {
+            pf_table_insert(&t, keys[v], v);
+        }
+    }
+    for (guint32 v = 1; v < G_N_ELEMENTS(keys); v++) {
+        g_autoptr(GArray) found = find_all(&t, keys[v]);
+        gboolean seen = FALSE;
+
+        for (guint i = 0; i < found->len; i++) {
+            seen |= g_array_index(found, guint32, i) == v;
+        }
+        g_assert_true(seen);
+    }
+    g_assert_cmpuint(t.n + t.removed, <=, (t.mask + 1) * 3 / 4);
+    pf_table_destroy(&t);
+}
+
+/* ---- stable tree ---- */
+
+static PfPage pages[600];
+
+static PfPage *
+page_of(guint32 id, gpointer user)
+{
+    return &pages[id];
+}
+
+static void
+test_stable_tree_members(void)
+{
+    PfStableTree t;
+    guint32 n;
+    const PfStableNode *node;
+
+    pf_stable_tree_init(&t, page_of, NULL);
+    n = pf_stable_tree_create(&t, 42);
+    for (guint32 id = 10; id < 20; id++) {
+        pf_stable_tree_add(&t, n, id);
+    }
+    node = pf_stable_tree_node(&t, n);
+    g_assert_cmpuint(node->n_members, ==, 10);
+    g_assert_cmpuint(node->members[0], ==, 10);
+    g_assert_cmpuint(t.n_nodes, ==, 1);
+    g_assert_cmpuint(t.n_members, ==, 10);
+
+    /* The provider leaves: another member takes its place, and every
+     * record still points at its own slot. */
+    pf_stable_tree_remove(&t, 10);
+    node = pf_stable_tree_node(&t, n);
+    g_assert_cmpuint(node->n_members, ==, 9);
+    g_assert_cmpuint(node->members[0], ==, 19);
+    for (guint32 i = 0; i < node->n_members; i++) {
+        g_assert_cmpuint(pages[node->members[i]].slot, ==, i);
+        g_assert_cmpuint(pages[node->members[i]].node, ==, n);
+    }
+    for (guint32 id = 11; id < 20; id++) {
+        pf_stable_tree_remove(&t, id);
+    }
+    /* The last one out frees the node and its tree entry. */
+    g_assert_cmpuint(t.n_nodes, ==, 0);
+    g_assert_cmpuint(t.n_members, ==, 0);
+    g_assert_cmpuint(t.table.n, ==, 0);
+    g_assert_cmpuint(t.member_bytes, ==, 0);
+    /* Its id is reused. */
+    g_assert_cmpuint(pf_stable_tree_create(&t, 43), ==, n);
+    pf_stable_tree_destroy(&t);
+}
+
+int
+main(int argc, char **argv)
+{
+    g_test_init(&argc, &argv, NULL);
+    g_test_add_func("/tree/table/duplicates", test_table_duplicates);
+    g_test_add_func("/tree/table/growth-and-tombstones", test_table_growth_and_tombstones);
+    g_test_add_func("/tree/stable/members", test_stable_tree_members);
+    return g_test_run();
+}
