@@ -47,7 +47,8 @@ bin(const char *var)
     return p;
 }
 
-/* Runs pagefoldctl; returns its exit status, stdout in *out. */
+/* Runs pagefoldctl; returns its exit status, stdout in *out and stderr in
+ * *err, which it frees first, so a test can call it again and again. */
 static int
 ctl(Fixture *f, char **out, char **err, ...)
 {
@@ -57,6 +58,8 @@ ctl(Fixture *f, char **out, char **err, ...)
     const char *a;
     va_list ap;
 
+    g_clear_pointer(out, g_free);
+    g_clear_pointer(err, g_free);
     g_ptr_array_add(argv, (char *)bin("PAGEFOLDCTL"));
     g_ptr_array_add(argv, (char *)"--socket");
     g_ptr_array_add(argv, f->sock);
@@ -183,17 +186,11 @@ test_user_session(Fixture *f, gconstpointer data)
     g_assert_cmpint(ctl(f, &out, &err, "attach", pid0, NULL), ==, 0);
     g_assert_nonnull(strstr(out, "attached VM alpha"));
     g_assert_nonnull(strstr(out, "mode advise"));
-    g_clear_pointer(&out, g_free);
-    g_clear_pointer(&err, g_free);
     g_assert_cmpint(ctl(f, &out, &err, "attach", pid1, "--name", "beta-vm", NULL), ==, 0);
-    g_clear_pointer(&out, g_free);
-    g_clear_pointer(&err, g_free);
 
     g_assert_cmpint(ctl(f, &out, &err, "scan-now", "2", NULL), ==, 0);
     g_assert_nonnull(strstr(out, "pagefold mode: advise"));
     g_assert_nonnull(strstr(out, "beta-vm"));
-    g_clear_pointer(&out, g_free);
-    g_clear_pointer(&err, g_free);
 
     /* 16 MiB each: 2048 identical, 819 zero, 1229 unique pages. */
     stats = ctl_json(f, "stats", NULL);
@@ -206,21 +203,15 @@ test_user_session(Fixture *f, gconstpointer data)
     g_assert_cmpint(ctl(f, &out, &err, "stats", "alpha", "--prometheus", NULL), ==, 0);
     g_assert_nonnull(strstr(out, "pagefold_pages_sharing{vm=\"alpha\",mode=\"advise\"} 1024\n"));
     g_assert_null(strstr(out, "beta-vm"));
-    g_clear_pointer(&out, g_free);
-    g_clear_pointer(&err, g_free);
 
     g_assert_cmpint(ctl(f, &out, &err, "set", "pages_to_scan", "1000", NULL), ==, 0);
     g_assert_nonnull(strstr(out, "pages_to_scan"));
-    g_clear_pointer(&out, g_free);
-    g_clear_pointer(&err, g_free);
 
     /* A guest that dies is dropped by the daemon on its own. */
     g_subprocess_force_exit(f->guest[1]);
     g_subprocess_wait(f->guest[1], NULL, NULL);
     g_clear_object(&f->guest[1]);
     for (int i = 0; i < 100; i++) {
-        g_clear_pointer(&out, g_free);
-        g_clear_pointer(&err, g_free);
         g_assert_cmpint(ctl(f, &out, &err, "list", NULL), ==, 0);
         if (strstr(out, "beta-vm") == NULL) {
             break;
@@ -229,12 +220,8 @@ test_user_session(Fixture *f, gconstpointer data)
     }
     g_assert_null(strstr(out, "beta-vm"));
     g_assert_nonnull(strstr(out, "alpha"));
-    g_clear_pointer(&out, g_free);
-    g_clear_pointer(&err, g_free);
 
     g_assert_cmpint(ctl(f, &out, &err, "detach", "alpha", NULL), ==, 0);
-    g_clear_pointer(&out, g_free);
-    g_clear_pointer(&err, g_free);
 
     /* SIGTERM: a clean exit that removes the socket. */
     g_subprocess_send_signal(f->daemon, SIGTERM);

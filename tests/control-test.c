@@ -179,7 +179,11 @@ teardown(Fixture *f, gconstpointer data)
         pf_guest_release(f->pid[i]);
         pf_guest_free(f->guest[i]);
     }
-    g_rmdir(g_path_get_dirname(f->path));
+    {
+        g_autofree char *sub = g_path_get_dirname(f->path);
+
+        g_rmdir(sub);
+    }
     g_rmdir(f->dir);
     g_free(f->path);
     g_free(f->dir);
