@@ -378,24 +378,33 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
         return;
     }
     r->vm->pages_scanned++;
-    c = s->hash(data);
 
-    /* Pages that would be merged: do they still hold what they shared?
-     * A merged page would have left by copy-on-write. */
+    /* Pages that would be merged: do they still hold what they share?  A
+     * merged page would have left by copy-on-write.  A sharer must still
+     * equal its node's first page (memcmp, no checksum needed); the first
+     * page itself must keep the node's checksum; a zero page must be zero.
+     * Whoever fails leaves, and is then judged like any other page. */
     if (p->state == PF_PAGE_SHARED) {
         const PfStableNode *n = pf_stable_tree_node(&s->stable, p->node);
 
-        if (c == n->checksum &&
-            (n->members[0] == id || page_equal(s, data, n->members[0]))) {
+        if (n->members[0] != id) {
+            if (page_equal(s, data, n->members[0])) {
+                return;
+            }
+            c = s->hash(data);
+        } else if ((c = s->hash(data)) == n->checksum) {
             return;
         }
         pf_stable_tree_remove(&s->stable, id);
         set_state(r, p, PF_PAGE_VOLATILE);
     } else if (p->state == PF_PAGE_ZERO) {
-        if (c == s->zero_checksum && pf_page_is_zero(data)) {
+        if (pf_page_is_zero(data)) {
             return;
         }
+        c = s->hash(data);
         set_state(r, p, PF_PAGE_VOLATILE);
+    } else {
+        c = s->hash(data);
     }
 
     if (p->state == PF_PAGE_ABSENT || c != p->checksum) {
