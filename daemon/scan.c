@@ -740,10 +740,10 @@ batch_size(PfScanner *s)
     if (s->knobs.target_pass_millisecs == 0) {
         return s->knobs.pages_to_scan;
     }
+    /* All pages, holes too: a pass steps over holes quickly, and pages not
+     * visited yet must not make the first pass crawl. */
     for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
-
-        pages += pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT];
+        pages += pf_vm_n_pages(g_ptr_array_index(s->vms, i));
     }
     period_usec = (guint64)s->knobs.sleep_millisecs * 1000 + (guint64)s->last_batch_usec;
     return (gsize)MAX(1, (pages * period_usec + s->knobs.target_pass_millisecs * 1000ull - 1) /
