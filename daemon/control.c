@@ -116,16 +116,23 @@ find_vm(PfControl *c, const char *name, GError **error)
 
 /* ---- commands ---- */
 
+/* The members that name a VM in every answer about it. */
 static void
-vm_to_json(PfVm *vm, JsonBuilder *b)
+vm_identity_to_json(PfVm *vm, JsonBuilder *b)
 {
-    json_builder_begin_object(b);
     json_builder_set_member_name(b, "name");
     json_builder_add_string_value(b, vm->name);
     json_builder_set_member_name(b, "pid");
     json_builder_add_int_value(b, vm->pid);
     json_builder_set_member_name(b, "mode");
     json_builder_add_string_value(b, vm->mode);
+}
+
+static void
+vm_to_json(PfVm *vm, JsonBuilder *b)
+{
+    json_builder_begin_object(b);
+    vm_identity_to_json(vm, b);
     json_builder_set_member_name(b, "pages");
     json_builder_add_int_value(b, (gint64)pf_vm_n_pages(vm));
     json_builder_set_member_name(b, "regions");
@@ -180,12 +187,7 @@ stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b)
             continue;
         }
         json_builder_begin_object(b);
-        json_builder_set_member_name(b, "name");
-        json_builder_add_string_value(b, vm->name);
-        json_builder_set_member_name(b, "pid");
-        json_builder_add_int_value(b, vm->pid);
-        json_builder_set_member_name(b, "mode");
-        json_builder_add_string_value(b, vm->mode);
+        vm_identity_to_json(vm, b);
         pf_counters_to_json(&per_vm[i], b);
         json_builder_end_object(b);
     }
@@ -214,17 +216,11 @@ name_is_valid(const char *name, GError **error)
 static gboolean
 cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    static const ArgSpec spec[] = {
-        { "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE }, { NULL }
-    };
     gint64 pid;
     const char *name;
     g_autoptr(PfVm) vm = NULL;
     GPtrArray *vms = pf_scanner_get_vms(c->scanner);
 
-    if (!check_args(args, spec, error)) {
-        return FALSE;
-    }
     pid = arg_int(args, "pid", 0);
     name = arg_str(args, "name");
     if (pid <= 0 || pid > G_MAXINT) {
@@ -263,11 +259,9 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_detach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    static const ArgSpec spec[] = { { "vm", ARG_STRING, TRUE }, { NULL } };
-    PfVm *vm;
+    PfVm *vm = find_vm(c, arg_str(args, "vm"), error);
 
-    if (!check_args(args, spec, error) ||
-        (vm = find_vm(c, arg_str(args, "vm"), error)) == NULL) {
+    if (vm == NULL) {
         return FALSE;
     }
     g_message("VM %s (pid %d) detached on request", vm->name, vm->pid);
@@ -280,12 +274,8 @@ cmd_detach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_list(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    static const ArgSpec spec[] = { { NULL } };
     GPtrArray *vms = pf_scanner_get_vms(c->scanner);
 
-    if (!check_args(args, spec, error)) {
-        return FALSE;
-    }
     json_builder_begin_array(b);
     for (guint i = 0; i < vms->len; i++) {
         vm_to_json(g_ptr_array_index(vms, i), b);
@@ -297,12 +287,8 @@ cmd_list(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_stats(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    static const ArgSpec spec[] = { { "vm", ARG_STRING, FALSE }, { NULL } };
     PfVm *vm = NULL;
 
-    if (!check_args(args, spec, error)) {
-        return FALSE;
-    }
     if (arg_str(args, "vm") != NULL && (vm = find_vm(c, arg_str(args, "vm"), error)) == NULL) {
         return FALSE;
     }
@@ -313,11 +299,6 @@ cmd_stats(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_knobs(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    static const ArgSpec spec[] = { { NULL } };
-
-    if (!check_args(args, spec, error)) {
-        return FALSE;
-    }
     json_builder_begin_object(b);
     pf_knobs_to_json(pf_scanner_get_knobs(c->scanner), b);
     json_builder_end_object(b);
@@ -327,15 +308,8 @@ cmd_knobs(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_set(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    static const ArgSpec spec[] = {
-        { "knob", ARG_STRING, TRUE }, { "value", ARG_INT, TRUE }, { NULL }
-    };
-    gint64 value;
+    gint64 value = arg_int(args, "value", 0);
 
-    if (!check_args(args, spec, error)) {
-        return FALSE;
-    }
-    value = arg_int(args, "value", 0);
     if (value < 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "%s must not be negative", arg_str(args, "knob"));
@@ -352,13 +326,8 @@ cmd_set(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_scan_now(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    static const ArgSpec spec[] = { { "passes", ARG_INT, FALSE }, { NULL } };
-    gint64 passes;
+    gint64 passes = arg_int(args, "passes", 1);
 
-    if (!check_args(args, spec, error)) {
-        return FALSE;
-    }
-    passes = arg_int(args, "passes", 1);
     if (passes < 1 || passes > MAX_SCAN_NOW_PASSES) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "passes must be between 1 and %d", MAX_SCAN_NOW_PASSES);
@@ -372,11 +341,6 @@ cmd_scan_now(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_capabilities(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    static const ArgSpec spec[] = { { NULL } };
-
-    if (!check_args(args, spec, error)) {
-        return FALSE;
-    }
     json_builder_begin_object(b);
     json_builder_end_object(b);
     return TRUE;
@@ -385,19 +349,25 @@ cmd_capabilities(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 typedef gboolean (*CommandFunc)(PfControl *c, JsonObject *args, JsonBuilder *b,
                                 GError **error);
 
+#define ARGS(...) ((const ArgSpec[]){ __VA_ARGS__ { NULL } })
+
+/* Each command's arguments are checked here, before it runs. */
 static const struct {
     const char *name;
     CommandFunc func;
+    const ArgSpec *args;
 } commands[] = {
-    { "qmp_capabilities", cmd_capabilities },
-    { "attach", cmd_attach },
-    { "detach", cmd_detach },
-    { "list", cmd_list },
-    { "stats", cmd_stats },
-    { "knobs", cmd_knobs },
-    { "set", cmd_set },
-    { "scan-now", cmd_scan_now },
+    { "qmp_capabilities", cmd_capabilities, ARGS() },
+    { "attach", cmd_attach, ARGS({ "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE }, ) },
+    { "detach", cmd_detach, ARGS({ "vm", ARG_STRING, TRUE }, ) },
+    { "list", cmd_list, ARGS() },
+    { "stats", cmd_stats, ARGS({ "vm", ARG_STRING, FALSE }, ) },
+    { "knobs", cmd_knobs, ARGS() },
+    { "set", cmd_set, ARGS({ "knob", ARG_STRING, TRUE }, { "value", ARG_INT, TRUE }, ) },
+    { "scan-now", cmd_scan_now, ARGS({ "passes", ARG_INT, FALSE }, ) },
 };
+
+#undef ARGS
 
 /* ---- requests ---- */
 
@@ -489,7 +459,8 @@ pf_control_execute(PfControl *c, const char *line, gsize len)
         b = json_builder_new();
         json_builder_begin_object(b);
         json_builder_set_member_name(b, "return");
-        if (!commands[i].func(c, args, b, &error)) {
+        if (!check_args(args, commands[i].args, &error) ||
+            !commands[i].func(c, args, b, &error)) {
             return reply_error(error_class(error), error->message, id);
         }
         if (id != NULL) {

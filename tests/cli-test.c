@@ -47,28 +47,40 @@ bin(const char *var)
     return p;
 }
 
+/* prog [--socket sock] then the NULL-terminated arguments, as an argv. */
+static GPtrArray *
+argv_new(const char *prog, const char *sock, va_list ap)
+{
+    GPtrArray *argv = g_ptr_array_new();
+    const char *a;
+
+    g_ptr_array_add(argv, (char *)prog);
+    if (sock != NULL) {
+        g_ptr_array_add(argv, (char *)"--socket");
+        g_ptr_array_add(argv, (char *)sock);
+    }
+    while ((a = va_arg(ap, const char *)) != NULL) {
+        g_ptr_array_add(argv, (char *)a);
+    }
+    g_ptr_array_add(argv, NULL);
+    return argv;
+}
+
 /* Runs pagefoldctl; returns its exit status, stdout in *out and stderr in
  * *err, which it frees first, so a test can call it again and again. */
 static int
 ctl(Fixture *f, char **out, char **err, ...)
 {
-    g_autoptr(GPtrArray) argv = g_ptr_array_new();
+    g_autoptr(GPtrArray) argv = NULL;
     g_autoptr(GSubprocess) p = NULL;
     g_autoptr(GError) error = NULL;
-    const char *a;
     va_list ap;
 
     g_clear_pointer(out, g_free);
     g_clear_pointer(err, g_free);
-    g_ptr_array_add(argv, (char *)bin("PAGEFOLDCTL"));
-    g_ptr_array_add(argv, (char *)"--socket");
-    g_ptr_array_add(argv, f->sock);
     va_start(ap, err);
-    while ((a = va_arg(ap, const char *)) != NULL) {
-        g_ptr_array_add(argv, (char *)a);
-    }
+    argv = argv_new(bin("PAGEFOLDCTL"), f->sock, ap);
     va_end(ap);
-    g_ptr_array_add(argv, NULL);
     p = spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
                (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);
@@ -118,19 +130,12 @@ start_guest(const char *name, int seed, int *pid)
 static GSubprocess *
 start_daemon(Fixture *f, GError **error, ...)
 {
-    g_autoptr(GPtrArray) argv = g_ptr_array_new();
-    const char *a;
+    g_autoptr(GPtrArray) argv = NULL;
     va_list ap;
 
-    g_ptr_array_add(argv, (char *)bin("PAGEFOLDD"));
-    g_ptr_array_add(argv, (char *)"--socket");
-    g_ptr_array_add(argv, f->sock);
     va_start(ap, error);
-    while ((a = va_arg(ap, const char *)) != NULL) {
-        g_ptr_array_add(argv, (char *)a);
-    }
+    argv = argv_new(bin("PAGEFOLDD"), f->sock, ap);
     va_end(ap);
-    g_ptr_array_add(argv, NULL);
     return spawnv(G_SUBPROCESS_FLAGS_NONE, (const char *const *)argv->pdata, error);
 }
 
@@ -232,22 +237,20 @@ test_user_session(Fixture *f, gconstpointer data)
     g_clear_object(&f->daemon);
 }
 
+/* Runs prog with the arguments; wants its exit status and a piece of its
+ * stderr. */
 static void
-expect(Fixture *f, int want_rc, const char *want_err, ...)
+expect(Fixture *f, int want_rc, const char *want_err, const char *prog, ...)
 {
-    g_autoptr(GPtrArray) argv = g_ptr_array_new();
+    g_autoptr(GPtrArray) argv = NULL;
     g_autoptr(GSubprocess) p = NULL;
     g_autoptr(GError) error = NULL;
     g_autofree char *out = NULL, *err = NULL;
-    const char *a;
     va_list ap;
 
-    va_start(ap, want_err);
-    while ((a = va_arg(ap, const char *)) != NULL) {
-        g_ptr_array_add(argv, (char *)a);
-    }
+    va_start(ap, prog);
+    argv = argv_new(prog, NULL, ap);
     va_end(ap);
-    g_ptr_array_add(argv, NULL);
     p = spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
                (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);
