@@ -1,0 +1,710 @@
+/*
+ * agent.c - see agent.h.
+ *
+ * Measured pitfalls this code is shaped by (see shared FACTS):
+ *  - with UFFD_FEATURE_EVENT_UNMAP, a MAP_FIXED over a registered range
+ *    blocks until the event is read: no event features are asked for, and
+ *    the userfaultfd is non-blocking;
+ *  - a VMA mapped over a registered range is not registered: unmerge
+ *    registers the page again, so the range coalesces back;
+ *  - QEMU not running as root cannot create a userfaultfd that sees KVM's
+ *    faults: pagefoldd may pass a /dev/userfaultfd fd to make one with;
+ *  - write protection does not stop writes through another mapping of the
+ *    memfd or pwrite() (vhost-user): such VMs must stay in advise mode.
+ */
+#include "agent.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <gio/gio.h>
+#include <linux/userfaultfd.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "util.h"
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+#ifndef USERFAULTFD_IOC_NEW
+#define USERFAULTFD_IOC_NEW _IO(0xAA, 0x00)
+#endif
+
+#define POOL_SEALS (F_SEAL_FUTURE_WRITE | F_SEAL_GROW | F_SEAL_SHRINK)
+#define MAX_RUN 512
+
+typedef struct {
+    char *name;
+    guint8 *host;
+    gsize size;
+    gsize n_pages;
+    int fd;
+    guint64 offset;
+} Region;
+
+typedef struct {
+    int fd;
+    const guint8 *map; /* PROT_READ, for the compare */
+    guint32 n_slots;
+} Chunk;
+
+struct _PfAgent {
+    char *name;
+    guint8 uuid[16];
+    GArray *regions; /* Region */
+    char *advise_reason;
+
+    PfMode mode;
+    char *reason;
+    int sock;
+    int uffd;
+    GPtrArray *chunks; /* Chunk*, indexed by chunk id, NULL where unknown */
+
+    GThread *thread;
+    int stop[2];
+    GMutex lock;
+    PfAgentStats stats;
+    gboolean connected;
+};
+
+static const guint8 zero_page[PF_PAGE_SIZE];
+
+/* ---- userfaultfd ---- */
+
+static int
+uffd_create(int dev_fd)
+{
+    int fd = -1;
+
+    if (dev_fd >= 0) {
+        fd = ioctl(dev_fd, USERFAULTFD_IOC_NEW, O_CLOEXEC | O_NONBLOCK);
+    }
+    if (fd < 0) {
+        fd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+    }
+    return fd;
+}
+
+static int
+uffd_register(int uffd, void *addr, gsize len)
+{
+    struct uffdio_register reg = {
+        .range = { (guint64)(guintptr)addr, len },
+        .mode = UFFDIO_REGISTER_MODE_WP,
+    };
+
+    return ioctl(uffd, UFFDIO_REGISTER, &reg) < 0 ? -errno : 0;
+}
+
+static int
+uffd_protect(int uffd, void *addr, gsize len, gboolean on)
+{
+    struct uffdio_writeprotect wp = {
+        .range = { (guint64)(guintptr)addr, len },
+        .mode = on ? UFFDIO_WRITEPROTECT_MODE_WP : 0, /* off also wakes */
+    };
+
+    return ioctl(uffd, UFFDIO_WRITEPROTECT, &wp) < 0 ? -errno : 0;
+}
+
+static void
+uffd_wake(int uffd, void *addr, gsize len)
+{
+    struct uffdio_range r = { (guint64)(guintptr)addr, len };
+
+    ioctl(uffd, UFFDIO_WAKE, &r);
+}
+
+/* Makes the userfaultfd and registers all guest RAM for write protection;
+ * on failure says why the VM must stay in advise mode. */
+static gboolean
+uffd_setup(PfAgent *a, int dev_fd, char **why)
+{
+    struct uffdio_api api = { .api = UFFD_API, .features = 0 };
+    int probe = uffd_create(dev_fd);
+    guint64 supported;
+
+    if (probe < 0) {
+        *why = g_strdup_printf("cannot create a userfaultfd: %s (QEMU needs root, or "
+                               "/dev/userfaultfd from pagefoldd)", g_strerror(errno));
+        return FALSE;
+    }
+    if (ioctl(probe, UFFDIO_API, &api) < 0) {
+        *why = g_strdup_printf("UFFDIO_API: %s", g_strerror(errno));
+        close(probe);
+        return FALSE;
+    }
+    supported = api.features;
+    close(probe);
+    if (!(supported & UFFD_FEATURE_WP_HUGETLBFS_SHMEM)) {
+        *why = g_strdup("this kernel has no userfaultfd write protection for shmem (Linux 5.19+)");
+        return FALSE;
+    }
+    a->uffd = uffd_create(dev_fd);
+    api.api = UFFD_API;
+    api.features = UFFD_FEATURE_WP_HUGETLBFS_SHMEM;
+    if (a->uffd < 0 || ioctl(a->uffd, UFFDIO_API, &api) < 0) {
+        *why = g_strdup_printf("userfaultfd: %s", g_strerror(errno));
+        return FALSE;
+    }
+    for (guint i = 0; i < a->regions->len; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+        int rc = uffd_register(a->uffd, r->host, r->size);
+
+        if (rc < 0) {
+            *why = g_strdup_printf("cannot write-protect region %s: %s%s", r->name,
+                                   g_strerror(-rc),
+                                   rc == -EBUSY ? " (postcopy or background snapshot "
+                                                  "already uses userfaultfd)" : "");
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
+/* ---- items ---- */
+
+static gboolean
+item_valid(PfAgent *a, const PfWireItem *it)
+{
+    const Region *r;
+
+    if (it->region >= a->regions->len) {
+        return FALSE;
+    }
+    r = &g_array_index(a->regions, Region, it->region);
+    if (it->page >= r->n_pages) {
+        return FALSE;
+    }
+    if (it->kind == PF_ITEM_MERGE) {
+        const Chunk *c = it->chunk < a->chunks->len ? g_ptr_array_index(a->chunks, it->chunk)
+                                                    : NULL;
+
+        return c != NULL && it->slot < c->n_slots;
+    }
+    return TRUE;
+}
+
+/* Does item b continue the run that item a..prev forms? */
+static gboolean
+continues(const PfWireItem *first, guint32 k, const PfWireItem *it)
+{
+    return it->kind == first->kind && it->kind != PF_ITEM_UNMERGE &&
+           it->region == first->region && it->page == first->page + k &&
+           (it->kind != PF_ITEM_MERGE || (it->chunk == first->chunk && it->slot == first->slot + k));
+}
+
+static void
+set_result(PfWireResult *res, PfResultStatus status, int err)
+{
+    memset(res, 0, sizeof(*res));
+    res->status = (guint8)status;
+    res->err = err;
+}
+
+/* k consecutive pages, to k consecutive pool slots (merge) or to zero. */
+static void
+exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
+{
+    Region *r = &g_array_index(a->regions, Region, first->region);
+    const Chunk *c = first->kind == PF_ITEM_MERGE ? g_ptr_array_index(a->chunks, first->chunk)
+                                                  : NULL;
+    guint8 *hva = r->host + first->page * PF_PAGE_SIZE;
+    gboolean done[MAX_RUN] = { FALSE };
+    int rc = uffd_protect(a->uffd, hva, (gsize)k * PF_PAGE_SIZE, TRUE);
+
+    if (rc < 0) {
+        for (guint32 t = 0; t < k; t++) {
+            set_result(&res[t], PF_RESULT_ERROR, -rc);
+        }
+        return;
+    }
+    /* Writers now block.  What we compare is what stays. */
+    for (guint32 t = 0; t < k; t++) {
+        const guint8 *want = c ? c->map + (gsize)(first->slot + t) * PF_PAGE_SIZE : zero_page;
+
+        done[t] = memcmp(hva + (gsize)t * PF_PAGE_SIZE, want, PF_PAGE_SIZE) == 0;
+        set_result(&res[t], done[t] ? PF_RESULT_DONE : PF_RESULT_CHANGED, 0);
+    }
+    for (guint32 t = 0; t < k;) {
+        guint32 u = t;
+        void *m;
+
+        if (!done[t]) {
+            t++;
+            continue;
+        }
+        while (u < k && done[u]) {
+            u++;
+        }
+        if (c != NULL) {
+            m = mmap(hva + (gsize)t * PF_PAGE_SIZE, (gsize)(u - t) * PF_PAGE_SIZE,
+                     PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, c->fd,
+                     (off_t)(first->slot + t) * PF_PAGE_SIZE);
+        } else {
+            m = mmap(hva + (gsize)t * PF_PAGE_SIZE, (gsize)(u - t) * PF_PAGE_SIZE,
+                     PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+        }
+        if (m == MAP_FAILED) {
+            int e = errno;
+
+            for (guint32 v = t; v < u; v++) {
+                done[v] = FALSE;
+                set_result(&res[v], PF_RESULT_ERROR, e);
+            }
+        } else {
+            /* Only now is the old page unreachable: drop it from the memfd. */
+            if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                          (off_t)(r->offset + (first->page + t) * PF_PAGE_SIZE),
+                          (off_t)(u - t) * PF_PAGE_SIZE) < 0) {
+                g_warning("pagefold agent: punching %s failed: %s", r->name, g_strerror(errno));
+            }
+        }
+        t = u;
+    }
+    /* Pages left as they were: lift the protection, their writers go on. */
+    for (guint32 t = 0; t < k;) {
+        guint32 u = t;
+
+        if (done[t]) {
+            t++;
+            continue;
+        }
+        while (u < k && !done[u]) {
+            u++;
+        }
+        uffd_protect(a->uffd, hva + (gsize)t * PF_PAGE_SIZE, (gsize)(u - t) * PF_PAGE_SIZE, FALSE);
+        t = u;
+    }
+    /* Writers that blocked on remapped pages retry on the new mapping. */
+    uffd_wake(a->uffd, hva, (gsize)k * PF_PAGE_SIZE);
+}
+
+/* Folds one page back: its content into the memfd, the memfd mapped again. */
+static void
+exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
+{
+    Region *r = &g_array_index(a->regions, Region, it->region);
+    guint8 *hva = r->host + it->page * PF_PAGE_SIZE;
+    off_t off = (off_t)(r->offset + it->page * PF_PAGE_SIZE);
+    int rc;
+
+    /* A remapped page is in a VMA of its own, not registered yet. */
+    if ((rc = uffd_register(a->uffd, hva, PF_PAGE_SIZE)) < 0 ||
+        (rc = uffd_protect(a->uffd, hva, PF_PAGE_SIZE, TRUE)) < 0) {
+        set_result(res, PF_RESULT_ERROR, -rc);
+        return;
+    }
+    if (pwrite(r->fd, hva, PF_PAGE_SIZE, off) != PF_PAGE_SIZE) {
+        int e = errno ? errno : EIO;
+
+        uffd_protect(a->uffd, hva, PF_PAGE_SIZE, FALSE);
+        set_result(res, PF_RESULT_ERROR, e);
+        return;
+    }
+    if (mmap(hva, PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd, off) ==
+        MAP_FAILED) {
+        int e = errno;
+
+        uffd_protect(a->uffd, hva, PF_PAGE_SIZE, FALSE);
+        set_result(res, PF_RESULT_ERROR, e);
+        return;
+    }
+    /* Registered again, it coalesces with its neighbours. */
+    uffd_register(a->uffd, hva, PF_PAGE_SIZE);
+    uffd_wake(a->uffd, hva, PF_PAGE_SIZE);
+    set_result(res, PF_RESULT_DONE, 0);
+}
+
+static void
+count_results(PfAgent *a, const PfWireItem *items, const PfWireResult *res, guint32 n)
+{
+    g_mutex_lock(&a->lock);
+    a->stats.requests++;
+    for (guint32 i = 0; i < n; i++) {
+        if (res[i].status == PF_RESULT_CHANGED) {
+            a->stats.changed++;
+        } else if (res[i].status == PF_RESULT_ERROR) {
+            a->stats.errors++;
+        } else if (items[i].kind == PF_ITEM_MERGE) {
+            a->stats.merged++;
+        } else if (items[i].kind == PF_ITEM_ZERO) {
+            a->stats.zeroed++;
+        } else {
+            a->stats.unmerged++;
+        }
+    }
+    g_mutex_unlock(&a->lock);
+}
+
+static gboolean
+handle_request(PfAgent *a, const PfMsg *msg, GError **error)
+{
+    guint32 n;
+    const PfWireItem *items = pf_msg_items(msg, &n);
+    g_autofree PfWireResult *res = g_new0(PfWireResult, n);
+
+    for (guint32 i = 0; i < n;) {
+        guint32 k = 1;
+
+        if (a->mode != PF_MODE_MERGE || !item_valid(a, &items[i])) {
+            /* Out of range, or not ours to act on: refused, nothing touched. */
+            set_result(&res[i], PF_RESULT_ERROR, a->mode != PF_MODE_MERGE ? EPERM : EINVAL);
+            i++;
+            continue;
+        }
+        if (items[i].kind == PF_ITEM_UNMERGE) {
+            exec_unmerge(a, &items[i], &res[i]);
+            i++;
+            continue;
+        }
+        while (i + k < n && k < MAX_RUN && continues(&items[i], k, &items[i + k]) &&
+               item_valid(a, &items[i + k])) {
+            k++;
+        }
+        exec_run(a, &items[i], k, &res[i]);
+        i += k;
+    }
+    count_results(a, items, res, n);
+    return pf_proto_send_results(a->sock, msg->header.seq, res, n, error);
+}
+
+/* ---- pool chunks ---- */
+
+static gboolean
+take_chunk(PfAgent *a, PfMsg *msg, GError **error)
+{
+    const PfWirePool *p = pf_msg_pool(msg);
+    int fd = msg->fds[0];
+    int seals = fcntl(fd, F_GET_SEALS);
+    struct stat st;
+    Chunk *c;
+    void *map;
+
+    msg->n_fds = 0; /* ours now */
+    if (seals < 0 || (seals & POOL_SEALS) != POOL_SEALS) {
+        close(fd);
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "pool chunk %u is not sealed against writing and resizing (seals 0x%x)",
+                    p->chunk, seals < 0 ? 0 : seals);
+        return FALSE;
+    }
+    if (fstat(fd, &st) < 0 || (guint64)st.st_size < (guint64)p->n_slots * PF_PAGE_SIZE ||
+        p->chunk > 4096 || (p->chunk < a->chunks->len && g_ptr_array_index(a->chunks, p->chunk))) {
+        close(fd);
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "pool chunk %u is smaller than its %u slots, or sent twice", p->chunk,
+                    p->n_slots);
+        return FALSE;
+    }
+    map = mmap(NULL, (gsize)p->n_slots * PF_PAGE_SIZE, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+        int e = errno;
+
+        close(fd);
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot map pool chunk %u: %s", p->chunk,
+                    g_strerror(e));
+        return FALSE;
+    }
+    c = g_new0(Chunk, 1);
+    c->fd = fd;
+    c->map = map;
+    c->n_slots = p->n_slots;
+    if (p->chunk >= a->chunks->len) {
+        g_ptr_array_set_size(a->chunks, (gint)p->chunk + 1);
+    }
+    g_ptr_array_index(a->chunks, p->chunk) = c;
+    return TRUE;
+}
+
+static void
+chunk_free(gpointer p)
+{
+    Chunk *c = p;
+
+    if (c == NULL) {
+        return;
+    }
+    /* Merged pages keep their own references to the memory. */
+    munmap((void *)c->map, (gsize)c->n_slots * PF_PAGE_SIZE);
+    close(c->fd);
+    g_free(c);
+}
+
+/* ---- the connection ---- */
+
+static void
+send_error(PfAgent *a, const char *text)
+{
+    pf_proto_send(a->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
+}
+
+static gpointer
+agent_thread(gpointer data)
+{
+    PfAgent *a = data;
+    g_autofree PfMsg *msg = g_new0(PfMsg, 1);
+
+    for (;;) {
+        struct pollfd pfd[2] = { { a->sock, POLLIN, 0 }, { a->stop[0], POLLIN, 0 } };
+        g_autoptr(GError) error = NULL;
+        gboolean ok = TRUE;
+
+        if (poll(pfd, 2, -1) < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            break;
+        }
+        if (pfd[1].revents) {
+            break;
+        }
+        if (!pf_proto_recv(a->sock, msg, &error)) {
+            if (!g_error_matches(error, G_IO_ERROR, G_IO_ERROR_CLOSED)) {
+                g_warning("pagefold agent: %s; disconnecting", error->message);
+                send_error(a, error->message);
+            }
+            break;
+        }
+        switch (msg->header.type) {
+        case PF_MSG_POOL:
+            ok = take_chunk(a, msg, &error);
+            break;
+        case PF_MSG_REQUEST:
+            ok = handle_request(a, msg, &error);
+            break;
+        case PF_MSG_ERROR:
+            g_warning("pagefold agent: pagefoldd says: %.*s", (int)msg->header.length,
+                      (const char *)msg->payload);
+            ok = FALSE;
+            break;
+        default:
+            g_set_error(&error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "unexpected message type %u", msg->header.type);
+            ok = FALSE;
+        }
+        pf_msg_close_fds(msg);
+        if (!ok) {
+            if (error != NULL) {
+                g_warning("pagefold agent: %s; disconnecting", error->message);
+                send_error(a, error->message);
+            }
+            break;
+        }
+    }
+    g_mutex_lock(&a->lock);
+    a->connected = FALSE;
+    g_mutex_unlock(&a->lock);
+    return NULL;
+}
+
+static gboolean
+recv_expect(int sock, PfMsg *msg, PfMsgType type, GError **error)
+{
+    if (!pf_proto_recv(sock, msg, error)) {
+        return FALSE;
+    }
+    if (msg->header.type == PF_MSG_ERROR) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pagefoldd refused: %.*s",
+                    (int)msg->header.length, (const char *)msg->payload);
+        return FALSE;
+    }
+    if (msg->header.type != type) {
+        pf_msg_close_fds(msg);
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "expected message type %u, got %u", type, msg->header.type);
+        return FALSE;
+    }
+    return TRUE;
+}
+
+gboolean
+pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    g_autofree PfMsg *msg = g_new0(PfMsg, 1);
+    PfWireHello hello = { 0 };
+    PfWireMode ready = { 0 };
+    g_autofree char *why = NULL;
+    int dev_fd = -1;
+
+    g_return_val_if_fail(a->sock < 0 && a->regions->len > 0, FALSE);
+    if (strlen(socket_path) >= sizeof(addr.sun_path)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long");
+        return FALSE;
+    }
+    strcpy(addr.sun_path, socket_path);
+    a->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (a->sock < 0 || connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot connect to pagefoldd at %s: %s",
+                    socket_path, g_strerror(errno));
+        return FALSE;
+    }
+    hello.version = PF_PROTO_VERSION;
+    hello.pid = (guint32)getpid();
+    memcpy(hello.uuid, a->uuid, 16);
+    pf_wire_set_string(hello.name, sizeof(hello.name), a->name);
+    hello.n_regions = a->regions->len;
+    if (!pf_proto_send(a->sock, PF_MSG_HELLO, 0, &hello, sizeof(hello), NULL, 0, error)) {
+        return FALSE;
+    }
+    for (guint i = 0; i < a->regions->len; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+        PfWireRegion wr = { 0 };
+
+        wr.index = i;
+        wr.page_size = PF_PAGE_SIZE;
+        wr.host_addr = (guint64)(guintptr)r->host;
+        wr.size = r->size;
+        wr.offset = r->offset;
+        pf_wire_set_string(wr.name, sizeof(wr.name), r->name);
+        if (!pf_proto_send(a->sock, PF_MSG_REGION, 0, &wr, sizeof(wr), &r->fd, 1, error)) {
+            return FALSE;
+        }
+    }
+    if (!recv_expect(a->sock, msg, PF_MSG_WELCOME, error)) {
+        return FALSE;
+    }
+    if (msg->n_fds == 1) {
+        dev_fd = msg->fds[0];
+        msg->n_fds = 0;
+    }
+    if (a->advise_reason != NULL) {
+        why = g_strdup(a->advise_reason);
+    } else if (pf_msg_mode(msg)->mode != PF_MODE_MERGE) {
+        why = g_strdup(pf_msg_mode(msg)->reason);
+    } else if (uffd_setup(a, dev_fd, &why)) {
+        a->mode = PF_MODE_MERGE;
+    }
+    if (dev_fd >= 0) {
+        close(dev_fd);
+    }
+    g_free(a->reason);
+    a->reason = g_strdup(why ? why : "");
+    ready.version = PF_PROTO_VERSION;
+    ready.mode = a->mode;
+    pf_wire_set_string(ready.reason, sizeof(ready.reason), a->reason);
+    if (!pf_proto_send(a->sock, PF_MSG_READY, 0, &ready, sizeof(ready), NULL, 0, error)) {
+        return FALSE;
+    }
+    if (a->mode != PF_MODE_MERGE) {
+        g_message("pagefold agent: VM %s stays in advise mode: %s", a->name, a->reason);
+    }
+    a->connected = TRUE;
+    if (pipe2(a->stop, O_CLOEXEC) < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pipe: %s", g_strerror(errno));
+        return FALSE;
+    }
+    a->thread = g_thread_new("pagefold-agent", agent_thread, a);
+    return TRUE;
+}
+
+PfAgent *
+pf_agent_new(const char *vm_name, const guint8 *uuid)
+{
+    PfAgent *a = g_new0(PfAgent, 1);
+
+    a->name = g_strdup(vm_name);
+    if (uuid != NULL) {
+        memcpy(a->uuid, uuid, 16);
+    }
+    a->regions = g_array_new(FALSE, TRUE, sizeof(Region));
+    a->chunks = g_ptr_array_new_with_free_func(chunk_free);
+    a->sock = a->uffd = -1;
+    a->stop[0] = a->stop[1] = -1;
+    a->mode = PF_MODE_ADVISE;
+    g_mutex_init(&a->lock);
+    return a;
+}
+
+void
+pf_agent_add_region(PfAgent *a, const PfAgentRegion *r)
+{
+    Region reg = {
+        g_strdup(r->name), r->host, r->size, r->size / PF_PAGE_SIZE,
+        fcntl(r->fd, F_DUPFD_CLOEXEC, 3), r->offset,
+    };
+
+    g_array_append_val(a->regions, reg);
+}
+
+void
+pf_agent_set_advise_only(PfAgent *a, const char *reason)
+{
+    g_free(a->advise_reason);
+    a->advise_reason = g_strdup(reason);
+}
+
+void
+pf_agent_free(PfAgent *a)
+{
+    if (a == NULL) {
+        return;
+    }
+    if (a->thread != NULL) {
+        (void)!write(a->stop[1], "x", 1);
+        g_thread_join(a->thread);
+    }
+    for (int i = 0; i < 2; i++) {
+        if (a->stop[i] >= 0) {
+            close(a->stop[i]);
+        }
+    }
+    if (a->sock >= 0) {
+        close(a->sock);
+    }
+    if (a->uffd >= 0) {
+        close(a->uffd);
+    }
+    for (guint i = 0; i < a->regions->len; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+
+        g_free(r->name);
+        close(r->fd);
+    }
+    g_array_unref(a->regions);
+    g_ptr_array_unref(a->chunks);
+    g_mutex_clear(&a->lock);
+    g_free(a->advise_reason);
+    g_free(a->reason);
+    g_free(a->name);
+    g_free(a);
+}
+
+PfMode
+pf_agent_get_mode(PfAgent *a)
+{
+    return a->mode;
+}
+
+const char *
+pf_agent_get_reason(PfAgent *a)
+{
+    return a->reason ? a->reason : "";
+}
+
+gboolean
+pf_agent_is_connected(PfAgent *a)
+{
+    gboolean c;
+
+    g_mutex_lock(&a->lock);
+    c = a->connected;
+    g_mutex_unlock(&a->lock);
+    return c;
+}
+
+void
+pf_agent_get_stats(PfAgent *a, PfAgentStats *stats)
+{
+    g_mutex_lock(&a->lock);
+    *stats = a->stats;
+    g_mutex_unlock(&a->lock);
+}

@@ -1,0 +1,63 @@
+/*
+ * agent.h - the agent library: linked into the VM's process (QEMU, or the
+ * stand-in VMM of the tests), it performs the merges pagefoldd decides,
+ * because only the process that maps guest RAM can change its mappings.
+ *
+ * For each item, under userfaultfd write protection of the guest page:
+ *   merge   memcmp with the pool slot; if equal, map the slot MAP_PRIVATE
+ *           over the page and punch the page out of the guest memfd
+ *   zero    check the page is zero; if so, map a private anonymous page
+ *   unmerge copy the page back into the memfd and map the memfd again
+ * then wake any writer that blocked meanwhile.  A page that differs is left
+ * as it was: its blocked writer's write lands.  This compare is the last
+ * word on every merge; pagefoldd's checksums and its own memcmp only
+ * propose.
+ *
+ * Owns: its connection to pagefoldd, one thread, a userfaultfd, the pool
+ * chunk fds it was sent.  Never: writes guest RAM other than by unmerge's
+ * copy-back of the page's own content, keeps a page write-protected past
+ * the item, or accepts a pool chunk that pagefoldd could still write
+ * through a new mapping (it must be sealed).  When pagefoldd goes away,
+ * every merged page stays valid: the mappings hold the pool memory.
+ */
+#pragma once
+
+#include <glib.h>
+
+#include "proto.h"
+
+typedef struct {
+    const char *name;
+    void *host;      /* where this process maps the region, MAP_SHARED */
+    gsize size;
+    int fd;          /* the memfd (the agent keeps a dup) */
+    guint64 offset;  /* of host in the memfd */
+} PfAgentRegion;
+
+typedef struct {
+    guint64 merged;
+    guint64 zeroed;
+    guint64 unmerged;
+    guint64 changed;
+    guint64 errors;
+    guint64 requests;
+} PfAgentStats;
+
+typedef struct _PfAgent PfAgent;
+
+PfAgent *pf_agent_new(const char *vm_name, const guint8 *uuid);
+void pf_agent_add_region(PfAgent *a, const PfAgentRegion *r);
+/* This VM must not be remapped (vhost-user, VFIO, ...): advise mode. */
+void pf_agent_set_advise_only(PfAgent *a, const char *reason);
+
+/* Connects, announces the VM and its regions, settles the mode, and
+ * starts serving on a thread of its own. */
+gboolean pf_agent_start(PfAgent *a, const char *socket_path, GError **error);
+/* Disconnects and stops the thread; merged pages stay as they are. */
+void pf_agent_free(PfAgent *a);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfAgent, pf_agent_free)
+
+PfMode pf_agent_get_mode(PfAgent *a);
+const char *pf_agent_get_reason(PfAgent *a);
+gboolean pf_agent_is_connected(PfAgent *a);
+void pf_agent_get_stats(PfAgent *a, PfAgentStats *stats);

@@ -1,0 +1,358 @@
+/*
+ * proto.c - see proto.h.
+ */
+#include "proto.h"
+
+#include <errno.h>
+#include <gio/gio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "util.h"
+
+typedef struct {
+    guint32 n;
+    guint32 reserved;
+} ListHeader;
+
+static gboolean
+fail(GError **error, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+
+static gboolean
+fail(GError **error, const char *fmt, ...)
+{
+    va_list ap;
+    g_autofree char *text = NULL;
+
+    va_start(ap, fmt);
+    text = g_strdup_vprintf(fmt, ap);
+    va_end(ap);
+    g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "bad agent message: %s", text);
+    return FALSE;
+}
+
+void
+pf_wire_set_string(char *field, gsize size, const char *text)
+{
+    memset(field, 0, size);
+    if (text != NULL) {
+        g_strlcpy(field, text, size);
+    }
+}
+
+gboolean
+pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload, gsize length,
+              const int *fds, guint n_fds, GError **error)
+{
+    PfMsgHeader h = { PF_PROTO_MAGIC, (guint16)type, 0, (guint32)length, seq };
+    struct iovec iov[2] = {
+        { &h, sizeof(h) },
+        { (void *)payload, length },
+    };
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * PF_PROTO_MAX_FDS)];
+        struct cmsghdr align;
+    } control;
+    struct msghdr mh = { .msg_iov = iov, .msg_iovlen = length ? 2 : 1 };
+    ssize_t n;
+
+    g_return_val_if_fail(length <= PF_PROTO_MAX_PAYLOAD && n_fds <= PF_PROTO_MAX_FDS, FALSE);
+    if (n_fds > 0) {
+        struct cmsghdr *c;
+
+        memset(&control, 0, sizeof(control));
+        mh.msg_control = control.buf;
+        mh.msg_controllen = CMSG_SPACE(sizeof(int) * n_fds);
+        c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * n_fds);
+        memcpy(CMSG_DATA(c), fds, sizeof(int) * n_fds);
+    }
+    do {
+        n = sendmsg(sock, &mh, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        int e = errno;
+
+        g_set_error(error, G_IO_ERROR, g_io_error_from_errno(e), "send: %s", g_strerror(e));
+        return FALSE;
+    }
+    return TRUE;
+}
+
+void
+pf_msg_close_fds(PfMsg *msg)
+{
+    for (guint i = 0; i < msg->n_fds; i++) {
+        if (msg->fds[i] >= 0) {
+            close(msg->fds[i]);
+        }
+    }
+    msg->n_fds = 0;
+}
+
+static gboolean
+string_ok(const char *field, gsize size, gboolean may_be_empty)
+{
+    gsize len = strnlen(field, size);
+
+    return len < size && (may_be_empty || len > 0) && g_utf8_validate(field, (gssize)len, NULL);
+}
+
+static gboolean
+validate(const PfMsg *msg, GError **error)
+{
+    const PfMsgHeader *h = &msg->header;
+    guint want_fds_min = 0, want_fds_max = 0;
+
+    switch (h->type) {
+    case PF_MSG_HELLO: {
+        const PfWireHello *p = (const void *)msg->payload;
+
+        if (h->length != sizeof(*p)) {
+            return fail(error, "HELLO of %u bytes", h->length);
+        }
+        if (p->version != PF_PROTO_VERSION) {
+            return fail(error, "protocol version %u, this side speaks %u", p->version,
+                        PF_PROTO_VERSION);
+        }
+        if (!string_ok(p->name, sizeof(p->name), FALSE)) {
+            return fail(error, "HELLO name is not a terminated UTF-8 string");
+        }
+        if (p->n_regions == 0 || p->n_regions > 256) {
+            return fail(error, "HELLO announces %u regions", p->n_regions);
+        }
+        break;
+    }
+    case PF_MSG_REGION: {
+        const PfWireRegion *p = (const void *)msg->payload;
+
+        if (h->length != sizeof(*p)) {
+            return fail(error, "REGION of %u bytes", h->length);
+        }
+        if (p->page_size != PF_PAGE_SIZE) {
+            return fail(error, "REGION page size %u (only %u is supported)", p->page_size,
+                        PF_PAGE_SIZE);
+        }
+        if (p->size == 0 || p->size % PF_PAGE_SIZE || p->host_addr % PF_PAGE_SIZE ||
+            p->offset % PF_PAGE_SIZE || p->size > (1ull << 46)) {
+            return fail(error, "REGION size, address or offset not page-aligned or too large");
+        }
+        if (!string_ok(p->name, sizeof(p->name), FALSE)) {
+            return fail(error, "REGION name is not a terminated UTF-8 string");
+        }
+        want_fds_min = want_fds_max = 1;
+        break;
+    }
+    case PF_MSG_WELCOME:
+    case PF_MSG_READY: {
+        const PfWireMode *p = (const void *)msg->payload;
+        const char *what = h->type == PF_MSG_WELCOME ? "WELCOME" : "READY";
+
+        if (h->length != sizeof(*p)) {
+            return fail(error, "%s of %u bytes", what, h->length);
+        }
+        if (p->version != PF_PROTO_VERSION) {
+            return fail(error, "%s of protocol version %u", what, p->version);
+        }
+        if (p->mode != PF_MODE_ADVISE && p->mode != PF_MODE_MERGE) {
+            return fail(error, "%s mode %u", what, p->mode);
+        }
+        if (!string_ok(p->reason, sizeof(p->reason), TRUE)) {
+            return fail(error, "%s reason is not a terminated UTF-8 string", what);
+        }
+        want_fds_max = h->type == PF_MSG_WELCOME ? 1 : 0;
+        break;
+    }
+    case PF_MSG_POOL: {
+        const PfWirePool *p = (const void *)msg->payload;
+
+        if (h->length != sizeof(*p) || p->n_slots == 0 || p->n_slots > (1u << 24)) {
+            return fail(error, "POOL of %u bytes or %u slots", h->length,
+                        h->length == sizeof(*p) ? p->n_slots : 0);
+        }
+        want_fds_min = want_fds_max = 1;
+        break;
+    }
+    case PF_MSG_REQUEST:
+    case PF_MSG_RESULT: {
+        const ListHeader *l = (const void *)msg->payload;
+        gsize each = h->type == PF_MSG_REQUEST ? sizeof(PfWireItem) : sizeof(PfWireResult);
+
+        if (h->length < sizeof(*l) || (h->length - sizeof(*l)) % each != 0 ||
+            l->n != (h->length - sizeof(*l)) / each || l->n == 0 || l->n > PF_PROTO_MAX_ITEMS) {
+            return fail(error, "%s of %u bytes does not hold its %u entries",
+                        h->type == PF_MSG_REQUEST ? "REQUEST" : "RESULT", h->length,
+                        h->length >= sizeof(*l) ? l->n : 0);
+        }
+        for (guint32 i = 0; i < l->n; i++) {
+            if (h->type == PF_MSG_REQUEST) {
+                const PfWireItem *it = (const void *)(msg->payload + sizeof(*l) + i * each);
+
+                if (it->kind < PF_ITEM_MERGE || it->kind > PF_ITEM_UNMERGE) {
+                    return fail(error, "REQUEST item %u has kind %u", i, it->kind);
+                }
+            } else {
+                const PfWireResult *r = (const void *)(msg->payload + sizeof(*l) + i * each);
+
+                if (r->status > PF_RESULT_ERROR) {
+                    return fail(error, "RESULT %u has status %u", i, r->status);
+                }
+            }
+        }
+        break;
+    }
+    case PF_MSG_ERROR:
+        if (h->length == 0 || h->length > 1024) {
+            return fail(error, "ERROR of %u bytes", h->length);
+        }
+        break;
+    default:
+        return fail(error, "unknown type %u", h->type);
+    }
+    if (msg->n_fds < want_fds_min || msg->n_fds > want_fds_max) {
+        return fail(error, "type %u carries %u file descriptors", h->type, msg->n_fds);
+    }
+    return TRUE;
+}
+
+gboolean
+pf_proto_recv(int sock, PfMsg *msg, GError **error)
+{
+    struct iovec iov[2] = {
+        { &msg->header, sizeof(msg->header) },
+        { msg->payload, sizeof(msg->payload) },
+    };
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * PF_PROTO_MAX_FDS)];
+        struct cmsghdr align;
+    } control;
+    struct msghdr mh = {
+        .msg_iov = iov, .msg_iovlen = 2,
+        .msg_control = control.buf, .msg_controllen = sizeof(control.buf),
+    };
+    ssize_t n;
+
+    msg->n_fds = 0;
+    do {
+        n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        int e = errno;
+
+        g_set_error(error, G_IO_ERROR, g_io_error_from_errno(e), "receive: %s", g_strerror(e));
+        return FALSE;
+    }
+    /* Take every descriptor first, so a refused message leaks none. */
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c != NULL; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            gsize k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+
+            for (gsize i = 0; i < k; i++) {
+                int fd;
+
+                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                if (msg->n_fds < PF_PROTO_MAX_FDS) {
+                    msg->fds[msg->n_fds++] = fd;
+                } else {
+                    close(fd);
+                }
+            }
+        }
+    }
+    if (n == 0) {
+        pf_msg_close_fds(msg);
+        g_set_error(error, G_IO_ERROR, G_IO_ERROR_CLOSED, "peer closed the connection");
+        return FALSE;
+    }
+    if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+        pf_msg_close_fds(msg);
+        return fail(error, "message larger than %zu bytes or with too many descriptors",
+                    sizeof(msg->header) + sizeof(msg->payload));
+    }
+    if ((gsize)n < sizeof(msg->header) || msg->header.magic != PF_PROTO_MAGIC ||
+        msg->header.flags != 0 || msg->header.length != (gsize)n - sizeof(msg->header)) {
+        pf_msg_close_fds(msg);
+        return fail(error, "%zd bytes without a valid header", n);
+    }
+    if (!validate(msg, error)) {
+        pf_msg_close_fds(msg);
+        return FALSE;
+    }
+    return TRUE;
+}
+
+const PfWireHello *
+pf_msg_hello(const PfMsg *msg)
+{
+    g_return_val_if_fail(msg->header.type == PF_MSG_HELLO, NULL);
+    return (const void *)msg->payload;
+}
+
+const PfWireRegion *
+pf_msg_region(const PfMsg *msg)
+{
+    g_return_val_if_fail(msg->header.type == PF_MSG_REGION, NULL);
+    return (const void *)msg->payload;
+}
+
+const PfWireMode *
+pf_msg_mode(const PfMsg *msg)
+{
+    g_return_val_if_fail(msg->header.type == PF_MSG_WELCOME || msg->header.type == PF_MSG_READY,
+                         NULL);
+    return (const void *)msg->payload;
+}
+
+const PfWirePool *
+pf_msg_pool(const PfMsg *msg)
+{
+    g_return_val_if_fail(msg->header.type == PF_MSG_POOL, NULL);
+    return (const void *)msg->payload;
+}
+
+const PfWireItem *
+pf_msg_items(const PfMsg *msg, guint32 *n_items)
+{
+    g_return_val_if_fail(msg->header.type == PF_MSG_REQUEST, NULL);
+    *n_items = ((const ListHeader *)msg->payload)->n;
+    return (const void *)(msg->payload + sizeof(ListHeader));
+}
+
+const PfWireResult *
+pf_msg_results(const PfMsg *msg, guint32 *n_results)
+{
+    g_return_val_if_fail(msg->header.type == PF_MSG_RESULT, NULL);
+    *n_results = ((const ListHeader *)msg->payload)->n;
+    return (const void *)(msg->payload + sizeof(ListHeader));
+}
+
+static gboolean
+send_list(int sock, PfMsgType type, guint32 seq, const void *entries, gsize each, guint32 n,
+          GError **error)
+{
+    g_autofree guint8 *buf = NULL;
+    ListHeader l = { n, 0 };
+    gsize len = sizeof(l) + each * n;
+
+    g_return_val_if_fail(n > 0 && n <= PF_PROTO_MAX_ITEMS, FALSE);
+    buf = g_malloc(len);
+    memcpy(buf, &l, sizeof(l));
+    memcpy(buf + sizeof(l), entries, each * n);
+    return pf_proto_send(sock, type, seq, buf, len, NULL, 0, error);
+}
+
+gboolean
+pf_proto_send_items(int sock, guint32 seq, const PfWireItem *items, guint32 n, GError **error)
+{
+    return send_list(sock, PF_MSG_REQUEST, seq, items, sizeof(*items), n, error);
+}
+
+gboolean
+pf_proto_send_results(int sock, guint32 seq, const PfWireResult *results, guint32 n,
+                      GError **error)
+{
+    return send_list(sock, PF_MSG_RESULT, seq, results, sizeof(*results), n, error);
+}

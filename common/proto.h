@@ -1,0 +1,143 @@
+/*
+ * proto.h - the wire format between pagefoldd and the agent inside each VM
+ * process: one message per SOCK_SEQPACKET datagram, a fixed header, a
+ * fixed-layout payload per type, file descriptors by SCM_RIGHTS.
+ *
+ * Owns framing and strict decoding only.  A message that is truncated,
+ * oversized, of an unknown type, of the wrong size for its type, or that
+ * carries the wrong number of descriptors is refused as a whole, and every
+ * descriptor it carried is closed: nothing half-decoded ever reaches a
+ * caller.  Both sides are on one host: integers are in host byte order.
+ */
+#pragma once
+
+#include <glib.h>
+
+#define PF_PROTO_MAGIC 0x31474650u /* "PFG1" */
+#define PF_PROTO_VERSION 1u
+#define PF_PROTO_MAX_PAYLOAD (64u * 1024u)
+#define PF_PROTO_MAX_FDS 4u
+#define PF_PROTO_NAME_LEN 64u
+#define PF_PROTO_REASON_LEN 128u
+#define PF_PROTO_MAX_ITEMS 2048u
+
+typedef enum {
+    PF_MSG_HELLO = 1,   /* agent -> daemon: who the VM is */
+    PF_MSG_REGION = 2,  /* agent -> daemon: one RAM region + its memfd */
+    PF_MSG_WELCOME = 3, /* daemon -> agent: the mode it may use, maybe a
+                         * /dev/userfaultfd fd to make a userfaultfd with */
+    PF_MSG_READY = 4,   /* agent -> daemon: the mode it will use, and why */
+    PF_MSG_POOL = 5,    /* daemon -> agent: a sealed pool chunk memfd */
+    PF_MSG_REQUEST = 6, /* daemon -> agent: a batch of items */
+    PF_MSG_RESULT = 7,  /* agent -> daemon: one result per item of a batch */
+    PF_MSG_ERROR = 8,   /* either way: why the sender gives up, then close */
+    PF_MSG_LAST = PF_MSG_ERROR,
+} PfMsgType;
+
+typedef struct {
+    guint32 magic;
+    guint16 type;
+    guint16 flags;  /* 0 */
+    guint32 length; /* payload bytes */
+    guint32 seq;
+} PfMsgHeader;
+
+typedef struct {
+    guint32 version;
+    guint32 pid;
+    guint8 uuid[16];
+    char name[PF_PROTO_NAME_LEN];
+    guint32 n_regions;
+    guint32 reserved;
+} PfWireHello;
+
+typedef struct {
+    guint32 index;
+    guint32 page_size;
+    guint64 host_addr;
+    guint64 size;
+    guint64 offset; /* of host_addr in the memfd */
+    char name[PF_PROTO_NAME_LEN];
+} PfWireRegion;
+
+typedef enum { PF_MODE_ADVISE = 0, PF_MODE_MERGE = 1 } PfMode;
+
+/* WELCOME and READY: a mode, and why not merge when it is advise. */
+typedef struct {
+    guint32 version;
+    guint32 mode; /* PfMode */
+    char reason[PF_PROTO_REASON_LEN];
+} PfWireMode;
+
+typedef struct {
+    guint32 chunk;
+    guint32 n_slots;
+} PfWirePool;
+
+typedef enum {
+    PF_ITEM_MERGE = 1,   /* map pool slot over the page if equal */
+    PF_ITEM_ZERO = 2,    /* map a private zero page over it if zero */
+    PF_ITEM_UNMERGE = 3, /* copy back into the memfd, map it shared again */
+} PfItemKind;
+
+typedef struct {
+    guint8 kind;
+    guint8 reserved[3];
+    guint32 region;
+    guint64 page; /* index in the region */
+    guint32 chunk;
+    guint32 slot;
+} PfWireItem;
+
+typedef enum {
+    PF_RESULT_DONE = 0,    /* merged, zeroed or unmerged */
+    PF_RESULT_CHANGED = 1, /* the compare failed: nothing changed */
+    PF_RESULT_ERROR = 2,   /* errno in err; the page is as before */
+} PfResultStatus;
+
+typedef struct {
+    guint8 status;
+    guint8 reserved[3];
+    gint32 err;
+} PfWireResult;
+
+G_STATIC_ASSERT(sizeof(PfMsgHeader) == 16);
+G_STATIC_ASSERT(sizeof(PfWireHello) == 96);
+G_STATIC_ASSERT(sizeof(PfWireRegion) == 96);
+G_STATIC_ASSERT(sizeof(PfWireItem) == 24);
+G_STATIC_ASSERT(sizeof(PfWireResult) == 8);
+
+typedef struct {
+    PfMsgHeader header;
+    guint8 payload[PF_PROTO_MAX_PAYLOAD];
+    int fds[PF_PROTO_MAX_FDS];
+    guint n_fds;
+} PfMsg;
+
+gboolean pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload,
+                       gsize length, const int *fds, guint n_fds, GError **error);
+
+/*
+ * Receives and validates one message.  Returns FALSE with error on a bad
+ * message (all its fds closed) or a closed socket (G_IO_ERROR_CLOSED);
+ * the caller owns msg->fds of a good one (pf_msg_close_fds()).
+ */
+gboolean pf_proto_recv(int sock, PfMsg *msg, GError **error);
+void pf_msg_close_fds(PfMsg *msg);
+
+/* Typed views of a validated message's payload. */
+const PfWireHello *pf_msg_hello(const PfMsg *msg);
+const PfWireRegion *pf_msg_region(const PfMsg *msg);
+const PfWireMode *pf_msg_mode(const PfMsg *msg);
+const PfWirePool *pf_msg_pool(const PfMsg *msg);
+const PfWireItem *pf_msg_items(const PfMsg *msg, guint32 *n_items);
+const PfWireResult *pf_msg_results(const PfMsg *msg, guint32 *n_results);
+
+/* REQUEST and RESULT: n entries after a small list header. */
+gboolean pf_proto_send_items(int sock, guint32 seq, const PfWireItem *items, guint32 n,
+                             GError **error);
+gboolean pf_proto_send_results(int sock, guint32 seq, const PfWireResult *results,
+                               guint32 n, GError **error);
+
+/* Copies text into a fixed wire field, NUL-padded and always terminated. */
+void pf_wire_set_string(char *field, gsize size, const char *text);
