@@ -13,6 +13,7 @@
 #define PF_PAGE_SIZE  (1u << PF_PAGE_SHIFT)
 
 #define PF_DEFAULT_SOCKET "/run/pagefold/pagefoldd.sock"
+#define PF_DEFAULT_AGENT_SOCKET "/run/pagefold/agent.sock"
 
 #define PF_ERROR (pf_error_quark())
 

@@ -126,6 +126,10 @@ vm_identity_to_json(PfVm *vm, JsonBuilder *b)
     json_builder_add_int_value(b, vm->pid);
     json_builder_set_member_name(b, "mode");
     json_builder_add_string_value(b, vm->mode);
+    if (vm->mode_reason != NULL) {
+        json_builder_set_member_name(b, "mode_reason");
+        json_builder_add_string_value(b, vm->mode_reason);
+    }
 }
 
 static void
@@ -153,6 +157,18 @@ vm_to_json(PfVm *vm, JsonBuilder *b)
     json_builder_end_object(b);
 }
 
+/* "merge" when every VM merges, "advise" when none does, else "mixed". */
+static const char *
+daemon_mode(GPtrArray *vms)
+{
+    guint merging = 0;
+
+    for (guint i = 0; i < vms->len; i++) {
+        merging += pf_vm_merges(g_ptr_array_index(vms, i));
+    }
+    return merging == 0 ? "advise" : merging == vms->len ? "merge" : "mixed";
+}
+
 static void
 stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b)
 {
@@ -165,7 +181,7 @@ stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b)
     pf_scanner_get_info(c->scanner, &info);
     json_builder_begin_object(b);
     json_builder_set_member_name(b, "mode");
-    json_builder_add_string_value(b, "advise");
+    json_builder_add_string_value(b, daemon_mode(vms));
     json_builder_set_member_name(b, "hash");
     json_builder_add_string_value(b, pf_scanner_get_hash(c->scanner)->name);
     json_builder_set_member_name(b, "last_pass_usec");

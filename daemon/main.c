@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "control.h"
+#include "link.h"
 #include "pf-config.h"
 #include "scan.h"
 #include "util.h"
@@ -30,6 +31,7 @@ int
 main(int argc, char **argv)
 {
     g_autofree char *socket_path = NULL;
+    g_autofree char *agent_path = NULL;
     g_autofree char *hash_name = NULL;
     g_auto(GStrv) attach = NULL;
     g_auto(GStrv) sets = NULL;
@@ -37,6 +39,8 @@ main(int argc, char **argv)
     GOptionEntry entries[] = {
         { "socket", 's', 0, G_OPTION_ARG_FILENAME, &socket_path,
           "Control socket (default " PF_DEFAULT_SOCKET ")", "PATH" },
+        { "agent-socket", 0, 0, G_OPTION_ARG_FILENAME, &agent_path,
+          "Socket the agents in QEMU connect to (default " PF_DEFAULT_AGENT_SOCKET ")", "PATH" },
         { "hash", 0, 0, G_OPTION_ARG_STRING, &hash_name,
           "Page checksum: xxh3 (default), xxh64, crc32c, jhash2", "NAME" },
         { "set", 0, 0, G_OPTION_ARG_STRING_ARRAY, &sets,
@@ -50,6 +54,7 @@ main(int argc, char **argv)
     g_autoptr(GError) error = NULL;
     g_autoptr(PfScanner) scanner = NULL;
     g_autoptr(PfControl) control = NULL;
+    g_autoptr(PfLinkServer) links = NULL;
     g_autoptr(GMainLoop) loop = NULL;
     const PfHashAlgo *hash = pf_hash_default();
 
@@ -57,9 +62,11 @@ main(int argc, char **argv)
     g_option_context_add_main_entries(ctx, entries, NULL);
     g_option_context_set_description(ctx,
         "Knobs (KSM's names): pages_to_scan, sleep_millisecs, cpu_percent,\n"
-        "target_pass_millisecs, max_page_sharing, smart_scan, use_zero_pages, run.\n"
-        "Until VMs run the pagefold agent, every VM is in mode=advise: pagefoldd\n"
-        "reports what merging would save and changes no guest memory.");
+        "target_pass_millisecs, max_page_sharing, smart_scan, use_zero_pages, run,\n"
+        "max_vma_percent.\n"
+        "A VM whose QEMU runs the pagefold agent is merged (mode=merge); a VM\n"
+        "attached by pid is in mode=advise: pagefoldd reports what merging would\n"
+        "save and changes no guest memory.");
     if (!g_option_context_parse(ctx, &argc, &argv, &error)) {
         g_printerr("pagefoldd: %s\n", error->message);
         return 2;
@@ -98,6 +105,11 @@ main(int argc, char **argv)
         g_printerr("pagefoldd: %s\n", error->message);
         return 1;
     }
+    links = pf_link_server_new(scanner, agent_path ? agent_path : PF_DEFAULT_AGENT_SOCKET, &error);
+    if (links == NULL) {
+        g_printerr("pagefoldd: %s\n", error->message);
+        return 1;
+    }
     for (char **a = attach; a && *a; a++) {
         g_auto(GStrv) pn = g_strsplit(*a, ":", 2);
         guint64 pid;
@@ -119,8 +131,9 @@ main(int argc, char **argv)
     g_unix_signal_add(SIGTERM, on_signal, loop);
     g_unix_signal_add(SIGINT, on_signal, loop);
     pf_scanner_start(scanner);
-    g_message("pagefoldd %s listening on %s, mode=advise, hash=%s", PF_VERSION,
-              socket_path ? socket_path : PF_DEFAULT_SOCKET, hash->name);
+    g_message("pagefoldd %s: control socket %s, agent socket %s, hash %s", PF_VERSION,
+              socket_path ? socket_path : PF_DEFAULT_SOCKET,
+              agent_path ? agent_path : PF_DEFAULT_AGENT_SOCKET, hash->name);
 #if PF_HAVE_SYSTEMD
     sd_notify(0, "READY=1");
 #endif

@@ -16,6 +16,7 @@ typedef enum {
     PF_PAGE_UNSHARED,   /* put in the unstable tree at its last visit */
     PF_PAGE_SHARED,     /* a member of a stable node */
     PF_PAGE_ZERO,       /* all zero at its last two visits */
+    PF_PAGE_PENDING,    /* an agent is merging or unmerging it */
     PF_PAGE_N_STATES
 } PfPageState;
 

@@ -16,7 +16,26 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "link.h"
 #include "util.h"
+
+#define PAGEMAP_PRESENT (1ull << 63)
+#define PAGEMAP_FILE (1ull << 61)
+#define PAGEMAP_EXCLUSIVE (1ull << 56)
+#define POOL_SLOTS_PER_CHUNK 65536u
+
+/* Pool slots a process still maps after its VM was detached. */
+typedef struct {
+    guint32 slot;
+    guint32 node;
+} HeldRef;
+
+typedef struct {
+    PfScanner *s;
+    int pidfd;
+    guint watch;
+    GArray *refs; /* HeldRef */
+} Leftover;
 
 struct _PfScanner {
     PfKnobs knobs;
@@ -30,6 +49,9 @@ struct _PfScanner {
 
     PfStableTree stable;
     PfUnstableTree unstable;
+    PfPool *pool;        /* created with the first merging VM */
+    GPtrArray *leftovers; /* Leftover* */
+    guint64 max_map_count;
 
     /* cursor: the next page to visit */
     gboolean in_pass;
@@ -70,6 +92,7 @@ static const KnobInfo knob_info[] = {
     K(smart_scan, 0, 1, "skip pages that keep failing to merge"),
     K(use_zero_pages, 0, 1, "treat all-zero pages apart"),
     K(run, 0, 1, "0: stop scanning, 1: scan"),
+    K(max_vma_percent, 1, 90, "share of vm.max_map_count a VM may reach through merges"),
 };
 
 #undef K
@@ -86,6 +109,7 @@ pf_knobs_init_default(PfKnobs *k)
     k->smart_scan = TRUE;
     k->use_zero_pages = TRUE;
     k->run = TRUE;
+    k->max_vma_percent = 50;
 }
 
 static guint *
@@ -256,29 +280,103 @@ set_state(PfRegion *r, PfPage *p, PfPageState state)
     p->state = state;
 }
 
+/* Seen again from scratch: two stable visits before any decision. */
 static void
-make_absent(PfScanner *s, PfRegion *r, gsize idx)
+reset_page(PfRegion *r, PfPage *p, PfPageState state)
+{
+    set_state(r, p, state);
+    p->checksum = 0;
+    p->age = 0;
+    p->skips = 0;
+}
+
+static const PfStableNode *
+node_at(PfScanner *s, guint32 id)
+{
+    return pf_stable_tree_node(&s->stable, id);
+}
+
+/* A node goes when no page shares it and, in merge mode, no request or
+ * leftover mapping holds its slot: its own reference is then the last. */
+static void
+node_maybe_drop(PfScanner *s, guint32 id)
+{
+    const PfStableNode *n = node_at(s, id);
+    guint32 slot = n->slot;
+
+    if (!n->live || n->n_members > 0 ||
+        (slot != PF_POOL_SLOT_NONE && pf_pool_refs(s->pool, slot) > 1)) {
+        return;
+    }
+    pf_stable_tree_drop(&s->stable, id);
+    if (slot != PF_POOL_SLOT_NONE) {
+        pf_pool_unref(s->pool, slot);
+    }
+}
+
+/* A page's hold on a pool slot ends (its mapping is gone). */
+static void
+put_slot(PfScanner *s, guint32 slot, guint32 node)
+{
+    if (slot != PF_POOL_SLOT_NONE) {
+        pf_pool_unref(s->pool, slot);
+    }
+    if (node != 0) {
+        node_maybe_drop(s, node);
+    }
+}
+
+/* A slot reference that must outlive the page's record: either its
+ * process is gone (put it now) or it may still map the slot (keep). */
+static void
+hold_or_put(PfScanner *s, GArray *keep, guint32 slot, guint32 node)
+{
+    if (slot == PF_POOL_SLOT_NONE) {
+        if (node != 0) {
+            node_maybe_drop(s, node);
+        }
+        return;
+    }
+    if (keep != NULL) {
+        HeldRef h = { slot, node };
+
+        g_array_append_val(keep, h);
+    } else {
+        put_slot(s, slot, node);
+    }
+}
+
+/* Forgets what the scanner knows of a page.  Slots the page maps go to
+ * keep when the process may still map them, else are put back. */
+static void
+forget_page(PfScanner *s, PfRegion *r, gsize idx, GArray *keep)
 {
     PfPage *p = &r->pages[idx];
 
     if (p->state == PF_PAGE_SHARED) {
+        guint32 node = p->node;
+
         pf_stable_tree_remove(&s->stable, r->base + (guint32)idx);
+        hold_or_put(s, keep, node_at(s, node)->slot, node);
     }
-    set_state(r, p, PF_PAGE_ABSENT);
-    p->checksum = 0;
-    p->age = 0;
-    p->skips = 0;
+    reset_page(r, p, PF_PAGE_ABSENT);
+}
+
+static void
+make_absent(PfScanner *s, PfRegion *r, gsize idx)
+{
+    forget_page(s, r, idx, NULL);
 }
 
 /* Takes the region out of the page space and the trees; the caller frees
  * it.  Candidates of this pass may point into it: the unstable tree is
  * emptied, which costs at most a pass of merges. */
 static void
-release_region(PfScanner *s, PfRegion *r)
+release_region(PfScanner *s, PfRegion *r, GArray *keep)
 {
     for (gsize i = 0; i < r->n_pages; i++) {
         if (r->pages[i].state != PF_PAGE_ABSENT) {
-            make_absent(s, r, i);
+            forget_page(s, r, i, keep);
         }
     }
     r->vm->count[PF_PAGE_ABSENT] -= r->n_pages;
@@ -288,7 +386,7 @@ release_region(PfScanner *s, PfRegion *r)
 }
 
 static void
-drop_region(PfScanner *s, PfRegion *r)
+drop_region(PfScanner *s, PfRegion *r, GArray *keep)
 {
     PfVm *vm = r->vm;
     guint k;
@@ -296,7 +394,7 @@ drop_region(PfScanner *s, PfRegion *r)
     if (!g_ptr_array_find(vm->regions, r, &k)) {
         g_return_if_reached();
     }
-    release_region(s, r);
+    release_region(s, r, keep);
     if (s->cur_vm < s->vms->len && g_ptr_array_index(s->vms, s->cur_vm) == vm) {
         if (k < s->cur_region) {
             s->cur_region--;
@@ -362,16 +460,67 @@ merged(PfRegion *r, PfPage *p, PfPageState state)
     p->skips = 0;
 }
 
+/* The content a stable node stands for: its pool slot once merged, its
+ * first guest page in advise mode. */
+static const guint8 *
+node_data(PfScanner *s, const PfStableNode *n)
+{
+    return n->slot != PF_POOL_SLOT_NONE ? pf_pool_data(s->pool, n->slot)
+                                         : page_data(s, n->members[0]);
+}
+
+/* Guest pages already sharing the node, or on their way in. */
+static guint32
+node_sharers(PfScanner *s, const PfStableNode *n)
+{
+    return n->slot != PF_POOL_SLOT_NONE ? pf_pool_refs(s->pool, n->slot) - 1 : n->n_members;
+}
+
+/* May this VM's pages be merged for real now?  Merging VMs group only with
+ * merging VMs: a pool node is physical sharing, an advise node is not. */
+static gboolean
+can_merge(PfVm *vm)
+{
+    return pf_vm_merges(vm) && vm->vmas < vm->vma_budget;
+}
+
+/* Asks the page's agent to act; the page waits in PENDING. */
+static void
+request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint32 slot,
+        guint32 node)
+{
+    PfWireItem item = { 0 };
+    PfPending pd = { id, slot, node, (guint8)kind };
+    guint k;
+
+    g_assert(g_ptr_array_find(r->vm->regions, r, &k));
+    item.kind = (guint8)kind;
+    item.region = k;
+    item.page = id - r->base;
+    if (slot != PF_POOL_SLOT_NONE && kind == PF_ITEM_MERGE) {
+        pf_pool_locate(s->pool, slot, &item.chunk, &item.slot);
+    }
+    set_state(r, p, PF_PAGE_PENDING);
+    pf_link_queue(r->vm->link, &item, &pd);
+}
+
 static void
 visit(PfScanner *s, PfRegion *r, gsize idx)
 {
     guint32 id = r->base + (guint32)idx;
     PfPage *p = &r->pages[idx];
     const guint8 *data = r->map + idx * PF_PAGE_SIZE;
+    gboolean merge_domain = pf_vm_merges(r->vm);
+    gboolean merging = can_merge(r->vm);
     PfTableIter it;
     guint64 c;
     guint32 other;
 
+    if (p->state == PF_PAGE_PENDING ||
+        (merge_domain && (p->state == PF_PAGE_SHARED || p->state == PF_PAGE_ZERO))) {
+        /* Its agent has it, or it is merged: nothing to read here. */
+        return;
+    }
     if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED &&
         p->state != PF_PAGE_ZERO && smart_skip(p)) {
         r->vm->pages_skipped++;
@@ -379,13 +528,14 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
     }
     r->vm->pages_scanned++;
 
-    /* Pages that would be merged: do they still hold what they share?  A
-     * merged page would have left by copy-on-write.  A sharer must still
-     * equal its node's first page (memcmp, no checksum needed); the first
-     * page itself must keep the node's checksum; a zero page must be zero.
-     * Whoever fails leaves, and is then judged like any other page. */
+    /* Advise mode: do pages that would be merged still hold what they
+     * share?  A merged page would have left by copy-on-write.  A sharer
+     * must still equal its node's first page (memcmp, no checksum needed);
+     * the first page itself must keep the node's checksum; a zero page
+     * must be zero.  Whoever fails leaves, and is judged like any other. */
     if (p->state == PF_PAGE_SHARED) {
-        const PfStableNode *n = pf_stable_tree_node(&s->stable, p->node);
+        const PfStableNode *n = node_at(s, p->node);
+        guint32 node = p->node;
 
         if (n->members[0] != id) {
             if (page_equal(s, data, n->members[0])) {
@@ -396,6 +546,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             return;
         }
         pf_stable_tree_remove(&s->stable, id);
+        node_maybe_drop(s, node);
         set_state(r, p, PF_PAGE_VOLATILE);
     } else if (p->state == PF_PAGE_ZERO) {
         if (pf_page_is_zero(data)) {
@@ -414,43 +565,136 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
     }
 
     if (s->knobs.use_zero_pages && c == s->zero_checksum && pf_page_is_zero(data)) {
-        merged(r, p, PF_PAGE_ZERO);
-        return;
+        if (merging) {
+            request(s, r, p, id, PF_ITEM_ZERO, PF_POOL_SLOT_NONE, 0);
+            return;
+        }
+        if (!merge_domain) {
+            merged(r, p, PF_PAGE_ZERO);
+            return;
+        }
+        /* A merging VM at its mapping budget: it waits, unshared. */
     }
 
     pf_table_iter_init(&it, &s->stable.table, c);
-    while ((other = pf_table_iter_next(&it)) != 0) {
-        const PfStableNode *n = pf_stable_tree_node(&s->stable, other);
+    while (merging || !merge_domain) {
+        const PfStableNode *n;
 
-        if (n->n_members < s->knobs.max_page_sharing &&
-            page_equal(s, data, n->members[0])) {
+        if ((other = pf_table_iter_next(&it)) == 0) {
+            break;
+        }
+        n = node_at(s, other);
+        if ((n->slot != PF_POOL_SLOT_NONE) != merge_domain ||
+            node_sharers(s, n) >= s->knobs.max_page_sharing ||
+            (s->memcmp_calls++, memcmp(data, node_data(s, n), PF_PAGE_SIZE) != 0)) {
+            continue;
+        }
+        if (merging) {
+            pf_pool_ref(s->pool, n->slot);
+            request(s, r, p, id, PF_ITEM_MERGE, n->slot, other);
+        } else {
             pf_stable_tree_add(&s->stable, other, id);
             merged(r, p, PF_PAGE_SHARED);
-            return;
         }
+        return;
     }
 
     pf_table_iter_init(&it, &s->unstable.table, c);
-    while ((other = pf_table_iter_next(&it)) != 0) {
-        PfRegion *orr = region_of(s, other);
-        PfPage *o = &orr->pages[other - orr->base];
-        guint32 node;
+    while (merging || !merge_domain) {
+        PfRegion *orr;
+        PfPage *o;
+        guint32 node, slot = PF_POOL_SLOT_NONE;
 
+        if ((other = pf_table_iter_next(&it)) == 0) {
+            break;
+        }
+        orr = region_of(s, other);
+        o = &orr->pages[other - orr->base];
         if (other == id || o->state != PF_PAGE_UNSHARED ||
+            can_merge(orr->vm) != merging || pf_vm_merges(orr->vm) != merge_domain ||
             !page_equal(s, data, other)) {
             continue;
         }
+        if (merging) {
+            g_autoptr(GError) error = NULL;
+
+            /* The canonical copy; checked against both pages again, since
+             * either may have changed while it was copied. */
+            slot = pf_pool_alloc(s->pool, data, &error);
+            if (slot == PF_POOL_SLOT_NONE) {
+                g_warning("pool: %s", error->message);
+                break;
+            }
+            if (memcmp(pf_pool_data(s->pool, slot), page_data(s, other), PF_PAGE_SIZE) != 0 ||
+                memcmp(pf_pool_data(s->pool, slot), data, PF_PAGE_SIZE) != 0) {
+                pf_pool_unref(s->pool, slot);
+                continue;
+            }
+        }
         pf_table_remove(&s->unstable.table, c, other);
-        node = pf_stable_tree_create(&s->stable, c);
-        pf_stable_tree_add(&s->stable, node, other);
-        merged(orr, o, PF_PAGE_SHARED);
-        pf_stable_tree_add(&s->stable, node, id);
-        merged(r, p, PF_PAGE_SHARED);
+        node = pf_stable_tree_create(&s->stable, c, slot);
+        if (merging) {
+            pf_pool_ref(s->pool, slot);
+            request(s, orr, o, other, PF_ITEM_MERGE, slot, node);
+            pf_pool_ref(s->pool, slot);
+            request(s, r, p, id, PF_ITEM_MERGE, slot, node);
+        } else {
+            pf_stable_tree_add(&s->stable, node, other);
+            merged(orr, o, PF_PAGE_SHARED);
+            pf_stable_tree_add(&s->stable, node, id);
+            merged(r, p, PF_PAGE_SHARED);
+        }
         return;
     }
 
     pf_table_insert(&s->unstable.table, c, id);
     set_state(r, p, PF_PAGE_UNSHARED);
+}
+
+void
+pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus status, int err)
+{
+    PfRegion *r = region_of(s, pd->page);
+    PfPage *p = &r->pages[pd->page - r->base];
+
+    g_return_if_fail(r->vm == vm && p->state == PF_PAGE_PENDING);
+    if (status == PF_RESULT_ERROR) {
+        g_message("VM %s: agent could not %s page %u: %s", vm->name,
+                  pd->kind == PF_ITEM_MERGE ? "merge" : pd->kind == PF_ITEM_ZERO ? "zero" : "unmerge",
+                  pd->page - r->base, g_strerror(err));
+        if (err == ENOMEM) {
+            /* Out of mappings: no more merges until the next count. */
+            vm->vmas = vm->vma_budget;
+        }
+    }
+    switch (pd->kind) {
+    case PF_ITEM_MERGE:
+        if (status == PF_RESULT_DONE) {
+            pf_stable_tree_add(&s->stable, pd->node, pd->page);
+            merged(r, p, PF_PAGE_SHARED);
+            return;
+        }
+        put_slot(s, pd->slot, pd->node);
+        break;
+    case PF_ITEM_ZERO:
+        if (status == PF_RESULT_DONE) {
+            merged(r, p, PF_PAGE_ZERO);
+            return;
+        }
+        break;
+    case PF_ITEM_UNMERGE:
+        if (status == PF_RESULT_DONE) {
+            put_slot(s, pd->slot, pd->node);
+        } else if (pd->slot != PF_POOL_SLOT_NONE) {
+            /* Still mapped from the slot: it stays taken for good. */
+            g_warning("VM %s: page %u could not be folded back; pool slot %u stays taken",
+                      vm->name, pd->page - r->base, pd->slot);
+        }
+        break;
+    default:
+        break;
+    }
+    reset_page(r, p, PF_PAGE_VOLATILE);
 }
 
 /* ---- the pass loop ---- */
@@ -486,7 +730,11 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         g_warning("VM %s: region %s faulted at %p (truncated under us?); "
                   "dropping it", bad->vm->name, bad->name, guard_addr);
         s->cur_page = i;
-        drop_region(s, bad);
+        if (pf_vm_merges(bad->vm)) {
+            pf_scanner_detach(s, bad->vm, "its RAM faulted (truncated under us?)");
+        } else {
+            drop_region(s, bad, NULL);
+        }
         return i - start;
     }
     guard_env = &env;
@@ -496,6 +744,59 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
     guard_env = NULL;
     s->cur_page = start + n;
     return n;
+}
+
+/*
+ * Merged pages are holes of the memfd.  One the guest wrote has been
+ * copied on write into an anonymous page of its own, which pagemap shows
+ * present, not file-backed and mapped once (a merged zero page that was
+ * only read maps the shared zero page: not "exclusive").  Such a page
+ * leaves its node now, and its agent is asked to fold it back into the
+ * memfd, where the scanner can see it again.
+ */
+static void
+check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
+{
+    PfVm *vm = r->vm;
+
+    while (from < to) {
+        guint64 entries[512];
+        gsize n = MIN(to - from, G_N_ELEMENTS(entries));
+        gboolean any = FALSE;
+        ssize_t got;
+
+        for (gsize i = from; i < from + n && !any; i++) {
+            any = r->pages[i].state == PF_PAGE_SHARED || r->pages[i].state == PF_PAGE_ZERO;
+        }
+        if (!any) {
+            from += n;
+            continue;
+        }
+        got = pread(vm->pagemap_fd, entries, n * sizeof(guint64),
+                    (off_t)((r->host_addr / PF_PAGE_SIZE + from) * sizeof(guint64)));
+        if (got != (ssize_t)(n * sizeof(guint64))) {
+            return; /* the process is going: its pidfd will say so */
+        }
+        for (gsize i = 0; i < n; i++) {
+            PfPage *p = &r->pages[from + i];
+            guint64 e = entries[i];
+            guint32 id = r->base + (guint32)(from + i);
+            guint32 node = 0, slot = PF_POOL_SLOT_NONE;
+
+            if ((p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO) ||
+                !(e & PAGEMAP_PRESENT) || (e & PAGEMAP_FILE) || !(e & PAGEMAP_EXCLUSIVE)) {
+                continue;
+            }
+            vm->cow++;
+            if (p->state == PF_PAGE_SHARED) {
+                node = p->node;
+                slot = node_at(s, node)->slot;
+                pf_stable_tree_remove(&s->stable, id);
+            }
+            request(s, r, p, id, PF_ITEM_UNMERGE, slot, node);
+        }
+        from += n;
+    }
 }
 
 /* Moves the cursor over holes of the memfd (never touched by the guest, or
@@ -517,8 +818,14 @@ find_data(PfScanner *s, PfRegion *r)
         end = hole < 0 ? r->n_pages
                        : MIN(r->n_pages, (gsize)(hole - (off_t)r->file_offset) / PF_PAGE_SIZE);
     }
+    if (pf_vm_merges(r->vm)) {
+        check_merged(s, r, s->cur_page, first);
+    }
     for (gsize i = s->cur_page; i < first; i++) {
-        if (r->pages[i].state != PF_PAGE_ABSENT) {
+        PfPageState st = r->pages[i].state;
+
+        if (st != PF_PAGE_ABSENT && st != PF_PAGE_PENDING &&
+            !(pf_vm_merges(r->vm) && (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO))) {
             make_absent(s, r, i);
         }
     }
@@ -526,7 +833,6 @@ find_data(PfScanner *s, PfRegion *r)
     s->data_end = MAX(end, first + 1);
 }
 
-static void vm_gone(PfScanner *s, PfVm *vm, const char *why);
 
 static gboolean
 begin_pass(PfScanner *s)
@@ -540,11 +846,11 @@ begin_pass(PfScanner *s)
         g_autoptr(GError) error = NULL;
 
         if (!pf_vm_refresh(vm, gone, added, &error)) {
-            vm_gone(s, vm, error->message);
+            pf_scanner_detach(s, vm, error->message);
             continue;
         }
         for (guint k = 0; k < gone->len; k++) {
-            release_region(s, g_ptr_array_index(gone, k));
+            release_region(s, g_ptr_array_index(gone, k), NULL);
         }
         for (guint k = 0; k < added->len; k++) {
             PfRegion *r = g_ptr_array_index(added, k);
@@ -555,7 +861,11 @@ begin_pass(PfScanner *s)
             }
         }
         candidates += pf_vm_n_pages(vm) - vm->count[PF_PAGE_SHARED] -
-                      vm->count[PF_PAGE_ZERO];
+                      vm->count[PF_PAGE_ZERO] - vm->count[PF_PAGE_PENDING];
+        if (pf_vm_merges(vm)) {
+            vm->vmas = pf_vm_count_vmas(vm);
+            vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
+        }
         i++;
     }
     if (s->vms->len == 0) {
@@ -618,7 +928,32 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
         }
         done += scan_range(s, r, MIN(max_pages - done, s->data_end - s->cur_page));
     }
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *v = g_ptr_array_index(s->vms, i);
+
+        if (v->link != NULL) {
+            pf_link_flush(v->link);
+        }
+    }
     return done;
+}
+
+/* Waits for the agents' answers to every request sent so far. */
+static void
+settle(PfScanner *s)
+{
+    for (guint i = 0; i < s->vms->len;) {
+        PfVm *v = g_ptr_array_index(s->vms, i);
+
+        if (v->link != NULL && pf_link_in_flight(v->link) > 0) {
+            pf_link_settle(v->link, 10000);
+            /* settling may have detached it */
+            if (i < s->vms->len && g_ptr_array_index(s->vms, i) != v) {
+                continue;
+            }
+        }
+        i++;
+    }
 }
 
 void
@@ -628,6 +963,7 @@ pf_scanner_run_passes(PfScanner *s, guint n)
 
     while (s->full_scans < target && s->vms->len > 0) {
         pf_scanner_scan(s, G_MAXSIZE);
+        settle(s);
     }
 }
 
@@ -639,8 +975,31 @@ vm_exited_cb(gint fd, GIOCondition cond, gpointer user)
     PfVm *vm = user;
 
     vm->watch_id = 0;
-    vm_gone(vm->scanner, vm, "its process exited");
+    pf_scanner_detach(vm->scanner, vm, "its process exited");
     return G_SOURCE_REMOVE;
+}
+
+static void
+new_chunk_cb(const PfPoolChunk *chunk, gpointer user)
+{
+    PfScanner *s = user;
+
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (pf_vm_merges(vm)) {
+            pf_link_send_chunk(vm->link, chunk);
+        }
+    }
+}
+
+PfPool *
+pf_scanner_get_pool(PfScanner *s)
+{
+    if (s->pool == NULL) {
+        s->pool = pf_pool_new(POOL_SLOTS_PER_CHUNK, new_chunk_cb, s);
+    }
+    return s->pool;
 }
 
 void
@@ -658,20 +1017,98 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
         }
     }
     vm->watch_id = g_unix_fd_add(vm->pidfd, G_IO_IN, vm_exited_cb, vm);
+    if (pf_vm_merges(vm)) {
+        GPtrArray *chunks = pf_pool_chunks(pf_scanner_get_pool(s));
+
+        for (guint i = 0; i < chunks->len; i++) {
+            pf_link_send_chunk(vm->link, g_ptr_array_index(chunks, i));
+        }
+        vm->vmas = pf_vm_count_vmas(vm);
+        vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
+    }
     g_ptr_array_add(s->vms, vm);
+}
+
+static gboolean
+leftover_cb(gint fd, GIOCondition cond, gpointer user)
+{
+    Leftover *l = user;
+
+    for (guint i = 0; i < l->refs->len; i++) {
+        HeldRef *h = &g_array_index(l->refs, HeldRef, i);
+
+        put_slot(l->s, h->slot, h->node);
+    }
+    l->watch = 0;
+    g_ptr_array_remove(l->s->leftovers, l);
+    return G_SOURCE_REMOVE;
+}
+
+static void
+leftover_free(gpointer data)
+{
+    Leftover *l = data;
+
+    if (l->watch != 0) {
+        g_source_remove(l->watch);
+    }
+    close(l->pidfd);
+    g_array_unref(l->refs);
+    g_free(l);
+}
+
+typedef struct {
+    PfScanner *s;
+    GArray *keep;
+} Abandon;
+
+static void
+abandon_cb(const PfPending *pd, gpointer user)
+{
+    Abandon *ab = user;
+    PfRegion *r = region_of(ab->s, pd->page);
+    PfPage *p = &r->pages[pd->page - r->base];
+
+    /* The agent may have done it or not: its slot may be mapped. */
+    if (pd->kind != PF_ITEM_ZERO) {
+        hold_or_put(ab->s, ab->keep, pd->slot, pd->node);
+    }
+    reset_page(r, p, PF_PAGE_VOLATILE);
 }
 
 void
 pf_scanner_remove_vm(PfScanner *s, PfVm *vm)
 {
     guint idx;
+    Abandon ab = { s, NULL };
 
     if (!g_ptr_array_find(s->vms, vm, &idx)) {
         return;
     }
-    while (vm->regions->len > 0) {
-        drop_region(s, g_ptr_array_index(vm->regions, vm->regions->len - 1));
+    /* A live process keeps mapping the slots its merged pages use: they
+     * stay taken until it exits. */
+    if (pf_vm_merges(vm) && !pf_vm_exited(vm)) {
+        ab.keep = g_array_new(FALSE, FALSE, sizeof(HeldRef));
     }
+    if (vm->link != NULL) {
+        pf_link_free(vm->link, abandon_cb, &ab);
+        vm->link = NULL;
+    }
+    while (vm->regions->len > 0) {
+        drop_region(s, g_ptr_array_index(vm->regions, vm->regions->len - 1), ab.keep);
+    }
+    if (ab.keep != NULL && ab.keep->len > 0) {
+        Leftover *l = g_new0(Leftover, 1);
+
+        l->s = s;
+        l->pidfd = fcntl(vm->pidfd, F_DUPFD_CLOEXEC, 3);
+        l->refs = g_steal_pointer(&ab.keep);
+        l->watch = g_unix_fd_add(l->pidfd, G_IO_IN, leftover_cb, l);
+        g_ptr_array_add(s->leftovers, l);
+        g_message("VM %s: %u pool slot reference(s) kept until process %d exits", vm->name,
+                  l->refs->len, vm->pid);
+    }
+    g_clear_pointer(&ab.keep, g_array_unref);
     if (idx < s->cur_vm) {
         s->cur_vm--;
     } else if (idx == s->cur_vm) {
@@ -682,8 +1119,8 @@ pf_scanner_remove_vm(PfScanner *s, PfVm *vm)
     g_ptr_array_remove_index(s->vms, idx);
 }
 
-static void
-vm_gone(PfScanner *s, PfVm *vm, const char *why)
+void
+pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 {
     g_message("VM %s (pid %d) detached: %s", vm->name, vm->pid, why);
     if (s->vm_gone != NULL) {
@@ -814,6 +1251,7 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
     g_autofree guint64 *meta = g_new0(guint64, MAX(n_vms, 1));
     guint64 common_bytes = pf_stable_tree_bytes(&s->stable) +
                            pf_table_bytes(&s->unstable.table);
+    guint64 nodes_in_use = 0;
 
     for (guint i = 0; i < n_vms; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
@@ -821,15 +1259,17 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
         vm->stats_index = i;
         size_share[i] = (double)pf_vm_n_pages(vm);
     }
-    /* Each canonical page counts 1/n to the VM of each of its n sharers. */
+    /* Each canonical page counts 1/n to the VM of each of its n sharers.
+     * A node whose pages are all still on their way in shares nothing. */
     for (guint id = 1; id < s->stable.nodes->len; id++) {
         const PfStableNode *n = pf_stable_tree_node(&s->stable, id);
 
+        nodes_in_use += n->live && n->n_members > 0;
         for (guint32 m = 0; m < n->n_members; m++) {
             share[region_of(s, n->members[m])->vm->stats_index] += 1.0 / n->n_members;
         }
     }
-    pf_apportion(s->stable.n_nodes, share, n_vms, shared);
+    pf_apportion(nodes_in_use, share, n_vms, shared);
     pf_apportion(common_bytes, size_share, n_vms, meta);
 
     memset(total, 0, sizeof(*total));
@@ -844,6 +1284,9 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
         c->pages_unshared = vm->count[PF_PAGE_UNSHARED];
         c->pages_volatile = vm->count[PF_PAGE_VOLATILE];
         c->zero_pages = vm->count[PF_PAGE_ZERO];
+        c->pages_pending = vm->count[PF_PAGE_PENDING];
+        c->cow = vm->cow;
+        c->vmas = vm->vmas;
         c->pages_skipped = vm->pages_skipped;
         c->pages_scanned = vm->pages_scanned;
         c->full_scans = vm->full_scans;
@@ -877,6 +1320,15 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->algo = hash ? hash : pf_hash_default();
     s->vms = g_ptr_array_new_with_free_func((GDestroyNotify)pf_vm_free);
     s->regions = g_ptr_array_new();
+    s->leftovers = g_ptr_array_new_with_free_func(leftover_free);
+    s->max_map_count = 65530;
+    {
+        g_autofree char *text = NULL;
+
+        if (g_file_get_contents("/proc/sys/vm/max_map_count", &text, NULL, NULL)) {
+            s->max_map_count = g_ascii_strtoull(text, NULL, 10);
+        }
+    }
     pf_stable_tree_init(&s->stable, page_of, s);
     pf_unstable_tree_init(&s->unstable, page_of, s);
     pf_scanner_set_hash_func(s, s->algo->func);
@@ -923,6 +1375,8 @@ pf_scanner_free(PfScanner *s)
     }
     g_ptr_array_unref(s->vms);
     g_ptr_array_unref(s->regions);
+    g_ptr_array_unref(s->leftovers);
+    g_clear_pointer(&s->pool, pf_pool_free);
     pf_stable_tree_destroy(&s->stable);
     pf_unstable_tree_destroy(&s->unstable);
     g_free(s);

@@ -13,6 +13,13 @@
  *      inserted as a candidate.
  * The unstable tree is emptied at the start of each pass.
  *
+ * In mode=merge (a VM whose agent can remap its RAM) a decision becomes a
+ * request to the agent: the page is PENDING until the agent answers, and
+ * only the agent's answer makes it SHARED (mapped from a pool slot) or
+ * ZERO.  A merged page is a hole in the guest memfd; a write to it copies
+ * on write, which the scanner sees in /proc/PID/pagemap and answers by
+ * asking the agent to fold the page back into the memfd.
+ *
  * In mode=advise nothing is merged: a stable node points at its first guest
  * page and the counters say what merging would save.  Sharers are checked
  * against that page (memcmp) at each visit and leave when they differ, as a
@@ -27,6 +34,8 @@
 #include <glib.h>
 
 #include "hash.h"
+#include "pool.h"
+#include "proto.h"
 #include "stats.h"
 #include "tree.h"
 #include "vm.h"
@@ -41,6 +50,8 @@ typedef struct {
     gboolean smart_scan;         /* KSM >= 6.7 */
     gboolean use_zero_pages;     /* zero pages apart (KSM) */
     gboolean run;                /* 0: stopped, 1: scanning (KSM) */
+    guint max_vma_percent;       /* share of vm.max_map_count a VM may
+                                  * reach through merges */
 } PfKnobs;
 
 void pf_knobs_init_default(PfKnobs *k);
@@ -86,6 +97,23 @@ void pf_scanner_kick(PfScanner *s);
 
 /* Counters of all VMs, and of each (in pf_scanner_get_vms() order). */
 void pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm);
+
+/* What pagefoldd asked an agent to do with one page, kept until it answers. */
+typedef struct {
+    guint32 page; /* page id */
+    guint32 slot; /* pool slot referenced for it, or PF_POOL_SLOT_NONE */
+    guint32 node; /* stable node, or 0 */
+    guint8 kind;  /* PfItemKind */
+} PfPending;
+
+/* The agent's answer for one page. */
+void pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus status,
+                         int err);
+/* The VM goes (its agent disconnected, or its process exited): counters
+ * forget it; pool slots its process may still map stay taken until the
+ * process is gone. */
+void pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why);
+PfPool *pf_scanner_get_pool(PfScanner *s);
 
 typedef struct {
     guint64 memcmp_calls;

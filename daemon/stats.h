@@ -13,6 +13,10 @@
  *   full_scans      completed passes
  *   zero_pages      all-zero pages (KSM's ksm_zero_pages with use_zero_pages)
  *   general_profit  bytes saved minus the bytes of pagefold's metadata
+ * and pagefold's own:
+ *   pages_pending   pages an agent is merging or unmerging right now
+ *   cow             merged pages the guest wrote since (copy-on-write)
+ *   vmas            mappings of the VM's process (merge mode)
  *
  * Attribution: a canonical page used by n guest pages counts 1/n to the VM
  * of each of them.  Those fractions are rounded by the largest-remainder
@@ -33,6 +37,9 @@ typedef struct {
     guint64 pages_scanned;
     guint64 full_scans;
     guint64 zero_pages;
+    guint64 pages_pending;
+    guint64 cow;
+    guint64 vmas;
     guint64 pages_tracked;  /* pages with a record: KSM's rmap_items */
     guint64 metadata_bytes;
     gint64 general_profit;

@@ -242,7 +242,7 @@ pf_stable_tree_destroy(PfStableTree *t)
 }
 
 guint32
-pf_stable_tree_create(PfStableTree *t, guint64 checksum)
+pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot)
 {
     guint32 id;
     PfStableNode *n;
@@ -258,6 +258,8 @@ pf_stable_tree_create(PfStableTree *t, guint64 checksum)
     n = node_at(t, id);
     n->checksum = checksum;
     n->n_members = 0;
+    n->slot = slot;
+    n->live = TRUE;
     pf_table_insert(&t->table, checksum, id);
     t->n_nodes++;
     return id;
@@ -283,7 +285,7 @@ pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
     t->n_members++;
 }
 
-void
+gboolean
 pf_stable_tree_remove(PfStableTree *t, guint32 page_id)
 {
     PfPage *p = t->page_of(page_id, t->user);
@@ -292,7 +294,7 @@ pf_stable_tree_remove(PfStableTree *t, guint32 page_id)
 
     g_assert(p->slot < n->n_members && n->members[p->slot] == page_id);
     /* Swap the last member in; when slot 0 goes, that member becomes the
-     * provider, which was verified equal at its own last visit. */
+     * one holding the content, which was equal at its own last visit. */
     last = n->members[--n->n_members];
     if (last != page_id) {
         n->members[p->slot] = last;
@@ -301,16 +303,22 @@ pf_stable_tree_remove(PfStableTree *t, guint32 page_id)
     t->n_members--;
     p->node = 0;
     p->slot = 0;
-    if (n->n_members == 0) {
-        guint32 id = (guint32)(n - node_at(t, 0));
+    return n->n_members == 0;
+}
 
-        pf_table_remove(&t->table, n->checksum, id);
-        t->member_bytes -= n->capacity * sizeof(guint32);
-        g_clear_pointer(&n->members, g_free);
-        n->capacity = 0;
-        t->n_nodes--;
-        g_array_append_val(t->free_ids, id);
-    }
+void
+pf_stable_tree_drop(PfStableTree *t, guint32 id)
+{
+    PfStableNode *n = node_at(t, id);
+
+    g_assert(n->live && n->n_members == 0);
+    pf_table_remove(&t->table, n->checksum, id);
+    t->member_bytes -= n->capacity * sizeof(guint32);
+    g_clear_pointer(&n->members, g_free);
+    n->capacity = 0;
+    n->live = FALSE;
+    t->n_nodes--;
+    g_array_append_val(t->free_ids, id);
 }
 
 const PfStableNode *

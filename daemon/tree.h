@@ -74,16 +74,19 @@ void pf_unstable_tree_destroy(PfUnstableTree *t);
 
 typedef struct {
     guint64 checksum;
-    guint32 *members;  /* page ids; members[0] provides the content */
-    guint32 n_members; /* 0 for a free node */
+    guint32 *members;  /* page ids of the guest pages sharing it */
+    guint32 n_members;
     guint32 capacity;
+    guint32 slot;      /* pool slot holding the content, in merge mode;
+                        * 0 in advise mode, where members[0] holds it */
+    gboolean live;
 } PfStableNode;
 
 typedef struct {
     PfTable table;    /* checksum -> node id */
     GArray *nodes;    /* PfStableNode, indexed by id; id 0 unused */
     GArray *free_ids; /* guint32 */
-    gsize n_nodes;    /* live nodes: KSM's pages_shared */
+    gsize n_nodes;    /* live nodes */
     gsize n_members;  /* pages in all nodes: pages_shared + pages_sharing */
     gsize member_bytes;
     PfPageFunc page_of;
@@ -92,9 +95,12 @@ typedef struct {
 
 void pf_stable_tree_init(PfStableTree *t, PfPageFunc page_of, gpointer user);
 void pf_stable_tree_destroy(PfStableTree *t);
-guint32 pf_stable_tree_create(PfStableTree *t, guint64 checksum);
+guint32 pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot);
 void pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id);
-/* Takes the page out of its node; frees the node when it was the last. */
-void pf_stable_tree_remove(PfStableTree *t, guint32 page_id);
+/* Takes the page out of its node; TRUE when the node has no member left.
+ * The node stays until pf_stable_tree_drop(): in merge mode pages still on
+ * their way in or out keep it. */
+gboolean pf_stable_tree_remove(PfStableTree *t, guint32 page_id);
+void pf_stable_tree_drop(PfStableTree *t, guint32 node_id);
 const PfStableNode *pf_stable_tree_node(const PfStableTree *t, guint32 node_id);
 gsize pf_stable_tree_bytes(const PfStableTree *t);

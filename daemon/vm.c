@@ -85,18 +85,56 @@ read_memfd_ranges(int pid, GError **error)
     return g_steal_pointer(&out);
 }
 
+PfRegion *
+pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset, gsize size,
+              GError **error)
+{
+    g_autofree PfRegion *r = g_new0(PfRegion, 1);
+    struct stat st;
+    void *map;
+
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) ||
+        (guint64)st.st_size < offset + size || size == 0 || size % PF_PAGE_SIZE ||
+        offset % PF_PAGE_SIZE) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND,
+                    "region %s: not a memfd of at least %zu bytes at offset %" G_GUINT64_FORMAT,
+                    name, size, offset);
+        close(fd);
+        return NULL;
+    }
+    map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, (off_t)offset);
+    if (map == MAP_FAILED) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot map region %s: %s", name,
+                    g_strerror(e));
+        close(fd);
+        return NULL;
+    }
+    r->fd = fd;
+    r->name = g_strdup(name);
+    r->host_addr = host_addr;
+    r->file_offset = offset;
+    r->size = size;
+    r->n_pages = size / PF_PAGE_SIZE;
+    r->dev = st.st_dev;
+    r->ino = st.st_ino;
+    r->map = map;
+    r->pages = g_new0(PfPage, r->n_pages);
+    return g_steal_pointer(&r);
+}
+
 static PfRegion *
 region_open(PfVm *vm, const MapsRange *m, GError **error)
 {
     g_autofree char *path = g_strdup_printf(
         "/proc/%d/map_files/%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x",
         vm->pid, m->start, m->end);
-    g_autofree PfRegion *r = g_new0(PfRegion, 1);
     struct stat st;
-    void *map;
+    PfRegion *r;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
 
-    r->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (r->fd < 0) {
+    if (fd < 0) {
         int e = errno;
 
         g_set_error(error, PF_ERROR,
@@ -105,37 +143,18 @@ region_open(PfVm *vm, const MapsRange *m, GError **error)
                     e == EPERM ? " (pagefoldd needs CAP_SYS_ADMIN)" : "");
         return NULL;
     }
-    if (fstat(r->fd, &st) < 0 || (guint64)st.st_ino != m->ino ||
-        !S_ISREG(st.st_mode) ||
-        (guint64)st.st_size < m->offset + (m->end - m->start)) {
+    if (fstat(fd, &st) < 0 || (guint64)st.st_ino != m->ino) {
         g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND,
                     "region %s of process %d changed while being attached",
                     m->name, vm->pid);
-        close(r->fd);
+        close(fd);
         return NULL;
     }
-    map = mmap(NULL, m->end - m->start, PROT_READ, MAP_SHARED, r->fd,
-               (off_t)m->offset);
-    if (map == MAP_FAILED) {
-        int e = errno;
-
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                    "cannot map region %s of process %d: %s", m->name,
-                    vm->pid, g_strerror(e));
-        close(r->fd);
-        return NULL;
+    r = pf_region_new(m->name, fd, m->start, m->offset, m->end - m->start, error);
+    if (r != NULL) {
+        r->vm = vm;
     }
-    r->vm = vm;
-    r->name = g_strdup(m->name);
-    r->host_addr = m->start;
-    r->file_offset = m->offset;
-    r->size = m->end - m->start;
-    r->n_pages = r->size / PF_PAGE_SIZE;
-    r->dev = st.st_dev;
-    r->ino = st.st_ino;
-    r->map = map;
-    r->pages = g_new0(PfPage, r->n_pages);
-    return g_steal_pointer(&r);
+    return r;
 }
 
 void
@@ -172,6 +191,9 @@ pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
         g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND,
                     "process %d has exited", vm->pid);
         return FALSE;
+    }
+    if (vm->link != NULL) {
+        return TRUE; /* the agent says what its RAM is */
     }
     ranges = read_memfd_ranges(vm->pid, error);
     if (ranges == NULL) {
@@ -272,16 +294,16 @@ default_name(int pid)
     return g_strdup_printf("pid-%d", pid);
 }
 
-PfVm *
-pf_vm_attach(int pid, const char *name, GError **error)
+static PfVm *
+vm_new(int pid, GError **error)
 {
     g_autoptr(PfVm) vm = g_new0(PfVm, 1);
-    g_autoptr(GPtrArray) gone = g_ptr_array_new();
-    g_autoptr(GPtrArray) added = g_ptr_array_new();
 
     vm->pid = pid;
     vm->pidfd = -1;
+    vm->pagemap_fd = -1;
     vm->mode = "advise";
+    vm->mode_reason = g_strdup("attached by pid: no pagefold agent in this process");
     vm->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
     if (pid <= 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
@@ -296,6 +318,70 @@ pf_vm_attach(int pid, const char *name, GError **error)
         g_set_error(error, PF_ERROR,
                     e == ESRCH ? PF_ERROR_NOT_FOUND : PF_ERROR_FAILED,
                     "no process %d: %s", pid, g_strerror(e));
+        return NULL;
+    }
+    return g_steal_pointer(&vm);
+}
+
+PfVm *
+pf_vm_new_from_agent(int pid, const char *name, GPtrArray *regions, GError **error)
+{
+    g_autoptr(PfVm) vm = vm_new(pid, error);
+    g_autofree char *pagemap = g_strdup_printf("/proc/%d/pagemap", pid);
+
+    if (vm == NULL) {
+        return NULL;
+    }
+    for (guint i = 0; i < regions->len; i++) {
+        PfRegion *r = g_ptr_array_index(regions, i);
+
+        r->vm = vm;
+        g_ptr_array_add(vm->regions, r);
+    }
+    g_ptr_array_set_free_func(regions, NULL);
+    g_ptr_array_set_size(regions, 0);
+    vm->pagemap_fd = open(pagemap, O_RDONLY | O_CLOEXEC);
+    if (vm->pagemap_fd < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot open %s: %s", pagemap,
+                    g_strerror(errno));
+        return NULL;
+    }
+    vm->name = g_strdup(name);
+    g_clear_pointer(&vm->mode_reason, g_free);
+    return g_steal_pointer(&vm);
+}
+
+gboolean
+pf_vm_merges(const PfVm *vm)
+{
+    return vm->link != NULL && g_str_equal(vm->mode, "merge");
+}
+
+guint64
+pf_vm_count_vmas(const PfVm *vm)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/maps", vm->pid);
+    g_autofree char *text = NULL;
+    gsize len = 0;
+    guint64 n = 0;
+
+    if (!g_file_get_contents(path, &text, &len, NULL)) {
+        return 0;
+    }
+    for (gsize i = 0; i < len; i++) {
+        n += text[i] == '\n';
+    }
+    return n;
+}
+
+PfVm *
+pf_vm_attach(int pid, const char *name, GError **error)
+{
+    g_autoptr(PfVm) vm = vm_new(pid, error);
+    g_autoptr(GPtrArray) gone = g_ptr_array_new();
+    g_autoptr(GPtrArray) added = g_ptr_array_new();
+
+    if (vm == NULL) {
         return NULL;
     }
     if (!pf_vm_refresh(vm, gone, added, error)) {
@@ -331,6 +417,10 @@ pf_vm_free(PfVm *vm)
     if (vm->pidfd >= 0) {
         close(vm->pidfd);
     }
+    if (vm->pagemap_fd >= 0) {
+        close(vm->pagemap_fd);
+    }
+    g_free(vm->mode_reason);
     g_free(vm->name);
     g_free(vm);
 }

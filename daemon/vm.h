@@ -18,6 +18,7 @@
 #define PF_MIN_REGION_SIZE (1u << 20)
 
 typedef struct _PfVm PfVm;
+typedef struct _PfLink PfLink;
 
 typedef struct {
     PfVm *vm;
@@ -40,18 +41,33 @@ struct _PfVm {
     int pid;
     int pidfd;
     GPtrArray *regions;  /* PfRegion*, owned */
-    const char *mode;    /* "advise" until agents exist */
+    const char *mode;    /* "merge" with a merging agent, else "advise" */
+    char *mode_reason;   /* why advise, when it is */
+    PfLink *link;        /* the agent's connection, NULL if attached by pid */
+    int pagemap_fd;      /* /proc/PID/pagemap, to see copy-on-write */
     /* pages of this VM in each PfPageState */
     gsize count[PF_PAGE_N_STATES];
     guint64 pages_scanned;
     guint64 pages_skipped;
     guint64 full_scans;
+    guint64 cow;         /* merged pages written since (copy-on-write) */
+    guint64 vmas;        /* mappings of the process, at the last pass */
+    guint64 vma_budget;  /* no merges once vmas reaches it */
     guint watch_id;      /* pidfd watch, owned by the scanner */
     gpointer scanner;    /* the PfScanner that owns this VM */
     guint stats_index;   /* scratch for the scanner's attribution */
 };
 
 PfVm *pf_vm_attach(int pid, const char *name, GError **error);
+/* A VM announced by its agent: regions as the agent described them, the
+ * memfds it passed.  Its regions never change behind the agent's back. */
+PfVm *pf_vm_new_from_agent(int pid, const char *name, GPtrArray *regions, GError **error);
+/* Maps one memfd read-only; takes fd. */
+PfRegion *pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset,
+                        gsize size, GError **error);
+gboolean pf_vm_merges(const PfVm *vm);
+/* Lines of /proc/PID/maps: the mappings the process holds. */
+guint64 pf_vm_count_vmas(const PfVm *vm);
 void pf_vm_free(PfVm *vm);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfVm, pf_vm_free)
 

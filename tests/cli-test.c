@@ -14,6 +14,7 @@
 typedef struct {
     char *dir;
     char *sock;
+    char *agent_sock;
     GSubprocess *daemon;
     GSubprocess *guest[2];
     int pid[2];
@@ -147,7 +148,8 @@ setup(Fixture *f, gconstpointer data)
     f->dir = g_dir_make_tmp("pagefold-cli-XXXXXX", &error);
     g_assert_no_error(error);
     f->sock = g_build_filename(f->dir, "pagefoldd.sock", NULL);
-    f->daemon = start_daemon(f, &error, "--set", "run=0", NULL);
+    f->agent_sock = g_build_filename(f->dir, "agent.sock", NULL);
+    f->daemon = start_daemon(f, &error, "--agent-socket", f->agent_sock, "--set", "run=0", NULL);
     g_assert_no_error(error);
     for (int i = 0; i < 100 && !g_file_test(f->sock, G_FILE_TEST_EXISTS); i++) {
         g_usleep(50000);
@@ -173,8 +175,10 @@ teardown(Fixture *f, gconstpointer data)
         g_object_unref(f->daemon);
     }
     g_unlink(f->sock);
+    g_unlink(f->agent_sock);
     g_rmdir(f->dir);
     g_free(f->sock);
+    g_free(f->agent_sock);
     g_free(f->dir);
 }
 
@@ -291,7 +295,8 @@ test_bad_command_lines(Fixture *f, gconstpointer data)
     expect(f, 2, "unknown --hash 'md5'", d, "--socket", nosock, "--hash", "md5", NULL);
     expect(f, 2, "unknown knob", d, "--socket", nosock, "--set", "nope=1", NULL);
     expect(f, 2, "KNOB=VALUE", d, "--socket", nosock, "--set", "nope", NULL);
-    expect(f, 1, "another pagefoldd is listening", d, "--socket", f->sock, NULL);
+    expect(f, 1, "another pagefoldd is listening", d, "--socket", f->sock, "--agent-socket",
+           nosock, NULL);
     /* The first daemon is unharmed by all of that. */
     {
         g_autofree char *out = NULL, *err = NULL;

@@ -116,7 +116,7 @@ test_stable_tree_members(void)
     const PfStableNode *node;
 
     pf_stable_tree_init(&t, page_of, NULL);
-    n = pf_stable_tree_create(&t, 42);
+    n = pf_stable_tree_create(&t, 42, 0);
     for (guint32 id = 10; id < 20; id++) {
         pf_stable_tree_add(&t, n, id);
     }
@@ -128,7 +128,7 @@ test_stable_tree_members(void)
 
     /* The provider leaves: another member takes its place, and every
      * record still points at its own slot. */
-    pf_stable_tree_remove(&t, 10);
+    g_assert_false(pf_stable_tree_remove(&t, 10));
     node = pf_stable_tree_node(&t, n);
     g_assert_cmpuint(node->n_members, ==, 9);
     g_assert_cmpuint(node->members[0], ==, 19);
@@ -137,15 +137,17 @@ test_stable_tree_members(void)
         g_assert_cmpuint(pages[node->members[i]].node, ==, n);
     }
     for (guint32 id = 11; id < 20; id++) {
-        pf_stable_tree_remove(&t, id);
+        g_assert_true(pf_stable_tree_remove(&t, id) == (id == 19));
     }
-    /* The last one out frees the node and its tree entry. */
+    /* The last one out says so; dropping frees the node and its entry. */
+    g_assert_cmpuint(t.n_nodes, ==, 1);
+    pf_stable_tree_drop(&t, n);
     g_assert_cmpuint(t.n_nodes, ==, 0);
     g_assert_cmpuint(t.n_members, ==, 0);
     g_assert_cmpuint(t.table.n, ==, 0);
     g_assert_cmpuint(t.member_bytes, ==, 0);
     /* Its id is reused. */
-    g_assert_cmpuint(pf_stable_tree_create(&t, 43), ==, n);
+    g_assert_cmpuint(pf_stable_tree_create(&t, 43, 0), ==, n);
     pf_stable_tree_destroy(&t);
 }
 

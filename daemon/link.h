@@ -1,0 +1,31 @@
+/*
+ * link.h - pagefoldd's end of the agent protocol: the agent socket, one
+ * PfLink per connected VM, the batches of requests in flight.
+ *
+ * Owns the agent connections.  A link that misbehaves (bad message, wrong
+ * pid, a result for no request) is told why and closed, and its VM is
+ * detached; the daemon and the other VMs carry on.  Never decides a merge:
+ * it carries the scanner's requests and the agents' answers.
+ */
+#pragma once
+
+#include <glib.h>
+
+#include "pool.h"
+#include "scan.h"
+
+typedef struct _PfLinkServer PfLinkServer;
+
+PfLinkServer *pf_link_server_new(PfScanner *s, const char *path, GError **error);
+void pf_link_server_free(PfLinkServer *srv);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfLinkServer, pf_link_server_free)
+
+/* Queues one item; sent by pf_link_flush() or when a batch is full. */
+void pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd);
+void pf_link_flush(PfLink *l);
+gsize pf_link_in_flight(PfLink *l);
+/* Reads answers until none is outstanding or timeout_ms passed. */
+void pf_link_settle(PfLink *l, guint timeout_ms);
+void pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk);
+/* Hands every request still in flight to func, then frees the link. */
+void pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpointer user);
