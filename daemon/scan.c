@@ -1306,6 +1306,8 @@ pf_scanner_get_info(PfScanner *s, PfScanInfo *info)
     info->memcmp_calls = s->memcmp_calls;
     info->last_pass_usec = s->last_pass_usec;
     info->stable_nodes = s->stable.n_nodes;
+    info->pool_slots = s->pool ? pf_pool_slots_in_use(s->pool) : 0;
+    info->pool_bytes = s->pool ? pf_pool_bytes(s->pool) : 0;
 }
 
 /* ---- life ---- */

@@ -119,5 +119,7 @@ typedef struct {
     guint64 memcmp_calls;
     guint64 last_pass_usec;
     guint64 stable_nodes;
+    guint64 pool_slots; /* in use: by merged pages or requests in flight */
+    guint64 pool_bytes; /* memory the pool holds */
 } PfScanInfo;
 void pf_scanner_get_info(PfScanner *s, PfScanInfo *info);

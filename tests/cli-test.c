@@ -11,6 +11,8 @@
 #include <string.h>
 #include <sys/prctl.h>
 
+#include "testproc.h"
+
 typedef struct {
     char *dir;
     char *sock;
@@ -19,53 +21,6 @@ typedef struct {
     GSubprocess *guest[2];
     int pid[2];
 } Fixture;
-
-/* Children die with the test, even when an assertion aborts it: an orphan
- * daemon would hold meson's output pipe open. */
-static void
-die_with_parent(gpointer user)
-{
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-}
-
-static GSubprocess *
-spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
-{
-    g_autoptr(GSubprocessLauncher) l = g_subprocess_launcher_new(flags);
-
-    g_subprocess_launcher_set_child_setup(l, die_with_parent, NULL, NULL);
-    return g_subprocess_launcher_spawnv(l, argv, error);
-}
-
-static const char *
-bin(const char *var)
-{
-    const char *p = g_getenv(var);
-
-    if (p == NULL) {
-        g_error("%s is not set (run through meson test)", var);
-    }
-    return p;
-}
-
-/* prog [--socket sock] then the NULL-terminated arguments, as an argv. */
-static GPtrArray *
-argv_new(const char *prog, const char *sock, va_list ap)
-{
-    GPtrArray *argv = g_ptr_array_new();
-    const char *a;
-
-    g_ptr_array_add(argv, (char *)prog);
-    if (sock != NULL) {
-        g_ptr_array_add(argv, (char *)"--socket");
-        g_ptr_array_add(argv, (char *)sock);
-    }
-    while ((a = va_arg(ap, const char *)) != NULL) {
-        g_ptr_array_add(argv, (char *)a);
-    }
-    g_ptr_array_add(argv, NULL);
-    return argv;
-}
 
 /* Runs pagefoldctl; returns its exit status, stdout in *out and stderr in
  * *err, which it frees first, so a test can call it again and again. */
@@ -80,9 +35,9 @@ ctl(Fixture *f, char **out, char **err, ...)
     g_clear_pointer(out, g_free);
     g_clear_pointer(err, g_free);
     va_start(ap, err);
-    argv = argv_new(bin("PAGEFOLDCTL"), f->sock, ap);
+    argv = pf_test_argv_new(pf_test_bin("PAGEFOLDCTL"), f->sock, ap);
     va_end(ap);
-    p = spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
+    p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
                (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);
     g_subprocess_communicate_utf8(p, NULL, NULL, out, err, &error);
@@ -110,11 +65,11 @@ start_guest(const char *name, int seed, int *pid)
     g_autofree char *guestarg = g_strdup_printf("guest=%s", name);
     g_autofree char *seedarg = g_strdup_printf("%d", seed);
     const char *argv[] = {
-        bin("STANDIN_GUEST"), "-name", guestarg, "--mib", "16", "--identical", "50",
+        pf_test_bin("STANDIN_GUEST"), "-name", guestarg, "--mib", "16", "--identical", "50",
         "--zero", "20", "--volatile", "0", "--churn-ms", "0", "--seed", seedarg, "--stdin",
         NULL
     };
-    GSubprocess *p = spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDIN_PIPE,
+    GSubprocess *p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDIN_PIPE,
                             argv, &error);
     g_autoptr(GDataInputStream) in = NULL;
     g_autofree char *line = NULL;
@@ -135,9 +90,9 @@ start_daemon(Fixture *f, GError **error, ...)
     va_list ap;
 
     va_start(ap, error);
-    argv = argv_new(bin("PAGEFOLDD"), f->sock, ap);
+    argv = pf_test_argv_new(pf_test_bin("PAGEFOLDD"), f->sock, ap);
     va_end(ap);
-    return spawnv(G_SUBPROCESS_FLAGS_NONE, (const char *const *)argv->pdata, error);
+    return pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, (const char *const *)argv->pdata, error);
 }
 
 static void
@@ -253,9 +208,9 @@ expect(Fixture *f, int want_rc, const char *want_err, const char *prog, ...)
     va_list ap;
 
     va_start(ap, prog);
-    argv = argv_new(prog, NULL, ap);
+    argv = pf_test_argv_new(prog, NULL, ap);
     va_end(ap);
-    p = spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
+    p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
                (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);
     g_subprocess_communicate_utf8(p, NULL, NULL, &out, &err, &error);
@@ -269,7 +224,7 @@ expect(Fixture *f, int want_rc, const char *want_err, const char *prog, ...)
 static void
 test_bad_command_lines(Fixture *f, gconstpointer data)
 {
-    const char *c = bin("PAGEFOLDCTL"), *d = bin("PAGEFOLDD");
+    const char *c = pf_test_bin("PAGEFOLDCTL"), *d = pf_test_bin("PAGEFOLDD");
     g_autofree char *nosock = g_build_filename(f->dir, "none.sock", NULL);
 
     expect(f, 2, "no command given", c, "--socket", f->sock, NULL);
@@ -283,7 +238,7 @@ test_bad_command_lines(Fixture *f, gconstpointer data)
     expect(f, 1, "unknown knob", c, "--socket", f->sock, "set", "bogus", "1", NULL);
     {
         const char *sleep_argv[] = { "sleep", "60", NULL };
-        g_autoptr(GSubprocess) sleeper = spawnv(G_SUBPROCESS_FLAGS_NONE, sleep_argv, NULL);
+        g_autoptr(GSubprocess) sleeper = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, sleep_argv, NULL);
 
         expect(f, 1, "no guest RAM", c, "--socket", f->sock, "attach",
                g_subprocess_get_identifier(sleeper), NULL);

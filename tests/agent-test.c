@@ -1,0 +1,424 @@
+/*
+ * agent-test.c - pagefoldd merging for real: stand-in VMMs (guest RAM
+ * mapped like QEMU's, the agent library linked in, writer threads that
+ * check every byte they wrote) against the real pagefoldd.
+ */
+#include <fcntl.h>
+#include <glib.h>
+#include <glib/gstdio.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "testproc.h"
+#include "util.h"
+
+#define MIB 16
+#define PAGES (MIB * 256)
+#define IDENTICAL (PAGES / 2)
+#define ZERO (PAGES * 20 / 100)
+#define UNIQUE (PAGES - IDENTICAL - ZERO)
+
+typedef struct {
+    GSubprocess *proc;
+    GDataInputStream *out;
+    GOutputStream *in;
+    int pid;
+    char *mode;
+} Vmm;
+
+static Vmm *
+vmm_start(PfTestDaemon *d, const char *name, int seed, int writers, gboolean as_nobody)
+{
+    Vmm *v = g_new0(Vmm, 1);
+    g_autoptr(GError) error = NULL;
+    g_autofree char *guest = g_strdup_printf("guest=%s", name);
+    g_autofree char *seedarg = g_strdup_printf("%d", seed);
+    g_autofree char *wr = g_strdup_printf("%d", writers);
+    g_autofree char *mib = g_strdup_printf("%d", MIB);
+    g_autofree char *line = NULL;
+    g_auto(GStrv) words = NULL;
+    const char *argv[] = {
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+        pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket", d->agent_sock,
+        "--mib", mib, "--seed", seedarg, "--writers", wr, "--writes-per-sec", "2000", NULL
+    };
+
+    v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE,
+                             as_nobody ? argv : argv + 4, &error);
+    g_assert_no_error(error);
+    v->out = g_data_input_stream_new(g_subprocess_get_stdout_pipe(v->proc));
+    v->in = g_subprocess_get_stdin_pipe(v->proc);
+    line = g_data_input_stream_read_line(v->out, NULL, NULL, &error);
+    g_assert_no_error(error);
+    g_assert_nonnull(line);
+    words = g_strsplit(line, " ", 3);
+    g_assert_cmpstr(words[0], ==, "ready");
+    v->pid = atoi(words[1]);
+    v->mode = g_strdup(words[2]);
+    return v;
+}
+
+static char *
+vmm_cmd(Vmm *v, const char *cmd)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *line = g_strconcat(cmd, "\n", NULL);
+    char *reply;
+
+    g_assert_true(g_output_stream_write_all(v->in, line, strlen(line), NULL, NULL, &error));
+    reply = g_data_input_stream_read_line(v->out, NULL, NULL, &error);
+    g_assert_no_error(error);
+    g_assert_nonnull(reply);
+    return reply;
+}
+
+static void
+vmm_verify(Vmm *v)
+{
+    g_autofree char *r = vmm_cmd(v, "verify");
+
+    if (!g_str_has_prefix(r, "verify ok")) {
+        g_error("VMM %d: %s", v->pid, r);
+    }
+}
+
+/* Stops it; it checks all its RAM one last time. */
+static void
+vmm_quit(Vmm *v)
+{
+    g_autofree char *r = vmm_cmd(v, "quit");
+
+    if (!g_str_has_prefix(r, "verify ok")) {
+        g_error("VMM %d at exit: %s", v->pid, r);
+    }
+    g_assert_true(g_subprocess_wait(v->proc, NULL, NULL));
+    g_assert_cmpint(g_subprocess_get_exit_status(v->proc), ==, 0);
+}
+
+static void
+vmm_free(Vmm *v)
+{
+    g_subprocess_force_exit(v->proc);
+    g_subprocess_wait(v->proc, NULL, NULL);
+    g_object_unref(v->out);
+    g_object_unref(v->proc);
+    g_free(v->mode);
+    g_free(v);
+}
+
+static JsonObject *
+stats(PfTestDaemon *d, const char *cmd, const char *arg)
+{
+    JsonNode *n = pf_test_ctl_json(d, cmd, arg, NULL);
+    JsonObject *o = json_object_ref(json_node_get_object(n));
+
+    json_node_unref(n);
+    return o;
+}
+
+static gint64
+total(JsonObject *s, const char *name)
+{
+    return json_object_get_int_member(json_object_get_object_member(s, "total"), name);
+}
+
+static JsonObject *
+vm_of(JsonObject *s, const char *name)
+{
+    JsonArray *vms = json_object_get_array_member(s, "vms");
+
+    for (guint i = 0; i < json_array_get_length(vms); i++) {
+        JsonObject *vm = json_array_get_object_element(vms, i);
+
+        if (g_str_equal(json_object_get_string_member(vm, "name"), name)) {
+            return vm;
+        }
+    }
+    return NULL;
+}
+
+/* st_blocks of a process's guest memfd, found as pagefoldd finds it. */
+static gint64
+memfd_blocks(int pid)
+{
+    g_autofree char *dir = g_strdup_printf("/proc/%d/fd", pid);
+    g_autoptr(GDir) d = g_dir_open(dir, 0, NULL);
+    const char *e;
+
+    while (d && (e = g_dir_read_name(d)) != NULL) {
+        g_autofree char *path = g_build_filename(dir, e, NULL);
+        g_autofree char *target = g_file_read_link(path, NULL);
+        struct stat st;
+
+        if (target && g_str_has_prefix(target, "/memfd:memory-backend-memfd") &&
+            stat(path, &st) == 0) {
+            return st.st_blocks;
+        }
+    }
+    return -1;
+}
+
+static gint64
+count_vmas(int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
+    g_autofree char *text = NULL;
+    gint64 n = 0;
+
+    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
+    for (const char *p = text; *p; p++) {
+        n += *p == '\n';
+    }
+    return n;
+}
+
+static guint64
+pfn_of(int pid, guint64 addr)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/pagemap", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    guint64 e = 0;
+
+    g_assert_cmpint(pread(fd, &e, 8, (off_t)(addr / PF_PAGE_SIZE * 8)), ==, 8);
+    close(fd);
+    return e & ((1ull << 55) - 1);
+}
+
+static guint64
+guest_addr(PfTestDaemon *d, const char *vm)
+{
+    JsonNode *n = pf_test_ctl_json(d, "list", NULL);
+    JsonArray *a = json_node_get_array(n);
+    guint64 addr = 0;
+
+    for (guint i = 0; i < json_array_get_length(a); i++) {
+        JsonObject *o = json_array_get_object_element(a, i);
+
+        if (g_str_equal(json_object_get_string_member(o, "name"), vm)) {
+            JsonArray *regions = json_object_get_array_member(o, "regions");
+
+            addr = (guint64)json_object_get_int_member(json_array_get_object_element(regions, 0),
+                                                       "host_addr");
+        }
+    }
+    json_node_unref(n);
+    return addr;
+}
+
+/* Three VMs, no writes: exactly what the layout predicts. */
+static void
+test_merge_exact(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *v[3];
+    g_autoptr(JsonObject) s = NULL;
+    gint64 blocks_before[3];
+    gint64 vmas_before[3];
+
+    for (int i = 0; i < 3; i++) {
+        g_autofree char *name = g_strdup_printf("vm%d", i);
+
+        v[i] = vmm_start(d, name, i + 1, 0, FALSE);
+        g_assert_cmpstr(v[i]->mode, ==, "merge");
+        blocks_before[i] = memfd_blocks(v[i]->pid);
+        vmas_before[i] = count_vmas(v[i]->pid);
+    }
+    s = stats(d, "scan-now", "3");
+    g_assert_cmpstr(json_object_get_string_member(s, "mode"), ==, "merge");
+    g_assert_cmpint(total(s, "pages_shared"), ==, IDENTICAL);
+    g_assert_cmpint(total(s, "pages_sharing"), ==, 2 * IDENTICAL);
+    g_assert_cmpint(total(s, "zero_pages"), ==, 3 * ZERO);
+    g_assert_cmpint(total(s, "pages_unshared"), ==, 3 * UNIQUE);
+    g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_bytes"), ==, IDENTICAL * PF_PAGE_SIZE);
+    for (int i = 0; i < 3; i++) {
+        g_autofree char *name = g_strdup_printf("vm%d", i);
+        JsonObject *vm = vm_of(s, name);
+
+        /* The memory really went: only unique pages are left in the memfd. */
+        g_assert_cmpint(memfd_blocks(v[i]->pid), ==, UNIQUE * (PF_PAGE_SIZE / 512));
+        g_assert_cmpint(blocks_before[i], ==, PAGES * (PF_PAGE_SIZE / 512));
+        g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
+        /* Runs of merged pages share mappings: far fewer than pages. */
+        g_assert_cmpint(json_object_get_int_member(vm, "vmas"), ==, count_vmas(v[i]->pid));
+        g_assert_cmpint((count_vmas(v[i]->pid) - vmas_before[i]) * 10, <, IDENTICAL + ZERO);
+        vmm_verify(v[i]);
+    }
+    /* One physical page behind guest page 7 of every VM. */
+    {
+        guint64 pfn0 = pfn_of(v[0]->pid, guest_addr(d, "vm0") + 7 * PF_PAGE_SIZE);
+
+        g_assert_cmpuint(pfn0, !=, 0);
+        for (int i = 1; i < 3; i++) {
+            g_autofree char *name = g_strdup_printf("vm%d", i);
+
+            g_assert_cmpuint(pfn_of(v[i]->pid, guest_addr(d, name) + 7 * PF_PAGE_SIZE), ==, pfn0);
+        }
+    }
+    for (int i = 0; i < 3; i++) {
+        vmm_quit(v[i]);
+        vmm_free(v[i]);
+    }
+}
+
+/* A merged page written: copied on write, counted out, content intact;
+ * written back to what it was, it merges again. */
+static void
+test_cow_and_remerge(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *a = vmm_start(d, "a", 1, 0, FALSE), *b = vmm_start(d, "b", 2, 0, FALSE);
+    g_autoptr(JsonObject) s = stats(d, "scan-now", "3");
+    g_autofree char *r1 = NULL, *r2 = NULL;
+
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
+    r1 = vmm_cmd(a, "write 5");
+    g_assert_cmpstr(r1, ==, "ok");
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "1");
+    g_assert_cmpint(json_object_get_int_member(vm_of(s, "a"), "cow"), ==, 1);
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 1);
+    vmm_verify(a);
+    vmm_verify(b); /* b's page 5 still maps the pool: unchanged */
+
+    r2 = vmm_cmd(a, "restore 5");
+    g_assert_cmpstr(r2, ==, "ok");
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "3");
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
+    vmm_quit(a);
+    vmm_quit(b);
+    vmm_free(a);
+    vmm_free(b);
+}
+
+/* Guests writing all the while, pagefoldd scanning in the background:
+ * not one byte lost. */
+static void
+test_concurrent_writers(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "target_pass_millisecs=100",
+                                                     "--set", "sleep_millisecs=5", NULL);
+    Vmm *v[4];
+    g_autoptr(JsonObject) s = NULL;
+
+    for (int i = 0; i < 4; i++) {
+        g_autofree char *name = g_strdup_printf("w%d", i);
+
+        v[i] = vmm_start(d, name, i + 1, 2, FALSE);
+    }
+    for (int round = 0; round < 6; round++) {
+        g_usleep(300000);
+        for (int i = 0; i < 4; i++) {
+            vmm_verify(v[i]);
+        }
+    }
+    s = stats(d, "stats", NULL);
+    g_assert_cmpint(total(s, "pages_sharing"), >, 0);
+    g_assert_cmpint(total(s, "cow"), >, 0);
+    for (int i = 0; i < 4; i++) {
+        vmm_quit(v[i]);
+        vmm_free(v[i]);
+    }
+}
+
+/* pagefoldd killed at random points while merging: every VM's data is
+ * intact and the VMs keep running (their agents just disconnect). */
+static void
+test_kill_daemon(void)
+{
+    for (int round = 0; round < 3; round++) {
+        g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "target_pass_millisecs=50",
+                                                         "--set", "sleep_millisecs=1", NULL);
+        Vmm *v[2] = { vmm_start(d, "k0", 1, 2, FALSE), vmm_start(d, "k1", 2, 2, FALSE) };
+
+        g_usleep(g_random_int_range(50000, 600000));
+        g_subprocess_send_signal(d->proc, SIGKILL);
+        g_subprocess_wait(d->proc, NULL, NULL);
+        for (int i = 0; i < 2; i++) {
+            g_autofree char *st = NULL;
+
+            vmm_verify(v[i]);
+            g_usleep(100000);
+            st = vmm_cmd(v[i], "stats");
+            g_assert_nonnull(strstr(st, "connected 0"));
+            vmm_verify(v[i]);
+            vmm_quit(v[i]);
+            vmm_free(v[i]);
+        }
+    }
+}
+
+/* A VMM killed mid-batch: pagefoldd drops it and frees its slots. */
+static void
+test_kill_vmm(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "target_pass_millisecs=50",
+                                                     "--set", "sleep_millisecs=1", NULL);
+    Vmm *a = vmm_start(d, "x", 1, 1, FALSE), *b = vmm_start(d, "y", 2, 1, FALSE);
+    g_autoptr(JsonObject) s = NULL;
+
+    g_usleep(g_random_int_range(100000, 500000));
+    g_subprocess_send_signal(b->proc, SIGKILL);
+    g_subprocess_wait(b->proc, NULL, NULL);
+    for (int i = 0; i < 100; i++) {
+        g_clear_pointer(&s, json_object_unref);
+        s = stats(d, "stats", NULL);
+        if (json_array_get_length(json_object_get_array_member(s, "vms")) == 1) {
+            break;
+        }
+        g_usleep(50000);
+    }
+    g_assert_cmpuint(json_array_get_length(json_object_get_array_member(s, "vms")), ==, 1);
+    /* Once a's requests are answered, every pool slot in use is a page a
+     * still maps: none is held for b any more. */
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "1");
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, total(s, "pages_shared"));
+    g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+    vmm_verify(a);
+    vmm_quit(a);
+    vmm_free(a);
+    vmm_free(b);
+}
+
+/* QEMU under libvirt is not root: the agent makes its userfaultfd from
+ * the /dev/userfaultfd fd pagefoldd passes, and merging works. */
+static void
+test_unprivileged(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *a, *b;
+    g_autoptr(JsonObject) s = NULL;
+
+    g_chmod(d->dir, 0755);
+    g_chmod(d->agent_sock, 0666);
+    a = vmm_start(d, "u0", 1, 1, TRUE);
+    b = vmm_start(d, "u1", 2, 1, TRUE);
+    g_assert_cmpstr(a->mode, ==, "merge");
+    s = stats(d, "scan-now", "3");
+    g_assert_cmpint(total(s, "pages_sharing"), >, IDENTICAL / 2);
+    vmm_verify(a);
+    vmm_verify(b);
+    vmm_quit(a);
+    vmm_quit(b);
+    vmm_free(a);
+    vmm_free(b);
+}
+
+int
+main(int argc, char **argv)
+{
+    g_test_init(&argc, &argv, NULL);
+    g_test_add_func("/agent/merge-exact", test_merge_exact);
+    g_test_add_func("/agent/cow-and-remerge", test_cow_and_remerge);
+    g_test_add_func("/agent/concurrent-writers", test_concurrent_writers);
+    g_test_add_func("/agent/kill-daemon", test_kill_daemon);
+    g_test_add_func("/agent/kill-vmm", test_kill_vmm);
+    g_test_add_func("/agent/unprivileged", test_unprivileged);
+    return g_test_run();
+}

@@ -1,0 +1,250 @@
+/*
+ * standin-vmm.c - a STAND-IN VMM for the agent tests: it maps guest RAM
+ * exactly as QEMU's memory-backend-memfd,share=on does, links the agent
+ * library as the patched QEMU will, and runs writer threads that play a
+ * guest writing its memory while merges happen.  Every byte written is
+ * remembered in a private shadow copy and checked.
+ *
+ *   standin-vmm -name guest=NAME --agent-socket PATH [--mib N] [--identical PCT]
+ *               [--zero PCT] [--seed N] [--writers N] [--writes-per-sec N]
+ *
+ * Commands on stdin, one per line, each answered by one line:
+ *   write PAGE      write new content into a page        -> "ok"
+ *   restore PAGE    write the page's first content back  -> "ok"
+ *   verify          compare all RAM with the shadow      -> "verify ok N" / "verify FAIL ..."
+ *   stats           the agent's counters                 -> "stats merged M zeroed Z ..."
+ *   quit            stop writers, verify, exit 0 or 1
+ * EOF on stdin is quit.  Prints "ready PID MODE" first.
+ */
+#include <fcntl.h>
+#include <glib.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "agent.h"
+#include "guestmem.h"
+#include "util.h"
+
+typedef struct {
+    PfGuest *g;
+    guint8 *shadow;   /* what every page must hold */
+    GMutex *locks;    /* one per 64 pages: writers and commands */
+    gint stop;
+    guint n_writers;
+    guint rate;
+    guint64 writes;
+} Vmm;
+
+static GMutex *
+lock_of(Vmm *v, gsize page)
+{
+    return &v->locks[page / 64];
+}
+
+/* Writes guest RAM and the shadow together.  The agent may be merging this
+ * very page: the write blocks on write protection, or lands in a private
+ * copy; either way it must be there when read back. */
+static void
+write_page(Vmm *v, gsize page, const guint8 *content, gboolean partial)
+{
+    guint8 *dst = v->g->mem + page * PF_PAGE_SIZE;
+    guint8 *sh = v->shadow + page * PF_PAGE_SIZE;
+
+    g_mutex_lock(lock_of(v, page));
+    if (partial) {
+        gsize off = g_random_int_range(0, PF_PAGE_SIZE);
+
+        dst[off] = content[off];
+        sh[off] = content[off];
+    } else {
+        memcpy(dst, content, PF_PAGE_SIZE);
+        memcpy(sh, content, PF_PAGE_SIZE);
+    }
+    g_mutex_unlock(lock_of(v, page));
+}
+
+static void
+first_content(Vmm *v, gsize page, guint8 *out)
+{
+    const PfLayout *l = &v->g->layout;
+
+    if (page < l->identical) {
+        pf_fill_page(out, pf_page_seed(1, 0, page, 0));
+    } else if (page < l->identical + l->unique) {
+        pf_fill_page(out, pf_page_seed(3, v->g->seed, page - l->identical, 0));
+    } else {
+        memset(out, 0, PF_PAGE_SIZE);
+    }
+}
+
+static gpointer
+writer(gpointer data)
+{
+    Vmm *v = data;
+    guint8 page_buf[PF_PAGE_SIZE];
+    GRand *rnd = g_rand_new();
+    gint64 interval = v->rate ? G_USEC_PER_SEC / v->rate : 0;
+
+    while (!g_atomic_int_get(&v->stop)) {
+        gsize page = g_rand_int_range(rnd, 0, (gint32)v->g->n_pages);
+        guint kind = g_rand_int_range(rnd, 0, 4);
+
+        /* Back to its first content (so it can merge again), something
+         * new, one byte, or zeros. */
+        if (kind == 0) {
+            first_content(v, page, page_buf);
+        } else if (kind == 3) {
+            memset(page_buf, 0, sizeof(page_buf));
+        } else {
+            pf_fill_page(page_buf, g_rand_int(rnd) | 1);
+        }
+        write_page(v, page, page_buf, kind == 2);
+        __atomic_add_fetch(&v->writes, 1, __ATOMIC_RELAXED);
+        if (interval) {
+            g_usleep(interval);
+        }
+    }
+    g_rand_free(rnd);
+    return NULL;
+}
+
+static gboolean
+verify(Vmm *v, GString *why)
+{
+    gsize bad = 0, first_bad = 0;
+
+    for (gsize p = 0; p < v->g->n_pages; p++) {
+        gboolean ok;
+
+        g_mutex_lock(lock_of(v, p));
+        ok = memcmp(v->g->mem + p * PF_PAGE_SIZE, v->shadow + p * PF_PAGE_SIZE, PF_PAGE_SIZE) == 0;
+        g_mutex_unlock(lock_of(v, p));
+        if (!ok && bad++ == 0) {
+            first_bad = p;
+        }
+    }
+    if (bad > 0) {
+        g_string_printf(why, "%zu page(s) differ from what was written, first %zu", bad, first_bad);
+    }
+    return bad == 0;
+}
+
+int
+main(int argc, char **argv)
+{
+    g_autofree char *name = NULL, *socket_path = NULL;
+    gint mib = 32, identical = 50, zero = 20, seed = 1, writers = 0, rate = 1000;
+    GOptionEntry entries[] = {
+        { "name", 0, 0, G_OPTION_ARG_STRING, &name, "guest=NAME", "guest=NAME" },
+        { "agent-socket", 0, 0, G_OPTION_ARG_FILENAME, &socket_path, "pagefoldd's agent socket", "PATH" },
+        { "mib", 0, 0, G_OPTION_ARG_INT, &mib, "RAM in MiB (32)", "N" },
+        { "identical", 0, 0, G_OPTION_ARG_INT, &identical, "percent identical across VMs (50)", "PCT" },
+        { "zero", 0, 0, G_OPTION_ARG_INT, &zero, "percent zero (20)", "PCT" },
+        { "seed", 0, 0, G_OPTION_ARG_INT, &seed, "seed of the unique pages", "N" },
+        { "writers", 0, 0, G_OPTION_ARG_INT, &writers, "writer threads (0)", "N" },
+        { "writes-per-sec", 0, 0, G_OPTION_ARG_INT, &rate, "per writer (1000)", "N" },
+        { NULL }
+    };
+    g_autoptr(GOptionContext) ctx = g_option_context_new("- stand-in VMM with the agent library");
+    g_autoptr(GError) error = NULL;
+    g_autoptr(PfAgent) agent = NULL;
+    g_autoptr(GString) why = g_string_new(NULL);
+    GThread **threads;
+    PfLayout l = { 0 };
+    Vmm v = { 0 };
+    PfAgentRegion r;
+    char line[256];
+    gsize pages;
+    int rc = 0;
+
+    for (int i = 1; i < argc; i++) {
+        if (g_str_equal(argv[i], "-name")) {
+            argv[i] = (char *)"--name";
+        }
+    }
+    g_option_context_add_main_entries(ctx, entries, NULL);
+    if (!g_option_context_parse(ctx, &argc, &argv, &error) || socket_path == NULL || name == NULL) {
+        g_printerr("standin-vmm: %s\n", error ? error->message : "-name and --agent-socket are needed");
+        return 2;
+    }
+    pages = (gsize)mib * 256;
+    l.identical = pages * (gsize)identical / 100;
+    l.zero = pages * (gsize)zero / 100;
+    l.unique = pages - l.identical - l.zero;
+    v.g = pf_guest_new("memory-backend-memfd", &l, (guint32)seed);
+    fcntl(v.g->fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
+    v.shadow = g_memdup2(v.g->mem, pages * PF_PAGE_SIZE);
+    v.locks = g_new0(GMutex, pages / 64 + 1);
+    v.n_writers = (guint)writers;
+    v.rate = (guint)rate;
+
+    agent = pf_agent_new(g_str_has_prefix(name, "guest=") ? name + 6 : name, NULL);
+    r = (PfAgentRegion){ "pc.ram", v.g->mem, pages * PF_PAGE_SIZE, v.g->fd, 0 };
+    pf_agent_add_region(agent, &r);
+    if (!pf_agent_start(agent, socket_path, &error)) {
+        g_printerr("standin-vmm: %s\n", error->message);
+        return 1;
+    }
+    threads = g_new0(GThread *, v.n_writers + 1);
+    for (guint i = 0; i < v.n_writers; i++) {
+        threads[i] = g_thread_new("writer", writer, &v);
+    }
+    printf("ready %d %s\n", (int)getpid(), pf_agent_get_mode(agent) == PF_MODE_MERGE ? "merge" : "advise");
+    fflush(stdout);
+
+    while (fgets(line, sizeof(line), stdin) != NULL) {
+        guint64 page;
+        guint8 buf[PF_PAGE_SIZE];
+
+        g_strchomp(line);
+        if (sscanf(line, "write %" G_GUINT64_FORMAT, &page) == 1 && page < pages) {
+            pf_fill_page(buf, g_random_int() | 1);
+            write_page(&v, page, buf, FALSE);
+            printf("ok\n");
+        } else if (sscanf(line, "restore %" G_GUINT64_FORMAT, &page) == 1 && page < pages) {
+            first_content(&v, page, buf);
+            write_page(&v, page, buf, FALSE);
+            printf("ok\n");
+        } else if (g_str_equal(line, "verify")) {
+            if (verify(&v, why)) {
+                printf("verify ok %zu\n", pages);
+            } else {
+                printf("verify FAIL %s\n", why->str);
+            }
+        } else if (g_str_equal(line, "stats")) {
+            PfAgentStats st;
+
+            pf_agent_get_stats(agent, &st);
+            printf("stats merged %" G_GUINT64_FORMAT " zeroed %" G_GUINT64_FORMAT
+                   " unmerged %" G_GUINT64_FORMAT " changed %" G_GUINT64_FORMAT
+                   " errors %" G_GUINT64_FORMAT " writes %" G_GUINT64_FORMAT " connected %d\n",
+                   st.merged, st.zeroed, st.unmerged, st.changed, st.errors,
+                   __atomic_load_n(&v.writes, __ATOMIC_RELAXED), pf_agent_is_connected(agent));
+        } else if (g_str_equal(line, "quit")) {
+            break;
+        } else {
+            printf("error unknown command\n");
+        }
+        fflush(stdout);
+    }
+    g_atomic_int_set(&v.stop, 1);
+    for (guint i = 0; i < v.n_writers; i++) {
+        g_thread_join(threads[i]);
+    }
+    if (verify(&v, why)) {
+        printf("verify ok %zu\n", pages);
+    } else {
+        printf("verify FAIL %s\n", why->str);
+        rc = 1;
+    }
+    fflush(stdout);
+    g_free(threads);
+    /* The agent goes first: it maps guest RAM. */
+    g_clear_pointer(&agent, pf_agent_free);
+    g_free(v.locks);
+    g_free(v.shadow);
+    pf_guest_free(v.g);
+    return rc;
+}

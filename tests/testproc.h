@@ -1,0 +1,36 @@
+/*
+ * testproc.h - running the project's programs from tests: children that
+ * die with the test, the binaries meson built, pagefoldd on sockets of the
+ * test's own, and pagefoldctl answers as JSON.
+ */
+#pragma once
+
+#include <gio/gio.h>
+#include <json-glib/json-glib.h>
+#include <stdarg.h>
+
+/* A program meson built, from the environment meson test sets. */
+const char *pf_test_bin(const char *var);
+/* Spawns a child that is killed if the test dies (an orphan daemon would
+ * hold meson's output pipe open). */
+GSubprocess *pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error);
+/* prog [--socket sock] then the NULL-terminated arguments, as an argv. */
+GPtrArray *pf_test_argv_new(const char *prog, const char *sock, va_list ap);
+
+typedef struct {
+    char *dir;
+    char *sock;       /* control */
+    char *agent_sock; /* agents */
+    GSubprocess *proc;
+} PfTestDaemon;
+
+/* Starts pagefoldd with the extra NULL-terminated arguments, waits for its
+ * sockets. */
+PfTestDaemon *pf_test_daemon_start(const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
+/* Starts it again on the same sockets (after a kill). */
+void pf_test_daemon_restart(PfTestDaemon *d, const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
+void pf_test_daemon_free(PfTestDaemon *d);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestDaemon, pf_test_daemon_free)
+
+/* Runs pagefoldctl --json with the arguments; asserts it succeeds. */
+JsonNode *pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
