@@ -339,6 +339,11 @@ cmd_set(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
                       (guint64)value, error)) {
         return FALSE;
     }
+    if (g_str_equal(arg_str(args, "knob"), "run") && value == 2) {
+        /* As KSM: unmerge everything, then stay stopped. */
+        pf_scanner_unmerge(c->scanner, NULL);
+        pf_scanner_get_knobs(c->scanner)->run = 0;
+    }
     pf_scanner_kick(c->scanner);
     return cmd_knobs(c, NULL, b, error);
 }
@@ -355,6 +360,19 @@ cmd_scan_now(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     }
     pf_scanner_run_passes(c->scanner, (guint)passes);
     stats_to_json(c, NULL, b);
+    return TRUE;
+}
+
+static gboolean
+cmd_unmerge(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    PfVm *vm = NULL;
+
+    if (arg_str(args, "vm") != NULL && (vm = find_vm(c, arg_str(args, "vm"), error)) == NULL) {
+        return FALSE;
+    }
+    pf_scanner_unmerge(c->scanner, vm);
+    stats_to_json(c, vm, b);
     return TRUE;
 }
 
@@ -385,6 +403,7 @@ static const struct {
     { "knobs", cmd_knobs, ARGS() },
     { "set", cmd_set, ARGS({ "knob", ARG_STRING, TRUE }, { "value", ARG_INT, TRUE }, ) },
     { "scan-now", cmd_scan_now, ARGS({ "passes", ARG_INT, FALSE }, ) },
+    { "unmerge", cmd_unmerge, ARGS({ "vm", ARG_STRING, FALSE }, ) },
 };
 
 #undef ARGS

@@ -26,7 +26,8 @@ static const char usage_text[] =
     "  stats [VM]                 KSM's counters, per VM and in total\n"
     "  knobs                      the knobs and their values\n"
     "  set KNOB VALUE             set a knob (KSM's names)\n"
-    "  scan-now [PASSES]          run full passes now, then print stats\n";
+    "  scan-now [PASSES]          run full passes now, then print stats\n"
+    "  unmerge [VM]               put every merged page back in its VM's memory\n";
 
 static int
 usage_error(const char *msg)
@@ -217,9 +218,9 @@ main(int argc, char **argv)
         }
         json_builder_set_member_name(b, "vm");
         json_builder_add_string_value(b, argv[2]);
-    } else if (g_str_equal(cmd, "stats")) {
+    } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "unmerge")) {
         if (argc > 3) {
-            return usage_error("stats takes at most one VM");
+            return usage_error("this command takes at most one VM");
         }
         if (argc == 3) {
             json_builder_set_member_name(b, "vm");
@@ -279,7 +280,8 @@ main(int argc, char **argv)
     ret = json_object_get_member(robj, "return");
     if (as_json) {
         print_json(ret);
-    } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "scan-now")) {
+    } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "scan-now") ||
+               g_str_equal(cmd, "unmerge")) {
         g_autofree char *text = as_prom
             ? pf_stats_format_prometheus(json_node_get_object(ret))
             : pf_stats_format_table(json_node_get_object(ret));

@@ -91,7 +91,7 @@ static const KnobInfo knob_info[] = {
     K(max_page_sharing, 2, G_MAXUINT16, "guest pages per canonical page"),
     K(smart_scan, 0, 1, "skip pages that keep failing to merge"),
     K(use_zero_pages, 0, 1, "treat all-zero pages apart"),
-    K(run, 0, 1, "0: stop scanning, 1: scan"),
+    K(run, 0, 2, "0: stop scanning, 1: scan, 2: unmerge all pages and stop"),
     K(max_vma_percent, 1, 90, "share of vm.max_map_count a VM may reach through merges"),
 };
 
@@ -936,6 +936,51 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
         }
     }
     return done;
+}
+
+static void settle(PfScanner *s);
+
+/* KSM's run=2: every merged page back into its memfd.  Advise-mode VMs
+ * just forget what they would share. */
+void
+pf_scanner_unmerge(PfScanner *s, PfVm *only)
+{
+    for (guint v = 0; v < s->vms->len; v++) {
+        PfVm *vm = g_ptr_array_index(s->vms, v);
+
+        if (only != NULL && vm != only) {
+            continue;
+        }
+        for (guint k = 0; k < vm->regions->len; k++) {
+            PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+            for (gsize i = 0; i < r->n_pages; i++) {
+                PfPage *p = &r->pages[i];
+                guint32 id = r->base + (guint32)i, node = 0, slot = PF_POOL_SLOT_NONE;
+
+                if (p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO) {
+                    continue;
+                }
+                if (p->state == PF_PAGE_SHARED) {
+                    node = p->node;
+                    slot = node_at(s, node)->slot;
+                    pf_stable_tree_remove(&s->stable, id);
+                }
+                if (pf_vm_merges(vm)) {
+                    request(s, r, p, id, PF_ITEM_UNMERGE, slot, node);
+                } else {
+                    if (node != 0) {
+                        node_maybe_drop(s, node);
+                    }
+                    reset_page(r, p, PF_PAGE_VOLATILE);
+                }
+            }
+        }
+        if (vm->link != NULL) {
+            pf_link_flush(vm->link);
+        }
+    }
+    settle(s);
 }
 
 /* Waits for the agents' answers to every request sent so far. */

@@ -114,6 +114,9 @@ void pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultSt
  * process is gone. */
 void pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why);
 PfPool *pf_scanner_get_pool(PfScanner *s);
+/* Unmerges every page of one VM, or of all (KSM's run=2), and waits for
+ * the agents to answer. */
+void pf_scanner_unmerge(PfScanner *s, PfVm *only);
 
 typedef struct {
     guint64 memcmp_calls;

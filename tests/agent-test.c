@@ -174,6 +174,26 @@ count_vmas(int pid)
     return n;
 }
 
+/* Mappings over guest RAM only: what merging splits. */
+static gint64
+count_ram_vmas(int pid, guint64 start, guint64 size)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
+    g_autofree char *text = NULL;
+    g_auto(GStrv) lines = NULL;
+    gint64 n = 0;
+
+    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
+    lines = g_strsplit(text, "\n", -1);
+    for (char **l = lines; *l && **l; l++) {
+        guint64 a = g_ascii_strtoull(*l, NULL, 16);
+        guint64 b = g_ascii_strtoull(strchr(*l, '-') + 1, NULL, 16);
+
+        n += a < start + size && b > start;
+    }
+    return n;
+}
+
 static guint64
 pfn_of(int pid, guint64 addr)
 {
@@ -296,6 +316,40 @@ test_cow_and_remerge(void)
     vmm_free(b);
 }
 
+/* KSM's run=2: every page back in its memfd, the mappings coalesced
+ * again, the pool empty, scanning stopped. */
+static void
+test_unmerge_all(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *v[2] = { vmm_start(d, "m0", 1, 1, FALSE), vmm_start(d, "m1", 2, 1, FALSE) };
+    guint64 ram[2] = { guest_addr(d, "m0"), guest_addr(d, "m1") };
+    g_autoptr(JsonObject) s = stats(d, "scan-now", "3");
+    g_autoptr(JsonObject) k = NULL;
+    JsonNode *n;
+
+    g_assert_cmpint(total(s, "pages_sharing"), >, 0);
+    g_assert_cmpint(count_ram_vmas(v[0]->pid, ram[0], PAGES * PF_PAGE_SIZE), >, 1);
+    n = pf_test_ctl_json(d, "set", "run", "2", NULL);
+    g_assert_cmpint(json_object_get_int_member(json_node_get_object(n), "run"), ==, 0);
+    json_node_unref(n);
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "stats", NULL);
+    g_assert_cmpint(total(s, "pages_sharing"), ==, 0);
+    g_assert_cmpint(total(s, "pages_shared"), ==, 0);
+    g_assert_cmpint(total(s, "zero_pages"), ==, 0);
+    g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, 0);
+    for (int i = 0; i < 2; i++) {
+        g_assert_cmpint(memfd_blocks(v[i]->pid), ==, PAGES * (PF_PAGE_SIZE / 512));
+        /* Merged, guest RAM was in many mappings; now in one again. */
+        g_assert_cmpint(count_ram_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
+        vmm_verify(v[i]);
+        vmm_quit(v[i]);
+        vmm_free(v[i]);
+    }
+}
+
 /* Guests writing all the while, pagefoldd scanning in the background:
  * not one byte lost. */
 static void
@@ -416,6 +470,7 @@ main(int argc, char **argv)
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/agent/merge-exact", test_merge_exact);
     g_test_add_func("/agent/cow-and-remerge", test_cow_and_remerge);
+    g_test_add_func("/agent/unmerge-all", test_unmerge_all);
     g_test_add_func("/agent/concurrent-writers", test_concurrent_writers);
     g_test_add_func("/agent/kill-daemon", test_kill_daemon);
     g_test_add_func("/agent/kill-vmm", test_kill_vmm);
