@@ -19,18 +19,13 @@
 #include "agent.h"
 #include "guestmem.h"
 #include "proto.h"
+#include "testproc.h"
 #include "util.h"
-
-#ifndef F_SEAL_FUTURE_WRITE
-#define F_SEAL_FUTURE_WRITE 0x0010
-#endif
 
 #define PAGES 256
 
 typedef struct {
-    char *dir;
-    char *path;
-    int listen_fd;
+    PfTestPeer *peer;
     int conn;
     PfGuest *guest;
     PfAgent *agent;
@@ -39,20 +34,7 @@ typedef struct {
     PfMsg msg;
 } Fixture;
 
-static int
-make_pool(guint32 n_slots, gboolean seal, guint8 **map)
-{
-    int fd = memfd_create("test-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-
-    g_assert_cmpint(ftruncate(fd, (off_t)n_slots * PF_PAGE_SIZE), ==, 0);
-    *map = mmap(NULL, (gsize)n_slots * PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    g_assert(*map != MAP_FAILED);
-    if (seal) {
-        g_assert_cmpint(fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_GROW |
-                                                   F_SEAL_SHRINK | F_SEAL_SEAL), ==, 0);
-    }
-    return fd;
-}
+#define make_pool pf_test_pool_chunk
 
 static void
 expect_msg(Fixture *f, PfMsgType type)
@@ -64,55 +46,20 @@ expect_msg(Fixture *f, PfMsgType type)
     g_assert_cmpuint(f->msg.header.type, ==, type);
 }
 
-static gpointer
-start_agent(gpointer data)
-{
-    Fixture *f = data;
-    g_autoptr(GError) error = NULL;
-    gboolean ok = pf_agent_start(f->agent, f->path, &error);
-
-    g_assert_no_error(error);
-    return GINT_TO_POINTER(ok);
-}
-
 static void
 setup(Fixture *f, gconstpointer data)
 {
-    g_autoptr(GError) error = NULL;
-    struct sockaddr_un addr = { .sun_family = AF_UNIX };
     PfLayout l = { .identical = PAGES / 2, .unique = PAGES / 4, .zero = PAGES / 4 };
     PfAgentRegion r;
-    PfWireMode welcome = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
-    GThread *t;
 
     memset(f, 0, sizeof(*f));
-    f->dir = g_dir_make_tmp("pagefold-agent-XXXXXX", &error);
-    f->path = g_build_filename(f->dir, "agent.sock", NULL);
-    g_strlcpy(addr.sun_path, f->path, sizeof(addr.sun_path));
-    f->listen_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    g_assert_cmpint(bind(f->listen_fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
-    g_assert_cmpint(listen(f->listen_fd, 4), ==, 0);
-
+    f->peer = pf_test_peer_new();
     f->guest = pf_guest_new("memory-backend-memfd", &l, 1);
     f->agent = pf_agent_new("vm-test", NULL);
     r = (PfAgentRegion){ "pc.ram", f->guest->mem, PAGES * PF_PAGE_SIZE, f->guest->fd, 0 };
     pf_agent_add_region(f->agent, &r);
-
-    t = g_thread_new("start", start_agent, f);
-    f->conn = accept4(f->listen_fd, NULL, NULL, SOCK_CLOEXEC);
-    expect_msg(f, PF_MSG_HELLO);
-    g_assert_cmpstr(pf_msg_hello(&f->msg)->name, ==, "vm-test");
-    g_assert_cmpuint(pf_msg_hello(&f->msg)->pid, ==, getpid());
-    expect_msg(f, PF_MSG_REGION);
-    g_assert_cmpuint(f->msg.n_fds, ==, 1);
-    pf_msg_close_fds(&f->msg);
-    g_assert_true(pf_proto_send(f->conn, PF_MSG_WELCOME, 0, &welcome, sizeof(welcome), NULL, 0,
-                                NULL));
-    expect_msg(f, PF_MSG_READY);
-    g_assert_cmpstr(pf_msg_mode(&f->msg)->reason, ==, "");
-    g_assert_cmpuint(pf_msg_mode(&f->msg)->mode, ==, PF_MODE_MERGE);
-    g_assert_true(g_thread_join(t));
-
+    g_assert_cmpint(pf_test_peer_accept(f->peer, f->agent), ==, PF_MODE_MERGE);
+    f->conn = f->peer->conn;
     f->pool_fd = make_pool(PAGES, TRUE, &f->pool_map);
 }
 
@@ -120,15 +67,10 @@ static void
 teardown(Fixture *f, gconstpointer data)
 {
     pf_agent_free(f->agent);
-    close(f->conn);
-    close(f->listen_fd);
+    pf_test_peer_free(f->peer);
     munmap(f->pool_map, PAGES * PF_PAGE_SIZE);
     close(f->pool_fd);
     pf_guest_free(f->guest);
-    g_unlink(f->path);
-    g_rmdir(f->dir);
-    g_free(f->path);
-    g_free(f->dir);
 }
 
 static void

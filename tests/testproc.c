@@ -155,3 +155,107 @@ pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...)
     g_assert_true(json_parser_load_from_data(parser, out, -1, NULL));
     return json_node_copy(json_parser_get_root(parser));
 }
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include "agent.h"
+#include "proto.h"
+#include "util.h"
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+
+PfTestPeer *
+pf_test_peer_new(void)
+{
+    PfTestPeer *p = g_new0(PfTestPeer, 1);
+    g_autoptr(GError) error = NULL;
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+
+    p->dir = g_dir_make_tmp("pagefold-peer-XXXXXX", &error);
+    g_assert_no_error(error);
+    p->path = g_build_filename(p->dir, "agent.sock", NULL);
+    g_strlcpy(addr.sun_path, p->path, sizeof(addr.sun_path));
+    p->listen_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    g_assert_cmpint(bind(p->listen_fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
+    g_assert_cmpint(listen(p->listen_fd, 4), ==, 0);
+    p->conn = -1;
+    return p;
+}
+
+typedef struct {
+    PfAgent *agent;
+    const char *path;
+} StartArgs;
+
+static gpointer
+start_agent(gpointer data)
+{
+    StartArgs *a = data;
+    g_autoptr(GError) error = NULL;
+    gboolean ok = pf_agent_start(a->agent, a->path, &error);
+
+    g_assert_no_error(error);
+    return GINT_TO_POINTER(ok);
+}
+
+int
+pf_test_peer_accept(PfTestPeer *p, PfAgent *agent)
+{
+    StartArgs args = { agent, p->path };
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    PfWireMode welcome = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
+    GThread *t = g_thread_new("agent-start", start_agent, &args);
+    int mode;
+
+    p->conn = accept4(p->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    g_assert_true(pf_proto_recv(p->conn, m, NULL));
+    g_assert_cmpuint(m->header.type, ==, PF_MSG_HELLO);
+    for (guint32 i = 0; i < pf_msg_hello(m)->n_regions; i++) {
+        g_autofree PfMsg *r = g_new0(PfMsg, 1);
+
+        g_assert_true(pf_proto_recv(p->conn, r, NULL));
+        g_assert_cmpuint(r->header.type, ==, PF_MSG_REGION);
+        pf_msg_close_fds(r);
+    }
+    g_assert_true(pf_proto_send(p->conn, PF_MSG_WELCOME, 0, &welcome, sizeof(welcome), NULL, 0,
+                                NULL));
+    g_assert_true(pf_proto_recv(p->conn, m, NULL));
+    g_assert_cmpuint(m->header.type, ==, PF_MSG_READY);
+    mode = (int)pf_msg_mode(m)->mode;
+    g_assert_true(g_thread_join(t));
+    return mode;
+}
+
+void
+pf_test_peer_free(PfTestPeer *p)
+{
+    if (p->conn >= 0) {
+        close(p->conn);
+    }
+    close(p->listen_fd);
+    g_unlink(p->path);
+    g_rmdir(p->dir);
+    g_free(p->path);
+    g_free(p->dir);
+    g_free(p);
+}
+
+int
+pf_test_pool_chunk(guint32 n_slots, gboolean seal, guint8 **map)
+{
+    int fd = memfd_create("test-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+    g_assert_cmpint(ftruncate(fd, (off_t)n_slots * PF_PAGE_SIZE), ==, 0);
+    *map = mmap(NULL, (gsize)n_slots * PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    g_assert(*map != MAP_FAILED);
+    if (seal) {
+        g_assert_cmpint(fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_GROW |
+                                                   F_SEAL_SHRINK | F_SEAL_SEAL), ==, 0);
+    }
+    return fd;
+}

@@ -34,3 +34,22 @@ G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestDaemon, pf_test_daemon_free)
 
 /* Runs pagefoldctl --json with the arguments; asserts it succeeds. */
 JsonNode *pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
+
+/* The daemon's end of the agent protocol, played by hand: for tests and
+ * benchmarks of the agent library alone. */
+typedef struct _PfAgent PfAgent;
+typedef struct {
+    char *dir;
+    char *path;
+    int listen_fd;
+    int conn;
+} PfTestPeer;
+
+PfTestPeer *pf_test_peer_new(void);
+/* Starts the agent against the peer and answers its handshake, offering
+ * merge mode; returns the mode the agent chose. */
+int pf_test_peer_accept(PfTestPeer *p, PfAgent *agent);
+void pf_test_peer_free(PfTestPeer *p);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestPeer, pf_test_peer_free)
+/* A pool chunk as pagefoldd makes it: sealed after its writable mapping. */
+int pf_test_pool_chunk(guint32 n_slots, gboolean seal, guint8 **map);

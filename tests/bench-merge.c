@@ -1,0 +1,325 @@
+/*
+ * bench-merge.c - the agent's side of merging, measured in one run:
+ *   - merges per second and microseconds per merged page, one page per
+ *     request and 512 pages per request (agent library, real kernel
+ *     mechanisms, the protocol played by hand for pagefoldd);
+ *   - the write fault that breaks a merged page: pagefold's (private file
+ *     mapping copied on write) next to kernel KSM's (anonymous memory,
+ *     MADV_MERGEABLE) in the same run;
+ *   - mappings added per merged page, on a layout of mixed runs.
+ * One JSON line per result.  KSM's settings are restored as found.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "agent.h"
+#include "bench-common.h"
+#include "guestmem.h"
+#include "proto.h"
+#include "testproc.h"
+#include "util.h"
+
+#define PAGES 16384u /* 64 MiB */
+
+typedef struct {
+    PfTestPeer *peer;
+    PfGuest *g;
+    PfAgent *agent;
+    int pool_fd;
+    guint8 *pool;
+    guint32 seq;
+} Rig;
+
+static Rig *
+rig_new(const PfLayout *l)
+{
+    Rig *r = g_new0(Rig, 1);
+    PfAgentRegion reg;
+    PfWirePool p = { 0, PAGES };
+
+    r->peer = pf_test_peer_new();
+    r->g = pf_guest_new("memory-backend-memfd", l, 1);
+    r->agent = pf_agent_new("bench", NULL);
+    reg = (PfAgentRegion){ "pc.ram", r->g->mem, PAGES * PF_PAGE_SIZE, r->g->fd, 0 };
+    pf_agent_add_region(r->agent, &reg);
+    g_assert_cmpint(pf_test_peer_accept(r->peer, r->agent), ==, PF_MODE_MERGE);
+    /* The pool holds a copy of every page: any page can merge with its slot. */
+    r->pool_fd = pf_test_pool_chunk(PAGES, FALSE, &r->pool);
+    memcpy(r->pool, r->g->mem, PAGES * PF_PAGE_SIZE);
+    g_assert_cmpint(fcntl(r->pool_fd, F_ADD_SEALS, 0x0010 | F_SEAL_GROW | F_SEAL_SHRINK), ==, 0);
+    g_assert_true(pf_proto_send(r->peer->conn, PF_MSG_POOL, 0, &p, sizeof(p), &r->pool_fd, 1,
+                                NULL));
+    return r;
+}
+
+static void
+rig_free(Rig *r)
+{
+    pf_agent_free(r->agent);
+    pf_test_peer_free(r->peer);
+    munmap(r->pool, PAGES * PF_PAGE_SIZE);
+    close(r->pool_fd);
+    pf_guest_free(r->g);
+    g_free(r);
+}
+
+/* Sends n items and waits for the answer; returns how many were done. */
+static guint32
+roundtrip(Rig *r, const PfWireItem *items, guint32 n)
+{
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    const PfWireResult *res;
+    guint32 got, done = 0;
+
+    g_assert_true(pf_proto_send_items(r->peer->conn, ++r->seq, items, n, NULL));
+    g_assert_true(pf_proto_recv(r->peer->conn, m, NULL));
+    res = pf_msg_results(m, &got);
+    for (guint32 i = 0; i < got; i++) {
+        done += res[i].status == PF_RESULT_DONE;
+    }
+    return done;
+}
+
+static void
+merge_item(PfWireItem *it, guint64 page)
+{
+    memset(it, 0, sizeof(*it));
+    it->kind = PF_ITEM_MERGE;
+    it->page = page;
+    it->slot = (guint32)page;
+}
+
+static double
+bench_merge_rate(guint32 batch, guint32 pages)
+{
+    PfLayout l = { .unique = PAGES };
+    Rig *r = rig_new(&l);
+    g_autofree PfWireItem *items = g_new0(PfWireItem, batch);
+    guint32 done = 0;
+    double t0 = bench_now(), secs;
+
+    /* Every other page, so single merges cannot coalesce into one mmap. */
+    for (guint32 p = 0; p < pages; p += batch) {
+        for (guint32 k = 0; k < batch; k++) {
+            merge_item(&items[k], batch == 1 ? (guint64)p * 2 % PAGES : p + k);
+        }
+        done += roundtrip(r, items, batch);
+    }
+    secs = bench_now() - t0;
+    g_assert_cmpuint(done, ==, pages);
+    rig_free(r);
+    return secs * 1e6 / pages;
+}
+
+static int
+cmp_double(const void *a, const void *b)
+{
+    return bench_cmp_double(a, b);
+}
+
+/* Median microseconds of a one-byte write to each of n merged pages. */
+static double
+cow_latency(guint8 *mem, gsize n)
+{
+    g_autofree double *t = g_new(double, n);
+
+    for (gsize i = 0; i < n; i++) {
+        double t0 = bench_now();
+
+        mem[i * PF_PAGE_SIZE + 7]++;
+        t[i] = (bench_now() - t0) * 1e6;
+    }
+    qsort(t, n, sizeof(double), cmp_double);
+    return t[n / 2];
+}
+
+static double
+pagefold_cow(gsize n)
+{
+    PfLayout l = { .unique = PAGES };
+    Rig *r = rig_new(&l);
+    g_autofree PfWireItem *items = g_new0(PfWireItem, 512);
+    double us;
+
+    for (guint32 p = 0; p < n; p += 512) {
+        for (guint32 k = 0; k < 512; k++) {
+            merge_item(&items[k], p + k);
+        }
+        g_assert_cmpuint(roundtrip(r, items, 512), ==, 512);
+    }
+    /* Read each page first, as a guest would have: the write then breaks
+     * a present mapping, not a missing one. */
+    for (gsize i = 0; i < n; i++) {
+        (void)*(volatile guint8 *)(r->g->mem + i * PF_PAGE_SIZE);
+    }
+    us = cow_latency(r->g->mem, n);
+    rig_free(r);
+    return us;
+}
+
+static char *
+ksm_get(const char *knob)
+{
+    g_autofree char *path = g_strdup_printf("/sys/kernel/mm/ksm/%s", knob);
+    char *v = NULL;
+
+    if (g_file_get_contents(path, &v, NULL, NULL)) {
+        g_strstrip(v);
+    }
+    return v;
+}
+
+static gboolean
+ksm_set(const char *knob, const char *value)
+{
+    g_autofree char *path = g_strdup_printf("/sys/kernel/mm/ksm/%s", knob);
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    gboolean ok;
+
+    /* sysfs: one write in place (g_file_set_contents would rename). */
+    if (fd < 0) {
+        return FALSE;
+    }
+    ok = write(fd, value, strlen(value)) == (ssize_t)strlen(value);
+    close(fd);
+    return ok;
+}
+
+/* Kernel KSM on anonymous memory: pairs of identical pages. */
+static double
+ksm_cow(gsize n, double *merge_secs)
+{
+    g_autofree char *run = ksm_get("run"), *pts = ksm_get("pages_to_scan");
+    g_autofree char *sleep_ms = ksm_get("sleep_millisecs");
+    gsize len = 2 * n * PF_PAGE_SIZE;
+    guint8 *mem;
+    double us = -1, t0;
+
+    if (run == NULL || pts == NULL || sleep_ms == NULL) {
+        return -1;
+    }
+    mem = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    madvise(mem, len, MADV_NOHUGEPAGE);
+    for (gsize i = 0; i < n; i++) {
+        pf_fill_page(mem + i * PF_PAGE_SIZE, i + 1);
+        memcpy(mem + (n + i) * PF_PAGE_SIZE, mem + i * PF_PAGE_SIZE, PF_PAGE_SIZE);
+    }
+    if (madvise(mem, len, MADV_MERGEABLE) == 0 && ksm_set("pages_to_scan", "20000") &&
+        ksm_set("sleep_millisecs", "1") && ksm_set("run", "1")) {
+        t0 = bench_now();
+        /* Wait for this process's own KSM figure. */
+        for (;;) {
+            g_autofree char *path = g_strdup_printf("/proc/%d/ksm_merging_pages", getpid());
+            g_autofree char *v = NULL;
+
+            if (g_file_get_contents(path, &v, NULL, NULL) &&
+                g_ascii_strtoull(v, NULL, 10) >= 2 * n * 95 / 100) {
+                break;
+            }
+            if (bench_now() - t0 > 60) {
+                break;
+            }
+            g_usleep(10000);
+        }
+        *merge_secs = bench_now() - t0;
+        us = cow_latency(mem, n);
+    }
+    /* As found: unmerge everything, then the old settings. */
+    ksm_set("run", "2");
+    ksm_set("pages_to_scan", pts);
+    ksm_set("sleep_millisecs", sleep_ms);
+    ksm_set("run", run);
+    munmap(mem, len);
+    return us;
+}
+
+/* Runs of identical pages among unique and zero ones, lengths 1..32. */
+static double
+mappings_per_page(guint64 *merged_out)
+{
+    PfLayout l = { .unique = PAGES };
+    Rig *r = rig_new(&l);
+    g_autofree PfWireItem *items = g_new0(PfWireItem, PF_PROTO_MAX_ITEMS);
+    guint32 n = 0, merged = 0;
+    gsize before, after;
+    g_autofree char *maps = NULL;
+    GRand *rnd = g_rand_new_with_seed(42);
+
+    for (guint32 p = 0; p < PAGES;) {
+        guint32 run = g_rand_int_range(rnd, 1, 33);
+        guint kind = g_rand_int_range(rnd, 0, 3); /* identical, unique, zero */
+
+        for (guint32 k = 0; k < run && p < PAGES; k++, p++) {
+            if (kind == 1) {
+                continue;
+            }
+            if (kind == 2) {
+                memset(r->g->mem + (gsize)p * PF_PAGE_SIZE, 0, PF_PAGE_SIZE);
+                items[n] = (PfWireItem){ .kind = PF_ITEM_ZERO, .page = p };
+            } else {
+                merge_item(&items[n], p);
+            }
+            if (++n == PF_PROTO_MAX_ITEMS) {
+                merged += roundtrip(r, items, n);
+                n = 0;
+            }
+        }
+    }
+    before = 1; /* guest RAM was one mapping */
+    if (n > 0) {
+        merged += roundtrip(r, items, n);
+    }
+    {
+        g_auto(GStrv) lines = NULL;
+        guint64 lo = (guint64)(guintptr)r->g->mem, hi = lo + PAGES * PF_PAGE_SIZE;
+
+        g_file_get_contents("/proc/self/maps", &maps, NULL, NULL);
+        lines = g_strsplit(maps, "\n", -1);
+        after = 0;
+        for (char **ln = lines; *ln && **ln; ln++) {
+            guint64 a = g_ascii_strtoull(*ln, NULL, 16);
+            guint64 b = g_ascii_strtoull(strchr(*ln, '-') + 1, NULL, 16);
+
+            after += a < hi && b > lo;
+        }
+    }
+    g_rand_free(rnd);
+    rig_free(r);
+    *merged_out = merged;
+    return (double)(after - before) / merged;
+}
+
+int
+main(int argc, char **argv)
+{
+    int reps = bench_reps();
+    g_autofree double *single = g_new(double, reps), *batched = g_new(double, reps);
+    double pf_cow, ksm_cow_us, ksm_merge_s = 0;
+    guint64 merged = 0;
+    double mpp;
+
+    for (int i = 0; i < reps; i++) {
+        single[i] = bench_merge_rate(1, 2000);
+        batched[i] = bench_merge_rate(512, PAGES);
+    }
+    printf("{\"bench\":\"merge\",\"single_us_per_page\":%.1f,\"single_merges_per_s\":%.0f,"
+           "\"batched_us_per_page\":%.2f,\"batched_merges_per_s\":%.0f,\"batch\":512,\"reps\":%d}\n",
+           bench_median(single, reps), 1e6 / bench_median(single, reps),
+           bench_median(batched, reps), 1e6 / bench_median(batched, reps), reps);
+    fflush(stdout);
+
+    pf_cow = pagefold_cow(4096);
+    ksm_cow_us = ksm_cow(4096, &ksm_merge_s);
+    printf("{\"bench\":\"cow-fault\",\"pages\":4096,\"pagefold_median_us\":%.2f,"
+           "\"ksm_median_us\":%.2f,\"pagefold_to_ksm\":%.2f,\"ksm_merge_s\":%.2f}\n",
+           pf_cow, ksm_cow_us, ksm_cow_us > 0 ? pf_cow / ksm_cow_us : -1, ksm_merge_s);
+    fflush(stdout);
+
+    mpp = mappings_per_page(&merged);
+    printf("{\"bench\":\"mappings\",\"merged_pages\":%" G_GUINT64_FORMAT
+           ",\"mappings_per_merged_page\":%.3f,\"target\":0.1}\n", merged, mpp);
+    return 0;
+}
