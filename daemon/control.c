@@ -186,6 +186,8 @@ stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b)
     json_builder_add_string_value(b, pf_scanner_get_hash(c->scanner)->name);
     json_builder_set_member_name(b, "last_pass_usec");
     json_builder_add_int_value(b, (gint64)info.last_pass_usec);
+    json_builder_set_member_name(b, "cow_detection");
+    json_builder_add_string_value(b, info.cow_detection);
     json_builder_set_member_name(b, "pool_slots");
     json_builder_add_int_value(b, (gint64)info.pool_slots);
     json_builder_set_member_name(b, "pool_bytes");

@@ -9,8 +9,10 @@
 #include "scan.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <glib-unix.h>
 #include <setjmp.h>
+#include <sys/ioctl.h>
 #include <signal.h>
 #include <string.h>
 #include <time.h>
@@ -18,6 +20,19 @@
 
 #include "link.h"
 #include "util.h"
+
+/* PAGEMAP_SCAN (Linux 6.7); Debian 12's headers are 6.1's. */
+struct pf_pm_scan_arg {
+    guint64 size, flags, start, end, walk_end, vec, vec_len, max_pages;
+    guint64 category_inverted, category_mask, category_anyof_mask, return_mask;
+};
+struct pf_page_region {
+    guint64 start, end, categories;
+};
+#define PF_PAGEMAP_SCAN _IOWR('f', 16, struct pf_pm_scan_arg)
+#define PF_PAGE_IS_FILE (1ull << 2)
+#define PF_PAGE_IS_PRESENT (1ull << 3)
+#define PF_PAGE_IS_PFNZERO (1ull << 5)
 
 #define PAGEMAP_PRESENT (1ull << 63)
 #define PAGEMAP_FILE (1ull << 61)
@@ -52,6 +67,7 @@ struct _PfScanner {
     PfPool *pool;        /* created with the first merging VM */
     GPtrArray *leftovers; /* Leftover* */
     guint64 max_map_count;
+    gboolean pagemap_scan; /* the kernel has PAGEMAP_SCAN */
 
     /* cursor: the next page to visit */
     gboolean in_pass;
@@ -755,6 +771,55 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
  * memfd, where the scanner can see it again.
  */
 static void
+cow_found(PfScanner *s, PfRegion *r, gsize idx)
+{
+    PfPage *p = &r->pages[idx];
+    guint32 id = r->base + (guint32)idx, node = 0, slot = PF_POOL_SLOT_NONE;
+
+    if (p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO) {
+        return;
+    }
+    r->vm->cow++;
+    if (p->state == PF_PAGE_SHARED) {
+        node = p->node;
+        slot = node_at(s, node)->slot;
+        pf_stable_tree_remove(&s->stable, id);
+    }
+    request(s, r, p, id, PF_ITEM_UNMERGE, slot, node);
+}
+
+/* One ioctl finds the written pages of a range: present, not file-backed,
+ * not the shared zero page. */
+static gboolean
+check_merged_scan(PfScanner *s, PfRegion *r, gsize from, gsize to)
+{
+    struct pf_page_region vec[256];
+    guint64 start = r->host_addr + from * PF_PAGE_SIZE, end = r->host_addr + to * PF_PAGE_SIZE;
+
+    while (start < end) {
+        struct pf_pm_scan_arg arg = {
+            .size = sizeof(arg), .start = start, .end = end,
+            .vec = (guint64)(guintptr)vec, .vec_len = G_N_ELEMENTS(vec),
+            .category_inverted = PF_PAGE_IS_FILE | PF_PAGE_IS_PFNZERO,
+            .category_mask = PF_PAGE_IS_PRESENT | PF_PAGE_IS_FILE | PF_PAGE_IS_PFNZERO,
+            .return_mask = PF_PAGE_IS_PRESENT,
+        };
+        long n = ioctl(r->vm->pagemap_fd, PF_PAGEMAP_SCAN, &arg);
+
+        if (n < 0) {
+            return FALSE;
+        }
+        for (long k = 0; k < n; k++) {
+            for (guint64 a = vec[k].start; a < vec[k].end; a += PF_PAGE_SIZE) {
+                cow_found(s, r, (a - r->host_addr) / PF_PAGE_SIZE);
+            }
+        }
+        start = arg.walk_end > start ? arg.walk_end : end;
+    }
+    return TRUE;
+}
+
+static void
 check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
 {
     PfVm *vm = r->vm;
@@ -772,28 +837,21 @@ check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
             from += n;
             continue;
         }
+        if (s->pagemap_scan && check_merged_scan(s, r, from, from + n)) {
+            from += n;
+            continue;
+        }
         got = pread(vm->pagemap_fd, entries, n * sizeof(guint64),
                     (off_t)((r->host_addr / PF_PAGE_SIZE + from) * sizeof(guint64)));
         if (got != (ssize_t)(n * sizeof(guint64))) {
             return; /* the process is going: its pidfd will say so */
         }
         for (gsize i = 0; i < n; i++) {
-            PfPage *p = &r->pages[from + i];
             guint64 e = entries[i];
-            guint32 id = r->base + (guint32)(from + i);
-            guint32 node = 0, slot = PF_POOL_SLOT_NONE;
 
-            if ((p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO) ||
-                !(e & PAGEMAP_PRESENT) || (e & PAGEMAP_FILE) || !(e & PAGEMAP_EXCLUSIVE)) {
-                continue;
+            if ((e & PAGEMAP_PRESENT) && !(e & PAGEMAP_FILE) && (e & PAGEMAP_EXCLUSIVE)) {
+                cow_found(s, r, from + i);
             }
-            vm->cow++;
-            if (p->state == PF_PAGE_SHARED) {
-                node = p->node;
-                slot = node_at(s, node)->slot;
-                pf_stable_tree_remove(&s->stable, id);
-            }
-            request(s, r, p, id, PF_ITEM_UNMERGE, slot, node);
         }
         from += n;
     }
@@ -1351,6 +1409,7 @@ pf_scanner_get_info(PfScanner *s, PfScanInfo *info)
     info->memcmp_calls = s->memcmp_calls;
     info->last_pass_usec = s->last_pass_usec;
     info->stable_nodes = s->stable.n_nodes;
+    info->cow_detection = s->pagemap_scan ? "PAGEMAP_SCAN" : "pagemap";
     info->pool_slots = s->pool ? pf_pool_slots_in_use(s->pool) : 0;
     info->pool_bytes = s->pool ? pf_pool_bytes(s->pool) : 0;
 }
@@ -1369,6 +1428,21 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->regions = g_ptr_array_new();
     s->leftovers = g_ptr_array_new_with_free_func(leftover_free);
     s->max_map_count = 65530;
+    {
+        int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+        struct pf_page_region v;
+        struct pf_pm_scan_arg arg = {
+            .size = sizeof(arg), .start = (guint64)(guintptr)&v & ~(guint64)(PF_PAGE_SIZE - 1),
+            .vec = (guint64)(guintptr)&v, .vec_len = 1, .return_mask = PF_PAGE_IS_PRESENT,
+        };
+
+        arg.end = arg.start + PF_PAGE_SIZE;
+        s->pagemap_scan = fd >= 0 && ioctl(fd, PF_PAGEMAP_SCAN, &arg) >= 0 &&
+                          !g_getenv("PAGEFOLD_NO_PAGEMAP_SCAN");
+        if (fd >= 0) {
+            close(fd);
+        }
+    }
     {
         g_autofree char *text = NULL;
 

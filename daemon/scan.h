@@ -124,5 +124,6 @@ typedef struct {
     guint64 stable_nodes;
     guint64 pool_slots; /* in use: by merged pages or requests in flight */
     guint64 pool_bytes; /* memory the pool holds */
+    const char *cow_detection; /* "PAGEMAP_SCAN" (6.7+), else "pagemap" */
 } PfScanInfo;
 void pf_scanner_get_info(PfScanner *s, PfScanInfo *info);

@@ -184,8 +184,11 @@ pf_stats_format_table(JsonObject *stats)
     JsonObject *total = json_object_get_object_member(stats, "total");
     const char *mode = member_str(stats, "mode");
 
-    g_string_append_printf(out, "pagefold mode: %s   hash: %s\n", mode,
-                           member_str(stats, "hash"));
+    g_string_append_printf(out, "pagefold mode: %s   hash: %s   copy-on-write seen by: %s   "
+                           "pool: %" G_GINT64_FORMAT " slots, %.1f MiB\n", mode,
+                           member_str(stats, "hash"), member_str(stats, "cow_detection"),
+                           member_int(stats, "pool_slots"),
+                           (double)member_int(stats, "pool_bytes") / 1048576.0);
     g_string_append_printf(out, "%-20s %7s %-7s %10s %10s %10s %10s %10s %6s %10s\n",
                            "VM", "PID", "MODE", "SHARED", "SHARING", "UNSHARED",
                            "VOLATILE", "ZERO", "SCANS", "SAVED_MIB");
