@@ -183,7 +183,7 @@ item_valid(PfAgent *a, const PfWireItem *it)
     if (it->page >= r->n_pages) {
         return FALSE;
     }
-    if (it->kind == PF_ITEM_MERGE) {
+    if (it->kind != PF_ITEM_UNMERGE) {
         const Chunk *c = it->chunk < a->chunks->len ? g_ptr_array_index(a->chunks, it->chunk)
                                                     : NULL;
 
@@ -198,7 +198,7 @@ continues(const PfWireItem *first, guint32 k, const PfWireItem *it)
 {
     return it->kind == first->kind && it->kind != PF_ITEM_UNMERGE &&
            it->region == first->region && it->page == first->page + k &&
-           (it->kind != PF_ITEM_MERGE || (it->chunk == first->chunk && it->slot == first->slot + k));
+           it->chunk == first->chunk && it->slot == first->slot + k;
 }
 
 static void
@@ -209,13 +209,14 @@ set_result(PfWireResult *res, PfResultStatus status, int err)
     res->err = err;
 }
 
-/* k consecutive pages, to k consecutive pool slots (merge) or to zero. */
+/* k consecutive pages to k consecutive pool slots: the slots' content
+ * (merge), or zero slots when the pages are zero (zero). */
 static void
 exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
 {
     Region *r = &g_array_index(a->regions, Region, first->region);
-    const Chunk *c = first->kind == PF_ITEM_MERGE ? g_ptr_array_index(a->chunks, first->chunk)
-                                                  : NULL;
+    const Chunk *c = g_ptr_array_index(a->chunks, first->chunk);
+    gboolean zero = first->kind == PF_ITEM_ZERO;
     guint8 *hva = r->host + first->page * PF_PAGE_SIZE;
     gboolean done[MAX_RUN] = { FALSE };
     int rc = uffd_protect(a->uffd, hva, (gsize)k * PF_PAGE_SIZE, TRUE);
@@ -228,9 +229,11 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
     }
     /* Writers now block.  What we compare is what stays. */
     for (guint32 t = 0; t < k; t++) {
-        const guint8 *want = c ? c->map + (gsize)(first->slot + t) * PF_PAGE_SIZE : zero_page;
+        const guint8 *slot = c->map + (gsize)(first->slot + t) * PF_PAGE_SIZE;
 
-        done[t] = memcmp(hva + (gsize)t * PF_PAGE_SIZE, want, PF_PAGE_SIZE) == 0;
+        /* A zero page maps a zero slot: both must be zero. */
+        done[t] = memcmp(hva + (gsize)t * PF_PAGE_SIZE, slot, PF_PAGE_SIZE) == 0 &&
+                  (!zero || memcmp(slot, zero_page, PF_PAGE_SIZE) == 0);
         set_result(&res[t], done[t] ? PF_RESULT_DONE : PF_RESULT_CHANGED, 0);
     }
     for (guint32 t = 0; t < k;) {
@@ -244,14 +247,9 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
         while (u < k && done[u]) {
             u++;
         }
-        if (c != NULL) {
-            m = mmap(hva + (gsize)t * PF_PAGE_SIZE, (gsize)(u - t) * PF_PAGE_SIZE,
-                     PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, c->fd,
-                     (off_t)(first->slot + t) * PF_PAGE_SIZE);
-        } else {
-            m = mmap(hva + (gsize)t * PF_PAGE_SIZE, (gsize)(u - t) * PF_PAGE_SIZE,
-                     PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-        }
+        m = mmap(hva + (gsize)t * PF_PAGE_SIZE, (gsize)(u - t) * PF_PAGE_SIZE,
+                 PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, c->fd,
+                 (off_t)(first->slot + t) * PF_PAGE_SIZE);
         if (m == MAP_FAILED) {
             int e = errno;
 

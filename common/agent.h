@@ -6,7 +6,8 @@
  * For each item, under userfaultfd write protection of the guest page:
  *   merge   memcmp with the pool slot; if equal, map the slot MAP_PRIVATE
  *           over the page and punch the page out of the guest memfd
- *   zero    check the page is zero; if so, map a private anonymous page
+ *   zero    check the page is zero; if so, map a pool slot that is never
+ *           written (reads share one page, a write copies on write)
  *   unmerge copy the page back into the memfd and map the memfd again
  * then wake any writer that blocked meanwhile.  A page that differs is left
  * as it was: its blocked writer's write lands.  This compare is the last

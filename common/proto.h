@@ -76,7 +76,7 @@ typedef struct {
 
 typedef enum {
     PF_ITEM_MERGE = 1,   /* map pool slot over the page if equal */
-    PF_ITEM_ZERO = 2,    /* map a private zero page over it if zero */
+    PF_ITEM_ZERO = 2,    /* map a zero pool slot over it if it is zero */
     PF_ITEM_UNMERGE = 3, /* copy back into the memfd, map it shared again */
 } PfItemKind;
 

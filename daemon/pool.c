@@ -50,7 +50,7 @@ pf_pool_new(guint32 slots_per_chunk, PfPoolChunkFunc new_chunk, gpointer user)
     p->refs = g_array_new(FALSE, TRUE, sizeof(guint32));
     g_array_set_size(p->refs, 1);
     p->free_slots = g_array_new(FALSE, FALSE, sizeof(guint32));
-    p->next = 1;
+    p->next = 1 + PF_POOL_ZERO_SLOTS;
     p->new_chunk = new_chunk;
     p->user = user;
     return p;
@@ -151,9 +151,27 @@ pf_pool_alloc(PfPool *p, const guint8 *content, GError **error)
     return slot;
 }
 
+gboolean
+pf_pool_is_zero_slot(guint32 slot)
+{
+    return slot != PF_POOL_SLOT_NONE && slot <= PF_POOL_ZERO_SLOTS;
+}
+
+guint32
+pf_pool_zero_slot(PfPool *p, guint32 prev, GError **error)
+{
+    if (p->chunks->len == 0 && !add_chunk(p, error)) {
+        return PF_POOL_SLOT_NONE;
+    }
+    return pf_pool_is_zero_slot(prev) && prev < PF_POOL_ZERO_SLOTS ? prev + 1 : 1;
+}
+
 void
 pf_pool_ref(PfPool *p, guint32 slot)
 {
+    if (pf_pool_is_zero_slot(slot)) {
+        return;
+    }
     g_assert(g_array_index(p->refs, guint32, slot) > 0);
     g_array_index(p->refs, guint32, slot)++;
 }
@@ -161,8 +179,12 @@ pf_pool_ref(PfPool *p, guint32 slot)
 gboolean
 pf_pool_unref(PfPool *p, guint32 slot)
 {
-    guint32 *r = &g_array_index(p->refs, guint32, slot);
+    guint32 *r;
 
+    if (pf_pool_is_zero_slot(slot)) {
+        return FALSE;
+    }
+    r = &g_array_index(p->refs, guint32, slot);
     g_assert(*r > 0);
     if (--*r > 0) {
         return FALSE;
@@ -199,5 +221,5 @@ pf_pool_slots_in_use(PfPool *p)
 gsize
 pf_pool_bytes(PfPool *p)
 {
-    return (gsize)(p->next - 1) * PF_PAGE_SIZE;
+    return (gsize)(p->next - 1 - PF_POOL_ZERO_SLOTS) * PF_PAGE_SIZE;
 }

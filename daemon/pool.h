@@ -9,13 +9,18 @@
  * safe: a slot is written only while no guest page maps it (refs == 0).
  * Slots are handed out in ascending order so that a run of guest pages
  * merged together gets a run of slots, and their mappings coalesce into
- * one VMA per run.
+ * one VMA per run.  Zero slots are not counted: they are never written.
  */
 #pragma once
 
 #include <glib.h>
 
 #define PF_POOL_SLOT_NONE 0u
+/* The first slots of the first chunk are never written: they read as
+ * zeros, and the zero pages of every VM map them.  (Mapping a private
+ * anonymous page instead would rely on the kernel mapping its shared zero
+ * page on a read fault; some kernels allocate a page there.) */
+#define PF_POOL_ZERO_SLOTS 512u
 
 typedef struct {
     guint32 id;
@@ -39,6 +44,9 @@ void pf_pool_ref(PfPool *p, guint32 slot);
 /* Returns TRUE when that was the last reference and the slot is free. */
 gboolean pf_pool_unref(PfPool *p, guint32 slot);
 guint32 pf_pool_refs(PfPool *p, guint32 slot);
+gboolean pf_pool_is_zero_slot(guint32 slot);
+/* The zero slot after `prev` (for a run of zero pages), or the first. */
+guint32 pf_pool_zero_slot(PfPool *p, guint32 prev, GError **error);
 
 const guint8 *pf_pool_data(PfPool *p, guint32 slot);
 void pf_pool_locate(PfPool *p, guint32 slot, guint32 *chunk, guint32 *index);

@@ -513,10 +513,21 @@ request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint
     item.kind = (guint8)kind;
     item.region = k;
     item.page = id - r->base;
-    if (slot != PF_POOL_SLOT_NONE && kind == PF_ITEM_MERGE) {
+    if (slot != PF_POOL_SLOT_NONE && kind != PF_ITEM_UNMERGE) {
         pf_pool_locate(s->pool, slot, &item.chunk, &item.slot);
     }
     set_state(r, p, PF_PAGE_PENDING);
+    /* A remap that does not continue the previous one splits a mapping in
+     * three at worst: count that until the next pass counts for real, so
+     * a pass cannot overshoot the budget. */
+    if (kind != PF_ITEM_UNMERGE &&
+        !(id == r->vm->run_next_page && kind == r->vm->run_kind &&
+          (kind == PF_ITEM_ZERO || slot == r->vm->run_next_slot))) {
+        r->vm->vmas += 2;
+    }
+    r->vm->run_next_page = id + 1;
+    r->vm->run_next_slot = slot + 1;
+    r->vm->run_kind = (guint8)kind;
     pf_link_queue(r->vm->link, &item, &pd);
 }
 
@@ -582,7 +593,18 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
 
     if (s->knobs.use_zero_pages && c == s->zero_checksum && pf_page_is_zero(data)) {
         if (merging) {
-            request(s, r, p, id, PF_ITEM_ZERO, PF_POOL_SLOT_NONE, 0);
+            g_autoptr(GError) error = NULL;
+            PfVm *vm = r->vm;
+            gboolean run = vm->run_kind == PF_ITEM_ZERO && id == vm->run_next_page;
+            guint32 zslot = pf_pool_zero_slot(pf_scanner_get_pool(s),
+                                              run ? vm->run_next_slot - 1 : PF_POOL_SLOT_NONE,
+                                              &error);
+
+            if (zslot != PF_POOL_SLOT_NONE) {
+                request(s, r, p, id, PF_ITEM_ZERO, zslot, 0);
+            } else {
+                g_warning("pool: %s", error->message);
+            }
             return;
         }
         if (!merge_domain) {

@@ -51,8 +51,12 @@ struct _PfVm {
     guint64 pages_skipped;
     guint64 full_scans;
     guint64 cow;         /* merged pages written since (copy-on-write) */
-    guint64 vmas;        /* mappings of the process, at the last pass */
+    guint64 vmas;        /* mappings of the process: counted at each pass,
+                          * plus the most the requests since can add */
     guint64 vma_budget;  /* no merges once vmas reaches it */
+    guint32 run_next_page; /* the request that would continue the last run */
+    guint32 run_next_slot;
+    guint8 run_kind;
     guint watch_id;      /* pidfd watch, owned by the scanner */
     gpointer scanner;    /* the PfScanner that owns this VM */
     guint stats_index;   /* scratch for the scanner's attribution */

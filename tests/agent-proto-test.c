@@ -138,11 +138,14 @@ test_merge_zero_unmerge(Fixture *f, gconstpointer data)
     /* A unique page against a slot of other content: must stay. */
     items[n++] = (PfWireItem){ .kind = PF_ITEM_MERGE, .region = 0, .page = PAGES / 2,
                                .chunk = 0, .slot = 200 };
+    /* Zero pages to zero slots 130..193 (never written). */
     for (guint i = 3 * PAGES / 4; i < PAGES; i++, n++) {
-        items[n] = (PfWireItem){ .kind = PF_ITEM_ZERO, .region = 0, .page = i };
+        items[n] = (PfWireItem){ .kind = PF_ITEM_ZERO, .region = 0, .page = i, .chunk = 0,
+                                 .slot = 130 + i - 3 * PAGES / 4 };
     }
     /* A unique page as "zero": must stay. */
-    items[n++] = (PfWireItem){ .kind = PF_ITEM_ZERO, .region = 0, .page = PAGES / 2 + 1 };
+    items[n++] = (PfWireItem){ .kind = PF_ITEM_ZERO, .region = 0, .page = PAGES / 2 + 1,
+                               .chunk = 0, .slot = 129 };
     res = request(f, items, n, 7);
     for (guint i = 0; i < PAGES / 2; i++) {
         g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
@@ -202,6 +205,7 @@ test_bad_items(Fixture *f, gconstpointer data)
         { .kind = PF_ITEM_MERGE, .region = 0, .page = 0, .chunk = 5, .slot = 0 },
         { .kind = PF_ITEM_MERGE, .region = 0, .page = 0, .chunk = 0, .slot = PAGES },
         { .kind = PF_ITEM_ZERO, .region = 0, .page = G_MAXUINT64 },
+        { .kind = PF_ITEM_ZERO, .region = 0, .page = 3, .chunk = 1, .slot = 0 },
         { .kind = PF_ITEM_UNMERGE, .region = 9, .page = 0 },
     };
     const PfWireResult *res;

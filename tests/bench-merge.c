@@ -257,8 +257,10 @@ mappings_per_page(guint64 *merged_out)
                 continue;
             }
             if (kind == 2) {
+                /* Zero page and zero slot, as pagefoldd lays them out. */
                 memset(r->g->mem + (gsize)p * PF_PAGE_SIZE, 0, PF_PAGE_SIZE);
-                items[n] = (PfWireItem){ .kind = PF_ITEM_ZERO, .page = p };
+                memset(r->pool + (gsize)p * PF_PAGE_SIZE, 0, PF_PAGE_SIZE);
+                items[n] = (PfWireItem){ .kind = PF_ITEM_ZERO, .page = p, .slot = p };
             } else {
                 merge_item(&items[n], p);
             }

@@ -7,6 +7,7 @@
  *
  *   standin-vmm -name guest=NAME --agent-socket PATH [--mib N] [--identical PCT]
  *               [--zero PCT] [--seed N] [--writers N] [--writes-per-sec N]
+ *               [--interleave]
  *
  * Commands on stdin, one per line, each answered by one line:
  *   write PAGE      write new content into a page        -> "ok"
@@ -35,6 +36,7 @@ typedef struct {
     guint n_writers;
     guint rate;
     guint64 writes;
+    gboolean interleave; /* odd pages of the identical block are unique */
 } Vmm;
 
 static GMutex *
@@ -70,7 +72,9 @@ first_content(Vmm *v, gsize page, guint8 *out)
 {
     const PfLayout *l = &v->g->layout;
 
-    if (page < l->identical) {
+    if (page < l->identical && v->interleave && page % 2) {
+        pf_fill_page(out, pf_page_seed(4, v->g->seed, page, 0));
+    } else if (page < l->identical) {
         pf_fill_page(out, pf_page_seed(1, 0, page, 0));
     } else if (page < l->identical + l->unique) {
         pf_fill_page(out, pf_page_seed(3, v->g->seed, page - l->identical, 0));
@@ -136,6 +140,7 @@ main(int argc, char **argv)
 {
     g_autofree char *name = NULL, *socket_path = NULL;
     gint mib = 32, identical = 50, zero = 20, seed = 1, writers = 0, rate = 1000;
+    gboolean interleave = FALSE;
     GOptionEntry entries[] = {
         { "name", 0, 0, G_OPTION_ARG_STRING, &name, "guest=NAME", "guest=NAME" },
         { "agent-socket", 0, 0, G_OPTION_ARG_FILENAME, &socket_path, "pagefoldd's agent socket", "PATH" },
@@ -145,6 +150,8 @@ main(int argc, char **argv)
         { "seed", 0, 0, G_OPTION_ARG_INT, &seed, "seed of the unique pages", "N" },
         { "writers", 0, 0, G_OPTION_ARG_INT, &writers, "writer threads (0)", "N" },
         { "writes-per-sec", 0, 0, G_OPTION_ARG_INT, &rate, "per writer (1000)", "N" },
+        { "interleave", 0, 0, G_OPTION_ARG_NONE, &interleave,
+          "every other identical page unique instead: no two merges adjacent", NULL },
         { NULL }
     };
     g_autoptr(GOptionContext) ctx = g_option_context_new("- stand-in VMM with the agent library");
@@ -174,6 +181,10 @@ main(int argc, char **argv)
     l.zero = pages * (gsize)zero / 100;
     l.unique = pages - l.identical - l.zero;
     v.g = pf_guest_new("memory-backend-memfd", &l, (guint32)seed);
+    v.interleave = interleave;
+    for (gsize p = 1; interleave && p < l.identical; p += 2) {
+        first_content(&v, p, v.g->mem + p * PF_PAGE_SIZE);
+    }
     fcntl(v.g->fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
     v.shadow = g_memdup2(v.g->mem, pages * PF_PAGE_SIZE);
     v.locks = g_new0(GMutex, pages / 64 + 1);
