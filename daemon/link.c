@@ -125,17 +125,59 @@ link_refuse(PfLink *l, const char *fmt, ...)
     return FALSE;
 }
 
+/* The socket is non-blocking, so a slow agent cannot stall the daemon
+ * forever: a full socket gets SEND_PATIENCE_MS to drain, then the link is
+ * given up. */
+#define SEND_PATIENCE_MS 5000
+
+typedef gboolean (*SendFunc)(PfLink *l, gconstpointer data, GError **error);
+
+static void
+link_send(PfLink *l, SendFunc send_func, gconstpointer data)
+{
+    gint64 deadline = g_get_monotonic_time() + SEND_PATIENCE_MS * 1000;
+
+    while (!l->broken) {
+        g_autoptr(GError) error = NULL;
+        struct pollfd p = { l->sock, POLLOUT, 0 };
+        gint64 left;
+
+        if (send_func(l, data, &error)) {
+            return;
+        }
+        left = (deadline - g_get_monotonic_time()) / 1000;
+        if (!g_error_matches(error, G_IO_ERROR, G_IO_ERROR_WOULD_BLOCK) || left <= 0) {
+            g_message("agent of %s: %s", l->vm ? l->vm->name : "?",
+                      left <= 0 ? "not reading its socket" : error->message);
+            l->broken = TRUE;
+            return;
+        }
+        poll(&p, 1, (int)left);
+    }
+}
+
+static gboolean
+send_chunk(PfLink *l, gconstpointer data, GError **error)
+{
+    const PfPoolChunk *chunk = data;
+    PfWirePool p = { chunk->id, chunk->n_slots };
+
+    return pf_proto_send(l->sock, PF_MSG_POOL, 0, &p, sizeof(p), &chunk->fd, 1, error);
+}
+
 void
 pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk)
 {
-    PfWirePool p = { chunk->id, chunk->n_slots };
-    g_autoptr(GError) error = NULL;
+    link_send(l, send_chunk, chunk);
+}
 
-    if (!l->broken &&
-        !pf_proto_send(l->sock, PF_MSG_POOL, 0, &p, sizeof(p), &chunk->fd, 1, &error)) {
-        g_message("agent of %s: %s", l->vm ? l->vm->name : "?", error->message);
-        l->broken = TRUE;
-    }
+static gboolean
+send_batch(PfLink *l, gconstpointer data, GError **error)
+{
+    const Batch *b = data;
+
+    return pf_proto_send_items(l->sock, b->seq, (PfWireItem *)l->queue_items->data,
+                               l->queue_items->len, error);
 }
 
 void
@@ -151,7 +193,6 @@ pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd)
 void
 pf_link_flush(PfLink *l)
 {
-    g_autoptr(GError) error = NULL;
     Batch *b;
 
     if (l->queue_items->len == 0) {
@@ -163,11 +204,7 @@ pf_link_flush(PfLink *l)
     l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
     g_queue_push_tail(&l->in_flight, b);
     l->n_in_flight += b->pending->len;
-    if (!l->broken && !pf_proto_send_items(l->sock, b->seq, (PfWireItem *)l->queue_items->data,
-                                           l->queue_items->len, &error)) {
-        g_message("agent of %s: %s", l->vm ? l->vm->name : "?", error->message);
-        l->broken = TRUE;
-    }
+    link_send(l, send_batch, b);
     g_array_set_size(l->queue_items, 0);
 }
 
@@ -403,6 +440,11 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || srv->handshakes->len > 64) {
         close(sock);
         return G_SOURCE_CONTINUE;
+    }
+    {
+        int buf = 4 << 20;
+
+        setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
     }
     l = g_new0(PfLink, 1);
     l->srv = srv;

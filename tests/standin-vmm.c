@@ -7,7 +7,7 @@
  *
  *   standin-vmm -name guest=NAME --agent-socket PATH [--mib N] [--identical PCT]
  *               [--zero PCT] [--seed N] [--writers N] [--writes-per-sec N]
- *               [--interleave]
+ *               [--volatile PCT] [--interleave]
  *
  * Commands on stdin, one per line, each answered by one line:
  *   write PAGE      write new content into a page        -> "ok"
@@ -37,6 +37,8 @@ typedef struct {
     guint rate;
     guint64 writes;
     gboolean interleave; /* odd pages of the identical block are unique */
+    gsize volatile_pages; /* if not 0: writers rewrite only these, at the
+                           * start of the unique block, with new content */
 } Vmm;
 
 static GMutex *
@@ -95,6 +97,10 @@ writer(gpointer data)
         gsize page = g_rand_int_range(rnd, 0, (gint32)v->g->n_pages);
         guint kind = g_rand_int_range(rnd, 0, 4);
 
+        if (v->volatile_pages > 0) {
+            page = v->g->layout.identical + g_rand_int_range(rnd, 0, (gint32)v->volatile_pages);
+            kind = 1;
+        }
         /* Back to its first content (so it can merge again), something
          * new, one byte, or zeros. */
         if (kind == 0) {
@@ -141,6 +147,7 @@ main(int argc, char **argv)
     g_autofree char *name = NULL, *socket_path = NULL;
     gint mib = 32, identical = 50, zero = 20, seed = 1, writers = 0, rate = 1000;
     gboolean interleave = FALSE;
+    gint volatile_pct = 0;
     GOptionEntry entries[] = {
         { "name", 0, 0, G_OPTION_ARG_STRING, &name, "guest=NAME", "guest=NAME" },
         { "agent-socket", 0, 0, G_OPTION_ARG_FILENAME, &socket_path, "pagefoldd's agent socket", "PATH" },
@@ -150,6 +157,9 @@ main(int argc, char **argv)
         { "seed", 0, 0, G_OPTION_ARG_INT, &seed, "seed of the unique pages", "N" },
         { "writers", 0, 0, G_OPTION_ARG_INT, &writers, "writer threads (0)", "N" },
         { "writes-per-sec", 0, 0, G_OPTION_ARG_INT, &rate, "per writer (1000)", "N" },
+        { "volatile", 0, 0, G_OPTION_ARG_INT, &volatile_pct,
+          "writers rewrite only this percent of pages (in the unique block), "
+          "0: any page, sometimes back to its first content (0)", "PCT" },
         { "interleave", 0, 0, G_OPTION_ARG_NONE, &interleave,
           "every other identical page unique instead: no two merges adjacent", NULL },
         { NULL }
@@ -182,6 +192,7 @@ main(int argc, char **argv)
     l.unique = pages - l.identical - l.zero;
     v.g = pf_guest_new("memory-backend-memfd", &l, (guint32)seed);
     v.interleave = interleave;
+    v.volatile_pages = MIN(l.unique, pages * (gsize)MAX(volatile_pct, 0) / 100);
     for (gsize p = 1; interleave && p < l.identical; p += 2) {
         first_content(&v, p, v.g->mem + p * PF_PAGE_SIZE);
     }
