@@ -37,7 +37,12 @@
 #define USERFAULTFD_IOC_NEW _IO(0xAA, 0x00)
 #endif
 
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+
 #define POOL_SEALS (F_SEAL_FUTURE_WRITE | F_SEAL_GROW | F_SEAL_SHRINK)
+#define HUGE_PAGES 512u /* 4 KiB pages in a 2 MiB huge page */
 #define MAX_RUN 512
 
 typedef struct {
@@ -47,6 +52,7 @@ typedef struct {
     gsize n_pages;
     int fd;
     guint64 offset;
+    int advice[4];
 } Region;
 
 typedef struct {
@@ -183,7 +189,11 @@ item_valid(PfAgent *a, const PfWireItem *it)
     if (it->page >= r->n_pages) {
         return FALSE;
     }
-    if (it->kind != PF_ITEM_UNMERGE) {
+    if (it->kind == PF_ITEM_COLLAPSE) {
+        return it->page % HUGE_PAGES == 0 && it->page + HUGE_PAGES <= r->n_pages &&
+               (guintptr)(r->host + it->page * PF_PAGE_SIZE) % (HUGE_PAGES * PF_PAGE_SIZE) == 0;
+    }
+    if (it->kind == PF_ITEM_MERGE || it->kind == PF_ITEM_ZERO) {
         const Chunk *c = it->chunk < a->chunks->len ? g_ptr_array_index(a->chunks, it->chunk)
                                                     : NULL;
 
@@ -196,9 +206,19 @@ item_valid(PfAgent *a, const PfWireItem *it)
 static gboolean
 continues(const PfWireItem *first, guint32 k, const PfWireItem *it)
 {
-    return it->kind == first->kind && it->kind != PF_ITEM_UNMERGE &&
+    return it->kind == first->kind &&
+           (it->kind == PF_ITEM_MERGE || it->kind == PF_ITEM_ZERO) &&
            it->region == first->region && it->page == first->page + k &&
            it->chunk == first->chunk && it->slot == first->slot + k;
+}
+
+/* A fresh mapping has none of the region's advice: give it again. */
+static void
+readvise(const Region *r, void *addr, gsize len)
+{
+    for (guint i = 0; i < G_N_ELEMENTS(r->advice) && r->advice[i] != 0; i++) {
+        madvise(addr, len, r->advice[i]);
+    }
 }
 
 static void
@@ -258,6 +278,7 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
                 set_result(&res[v], PF_RESULT_ERROR, e);
             }
         } else {
+            readvise(r, m, (gsize)(u - t) * PF_PAGE_SIZE);
             /* Only now is the old page unreachable: drop it from the memfd. */
             if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                           (off_t)(r->offset + (first->page + t) * PF_PAGE_SIZE),
@@ -315,10 +336,34 @@ exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
         set_result(res, PF_RESULT_ERROR, e);
         return;
     }
-    /* Registered again, it coalesces with its neighbours. */
+    /* Advised and registered again, it coalesces with its neighbours. */
+    readvise(r, hva, PF_PAGE_SIZE);
     uffd_register(a->uffd, hva, PF_PAGE_SIZE);
     uffd_wake(a->uffd, hva, PF_PAGE_SIZE);
     set_result(res, PF_RESULT_DONE, 0);
+}
+
+/* Back to a huge page, once every page of the extent is unmerged.  The
+ * kernel will not collapse a range registered for write protection, so it
+ * is unregistered for the collapse: no page of it is protected then. */
+static void
+exec_collapse(PfAgent *a, const PfWireItem *it, PfWireResult *res)
+{
+    Region *r = &g_array_index(a->regions, Region, it->region);
+    guint8 *hva = r->host + it->page * PF_PAGE_SIZE;
+    gsize len = (gsize)HUGE_PAGES * PF_PAGE_SIZE;
+    struct uffdio_range range = { (guint64)(guintptr)hva, len };
+    int err = 0;
+
+    if (ioctl(a->uffd, UFFDIO_UNREGISTER, &range) < 0) {
+        set_result(res, PF_RESULT_ERROR, errno);
+        return;
+    }
+    if (madvise(hva, len, MADV_COLLAPSE) < 0) {
+        err = errno;
+    }
+    uffd_register(a->uffd, hva, len);
+    set_result(res, err ? PF_RESULT_ERROR : PF_RESULT_DONE, err);
 }
 
 static void
@@ -335,7 +380,7 @@ count_results(PfAgent *a, const PfWireItem *items, const PfWireResult *res, guin
             a->stats.merged++;
         } else if (items[i].kind == PF_ITEM_ZERO) {
             a->stats.zeroed++;
-        } else {
+        } else if (items[i].kind == PF_ITEM_UNMERGE) {
             a->stats.unmerged++;
         }
     }
@@ -360,6 +405,11 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
         }
         if (items[i].kind == PF_ITEM_UNMERGE) {
             exec_unmerge(a, &items[i], &res[i]);
+            i++;
+            continue;
+        }
+        if (items[i].kind == PF_ITEM_COLLAPSE) {
+            exec_collapse(a, &items[i], &res[i]);
             i++;
             continue;
         }
@@ -627,8 +677,11 @@ pf_agent_add_region(PfAgent *a, const PfAgentRegion *r)
 {
     Region reg = {
         g_strdup(r->name), r->host, r->size, r->size / PF_PAGE_SIZE,
-        fcntl(r->fd, F_DUPFD_CLOEXEC, 3), r->offset,
+        fcntl(r->fd, F_DUPFD_CLOEXEC, 3), r->offset, { 0 },
     };
+
+    memcpy(reg.advice, r->advice, sizeof(reg.advice));
+    reg.advice[G_N_ELEMENTS(reg.advice) - 1] = 0;
 
     g_array_append_val(a->regions, reg);
 }

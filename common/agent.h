@@ -33,6 +33,10 @@ typedef struct {
     gsize size;
     int fd;          /* the memfd (the agent keeps a dup) */
     guint64 offset;  /* of host in the memfd */
+    int advice[4];   /* madvise() advice the VMM gave the region
+                      * (MADV_HUGEPAGE, MADV_DONTDUMP, ...), 0-terminated:
+                      * given again to every page the agent remaps, so the
+                      * new mappings behave, and coalesce, like the old */
 } PfAgentRegion;
 
 typedef struct {

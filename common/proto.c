@@ -191,7 +191,7 @@ validate(const PfMsg *msg, GError **error)
             if (h->type == PF_MSG_REQUEST) {
                 const PfWireItem *it = (const void *)(msg->payload + sizeof(*l) + i * each);
 
-                if (it->kind < PF_ITEM_MERGE || it->kind > PF_ITEM_UNMERGE) {
+                if (it->kind < PF_ITEM_MERGE || it->kind > PF_ITEM_COLLAPSE) {
                     return fail(error, "REQUEST item %u has kind %u", i, it->kind);
                 }
             } else {

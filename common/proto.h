@@ -78,6 +78,7 @@ typedef enum {
     PF_ITEM_MERGE = 1,   /* map pool slot over the page if equal */
     PF_ITEM_ZERO = 2,    /* map a zero pool slot over it if it is zero */
     PF_ITEM_UNMERGE = 3, /* copy back into the memfd, map it shared again */
+    PF_ITEM_COLLAPSE = 4, /* make the 2 MiB extent at page a huge page again */
 } PfItemKind;
 
 typedef struct {

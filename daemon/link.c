@@ -237,6 +237,8 @@ on_result(PfLink *l, const PfMsg *msg)
                             (PfResultStatus)res[i].status, res[i].err);
     }
     batch_free(b);
+    /* Answers can call for more (a huge page to collapse): send them now. */
+    pf_link_flush(l);
     return TRUE;
 }
 

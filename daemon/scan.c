@@ -13,6 +13,9 @@
 #include <glib-unix.h>
 #include <setjmp.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
 #include <signal.h>
 #include <string.h>
 #include <time.h>
@@ -33,6 +36,10 @@ struct pf_page_region {
 #define PF_PAGE_IS_FILE (1ull << 2)
 #define PF_PAGE_IS_PRESENT (1ull << 3)
 #define PF_PAGE_IS_PFNZERO (1ull << 5)
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
 
 #define PAGEMAP_PRESENT (1ull << 63)
 #define PAGEMAP_FILE (1ull << 61)
@@ -68,6 +75,7 @@ struct _PfScanner {
     GPtrArray *leftovers; /* Leftover* */
     guint64 max_map_count;
     gboolean pagemap_scan; /* the kernel has PAGEMAP_SCAN */
+    int kpageflags_fd;     /* /proc/kpageflags: is a page part of a THP */
 
     /* cursor: the next page to visit */
     gboolean in_pass;
@@ -500,6 +508,89 @@ can_merge(PfVm *vm)
     return pf_vm_merges(vm) && vm->vmas < vm->vma_budget;
 }
 
+/* ---- huge pages ---- */
+
+#define HUGE_SHIFT 21
+#define HUGE_PAGES (1u << (HUGE_SHIFT - PF_PAGE_SHIFT))
+#define KPF_THP (1ull << 22)
+
+/* Extents of 2 MiB are counted from the region's first 2 MiB-aligned
+ * address; a region not aligned so never had huge pages to restore. */
+static gboolean
+extent_of(PfRegion *r, gsize idx, gsize *extent)
+{
+    if (r->host_addr % (1u << HUGE_SHIFT) != 0 || r->file_offset % (1u << HUGE_SHIFT) != 0) {
+        return FALSE;
+    }
+    *extent = idx / HUGE_PAGES;
+    return (*extent + 1) * HUGE_PAGES <= r->n_pages;
+}
+
+/* Before the first merge in an extent: is it a transparent huge page? */
+static void
+note_huge(PfScanner *s, PfRegion *r, gsize idx)
+{
+    gsize e;
+    guint64 entry = 0, flags = 0;
+    off_t at;
+
+    if (!extent_of(r, idx, &e) || (r->huge_seen[e / 8] & (1u << (e % 8))) ||
+        s->kpageflags_fd < 0 || r->vm->pagemap_fd < 0) {
+        return;
+    }
+    r->huge_seen[e / 8] |= 1u << (e % 8);
+    at = (off_t)((r->host_addr / PF_PAGE_SIZE + e * HUGE_PAGES) * sizeof(guint64));
+    if (pread(r->vm->pagemap_fd, &entry, sizeof(entry), at) == sizeof(entry) &&
+        (entry & PAGEMAP_PRESENT) &&
+        pread(s->kpageflags_fd, &flags, sizeof(flags),
+              (off_t)((entry & ((1ull << 55) - 1)) * sizeof(guint64))) == sizeof(flags) &&
+        (flags & KPF_THP)) {
+        r->huge_was[e / 8] |= 1u << (e % 8);
+    }
+}
+
+/* After an unmerge: an extent that was a huge page and has no merged page
+ * left is collapsed into a huge page again, in the VM's process. */
+static void
+restore_huge(PfScanner *s, PfRegion *r, gsize idx)
+{
+    gsize e;
+    struct iovec iov;
+
+    if (!extent_of(r, idx, &e) || !(r->huge_was[e / 8] & (1u << (e % 8)))) {
+        return;
+    }
+    for (gsize i = e * HUGE_PAGES; i < (e + 1) * HUGE_PAGES; i++) {
+        PfPageState st = r->pages[i].state;
+
+        if (st == PF_PAGE_PENDING ||
+            (pf_vm_merges(r->vm) && (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO))) {
+            return;
+        }
+    }
+    r->huge_seen[e / 8] &= ~(1u << (e % 8));
+    r->huge_was[e / 8] &= ~(1u << (e % 8));
+    if (r->vm->link != NULL) {
+        /* The agent collapses: only it can lift its write protection. */
+        PfWireItem item = { 0 };
+        PfPending pd = { r->base + (guint32)(e * HUGE_PAGES), PF_POOL_SLOT_NONE, 0,
+                         PF_ITEM_COLLAPSE };
+        guint k;
+
+        g_ptr_array_find(r->vm->regions, r, &k);
+        item.kind = PF_ITEM_COLLAPSE;
+        item.region = k;
+        item.page = e * HUGE_PAGES;
+        pf_link_queue(r->vm->link, &item, &pd);
+        return;
+    }
+    iov.iov_base = (void *)(guintptr)(r->host_addr + e * HUGE_PAGES * PF_PAGE_SIZE);
+    iov.iov_len = HUGE_PAGES * PF_PAGE_SIZE;
+    if (syscall(SYS_process_madvise, r->vm->pidfd, &iov, 1, MADV_COLLAPSE, 0) < 0) {
+        g_debug("VM %s: MADV_COLLAPSE at %p: %s", r->vm->name, iov.iov_base, g_strerror(errno));
+    }
+}
+
 /* Asks the page's agent to act; the page waits in PENDING. */
 static void
 request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint32 slot,
@@ -515,6 +606,9 @@ request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint
     item.page = id - r->base;
     if (slot != PF_POOL_SLOT_NONE && kind != PF_ITEM_UNMERGE) {
         pf_pool_locate(s->pool, slot, &item.chunk, &item.slot);
+    }
+    if (kind != PF_ITEM_UNMERGE) {
+        note_huge(s, r, id - r->base);
     }
     set_state(r, p, PF_PAGE_PENDING);
     /* A remap that does not continue the previous one splits a mapping in
@@ -695,6 +789,13 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
     PfRegion *r = region_of(s, pd->page);
     PfPage *p = &r->pages[pd->page - r->base];
 
+    if (pd->kind == PF_ITEM_COLLAPSE) {
+        if (status != PF_RESULT_DONE) {
+            g_debug("VM %s: no huge page again at page %u: %s", vm->name, pd->page - r->base,
+                    g_strerror(err));
+        }
+        return;
+    }
     g_return_if_fail(r->vm == vm && p->state == PF_PAGE_PENDING);
     if (status == PF_RESULT_ERROR) {
         g_message("VM %s: agent could not %s page %u: %s", vm->name,
@@ -723,6 +824,9 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
     case PF_ITEM_UNMERGE:
         if (status == PF_RESULT_DONE) {
             put_slot(s, pd->slot, pd->node);
+            reset_page(r, p, PF_PAGE_VOLATILE);
+            restore_huge(s, r, pd->page - r->base);
+            return;
         } else if (pd->slot != PF_POOL_SLOT_NONE) {
             /* Still mapped from the slot: it stays taken for good. */
             g_warning("VM %s: page %u could not be folded back; pool slot %u stays taken",
@@ -1194,6 +1298,9 @@ abandon_cb(const PfPending *pd, gpointer user)
     PfRegion *r = region_of(ab->s, pd->page);
     PfPage *p = &r->pages[pd->page - r->base];
 
+    if (pd->kind == PF_ITEM_COLLAPSE) {
+        return;
+    }
     /* The agent may have done it or not: its slot may be mapped. */
     if (pd->kind != PF_ITEM_ZERO) {
         hold_or_put(ab->s, ab->keep, pd->slot, pd->node);
@@ -1450,6 +1557,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->regions = g_ptr_array_new();
     s->leftovers = g_ptr_array_new_with_free_func(leftover_free);
     s->max_map_count = 65530;
+    s->kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
     {
         int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
         struct pf_page_region v;
@@ -1520,6 +1628,9 @@ pf_scanner_free(PfScanner *s)
     g_ptr_array_unref(s->regions);
     g_ptr_array_unref(s->leftovers);
     g_clear_pointer(&s->pool, pf_pool_free);
+    if (s->kpageflags_fd >= 0) {
+        close(s->kpageflags_fd);
+    }
     pf_stable_tree_destroy(&s->stable);
     pf_unstable_tree_destroy(&s->unstable);
     g_free(s);

@@ -121,6 +121,8 @@ pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset, gsize
     r->ino = st.st_ino;
     r->map = map;
     r->pages = g_new0(PfPage, r->n_pages);
+    r->huge_seen = g_new0(guint8, (size >> 21) / 8 + 2);
+    r->huge_was = g_new0(guint8, (size >> 21) / 8 + 2);
     return g_steal_pointer(&r);
 }
 
@@ -170,6 +172,8 @@ pf_region_free(PfRegion *r)
         close(r->fd);
     }
     g_free(r->pages);
+    g_free(r->huge_seen);
+    g_free(r->huge_was);
     g_free(r->name);
     g_free(r);
 }

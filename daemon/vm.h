@@ -32,6 +32,8 @@ typedef struct {
     int fd;              /* O_RDONLY */
     const guint8 *map;   /* PROT_READ, MAP_SHARED */
     PfPage *pages;       /* one record per page */
+    guint8 *huge_seen;   /* per 2 MiB extent: looked at when first merged */
+    guint8 *huge_was;    /* ... and it was a transparent huge page then */
     guint32 base;        /* page id of pages[0] */
     gboolean dead;       /* faulted (truncated under us): drop it */
 } PfRegion;

@@ -207,6 +207,7 @@ test_bad_items(Fixture *f, gconstpointer data)
         { .kind = PF_ITEM_ZERO, .region = 0, .page = G_MAXUINT64 },
         { .kind = PF_ITEM_ZERO, .region = 0, .page = 3, .chunk = 1, .slot = 0 },
         { .kind = PF_ITEM_UNMERGE, .region = 9, .page = 0 },
+        { .kind = PF_ITEM_COLLAPSE, .region = 0, .page = 3 },
     };
     const PfWireResult *res;
 

@@ -29,17 +29,18 @@ typedef struct {
 } Vmm;
 
 static Vmm *vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers,
-                           gboolean as_nobody, gboolean interleave);
+                           gboolean as_nobody, const char *extra);
 
 static Vmm *
 vmm_start(PfTestDaemon *d, const char *name, int seed, int writers, gboolean as_nobody)
 {
-    return vmm_start_full(d, name, seed, writers, as_nobody, FALSE);
+    return vmm_start_full(d, name, seed, writers, as_nobody, NULL);
 }
 
+/* extra: one more standin-vmm option, e.g. "--interleave", or NULL. */
 static Vmm *
 vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers, gboolean as_nobody,
-               gboolean interleave)
+               const char *extra)
 {
     Vmm *v = g_new0(Vmm, 1);
     g_autoptr(GError) error = NULL;
@@ -53,7 +54,7 @@ vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers, gboolea
         "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
         pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket", d->agent_sock,
         "--mib", mib, "--seed", seedarg, "--writers", wr, "--writes-per-sec", "2000",
-        interleave ? "--interleave" : NULL, NULL
+        extra, NULL
     };
 
     v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE,
@@ -447,8 +448,8 @@ test_vma_budget(void)
 {
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", "--set",
                                                      "max_vma_percent=1", NULL);
-    Vmm *v[2] = { vmm_start_full(d, "i0", 1, 0, FALSE, TRUE),
-                  vmm_start_full(d, "i1", 2, 0, FALSE, TRUE) };
+    Vmm *v[2] = { vmm_start_full(d, "i0", 1, 0, FALSE, "--interleave"),
+                  vmm_start_full(d, "i1", 2, 0, FALSE, "--interleave") };
     guint64 ram[2] = { guest_addr(d, "i0"), guest_addr(d, "i1") };
     gint64 others[2];
     g_autoptr(JsonObject) s = NULL;
@@ -469,6 +470,92 @@ test_vma_budget(void)
         /* A merge may only start while under budget: one over at most. */
         g_assert_cmpint(others[i] + count_ram_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), <=,
                         budget + 3);
+        vmm_quit(v[i]);
+        vmm_free(v[i]);
+    }
+}
+
+/* Huge pages in guest RAM and in the range: ShmemPmdMapped of smaps. */
+static gint64
+huge_kib(int pid, guint64 start, guint64 size)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/smaps", pid);
+    g_autofree char *text = NULL;
+    g_auto(GStrv) lines = NULL;
+    gboolean inside = FALSE;
+    gint64 kib = 0;
+
+    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
+    lines = g_strsplit(text, "\n", -1);
+    for (char **l = lines; *l; l++) {
+        if (g_ascii_isxdigit(**l) && strchr(*l, '-') != NULL && strchr(*l, ' ') > strchr(*l, '-')) {
+            guint64 a = g_ascii_strtoull(*l, NULL, 16);
+            guint64 b = g_ascii_strtoull(strchr(*l, '-') + 1, NULL, 16);
+
+            inside = a < start + size && b > start;
+        } else if (inside && g_str_has_prefix(*l, "ShmemPmdMapped:")) {
+            kib += g_ascii_strtoll(*l + 15, NULL, 10);
+        }
+    }
+    return kib;
+}
+
+/* RAM in transparent huge pages: merging splits them, unmerging an
+ * extent back collapses it into a huge page again. */
+static void
+test_huge_pages(void)
+{
+    const char *knob = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+    g_autofree char *old = NULL;
+    g_autoptr(PfTestDaemon) d = NULL;
+    Vmm *v[2];
+    guint64 ram[2];
+    gint64 before[2];
+    JsonNode *n;
+    g_autoptr(JsonObject) s = NULL;
+
+    if (!g_file_get_contents(knob, &old, NULL, NULL)) {
+        g_test_skip("no shmem transparent huge pages in this kernel");
+        return;
+    }
+    /* "always within_size advise [never] deny force": keep the choice. */
+    g_strdelimit(old, "[]", '\n');
+    {
+        g_auto(GStrv) parts = g_strsplit(old, "\n", -1);
+
+        g_free(old);
+        old = g_strdup(g_strv_length(parts) > 1 ? g_strstrip(parts[1]) : "never");
+    }
+    /* Huge pages for the guests' RAM, then the knob as it was at once
+     * (collapsing does not need it). */
+    pf_test_write_sysfs(knob, "advise");
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *name = g_strdup_printf("h%d", i);
+
+        v[i] = vmm_start_full(d, name, i + 1, 0, FALSE, "--huge");
+        ram[i] = guest_addr(d, name);
+        before[i] = huge_kib(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE);
+    }
+    pf_test_write_sysfs(knob, old);
+    if (before[0] == 0) {
+        for (int i = 0; i < 2; i++) {
+            vmm_free(v[i]);
+        }
+        g_test_skip("guest RAM got no huge pages");
+        return;
+    }
+    s = stats(d, "scan-now", "3");
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
+    /* Merged: the identical and zero extents are split into small pages. */
+    g_assert_cmpint(huge_kib(v[0]->pid, ram[0], PAGES * PF_PAGE_SIZE), <, before[0]);
+    n = pf_test_ctl_json(d, "set", "run", "2", NULL);
+    json_node_unref(n);
+    for (int i = 0; i < 2; i++) {
+        /* Every extent unmerged is a huge page again. */
+        g_assert_cmpint(huge_kib(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, before[i]);
+        g_assert_cmpint(count_ram_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
+        vmm_verify(v[i]);
         vmm_quit(v[i]);
         vmm_free(v[i]);
     }
@@ -598,6 +685,7 @@ main(int argc, char **argv)
     g_test_add_data_func("/agent/cow-and-remerge/pagemap", "pagemap", test_cow_and_remerge);
     g_test_add_func("/agent/unmerge-all", test_unmerge_all);
     g_test_add_func("/agent/vma-budget", test_vma_budget);
+    g_test_add_func("/agent/huge-pages", test_huge_pages);
     g_test_add_func("/agent/concurrent-writers", test_concurrent_writers);
     g_test_add_func("/agent/kill-daemon", test_kill_daemon);
     g_test_add_func("/agent/kill-vmm", test_kill_vmm);

@@ -68,6 +68,28 @@ fill_volatile(PfGuest *g)
 PfGuest *
 pf_guest_new(const char *name, const PfLayout *l, guint32 seed)
 {
+    return pf_guest_new_full(name, l, seed, FALSE);
+}
+
+/* QEMU with transparent huge pages: RAM aligned to 2 MiB and advised
+ * MADV_HUGEPAGE before the guest touches it. */
+static guint8 *
+map_huge(int fd, gsize size)
+{
+    gsize huge = 2u << 20;
+    guint8 *area = mmap(NULL, size + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    guint8 *mem;
+
+    g_assert(area != MAP_FAILED);
+    mem = (guint8 *)(((guintptr)area + huge - 1) & ~(guintptr)(huge - 1));
+    g_assert(mmap(mem, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == mem);
+    madvise(mem, size, MADV_HUGEPAGE);
+    return mem;
+}
+
+PfGuest *
+pf_guest_new_full(const char *name, const PfLayout *l, guint32 seed, gboolean huge)
+{
     g_autoptr(PfGuest) g = g_new0(PfGuest, 1);
     gsize idx = 0;
 
@@ -77,7 +99,9 @@ pf_guest_new(const char *name, const PfLayout *l, guint32 seed)
     g->fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     g_assert_cmpint(g->fd, >=, 0);
     g_assert_cmpint(ftruncate(g->fd, (off_t)(g->n_pages * PF_PAGE_SIZE)), ==, 0);
-    g->mem = mmap(NULL, g->n_pages * PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd, 0);
+    g->mem = huge ? map_huge(g->fd, g->n_pages * PF_PAGE_SIZE)
+                  : mmap(NULL, g->n_pages * PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED,
+                         g->fd, 0);
     g_assert(g->mem != MAP_FAILED);
 
     for (gsize i = 0; i < l->identical; i++, idx++) {

@@ -37,6 +37,8 @@ typedef struct {
 gsize pf_layout_pages(const PfLayout *l);
 /* Creates, maps (rw, shared) and fills a guest. */
 PfGuest *pf_guest_new(const char *name, const PfLayout *l, guint32 seed);
+/* huge: 2 MiB aligned and MADV_HUGEPAGE, as QEMU maps RAM for THP. */
+PfGuest *pf_guest_new_full(const char *name, const PfLayout *l, guint32 seed, gboolean huge);
 void pf_guest_free(PfGuest *g);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfGuest, pf_guest_free)
 

@@ -7,7 +7,7 @@
  *
  *   standin-vmm -name guest=NAME --agent-socket PATH [--mib N] [--identical PCT]
  *               [--zero PCT] [--seed N] [--writers N] [--writes-per-sec N]
- *               [--volatile PCT] [--interleave]
+ *               [--volatile PCT] [--interleave] [--huge]
  *
  * Commands on stdin, one per line, each answered by one line:
  *   write PAGE      write new content into a page        -> "ok"
@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "agent.h"
@@ -146,7 +147,7 @@ main(int argc, char **argv)
 {
     g_autofree char *name = NULL, *socket_path = NULL;
     gint mib = 32, identical = 50, zero = 20, seed = 1, writers = 0, rate = 1000;
-    gboolean interleave = FALSE;
+    gboolean interleave = FALSE, huge = FALSE;
     gint volatile_pct = 0;
     GOptionEntry entries[] = {
         { "name", 0, 0, G_OPTION_ARG_STRING, &name, "guest=NAME", "guest=NAME" },
@@ -160,6 +161,8 @@ main(int argc, char **argv)
         { "volatile", 0, 0, G_OPTION_ARG_INT, &volatile_pct,
           "writers rewrite only this percent of pages (in the unique block), "
           "0: any page, sometimes back to its first content (0)", "PCT" },
+        { "huge", 0, 0, G_OPTION_ARG_NONE, &huge,
+          "RAM in transparent huge pages (MADV_HUGEPAGE), as QEMU can", NULL },
         { "interleave", 0, 0, G_OPTION_ARG_NONE, &interleave,
           "every other identical page unique instead: no two merges adjacent", NULL },
         { NULL }
@@ -190,7 +193,7 @@ main(int argc, char **argv)
     l.identical = pages * (gsize)identical / 100;
     l.zero = pages * (gsize)zero / 100;
     l.unique = pages - l.identical - l.zero;
-    v.g = pf_guest_new("memory-backend-memfd", &l, (guint32)seed);
+    v.g = pf_guest_new_full("memory-backend-memfd", &l, (guint32)seed, huge);
     v.interleave = interleave;
     v.volatile_pages = MIN(l.unique, pages * (gsize)MAX(volatile_pct, 0) / 100);
     for (gsize p = 1; interleave && p < l.identical; p += 2) {
@@ -203,7 +206,8 @@ main(int argc, char **argv)
     v.rate = (guint)rate;
 
     agent = pf_agent_new(g_str_has_prefix(name, "guest=") ? name + 6 : name, NULL);
-    r = (PfAgentRegion){ "pc.ram", v.g->mem, pages * PF_PAGE_SIZE, v.g->fd, 0 };
+    r = (PfAgentRegion){ "pc.ram", v.g->mem, pages * PF_PAGE_SIZE, v.g->fd, 0,
+                         { huge ? MADV_HUGEPAGE : 0 } };
     pf_agent_add_region(agent, &r);
     if (!pf_agent_start(agent, socket_path, &error)) {
         g_printerr("standin-vmm: %s\n", error->message);

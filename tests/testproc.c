@@ -157,6 +157,7 @@ pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...)
 }
 
 #include <fcntl.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -258,4 +259,18 @@ pf_test_pool_chunk(guint32 n_slots, gboolean seal, guint8 **map)
                                                    F_SEAL_SHRINK | F_SEAL_SEAL), ==, 0);
     }
     return fd;
+}
+
+gboolean
+pf_test_write_sysfs(const char *path, const char *value)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    gboolean ok;
+
+    if (fd < 0) {
+        return FALSE;
+    }
+    ok = write(fd, value, strlen(value)) == (ssize_t)strlen(value);
+    close(fd);
+    return ok;
 }

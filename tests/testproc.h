@@ -53,3 +53,6 @@ void pf_test_peer_free(PfTestPeer *p);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestPeer, pf_test_peer_free)
 /* A pool chunk as pagefoldd makes it: sealed after its writable mapping. */
 int pf_test_pool_chunk(guint32 n_slots, gboolean seal, guint8 **map);
+
+/* Writes a sysfs knob in place (g_file_set_contents would rename). */
+gboolean pf_test_write_sysfs(const char *path, const char *value);
