@@ -50,7 +50,8 @@ main(int argc, char **argv)
         { "version", 0, 0, G_OPTION_ARG_NONE, &version, "Print the version", NULL },
         { NULL }
     };
-    g_autoptr(GOptionContext) ctx = g_option_context_new("- memory deduplication for QEMU VMs with shared memfd RAM");
+    g_autoptr(GOptionContext) ctx =
+        g_option_context_new("- memory deduplication for QEMU VMs with shared memfd RAM");
     g_autoptr(GError) error = NULL;
     g_autoptr(PfScanner) scanner = NULL;
     g_autoptr(PfControl) control = NULL;

@@ -798,8 +798,9 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
     }
     g_return_if_fail(r->vm == vm && p->state == PF_PAGE_PENDING);
     if (status == PF_RESULT_ERROR) {
-        g_message("VM %s: agent could not %s page %u: %s", vm->name,
-                  pd->kind == PF_ITEM_MERGE ? "merge" : pd->kind == PF_ITEM_ZERO ? "zero" : "unmerge",
+        static const char *const verb[] = { "", "merge", "zero", "unmerge", "collapse" };
+
+        g_message("VM %s: agent could not %s page %u: %s", vm->name, verb[pd->kind],
                   pd->page - r->base, g_strerror(err));
         if (err == ENOMEM) {
             /* Out of mappings: no more merges until the next count. */

@@ -172,40 +172,6 @@ memfd_blocks(int pid)
     return -1;
 }
 
-static gint64
-count_vmas(int pid)
-{
-    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
-    g_autofree char *text = NULL;
-    gint64 n = 0;
-
-    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
-    for (const char *p = text; *p; p++) {
-        n += *p == '\n';
-    }
-    return n;
-}
-
-/* Mappings over guest RAM only: what merging splits. */
-static gint64
-count_ram_vmas(int pid, guint64 start, guint64 size)
-{
-    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
-    g_autofree char *text = NULL;
-    g_auto(GStrv) lines = NULL;
-    gint64 n = 0;
-
-    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
-    lines = g_strsplit(text, "\n", -1);
-    for (char **l = lines; *l && **l; l++) {
-        guint64 a = g_ascii_strtoull(*l, NULL, 16);
-        guint64 b = g_ascii_strtoull(strchr(*l, '-') + 1, NULL, 16);
-
-        n += a < start + size && b > start;
-    }
-    return n;
-}
-
 /* A proportional set size in KiB (each physical page split among the
  * processes that map it): "Pss" or one of its parts, "Pss_Shmem". */
 static gint64
@@ -220,32 +186,6 @@ pss_kib(int pid, const char *which)
     p = strstr(text, key);
     g_assert_nonnull(p);
     return g_ascii_strtoll(p + strlen(key), NULL, 10);
-}
-
-/* Pss in KiB of the mappings of [start, start + size): guest RAM alone,
- * without the test program's own heap. */
-static gint64
-pss_range_kib(int pid, guint64 start, guint64 size)
-{
-    g_autofree char *path = g_strdup_printf("/proc/%d/smaps", pid);
-    g_autofree char *text = NULL;
-    g_auto(GStrv) lines = NULL;
-    gboolean inside = FALSE;
-    gint64 kib = 0;
-
-    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
-    lines = g_strsplit(text, "\n", -1);
-    for (char **l = lines; *l; l++) {
-        if (g_ascii_isxdigit(**l) && strchr(*l, '-') != NULL && strchr(*l, ' ') > strchr(*l, '-')) {
-            guint64 a = g_ascii_strtoull(*l, NULL, 16);
-            guint64 b = g_ascii_strtoull(strchr(*l, '-') + 1, NULL, 16);
-
-            inside = a < start + size && b > start;
-        } else if (inside && g_str_has_prefix(*l, "Pss:")) {
-            kib += g_ascii_strtoll(*l + 4, NULL, 10);
-        }
-    }
-    return kib;
 }
 
 static guint64
@@ -289,7 +229,7 @@ test_merge_exact(void)
     Vmm *v[3];
     g_autoptr(JsonObject) s = NULL;
     gint64 blocks_before[3];
-    gint64 vmas_before[3];
+    gint64 vmas_before[3], vmas;
     gint64 pss_before = 0, pss_after = 0;
     guint64 ram[3];
     int daemon_pid = atoi(g_subprocess_get_identifier(d->proc));
@@ -300,13 +240,13 @@ test_merge_exact(void)
         v[i] = vmm_start(d, name, i + 1, 0, FALSE);
         g_assert_cmpstr(v[i]->mode, ==, "merge");
         blocks_before[i] = memfd_blocks(v[i]->pid);
-        vmas_before[i] = count_vmas(v[i]->pid);
+        vmas_before[i] = pf_test_count_vmas(v[i]->pid, 0, 0);
     }
     for (int i = 0; i < 3; i++) {
         g_autofree char *name = g_strdup_printf("vm%d", i);
 
         ram[i] = guest_addr(d, name);
-        pss_before += pss_range_kib(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE);
+        pss_before += pf_test_smaps_sum(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE, "Pss");
     }
     pss_before += pss_kib(daemon_pid, "Pss_Shmem");
     s = stats(d, "scan-now", "3");
@@ -327,8 +267,9 @@ test_merge_exact(void)
         g_assert_cmpint(blocks_before[i], ==, PAGES * (PF_PAGE_SIZE / 512));
         g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
         /* Runs of merged pages share mappings: far fewer than pages. */
-        g_assert_cmpint(json_object_get_int_member(vm, "vmas"), ==, count_vmas(v[i]->pid));
-        g_assert_cmpint((count_vmas(v[i]->pid) - vmas_before[i]) * 10, <, IDENTICAL + ZERO);
+        vmas = pf_test_count_vmas(v[i]->pid, 0, 0);
+        g_assert_cmpint(json_object_get_int_member(vm, "vmas"), ==, vmas);
+        g_assert_cmpint((vmas - vmas_before[i]) * 10, <, IDENTICAL + ZERO);
         vmm_verify(v[i]);
     }
     /* Memory actually freed, counted as the kernel counts it: the Pss of
@@ -338,7 +279,7 @@ test_merge_exact(void)
      * two copies of each identical page and every zero page, less the
      * zero slots the guests read (at most 512 pages): within 10%. */
     for (int i = 0; i < 3; i++) {
-        pss_after += pss_range_kib(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE);
+        pss_after += pf_test_smaps_sum(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE, "Pss");
     }
     pss_after += pss_kib(daemon_pid, "Pss_Shmem");
     g_test_message("Pss %" G_GINT64_FORMAT " KiB -> %" G_GINT64_FORMAT " KiB", pss_before,
@@ -421,7 +362,7 @@ test_unmerge_all(void)
     JsonNode *n;
 
     g_assert_cmpint(total(s, "pages_sharing"), >, 0);
-    g_assert_cmpint(count_ram_vmas(v[0]->pid, ram[0], PAGES * PF_PAGE_SIZE), >, 1);
+    g_assert_cmpint(pf_test_count_vmas(v[0]->pid, ram[0], PAGES * PF_PAGE_SIZE), >, 1);
     n = pf_test_ctl_json(d, "set", "run", "2", NULL);
     g_assert_cmpint(json_object_get_int_member(json_node_get_object(n), "run"), ==, 0);
     json_node_unref(n);
@@ -435,7 +376,7 @@ test_unmerge_all(void)
     for (int i = 0; i < 2; i++) {
         g_assert_cmpint(memfd_blocks(v[i]->pid), ==, PAGES * (PF_PAGE_SIZE / 512));
         /* Merged, guest RAM was in many mappings; now in one again. */
-        g_assert_cmpint(count_ram_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
+        g_assert_cmpint(pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
         vmm_verify(v[i]);
         vmm_quit(v[i]);
         vmm_free(v[i]);
@@ -458,7 +399,8 @@ test_vma_budget(void)
 
     /* Mappings that are not guest RAM: the process's own business. */
     for (int i = 0; i < 2; i++) {
-        others[i] = count_vmas(v[i]->pid) - count_ram_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE);
+        others[i] = pf_test_count_vmas(v[i]->pid, 0, 0) -
+                    pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE);
     }
     s = stats(d, "scan-now", "4");
 
@@ -468,36 +410,18 @@ test_vma_budget(void)
     g_assert_cmpint(total(s, "pages_sharing"), <, IDENTICAL / 2);
     for (int i = 0; i < 2; i++) {
         /* A merge may only start while under budget: one over at most. */
-        g_assert_cmpint(others[i] + count_ram_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), <=,
+        g_assert_cmpint(others[i] + pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), <=,
                         budget + 3);
         vmm_quit(v[i]);
         vmm_free(v[i]);
     }
 }
 
-/* Huge pages in guest RAM and in the range: ShmemPmdMapped of smaps. */
+/* Huge pages mapped in a VM's guest RAM, in KiB. */
 static gint64
-huge_kib(int pid, guint64 start, guint64 size)
+huge_kib(int pid, guint64 ram)
 {
-    g_autofree char *path = g_strdup_printf("/proc/%d/smaps", pid);
-    g_autofree char *text = NULL;
-    g_auto(GStrv) lines = NULL;
-    gboolean inside = FALSE;
-    gint64 kib = 0;
-
-    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
-    lines = g_strsplit(text, "\n", -1);
-    for (char **l = lines; *l; l++) {
-        if (g_ascii_isxdigit(**l) && strchr(*l, '-') != NULL && strchr(*l, ' ') > strchr(*l, '-')) {
-            guint64 a = g_ascii_strtoull(*l, NULL, 16);
-            guint64 b = g_ascii_strtoull(strchr(*l, '-') + 1, NULL, 16);
-
-            inside = a < start + size && b > start;
-        } else if (inside && g_str_has_prefix(*l, "ShmemPmdMapped:")) {
-            kib += g_ascii_strtoll(*l + 15, NULL, 10);
-        }
-    }
-    return kib;
+    return pf_test_smaps_sum(pid, ram, PAGES * PF_PAGE_SIZE, "ShmemPmdMapped");
 }
 
 /* RAM in transparent huge pages: merging splits them, unmerging an
@@ -535,7 +459,7 @@ test_huge_pages(void)
 
         v[i] = vmm_start_full(d, name, i + 1, 0, FALSE, "--huge");
         ram[i] = guest_addr(d, name);
-        before[i] = huge_kib(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE);
+        before[i] = huge_kib(v[i]->pid, ram[i]);
     }
     pf_test_write_sysfs(knob, old);
     if (before[0] == 0) {
@@ -548,13 +472,13 @@ test_huge_pages(void)
     s = stats(d, "scan-now", "3");
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
     /* Merged: the identical and zero extents are split into small pages. */
-    g_assert_cmpint(huge_kib(v[0]->pid, ram[0], PAGES * PF_PAGE_SIZE), <, before[0]);
+    g_assert_cmpint(huge_kib(v[0]->pid, ram[0]), <, before[0]);
     n = pf_test_ctl_json(d, "set", "run", "2", NULL);
     json_node_unref(n);
     for (int i = 0; i < 2; i++) {
         /* Every extent unmerged is a huge page again. */
-        g_assert_cmpint(huge_kib(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, before[i]);
-        g_assert_cmpint(count_ram_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
+        g_assert_cmpint(huge_kib(v[i]->pid, ram[i]), ==, before[i]);
+        g_assert_cmpint(pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
         vmm_verify(v[i]);
         vmm_quit(v[i]);
         vmm_free(v[i]);

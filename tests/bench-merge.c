@@ -176,16 +176,8 @@ static gboolean
 ksm_set(const char *knob, const char *value)
 {
     g_autofree char *path = g_strdup_printf("/sys/kernel/mm/ksm/%s", knob);
-    int fd = open(path, O_WRONLY | O_CLOEXEC);
-    gboolean ok;
 
-    /* sysfs: one write in place (g_file_set_contents would rename). */
-    if (fd < 0) {
-        return FALSE;
-    }
-    ok = write(fd, value, strlen(value)) == (ssize_t)strlen(value);
-    close(fd);
-    return ok;
+    return pf_test_write_sysfs(path, value);
 }
 
 /* Kernel KSM on anonymous memory: pairs of identical pages. */
@@ -245,7 +237,6 @@ mappings_per_page(guint64 *merged_out)
     g_autofree PfWireItem *items = g_new0(PfWireItem, PF_PROTO_MAX_ITEMS);
     guint32 n = 0, merged = 0;
     gsize before, after;
-    g_autofree char *maps = NULL;
     GRand *rnd = g_rand_new_with_seed(42);
 
     for (guint32 p = 0; p < PAGES;) {
@@ -274,20 +265,8 @@ mappings_per_page(guint64 *merged_out)
     if (n > 0) {
         merged += roundtrip(r, items, n);
     }
-    {
-        g_auto(GStrv) lines = NULL;
-        guint64 lo = (guint64)(guintptr)r->g->mem, hi = lo + PAGES * PF_PAGE_SIZE;
-
-        g_file_get_contents("/proc/self/maps", &maps, NULL, NULL);
-        lines = g_strsplit(maps, "\n", -1);
-        after = 0;
-        for (char **ln = lines; *ln && **ln; ln++) {
-            guint64 a = g_ascii_strtoull(*ln, NULL, 16);
-            guint64 b = g_ascii_strtoull(strchr(*ln, '-') + 1, NULL, 16);
-
-            after += a < hi && b > lo;
-        }
-    }
+    after = (gsize)pf_test_count_vmas(getpid(), (guint64)(guintptr)r->g->mem,
+                                      PAGES * PF_PAGE_SIZE);
     g_rand_free(rnd);
     rig_free(r);
     *merged_out = merged;

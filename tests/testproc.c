@@ -274,3 +274,46 @@ pf_test_write_sysfs(const char *path, const char *value)
     close(fd);
     return ok;
 }
+
+/* Counts the mappings of /proc/PID/maps that overlap the range, or sums a
+ * field of /proc/PID/smaps over them. */
+static gint64
+walk_mappings(int pid, const char *file, guint64 start, guint64 size, const char *field)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/%s", pid, file);
+    g_autofree char *text = NULL;
+    g_autofree char *key = field ? g_strdup_printf("%s:", field) : NULL;
+    g_auto(GStrv) lines = NULL;
+    gboolean inside = FALSE;
+    gint64 sum = 0;
+
+    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
+    lines = g_strsplit(text, "\n", -1);
+    for (char **l = lines; *l && **l; l++) {
+        const char *dash = strchr(*l, '-');
+        const char *space = strchr(*l, ' ');
+
+        if (g_ascii_isxdigit(**l) && dash != NULL && space != NULL && space > dash) {
+            guint64 a = g_ascii_strtoull(*l, NULL, 16);
+            guint64 b = g_ascii_strtoull(dash + 1, NULL, 16);
+
+            inside = size == 0 || (a < start + size && b > start);
+            sum += key == NULL && inside;
+        } else if (key != NULL && inside && g_str_has_prefix(*l, key)) {
+            sum += g_ascii_strtoll(*l + strlen(key), NULL, 10);
+        }
+    }
+    return sum;
+}
+
+gint64
+pf_test_count_vmas(int pid, guint64 start, guint64 size)
+{
+    return walk_mappings(pid, "maps", start, size, NULL);
+}
+
+gint64
+pf_test_smaps_sum(int pid, guint64 start, guint64 size, const char *field)
+{
+    return walk_mappings(pid, "smaps", start, size, field);
+}

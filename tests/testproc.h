@@ -56,3 +56,10 @@ int pf_test_pool_chunk(guint32 n_slots, gboolean seal, guint8 **map);
 
 /* Writes a sysfs knob in place (g_file_set_contents would rename). */
 gboolean pf_test_write_sysfs(const char *path, const char *value);
+
+/* Mappings of a process that overlap [start, start + size); all of them
+ * when size is 0. */
+gint64 pf_test_count_vmas(int pid, guint64 start, guint64 size);
+/* The sum of one smaps field ("Pss", "ShmemPmdMapped", ...) in KiB over the
+ * mappings that overlap [start, start + size). */
+gint64 pf_test_smaps_sum(int pid, guint64 start, guint64 size, const char *field);
