@@ -6,6 +6,11 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 G_DEFINE_QUARK(pagefold-error-quark, pf_error)
 
@@ -36,4 +41,58 @@ pf_parse_u64(const char *text, guint64 min, guint64 max, guint64 *out,
     }
     *out = v;
     return TRUE;
+}
+
+int
+pf_unix_listen(const char *path, int type, GError **error)
+{
+    g_autofree char *dir = g_path_get_dirname(path);
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    mode_t old_umask;
+    int fd, probe, rc;
+
+    if (strlen(path) >= sizeof(addr.sun_path)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long: %s", path);
+        return -1;
+    }
+    strcpy(addr.sun_path, path);
+    /* Traversable: an unprivileged QEMU reaches the agent socket in it. */
+    if (g_mkdir_with_parents(dir, 0755) < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot create %s: %s", dir, g_strerror(e));
+        return -1;
+    }
+    probe = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
+    if (probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof(addr)) == 0) {
+        close(probe);
+        g_set_error(error, PF_ERROR, PF_ERROR_EXISTS, "another pagefoldd is listening on %s",
+                    path);
+        return -1;
+    }
+    if (probe >= 0) {
+        close(probe);
+    }
+    unlink(path);
+    fd = socket(AF_UNIX, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "socket: %s", g_strerror(e));
+        return -1;
+    }
+    /* Bind under umask 077: the socket is never reachable by others, not
+     * even between bind() and chmod(). */
+    old_umask = umask(077);
+    rc = bind(fd, (struct sockaddr *)&addr, sizeof(addr));
+    umask(old_umask);
+    if (rc < 0 || chmod(path, 0600) < 0 || listen(fd, 16) < 0) {
+        int e = errno;
+
+        close(fd);
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot listen on %s: %s", path,
+                    g_strerror(e));
+        return -1;
+    }
+    return fd;
 }

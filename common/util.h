@@ -27,5 +27,13 @@ typedef enum {
 
 GQuark pf_error_quark(void);
 
+/*
+ * Listens on a UNIX socket of this type (SOCK_STREAM, SOCK_SEQPACKET) at
+ * path, mode 0600, its folder made if needed.  Refuses, with
+ * PF_ERROR_EXISTS, when something already listens there; removes a stale
+ * socket.  Returns a non-blocking fd, or -1.
+ */
+int pf_unix_listen(const char *path, int type, GError **error);
+
 gboolean pf_parse_u64(const char *text, guint64 min, guint64 max,
                       guint64 *out, GError **error);

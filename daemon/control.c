@@ -683,68 +683,15 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     return G_SOURCE_CONTINUE;
 }
 
-static gboolean
-socket_in_use(const struct sockaddr_un *addr)
-{
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    gboolean used;
-
-    if (fd < 0) {
-        return FALSE;
-    }
-    used = connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) == 0;
-    close(fd);
-    return used;
-}
-
 PfControl *
 pf_control_new(PfScanner *scanner, const char *path, GError **error)
 {
     g_autoptr(PfControl) c = g_new0(PfControl, 1);
-    g_autofree char *dir = g_path_get_dirname(path);
-    struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    mode_t old_umask;
-    int rc;
 
     c->scanner = scanner;
-    c->listen_fd = -1;
     c->clients = g_ptr_array_new_with_free_func((GDestroyNotify)client_free);
-    if (strlen(path) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "socket path too long: %s", path);
-        return NULL;
-    }
-    strcpy(addr.sun_path, path);
-    if (g_mkdir_with_parents(dir, 0700) < 0) {
-        int e = errno;
-
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot create %s: %s",
-                    dir, g_strerror(e));
-        return NULL;
-    }
-    if (socket_in_use(&addr)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
-                    "another pagefoldd is listening on %s", path);
-        return NULL;
-    }
-    unlink(path);
-    c->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    c->listen_fd = pf_unix_listen(path, SOCK_STREAM, error);
     if (c->listen_fd < 0) {
-        int e = errno;
-
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "socket: %s", g_strerror(e));
-        return NULL;
-    }
-    /* Bind under umask 077: the socket is never reachable by others, not
-     * even between bind() and chmod(). */
-    old_umask = umask(077);
-    rc = bind(c->listen_fd, (struct sockaddr *)&addr, sizeof(addr));
-    umask(old_umask);
-    if (rc < 0 || chmod(path, 0600) < 0 || listen(c->listen_fd, 16) < 0) {
-        int e = errno;
-
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot listen on %s: %s",
-                    path, g_strerror(e));
         return NULL;
     }
     c->path = g_strdup(path);

@@ -471,29 +471,12 @@ PfLinkServer *
 pf_link_server_new(PfScanner *s, const char *path, GError **error)
 {
     g_autoptr(PfLinkServer) srv = g_new0(PfLinkServer, 1);
-    g_autofree char *dir = g_path_get_dirname(path);
-    struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    mode_t old;
-    int rc;
 
     srv->scanner = s;
-    srv->fd = -1;
     srv->handshakes = g_ptr_array_new_with_free_func(handshake_free);
     srv->uffd_dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
-    if (strlen(path) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long: %s", path);
-        return NULL;
-    }
-    strcpy(addr.sun_path, path);
-    g_mkdir_with_parents(dir, 0755);
-    unlink(path);
-    srv->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    old = umask(077);
-    rc = srv->fd < 0 ? -1 : bind(srv->fd, (struct sockaddr *)&addr, sizeof(addr));
-    umask(old);
-    if (rc < 0 || listen(srv->fd, 16) < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot listen on %s: %s", path,
-                    g_strerror(errno));
+    srv->fd = pf_unix_listen(path, SOCK_SEQPACKET, error);
+    if (srv->fd < 0) {
         return NULL;
     }
     srv->path = g_strdup(path);
