@@ -16,7 +16,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <gio/gio.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
 #include <string.h>
@@ -515,7 +514,7 @@ agent_thread(gpointer data)
             break;
         }
         if (!pf_proto_recv(a->sock, msg, &error)) {
-            if (!g_error_matches(error, G_IO_ERROR, G_IO_ERROR_CLOSED)) {
+            if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED)) {
                 g_warning("pagefold agent: %s; disconnecting", error->message);
                 send_error(a, error->message);
             }

@@ -4,7 +4,6 @@
 #include "proto.h"
 
 #include <errno.h>
-#include <gio/gio.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -76,7 +75,8 @@ pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload, gsize 
     if (n < 0) {
         int e = errno;
 
-        g_set_error(error, G_IO_ERROR, g_io_error_from_errno(e), "send: %s", g_strerror(e));
+        g_set_error(error, PF_ERROR, e == EAGAIN ? PF_ERROR_WOULD_BLOCK : PF_ERROR_FAILED,
+                    "send: %s", g_strerror(e));
         return FALSE;
     }
     return TRUE;
@@ -242,7 +242,8 @@ pf_proto_recv(int sock, PfMsg *msg, GError **error)
     if (n < 0) {
         int e = errno;
 
-        g_set_error(error, G_IO_ERROR, g_io_error_from_errno(e), "receive: %s", g_strerror(e));
+        g_set_error(error, PF_ERROR, e == EAGAIN ? PF_ERROR_WOULD_BLOCK : PF_ERROR_FAILED,
+                    "receive: %s", g_strerror(e));
         return FALSE;
     }
     /* Take every descriptor first, so a refused message leaks none. */
@@ -264,7 +265,7 @@ pf_proto_recv(int sock, PfMsg *msg, GError **error)
     }
     if (n == 0) {
         pf_msg_close_fds(msg);
-        g_set_error(error, G_IO_ERROR, G_IO_ERROR_CLOSED, "peer closed the connection");
+        g_set_error(error, PF_ERROR, PF_ERROR_CLOSED, "peer closed the connection");
         return FALSE;
     }
     if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {

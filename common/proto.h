@@ -120,7 +120,7 @@ gboolean pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payloa
 
 /*
  * Receives and validates one message.  Returns FALSE with error on a bad
- * message (all its fds closed) or a closed socket (G_IO_ERROR_CLOSED);
+ * message (all its fds closed) or a closed socket (PF_ERROR_CLOSED);
  * the caller owns msg->fds of a good one (pf_msg_close_fds()).
  */
 gboolean pf_proto_recv(int sock, PfMsg *msg, GError **error);

@@ -23,6 +23,8 @@ typedef enum {
     PF_ERROR_NOT_FOUND,        /* no such VM, process or region */
     PF_ERROR_EXISTS,           /* already attached */
     PF_ERROR_NO_GUEST_RAM,     /* a process without shared memfd RAM */
+    PF_ERROR_CLOSED,           /* the peer closed the connection */
+    PF_ERROR_WOULD_BLOCK,      /* a non-blocking socket is full or empty */
 } PfError;
 
 GQuark pf_error_quark(void);

@@ -146,7 +146,7 @@ link_send(PfLink *l, SendFunc send_func, gconstpointer data)
             return;
         }
         left = (deadline - g_get_monotonic_time()) / 1000;
-        if (!g_error_matches(error, G_IO_ERROR, G_IO_ERROR_WOULD_BLOCK) || left <= 0) {
+        if (!g_error_matches(error, PF_ERROR, PF_ERROR_WOULD_BLOCK) || left <= 0) {
             g_message("agent of %s: %s", l->vm ? l->vm->name : "?",
                       left <= 0 ? "not reading its socket" : error->message);
             l->broken = TRUE;
@@ -370,10 +370,10 @@ link_read(PfLink *l)
     gboolean ok;
 
     if (!pf_proto_recv(l->sock, msg, &error)) {
-        if (g_error_matches(error, G_IO_ERROR, G_IO_ERROR_WOULD_BLOCK)) {
+        if (g_error_matches(error, PF_ERROR, PF_ERROR_WOULD_BLOCK)) {
             return TRUE;
         }
-        if (!g_error_matches(error, G_IO_ERROR, G_IO_ERROR_CLOSED)) {
+        if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED)) {
             link_send_error(l, error->message);
         }
         link_close(l, error->message);
