@@ -10,6 +10,7 @@
  * TCG: KVM follows remapped host pages through its MMU notifier.
  */
 #include <fcntl.h>
+#include <signal.h>
 #include <glib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -53,7 +54,7 @@ read_console(gpointer data)
 }
 
 static Guest *
-guest_start(PfTestDaemon *d, const char *name, int seed, int seconds)
+guest_start(PfTestDaemon *d, const char *name, int seed, int seconds, gboolean reboot)
 {
     Guest *g = g_new0(Guest, 1);
     g_autoptr(GError) error = NULL;
@@ -63,21 +64,30 @@ guest_start(PfTestDaemon *d, const char *name, int seed, int seconds)
                                              d->agent_sock);
     g_autofree char *append = g_strdup_printf(
         "console=ttyS0 quiet pfguest.mib=%d pfguest.seed=%d pfguest.seconds=%d "
-        "pfguest.check_s=4", FILL_MIB, seed, seconds);
+        "pfguest.check_s=4 pfguest.reboot=%d", FILL_MIB, seed, seconds, reboot);
     g_autofree char *guestname = g_strdup_printf("guest=%s", name);
     g_autofree char *m = g_strdup_printf("%dM", GUEST_MIB);
-    const char *argv[] = {
+    g_autoptr(GPtrArray) argv = g_ptr_array_new();
+    const char *args[] = {
         pf_test_bin("QEMU_BINARY"), "-machine", "pc,accel=tcg,memory-backend=ram",
         "-m", m, "-object", mem, "-object", agent, "-name", guestname,
         "-kernel", pf_test_bin("GUEST_KERNEL"), "-initrd", pf_test_bin("GUEST_INITRD"),
-        "-append", append, "-nographic", "-no-reboot", "-nic", "none",
-        "-L", "/usr/share/seabios", "-L", "/usr/share/qemu", NULL
+        "-append", append, "-nographic", "-nic", "none",
+        "-L", "/usr/share/seabios", "-L", "/usr/share/qemu",
     };
 
+    for (gsize i = 0; i < G_N_ELEMENTS(args); i++) {
+        g_ptr_array_add(argv, (char *)args[i]);
+    }
+    if (!reboot) {
+        g_ptr_array_add(argv, (char *)"-no-reboot");
+    }
+    g_ptr_array_add(argv, NULL);
     g->name = g_strdup(name);
     g->lines = g_async_queue_new_full(g_free);
     g->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_MERGE |
-                             G_SUBPROCESS_FLAGS_STDIN_PIPE, argv, &error);
+                             G_SUBPROCESS_FLAGS_STDIN_PIPE,
+                             (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);
     g->pid = atoi(g_subprocess_get_identifier(g->proc));
     g->reader = g_thread_new("console", read_console, g);
@@ -147,6 +157,17 @@ memfd_kib(int pid)
     return -1;
 }
 
+static gboolean
+have_qemu(void)
+{
+    if (g_getenv("QEMU_BINARY") == NULL || g_getenv("GUEST_KERNEL") == NULL) {
+        g_test_skip("QEMU_BINARY and GUEST_KERNEL are not set: scripts/run-tests builds "
+                    "QEMU and the guest and sets them");
+        return FALSE;
+    }
+    return TRUE;
+}
+
 /* Two guests merge what pfguest makes identical and zero, guest memory
  * falls by that much, and both check every byte while merged, written
  * (copy-on-write) and merged again. */
@@ -158,14 +179,12 @@ test_two_guests(void)
     gint64 before[2];
     JsonNode *s = NULL;
 
-    if (g_getenv("QEMU_BINARY") == NULL || g_getenv("GUEST_KERNEL") == NULL) {
-        g_test_skip("QEMU_BINARY and GUEST_KERNEL are not set: scripts/run-tests builds "
-                    "QEMU and the guest and sets them");
+    if (!have_qemu()) {
         return;
     }
     d = pf_test_daemon_start("--set", "run=0", NULL);
-    g[0] = guest_start(d, "tcg0", 1, 40);
-    g[1] = guest_start(d, "tcg1", 2, 40);
+    g[0] = guest_start(d, "tcg0", 1, 40, FALSE);
+    g[1] = guest_start(d, "tcg1", 2, 40, FALSE);
 
     for (int i = 0; i < 2; i++) {
         g_free(guest_expect(g[i], "PFGUEST READY", 120));
@@ -201,10 +220,69 @@ test_two_guests(void)
     }
 }
 
+/* Merged, then: one guest reboots (its RAM is rewritten over merged
+ * pages), pagefoldd is killed and started again, the other guest powers
+ * off.  No guest fails its checks; the stopped VM's slots are freed. */
+static void
+test_reboot_restart_shutdown(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    Guest *g[2];
+    JsonNode *s = NULL;
+
+    if (!have_qemu()) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    g[0] = guest_start(d, "rb0", 1, 16, TRUE);  /* reboots after 16 s */
+    g[1] = guest_start(d, "rb1", 2, 16, FALSE); /* powers off after 16 s */
+    for (int i = 0; i < 2; i++) {
+        g_free(guest_expect(g[i], "PFGUEST READY", 120));
+    }
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    g_assert_cmpint(total(s, "pages_sharing"), >=, FILL_PAGES / 2 * 9 / 10);
+    json_node_unref(s);
+
+    /* rb0 reboots: the same RAM, rewritten by a fresh kernel and pfguest. */
+    g_free(guest_expect(g[0], "PFGUEST PASS", 120));
+    g_free(guest_expect(g[0], "PFGUEST READY", 120));
+    s = pf_test_ctl_json(d, "scan-now", "2", NULL);
+    json_node_unref(s);
+    g_free(guest_expect(g[0], "PFGUEST CHECK ok", 60));
+
+    /* rb1 powers off while merged: its slots go with it. */
+    g_free(guest_expect(g[1], "PFGUEST PASS", 120));
+    g_subprocess_wait(g[1]->proc, NULL, NULL);
+    for (int i = 0; i < 100; i++) {
+        s = pf_test_ctl_json(d, "list", NULL);
+        if (json_array_get_length(json_node_get_array(s)) == 1) {
+            json_node_unref(s);
+            break;
+        }
+        json_node_unref(s);
+        g_usleep(100000);
+    }
+    s = pf_test_ctl_json(d, "scan-now", "1", NULL);
+    g_assert_cmpint(json_object_get_int_member(json_node_get_object(s), "pool_slots"), ==,
+                    total(s, "pages_shared"));
+    json_node_unref(s);
+
+    /* pagefoldd killed and started again: rb0 runs on, merged pages valid. */
+    g_subprocess_send_signal(d->proc, SIGKILL);
+    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_restart(d, "--set", "run=0", NULL);
+    g_free(guest_expect(g[0], "PFGUEST CHECK ok", 60));
+    g_free(guest_expect(g[0], "PFGUEST PASS", 120));
+    for (int i = 0; i < 2; i++) {
+        guest_free(g[i]);
+    }
+}
+
 int
 main(int argc, char **argv)
 {
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/qemu/two-guests", test_two_guests);
+    g_test_add_func("/qemu/reboot-restart-shutdown", test_reboot_restart_shutdown);
     return g_test_run();
 }

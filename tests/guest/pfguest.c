@@ -9,7 +9,8 @@
  *
  * Settings come from the kernel command line: pfguest.mib= (fill, 64),
  * pfguest.seed= (1), pfguest.volatile= (percent, 1), pfguest.period_ms=
- * (500), pfguest.check_s= (5), pfguest.seconds= (0: until powered off).
+ * (500), pfguest.check_s= (5), pfguest.seconds= (0: until powered off),
+ * pfguest.reboot=1 (reboot instead of powering off at the end).
  * It prints on the console, one line each: "PFGUEST READY", "PFGUEST CHECK
  * ok|FAIL ...", and at the end "PFGUEST PASS" or "PFGUEST FAIL", then powers
  * the guest off.  It never trusts the host: everything is recomputed.
@@ -70,7 +71,7 @@ main(void)
 {
     char cmdline[4096] = "";
     FILE *f;
-    unsigned long mib, seed, vol_pct, period_ms, check_s, seconds;
+    unsigned long mib, seed, vol_pct, period_ms, check_s, seconds, reboot_after;
     size_t pages, identical, zero, vol, unique;
     uint8_t *mem, want[PAGE];
     uint32_t *gen;
@@ -90,6 +91,7 @@ main(void)
     period_ms = param(cmdline, "pfguest.period_ms=", 500);
     check_s = param(cmdline, "pfguest.check_s=", 5);
     seconds = param(cmdline, "pfguest.seconds=", 0);
+    reboot_after = param(cmdline, "pfguest.reboot=", 0);
 
     pages = mib * 256;
     identical = pages / 2;
@@ -154,6 +156,6 @@ main(void)
     printf("PFGUEST %s\n", ok ? "PASS" : "FAIL");
     fflush(stdout);
     sync();
-    reboot(RB_POWER_OFF);
+    reboot(reboot_after ? RB_AUTOBOOT : RB_POWER_OFF);
     return ok ? 0 : 1;
 }
