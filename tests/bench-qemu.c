@@ -1,0 +1,285 @@
+/*
+ * bench-qemu.c - pagefold and kernel KSM side by side, in one run, on the
+ * baseline workload: 4 TCG guests x 512 MiB, each filling 256 MiB (50%
+ * identical across guests, 20% zero, 1% rewritten every 500 ms).
+ *   pagefold: memfd share=on RAM, the agent, pagefoldd (target_pass 500 ms)
+ *   ksm-N:    QEMU's default anonymous RAM (mem-merge=on), kernel KSM with
+ *             pages_to_scan N (100, 1000, 5000), sleep_millisecs 20
+ * For each: memory freed (drop of the summed Pss of the QEMU processes, plus
+ * pagefoldd's own for pagefold), time to 90% of the final saving, CPU
+ * seconds spent to get there (pagefoldd and the agent threads; ksmd), and
+ * the guests' slowdown (their full check of memory, after / before).
+ * Prints one JSON line per system, then a table.  Needs QEMU_BINARY,
+ * GUEST_KERNEL, GUEST_INITRD (scripts/run-tests sets them); KSM's settings
+ * are restored as found.  PAGEFOLD_BENCH_GUESTS, _MIB change the size;
+ * PAGEFOLD_BENCH_ONLY=pagefold,ksm-5000 runs some systems only.
+ */
+#include <glib.h>
+#include <glib/gstdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench-common.h"
+#include "testguest.h"
+#include "testproc.h"
+
+typedef struct {
+    char name[32];
+    double saved_mib;
+    double used_mib; /* the guests' memory at the end (their Pss, and pagefoldd's) */
+    double t90_s;
+    double cpu90_s;
+    double slowdown;
+} Result;
+
+static double
+proc_cpu_s(const char *stat_path)
+{
+    g_autofree char *text = NULL;
+    const char *p;
+    unsigned long long ut = 0, st = 0;
+
+    if (!g_file_get_contents(stat_path, &text, NULL, NULL) || (p = strrchr(text, ')')) == NULL) {
+        return 0;
+    }
+    /* fields after "(comm)": state is 3rd; utime 14th, stime 15th */
+    sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st);
+    return (double)(ut + st) / sysconf(_SC_CLK_TCK);
+}
+
+/* CPU of the agent threads in a QEMU process. */
+static double
+agent_cpu_s(int pid)
+{
+    g_autofree char *dir = g_strdup_printf("/proc/%d/task", pid);
+    g_autoptr(GDir) d = g_dir_open(dir, 0, NULL);
+    const char *t;
+    double sum = 0;
+
+    while (d && (t = g_dir_read_name(d)) != NULL) {
+        g_autofree char *comm_path = g_strdup_printf("%s/%s/comm", dir, t);
+        g_autofree char *stat_path = g_strdup_printf("%s/%s/stat", dir, t);
+        g_autofree char *comm = NULL;
+
+        if (g_file_get_contents(comm_path, &comm, NULL, NULL) &&
+            g_str_has_prefix(comm, "pagefold-agent")) {
+            sum += proc_cpu_s(stat_path);
+        }
+    }
+    return sum;
+}
+
+static int
+ksmd_pid(void)
+{
+    g_autoptr(GDir) d = g_dir_open("/proc", 0, NULL);
+    const char *e;
+
+    while (d && (e = g_dir_read_name(d)) != NULL) {
+        g_autofree char *path = g_strdup_printf("/proc/%s/comm", e);
+        g_autofree char *comm = NULL;
+
+        if (g_ascii_isdigit(e[0]) && g_file_get_contents(path, &comm, NULL, NULL) &&
+            g_str_equal(g_strstrip(comm), "ksmd")) {
+            return atoi(e);
+        }
+    }
+    return -1;
+}
+
+static gboolean
+ksm_set(const char *knob, const char *value)
+{
+    g_autofree char *path = g_strdup_printf("/sys/kernel/mm/ksm/%s", knob);
+
+    return pf_test_write_sysfs(path, value);
+}
+
+static char *
+ksm_get(const char *knob)
+{
+    g_autofree char *path = g_strdup_printf("/sys/kernel/mm/ksm/%s", knob);
+    char *v = NULL;
+
+    g_file_get_contents(path, &v, NULL, NULL);
+    return v ? g_strstrip(v) : g_strdup("");
+}
+
+/* The check times pfguest printed since last asked ("..., T ms"). */
+static void
+drain_checks(Guest **g, int n, GArray *ms)
+{
+    for (int i = 0; i < n; i++) {
+        char *line;
+
+        while ((line = g_async_queue_try_pop(g[i]->lines)) != NULL) {
+            const char *p = strstr(line, "differ, ");
+
+            if (g_str_has_prefix(line, "PFGUEST CHECK ok") && p != NULL) {
+                double v = g_ascii_strtod(p + 8, NULL);
+
+                g_array_append_val(ms, v);
+            } else if (strstr(line, "FAIL") != NULL) {
+                g_error("%s: %s", g[i]->name, line);
+            }
+            g_free(line);
+        }
+    }
+}
+
+static double
+median_of(GArray *a)
+{
+    return a->len ? bench_median((double *)a->data, a->len) : -1;
+}
+
+/* One system: boot, wait, measure a baseline, start deduplicating,
+ * sample until `seconds` have passed. */
+static Result
+run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int seconds)
+{
+    Result res = { 0 };
+    gboolean pf = pages_to_scan == 0;
+    g_autoptr(PfTestDaemon) d = NULL;
+    Guest *g[8];
+    int daemon_pid = 0, ksmd = ksmd_pid();
+    g_autoptr(GArray) before = g_array_new(FALSE, FALSE, sizeof(double));
+    g_autoptr(GArray) after = g_array_new(FALSE, FALSE, sizeof(double));
+    g_autoptr(GArray) t = g_array_new(FALSE, FALSE, sizeof(double));
+    g_autoptr(GArray) saving = g_array_new(FALSE, FALSE, sizeof(double));
+    g_autoptr(GArray) cpu = g_array_new(FALSE, FALSE, sizeof(double));
+    g_autofree char *ksm_stat = g_strdup_printf("/proc/%d/stat", ksmd);
+    g_autofree char *daemon_stat = NULL;
+    double pss0 = 0, cpu0 = 0, t0, final;
+
+    g_strlcpy(res.name, name, sizeof(res.name));
+    if (pf) {
+        d = pf_test_daemon_start("--set", "run=0", "--set", "target_pass_millisecs=500", NULL);
+        daemon_pid = atoi(g_subprocess_get_identifier(d->proc));
+        daemon_stat = g_strdup_printf("/proc/%d/stat", daemon_pid);
+    }
+    for (int i = 0; i < n_guests; i++) {
+        g_autofree char *gname = g_strdup_printf("%s-%d", name, i);
+        PfGuestSpec spec = { gname, pf ? d->agent_sock : NULL, MAX(2 * mib, mib + 192), mib, i + 1,
+                             seconds + 60, 5, FALSE };
+
+        g[i] = pf_test_guest_start(&spec);
+    }
+    for (int i = 0; i < n_guests; i++) {
+        g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 300));
+    }
+    /* Each guest's first full check, undisturbed: the baseline. */
+    for (int i = 0; i < n_guests; i++) {
+        char *line = pf_test_guest_expect(g[i], "PFGUEST CHECK ok", 120);
+        double v = g_ascii_strtod(strstr(line, "differ, ") + 8, NULL);
+
+        g_array_append_val(before, v);
+        g_free(line);
+    }
+    for (int i = 0; i < n_guests; i++) {
+        pss0 += pf_test_smaps_sum(g[i]->pid, 0, 0, "Pss");
+        cpu0 += pf ? agent_cpu_s(g[i]->pid) : 0;
+    }
+    pss0 += pf ? pf_test_smaps_sum(daemon_pid, 0, 0, "Pss") : 0;
+    cpu0 += pf ? proc_cpu_s(daemon_stat) : proc_cpu_s(ksm_stat);
+
+    if (pf) {
+        JsonNode *n = pf_test_ctl_json(d, "set", "run", "1", NULL);
+
+        json_node_unref(n);
+    } else {
+        g_autofree char *pts = g_strdup_printf("%u", pages_to_scan);
+
+        ksm_set("pages_to_scan", pts);
+        ksm_set("sleep_millisecs", "20");
+        ksm_set("run", "1");
+    }
+    t0 = bench_now();
+    while (bench_now() - t0 < seconds) {
+        double pss = 0, c = 0, now_s = bench_now() - t0, save;
+
+        for (int i = 0; i < n_guests; i++) {
+            pss += pf_test_smaps_sum(g[i]->pid, 0, 0, "Pss");
+            c += pf ? agent_cpu_s(g[i]->pid) : 0;
+        }
+        pss += pf ? pf_test_smaps_sum(daemon_pid, 0, 0, "Pss") : 0;
+        c += pf ? proc_cpu_s(daemon_stat) : proc_cpu_s(ksm_stat);
+        save = (pss0 - pss) / 1024.0;
+        c -= cpu0;
+        g_array_append_val(t, now_s);
+        g_array_append_val(saving, save);
+        g_array_append_val(cpu, c);
+        drain_checks(g, n_guests, after);
+        g_usleep(250000);
+    }
+    final = g_array_index(saving, double, saving->len - 1);
+    res.saved_mib = final;
+    res.used_mib = pss0 / 1024.0 - final;
+    res.t90_s = -1;
+    for (guint k = 0; k < saving->len; k++) {
+        if (g_array_index(saving, double, k) >= 0.9 * final) {
+            res.t90_s = g_array_index(t, double, k);
+            res.cpu90_s = g_array_index(cpu, double, k);
+            break;
+        }
+    }
+    res.slowdown = median_of(after) / median_of(before);
+    if (!pf) {
+        ksm_set("run", "2");
+    }
+    for (int i = 0; i < n_guests; i++) {
+        pf_test_guest_free(g[i]);
+    }
+    return res;
+}
+
+int
+main(int argc, char **argv)
+{
+    int n = g_getenv("PAGEFOLD_BENCH_GUESTS") ? atoi(g_getenv("PAGEFOLD_BENCH_GUESTS")) : 4;
+    int mib = g_getenv("PAGEFOLD_BENCH_MIB") ? atoi(g_getenv("PAGEFOLD_BENCH_MIB")) : 256;
+    g_autofree char *run = ksm_get("run"), *pts = ksm_get("pages_to_scan");
+    g_autofree char *sleep_ms = ksm_get("sleep_millisecs");
+    const struct {
+        const char *name;
+        guint pages_to_scan;
+        int seconds;
+    } systems[] = {
+        { "pagefold", 0, 30 }, { "ksm-5000", 5000, 45 },
+        { "ksm-1000", 1000, 60 }, { "ksm-100", 100, 200 },
+    };
+    Result r[G_N_ELEMENTS(systems)];
+
+    if (!pf_guest_available()) {
+        printf("{\"bench\":\"qemu\",\"skipped\":\"QEMU_BINARY, GUEST_KERNEL, GUEST_INITRD unset\"}\n");
+        return 0;
+    }
+    n = CLAMP(n, 1, 8);
+    for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
+        const char *only = g_getenv("PAGEFOLD_BENCH_ONLY");
+
+        r[i] = (Result){ .t90_s = -1 };
+        g_strlcpy(r[i].name, systems[i].name, sizeof(r[i].name));
+        if (only != NULL && strstr(only, systems[i].name) == NULL) {
+            continue;
+        }
+        r[i] = run_system(systems[i].name, systems[i].pages_to_scan, n, mib, systems[i].seconds);
+        printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"guests\":%d,\"fill_mib\":%d,"
+               "\"freed_mib\":%.1f,\"used_mib\":%.1f,\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,"
+               "\"guest_slowdown\":%.2f}\n",
+               r[i].name, n, mib, r[i].saved_mib, r[i].used_mib, r[i].t90_s, r[i].cpu90_s,
+               r[i].slowdown);
+        fflush(stdout);
+    }
+    ksm_set("pages_to_scan", pts);
+    ksm_set("sleep_millisecs", sleep_ms);
+    ksm_set("run", run);
+    printf("\n%-10s %10s %10s %8s %12s %10s\n", "system", "freed_MiB", "used_MiB", "t90_s",
+           "cpu_to_90_s", "slowdown");
+    for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
+        printf("%-10s %10.1f %10.1f %8.2f %12.2f %10.2f\n", r[i].name, r[i].saved_mib,
+               r[i].used_mib, r[i].t90_s, r[i].cpu90_s, r[i].slowdown);
+    }
+    return 0;
+}

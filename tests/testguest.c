@@ -1,0 +1,128 @@
+/*
+ * testguest.c - see testguest.h.
+ */
+#include "testguest.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "testproc.h"
+
+static gpointer
+read_console(gpointer data)
+{
+    Guest *g = data;
+    g_autoptr(GDataInputStream) in =
+        g_data_input_stream_new(g_subprocess_get_stdout_pipe(g->proc));
+    char *line;
+
+    while ((line = g_data_input_stream_read_line(in, NULL, NULL, NULL)) != NULL) {
+        /* The firmware's escape sequences may precede a line. */
+        const char *at = strstr(line, "PFGUEST");
+
+        if (at != NULL) {
+            g_async_queue_push(g->lines, g_strdup(at));
+        } else if (strstr(line, "pagefold") != NULL) {
+            g_async_queue_push(g->lines, g_strdup(line));
+        }
+        g_free(line);
+    }
+    g_async_queue_push(g->lines, g_strdup("EOF"));
+    return NULL;
+}
+
+gboolean
+pf_guest_available(void)
+{
+    return g_getenv("QEMU_BINARY") && g_getenv("GUEST_KERNEL") && g_getenv("GUEST_INITRD");
+}
+
+Guest *
+pf_test_guest_start(const PfGuestSpec *spec)
+{
+    Guest *g = g_new0(Guest, 1);
+    g_autoptr(GError) error = NULL;
+    g_autofree char *mem = g_strdup_printf("memory-backend-memfd,id=ram,size=%dM,share=on",
+                                           spec->ram_mib);
+    g_autofree char *agent = g_strdup_printf("x-pagefold-agent,id=pf0,socket=%s",
+                                             spec->agent_sock);
+    g_autofree char *append = g_strdup_printf(
+        "console=ttyS0 quiet pfguest.mib=%d pfguest.seed=%d pfguest.seconds=%d "
+        "pfguest.check_s=%d pfguest.reboot=%d", spec->fill_mib, spec->seed, spec->seconds,
+        spec->check_s, spec->reboot);
+    g_autofree char *guestname = g_strdup_printf("guest=%s", spec->name);
+    g_autofree char *m = g_strdup_printf("%dM", spec->ram_mib);
+    g_autoptr(GPtrArray) argv = g_ptr_array_new();
+    const char *args[] = {
+        pf_test_bin("QEMU_BINARY"), "-m", m, "-name", guestname,
+        "-kernel", pf_test_bin("GUEST_KERNEL"), "-initrd", pf_test_bin("GUEST_INITRD"),
+        "-append", append, "-nographic", "-nic", "none",
+        "-L", "/usr/share/seabios", "-L", "/usr/share/qemu",
+    };
+
+    for (gsize i = 0; i < G_N_ELEMENTS(args); i++) {
+        g_ptr_array_add(argv, (char *)args[i]);
+    }
+    if (spec->agent_sock != NULL) {
+        g_ptr_array_add(argv, (char *)"-machine");
+        g_ptr_array_add(argv, (char *)"pc,accel=tcg,memory-backend=ram");
+        g_ptr_array_add(argv, (char *)"-object");
+        g_ptr_array_add(argv, mem);
+        g_ptr_array_add(argv, (char *)"-object");
+        g_ptr_array_add(argv, agent);
+    } else {
+        /* QEMU's default RAM: anonymous, MADV_MERGEABLE (mem-merge=on). */
+        g_ptr_array_add(argv, (char *)"-machine");
+        g_ptr_array_add(argv, (char *)"pc,accel=tcg");
+    }
+    if (!spec->reboot) {
+        g_ptr_array_add(argv, (char *)"-no-reboot");
+    }
+    g_ptr_array_add(argv, NULL);
+    g->name = g_strdup(spec->name);
+    g->lines = g_async_queue_new_full(g_free);
+    g->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_MERGE |
+                             G_SUBPROCESS_FLAGS_STDIN_PIPE,
+                             (const char *const *)argv->pdata, &error);
+    g_assert_no_error(error);
+    g->pid = atoi(g_subprocess_get_identifier(g->proc));
+    g->reader = g_thread_new("console", read_console, g);
+    return g;
+}
+
+/* Waits for a console line starting with prefix; fails on PFGUEST FAIL. */
+char *
+pf_test_guest_expect(Guest *g, const char *prefix, guint seconds)
+{
+    gint64 end = g_get_monotonic_time() + (gint64)seconds * G_USEC_PER_SEC;
+
+    for (;;) {
+        gint64 left = end - g_get_monotonic_time();
+        char *line = left > 0 ? g_async_queue_timeout_pop(g->lines, (guint64)left) : NULL;
+
+        if (line == NULL) {
+            g_error("guest %s: no '%s' within %u s", g->name, prefix, seconds);
+        }
+        g_test_message("%s: %s", g->name, line);
+        if (strstr(line, "FAIL") != NULL || g_str_equal(line, "EOF")) {
+            g_error("guest %s: %s", g->name, line);
+        }
+        if (g_str_has_prefix(line, prefix)) {
+            return line;
+        }
+        g_free(line);
+    }
+}
+
+void
+pf_test_guest_free(Guest *g)
+{
+    g_subprocess_force_exit(g->proc);
+    g_subprocess_wait(g->proc, NULL, NULL);
+    g_thread_join(g->reader);
+    g_async_queue_unref(g->lines);
+    g_object_unref(g->proc);
+    g_free(g->name);
+    g_free(g);
+}
+
