@@ -151,27 +151,6 @@ vm_of(JsonObject *s, const char *name)
     return NULL;
 }
 
-/* st_blocks of a process's guest memfd, found as pagefoldd finds it. */
-static gint64
-memfd_blocks(int pid)
-{
-    g_autofree char *dir = g_strdup_printf("/proc/%d/fd", pid);
-    g_autoptr(GDir) d = g_dir_open(dir, 0, NULL);
-    const char *e;
-
-    while (d && (e = g_dir_read_name(d)) != NULL) {
-        g_autofree char *path = g_build_filename(dir, e, NULL);
-        g_autofree char *target = g_file_read_link(path, NULL);
-        struct stat st;
-
-        if (target && g_str_has_prefix(target, "/memfd:memory-backend-memfd") &&
-            stat(path, &st) == 0) {
-            return st.st_blocks;
-        }
-    }
-    return -1;
-}
-
 /* A proportional set size in KiB (each physical page split among the
  * processes that map it): "Pss" or one of its parts, "Pss_Shmem". */
 static gint64
@@ -228,7 +207,7 @@ test_merge_exact(void)
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
     Vmm *v[3];
     g_autoptr(JsonObject) s = NULL;
-    gint64 blocks_before[3];
+    gint64 kib_before[3];
     gint64 vmas_before[3], vmas;
     gint64 pss_before = 0, pss_after = 0;
     guint64 ram[3];
@@ -239,7 +218,7 @@ test_merge_exact(void)
 
         v[i] = vmm_start(d, name, i + 1, 0, FALSE);
         g_assert_cmpstr(v[i]->mode, ==, "merge");
-        blocks_before[i] = memfd_blocks(v[i]->pid);
+        kib_before[i] = pf_test_memfd_kib(v[i]->pid);
         vmas_before[i] = pf_test_count_vmas(v[i]->pid, 0, 0);
     }
     for (int i = 0; i < 3; i++) {
@@ -263,8 +242,8 @@ test_merge_exact(void)
         JsonObject *vm = vm_of(s, name);
 
         /* The memory really went: only unique pages are left in the memfd. */
-        g_assert_cmpint(memfd_blocks(v[i]->pid), ==, UNIQUE * (PF_PAGE_SIZE / 512));
-        g_assert_cmpint(blocks_before[i], ==, PAGES * (PF_PAGE_SIZE / 512));
+        g_assert_cmpint(pf_test_memfd_kib(v[i]->pid), ==, UNIQUE * 4);
+        g_assert_cmpint(kib_before[i], ==, PAGES * 4);
         g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
         /* Runs of merged pages share mappings: far fewer than pages. */
         vmas = pf_test_count_vmas(v[i]->pid, 0, 0);
@@ -374,7 +353,7 @@ test_unmerge_all(void)
     g_assert_cmpint(total(s, "pages_pending"), ==, 0);
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, 0);
     for (int i = 0; i < 2; i++) {
-        g_assert_cmpint(memfd_blocks(v[i]->pid), ==, PAGES * (PF_PAGE_SIZE / 512));
+        g_assert_cmpint(pf_test_memfd_kib(v[i]->pid), ==, PAGES * 4);
         /* Merged, guest RAM was in many mappings; now in one again. */
         g_assert_cmpint(pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
         vmm_verify(v[i]);

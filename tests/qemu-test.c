@@ -29,26 +29,6 @@ total(JsonNode *n, const char *name)
         json_object_get_object_member(json_node_get_object(n), "total"), name);
 }
 
-static gint64
-memfd_kib(int pid)
-{
-    g_autofree char *dir = g_strdup_printf("/proc/%d/fd", pid);
-    g_autoptr(GDir) d = g_dir_open(dir, 0, NULL);
-    const char *e;
-
-    while (d && (e = g_dir_read_name(d)) != NULL) {
-        g_autofree char *path = g_build_filename(dir, e, NULL);
-        g_autofree char *target = g_file_read_link(path, NULL);
-        struct stat st;
-
-        if (target && g_str_has_prefix(target, "/memfd:memory-backend-memfd") &&
-            stat(path, &st) == 0) {
-            return st.st_blocks / 2;
-        }
-    }
-    return -1;
-}
-
 static gboolean
 have_qemu(void)
 {
@@ -89,7 +69,7 @@ test_two_guests(void)
 
     for (int i = 0; i < 2; i++) {
         g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
-        before[i] = memfd_kib(g[i]->pid);
+        before[i] = pf_test_memfd_kib(g[i]->pid);
     }
     /* Merge while the guests run and write; a few passes settle it. */
     for (int pass = 0; pass < 4; pass++) {
@@ -102,7 +82,7 @@ test_two_guests(void)
     g_assert_cmpint(total(s, "pages_sharing"), >=, FILL_PAGES / 2 * 9 / 10);
     g_assert_cmpint(total(s, "zero_pages"), >=, 2 * FILL_PAGES / 5 * 9 / 10);
     for (int i = 0; i < 2; i++) {
-        gint64 after = memfd_kib(g[i]->pid);
+        gint64 after = pf_test_memfd_kib(g[i]->pid);
 
         g_test_message("%s: memfd %" G_GINT64_FORMAT " KiB -> %" G_GINT64_FORMAT " KiB",
                        g[i]->name, before[i], after);

@@ -159,6 +159,7 @@ pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...)
 #include <fcntl.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -316,4 +317,24 @@ gint64
 pf_test_smaps_sum(int pid, guint64 start, guint64 size, const char *field)
 {
     return walk_mappings(pid, "smaps", start, size, field);
+}
+
+gint64
+pf_test_memfd_kib(int pid)
+{
+    g_autofree char *dir = g_strdup_printf("/proc/%d/fd", pid);
+    g_autoptr(GDir) d = g_dir_open(dir, 0, NULL);
+    const char *e;
+
+    while (d && (e = g_dir_read_name(d)) != NULL) {
+        g_autofree char *path = g_build_filename(dir, e, NULL);
+        g_autofree char *target = g_file_read_link(path, NULL);
+        struct stat st;
+
+        if (target && g_str_has_prefix(target, "/memfd:memory-backend-memfd") &&
+            stat(path, &st) == 0) {
+            return st.st_blocks / 2;
+        }
+    }
+    return -1;
 }
