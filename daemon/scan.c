@@ -600,7 +600,9 @@ request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint
     PfPending pd = { id, slot, node, (guint8)kind };
     guint k;
 
-    g_assert(g_ptr_array_find(r->vm->regions, r, &k));
+    if (!g_ptr_array_find(r->vm->regions, r, &k)) {
+        g_return_if_reached();
+    }
     item.kind = (guint8)kind;
     item.region = k;
     item.page = id - r->base;
