@@ -899,22 +899,39 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
  * leaves its node now, and its agent is asked to fold it back into the
  * memfd, where the scanner can see it again.
  */
+/* Ends a page's sharing.  A merged page is folded back into its memfd by
+ * its agent, its slot reference held until the agent answers; a page of an
+ * advise-mode VM just forgets its node. */
 static void
-cow_found(PfScanner *s, PfRegion *r, gsize idx)
+end_sharing(PfScanner *s, PfRegion *r, gsize idx)
 {
     PfPage *p = &r->pages[idx];
     guint32 id = r->base + (guint32)idx, node = 0, slot = PF_POOL_SLOT_NONE;
 
-    if (p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO) {
-        return;
-    }
-    r->vm->cow++;
     if (p->state == PF_PAGE_SHARED) {
         node = p->node;
         slot = node_at(s, node)->slot;
         pf_stable_tree_remove(&s->stable, id);
     }
-    request(s, r, p, id, PF_ITEM_UNMERGE, slot, node);
+    if (pf_vm_merges(r->vm)) {
+        request(s, r, p, id, PF_ITEM_UNMERGE, slot, node);
+        return;
+    }
+    if (node != 0) {
+        node_maybe_drop(s, node);
+    }
+    reset_page(r, p, PF_PAGE_VOLATILE);
+}
+
+static void
+cow_found(PfScanner *s, PfRegion *r, gsize idx)
+{
+    PfPageState st = r->pages[idx].state;
+
+    if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
+        r->vm->cow++;
+        end_sharing(s, r, idx);
+    }
 }
 
 /* One ioctl finds the written pages of a range: present, not file-backed,
@@ -1142,24 +1159,8 @@ pf_scanner_unmerge(PfScanner *s, PfVm *only)
             PfRegion *r = g_ptr_array_index(vm->regions, k);
 
             for (gsize i = 0; i < r->n_pages; i++) {
-                PfPage *p = &r->pages[i];
-                guint32 id = r->base + (guint32)i, node = 0, slot = PF_POOL_SLOT_NONE;
-
-                if (p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO) {
-                    continue;
-                }
-                if (p->state == PF_PAGE_SHARED) {
-                    node = p->node;
-                    slot = node_at(s, node)->slot;
-                    pf_stable_tree_remove(&s->stable, id);
-                }
-                if (pf_vm_merges(vm)) {
-                    request(s, r, p, id, PF_ITEM_UNMERGE, slot, node);
-                } else {
-                    if (node != 0) {
-                        node_maybe_drop(s, node);
-                    }
-                    reset_page(r, p, PF_PAGE_VOLATILE);
+                if (r->pages[i].state == PF_PAGE_SHARED || r->pages[i].state == PF_PAGE_ZERO) {
+                    end_sharing(s, r, i);
                 }
             }
         }
