@@ -14,10 +14,7 @@
 #include "testproc.h"
 
 typedef struct {
-    char *dir;
-    char *sock;
-    char *agent_sock;
-    GSubprocess *daemon;
+    PfTestDaemon *d;
     GSubprocess *guest[2];
     int pid[2];
 } Fixture;
@@ -35,7 +32,7 @@ ctl(Fixture *f, char **out, char **err, ...)
     g_clear_pointer(out, g_free);
     g_clear_pointer(err, g_free);
     va_start(ap, err);
-    argv = pf_test_argv_new(pf_test_bin("PAGEFOLDCTL"), f->sock, ap);
+    argv = pf_test_argv_new(pf_test_bin("PAGEFOLDCTL"), f->d->sock, ap);
     va_end(ap);
     p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE,
                (const char *const *)argv->pdata, &error);
@@ -83,33 +80,10 @@ start_guest(const char *name, int seed, int *pid)
     return p;
 }
 
-static GSubprocess *
-start_daemon(Fixture *f, GError **error, ...)
-{
-    g_autoptr(GPtrArray) argv = NULL;
-    va_list ap;
-
-    va_start(ap, error);
-    argv = pf_test_argv_new(pf_test_bin("PAGEFOLDD"), f->sock, ap);
-    va_end(ap);
-    return pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, (const char *const *)argv->pdata, error);
-}
-
 static void
 setup(Fixture *f, gconstpointer data)
 {
-    g_autoptr(GError) error = NULL;
-
-    f->dir = g_dir_make_tmp("pagefold-cli-XXXXXX", &error);
-    g_assert_no_error(error);
-    f->sock = g_build_filename(f->dir, "pagefoldd.sock", NULL);
-    f->agent_sock = g_build_filename(f->dir, "agent.sock", NULL);
-    f->daemon = start_daemon(f, &error, "--agent-socket", f->agent_sock, "--set", "run=0", NULL);
-    g_assert_no_error(error);
-    for (int i = 0; i < 100 && !g_file_test(f->sock, G_FILE_TEST_EXISTS); i++) {
-        g_usleep(50000);
-    }
-    g_assert_true(g_file_test(f->sock, G_FILE_TEST_EXISTS));
+    f->d = pf_test_daemon_start("--set", "run=0", NULL);
     f->guest[0] = start_guest("alpha", 1, &f->pid[0]);
     f->guest[1] = start_guest("beta", 2, &f->pid[1]);
 }
@@ -124,17 +98,7 @@ teardown(Fixture *f, gconstpointer data)
             g_object_unref(f->guest[i]);
         }
     }
-    if (f->daemon) {
-        g_subprocess_force_exit(f->daemon);
-        g_subprocess_wait(f->daemon, NULL, NULL);
-        g_object_unref(f->daemon);
-    }
-    g_unlink(f->sock);
-    g_unlink(f->agent_sock);
-    g_rmdir(f->dir);
-    g_free(f->sock);
-    g_free(f->agent_sock);
-    g_free(f->dir);
+    pf_test_daemon_free(f->d);
 }
 
 static void
@@ -188,12 +152,12 @@ test_user_session(Fixture *f, gconstpointer data)
     g_assert_cmpint(ctl(f, &out, &err, "detach", "alpha", NULL), ==, 0);
 
     /* SIGTERM: a clean exit that removes the socket. */
-    g_subprocess_send_signal(f->daemon, SIGTERM);
-    g_assert_true(g_subprocess_wait(f->daemon, NULL, NULL));
-    g_assert_true(g_subprocess_get_if_exited(f->daemon));
-    g_assert_cmpint(g_subprocess_get_exit_status(f->daemon), ==, 0);
-    g_assert_false(g_file_test(f->sock, G_FILE_TEST_EXISTS));
-    g_clear_object(&f->daemon);
+    g_subprocess_send_signal(f->d->proc, SIGTERM);
+    g_assert_true(g_subprocess_wait(f->d->proc, NULL, NULL));
+    g_assert_true(g_subprocess_get_if_exited(f->d->proc));
+    g_assert_cmpint(g_subprocess_get_exit_status(f->d->proc), ==, 0);
+    g_assert_false(g_file_test(f->d->sock, G_FILE_TEST_EXISTS));
+    g_clear_object(&f->d->proc);
 }
 
 /* Runs prog with the arguments; wants its exit status and a piece of its
@@ -225,32 +189,32 @@ static void
 test_bad_command_lines(Fixture *f, gconstpointer data)
 {
     const char *c = pf_test_bin("PAGEFOLDCTL"), *d = pf_test_bin("PAGEFOLDD");
-    g_autofree char *nosock = g_build_filename(f->dir, "none.sock", NULL);
+    g_autofree char *nosock = g_build_filename(f->d->dir, "none.sock", NULL);
 
-    expect(f, 2, "no command given", c, "--socket", f->sock, NULL);
-    expect(f, 2, "unknown command 'frobnicate'", c, "--socket", f->sock, "frobnicate", NULL);
-    expect(f, 2, "not a non-negative whole number", c, "--socket", f->sock, "set",
+    expect(f, 2, "no command given", c, "--socket", f->d->sock, NULL);
+    expect(f, 2, "unknown command 'frobnicate'", c, "--socket", f->d->sock, "frobnicate", NULL);
+    expect(f, 2, "not a non-negative whole number", c, "--socket", f->d->sock, "set",
            "pages_to_scan", "12abc", NULL);
-    expect(f, 2, "attach takes one PID", c, "--socket", f->sock, "attach", NULL);
-    expect(f, 2, "exclude each other", c, "--socket", f->sock, "stats", "--json",
+    expect(f, 2, "attach takes one PID", c, "--socket", f->d->sock, "attach", NULL);
+    expect(f, 2, "exclude each other", c, "--socket", f->d->sock, "stats", "--json",
            "--prometheus", NULL);
-    expect(f, 1, "between 1 and", c, "--socket", f->sock, "set", "pages_to_scan", "0", NULL);
-    expect(f, 1, "unknown knob", c, "--socket", f->sock, "set", "bogus", "1", NULL);
+    expect(f, 1, "between 1 and", c, "--socket", f->d->sock, "set", "pages_to_scan", "0", NULL);
+    expect(f, 1, "unknown knob", c, "--socket", f->d->sock, "set", "bogus", "1", NULL);
     {
         const char *sleep_argv[] = { "sleep", "60", NULL };
         g_autoptr(GSubprocess) sleeper = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, sleep_argv, NULL);
 
-        expect(f, 1, "no guest RAM", c, "--socket", f->sock, "attach",
+        expect(f, 1, "no guest RAM", c, "--socket", f->d->sock, "attach",
                g_subprocess_get_identifier(sleeper), NULL);
         g_subprocess_force_exit(sleeper);
     }
-    expect(f, 1, "no VM 'ghost'", c, "--socket", f->sock, "stats", "ghost", NULL);
+    expect(f, 1, "no VM 'ghost'", c, "--socket", f->d->sock, "stats", "ghost", NULL);
     expect(f, 1, "is pagefoldd running?", c, "--socket", nosock, "list", NULL);
 
     expect(f, 2, "unknown --hash 'md5'", d, "--socket", nosock, "--hash", "md5", NULL);
     expect(f, 2, "unknown knob", d, "--socket", nosock, "--set", "nope=1", NULL);
     expect(f, 2, "KNOB=VALUE", d, "--socket", nosock, "--set", "nope", NULL);
-    expect(f, 1, "another pagefoldd is listening", d, "--socket", f->sock, "--agent-socket",
+    expect(f, 1, "another pagefoldd is listening", d, "--socket", f->d->sock, "--agent-socket",
            nosock, NULL);
     /* The first daemon is unharmed by all of that. */
     {
