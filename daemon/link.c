@@ -388,12 +388,9 @@ static gboolean
 link_in_cb(gint fd, GIOCondition cond, gpointer user)
 {
     PfLink *l = user;
-    guint watch = l->watch;
 
     if (!link_read(l)) {
-        /* The link is freed, and its watch with it. */
-        (void)watch;
-        return G_SOURCE_REMOVE;
+        return G_SOURCE_REMOVE; /* the link is freed, and its watch with it */
     }
     if (l->broken) {
         link_close(l, "cannot send to its agent");
@@ -406,15 +403,13 @@ void
 pf_link_settle(PfLink *l, guint timeout_ms)
 {
     gint64 deadline = g_get_monotonic_time() + (gint64)timeout_ms * 1000;
-    PfVm *vm = l->vm;
-    PfScanner *s = l->srv->scanner;
 
     while (l->n_in_flight > 0 && !l->broken) {
         struct pollfd p = { l->sock, POLLIN, 0 };
         gint64 left = (deadline - g_get_monotonic_time()) / 1000;
 
         if (left <= 0) {
-            g_message("VM %s: its agent has not answered %zu item(s) in %u ms", vm->name,
+            g_message("VM %s: its agent has not answered %zu item(s) in %u ms", l->vm->name,
                       l->n_in_flight, timeout_ms);
             return;
         }
@@ -423,7 +418,7 @@ pf_link_settle(PfLink *l, guint timeout_ms)
         }
     }
     if (l->broken) {
-        pf_scanner_detach(s, vm, "cannot send to its agent");
+        link_close(l, "cannot send to its agent");
     }
 }
 
