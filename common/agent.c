@@ -52,6 +52,7 @@ typedef struct {
     int fd;
     guint64 offset;
     int advice[4];
+    guint64 *remapped; /* bitmap: pages mapped from the pool */
 } Region;
 
 typedef struct {
@@ -74,12 +75,55 @@ struct _PfAgent {
 
     GThread *thread;
     int stop[2];
-    GMutex lock;
+    GMutex work; /* held while pages are remapped or folded back, and
+                  * while the answer is sent: what pagefoldd reads from
+                  * this socket is in the order it happened */
+    GMutex lock; /* stats, connected */
     PfAgentStats stats;
     gboolean connected;
 };
 
 static const guint8 zero_page[PF_PAGE_SIZE];
+
+/* ---- which pages are remapped ---- */
+
+static inline gboolean
+is_remapped(const Region *r, gsize page)
+{
+    return (r->remapped[page / 64] >> (page % 64)) & 1;
+}
+
+static inline void
+set_remapped(PfAgent *a, Region *r, gsize page, gboolean on)
+{
+    guint64 bit = 1ull << (page % 64);
+
+    if (on == is_remapped(r, page)) {
+        return;
+    }
+    r->remapped[page / 64] ^= bit;
+    g_mutex_lock(&a->lock);
+    if (on) {
+        a->stats.remapped++;
+    } else {
+        a->stats.remapped--;
+    }
+    g_mutex_unlock(&a->lock);
+}
+
+/* The first page in [from, to) that is remapped (want) or not, or to. */
+static gsize
+find_remapped(const Region *r, gsize from, gsize to, gboolean want)
+{
+    while (from < to && is_remapped(r, from) != want) {
+        if (from % 64 == 0 && to - from >= 64 && r->remapped[from / 64] == (want ? 0 : ~0ull)) {
+            from += 64;
+        } else {
+            from++;
+        }
+    }
+    return MIN(from, to);
+}
 
 /* ---- userfaultfd ---- */
 
@@ -278,6 +322,9 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
             }
         } else {
             readvise(r, m, (gsize)(u - t) * PF_PAGE_SIZE);
+            for (guint32 v = t; v < u; v++) {
+                set_remapped(a, r, first->page + v, TRUE);
+            }
             /* Only now is the old page unreachable: drop it from the memfd. */
             if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                           (off_t)(r->offset + (first->page + t) * PF_PAGE_SIZE),
@@ -305,41 +352,72 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
     uffd_wake(a->uffd, hva, (gsize)k * PF_PAGE_SIZE);
 }
 
+/*
+ * Maps the memfd again over the remapped pages of [first, first + n).
+ * With copy, their content goes back into the memfd first, under write
+ * protection so that no write falls between the copy and the mapping;
+ * without, the pages are about to be discarded and their content does not
+ * matter.  A zero page needs no copy: the merge left a hole there.
+ * Returns 0 or -errno; pages not folded back stay remapped and valid.
+ */
+static int
+fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy)
+{
+    guint8 *hva = r->host + first * PF_PAGE_SIZE;
+    gsize len = n * PF_PAGE_SIZE;
+    gsize t = find_remapped(r, first, first + n, TRUE);
+    int rc = 0;
+
+    if (t == first + n) {
+        return 0;
+    }
+    /* Remapped pages are VMAs of their own, not registered yet. */
+    if ((rc = uffd_register(a->uffd, hva, len)) < 0 ||
+        (copy && (rc = uffd_protect(a->uffd, hva, len, TRUE)) < 0)) {
+        return rc;
+    }
+    while (t < first + n && rc == 0) {
+        gsize u = find_remapped(r, t, first + n, FALSE);
+        off_t off = (off_t)(r->offset + t * PF_PAGE_SIZE);
+
+        for (gsize v = t; copy && v < u && rc == 0; v++) {
+            const guint8 *page = r->host + v * PF_PAGE_SIZE;
+
+            if (memcmp(page, zero_page, PF_PAGE_SIZE) != 0 &&
+                pwrite(r->fd, page, PF_PAGE_SIZE, (off_t)(r->offset + v * PF_PAGE_SIZE)) !=
+                    PF_PAGE_SIZE) {
+                rc = errno ? -errno : -EIO;
+            }
+        }
+        if (rc == 0 && mmap(r->host + t * PF_PAGE_SIZE, (u - t) * PF_PAGE_SIZE,
+                            PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd,
+                            off) == MAP_FAILED) {
+            rc = -errno;
+        }
+        if (rc == 0) {
+            readvise(r, r->host + t * PF_PAGE_SIZE, (u - t) * PF_PAGE_SIZE);
+            for (gsize v = t; v < u; v++) {
+                set_remapped(a, r, v, FALSE);
+            }
+        }
+        t = find_remapped(r, u, first + n, TRUE);
+    }
+    /* Registered again, the range coalesces with its neighbours; lifting
+     * the protection wakes any writer that blocked meanwhile. */
+    uffd_register(a->uffd, hva, len);
+    if (copy) {
+        uffd_protect(a->uffd, hva, len, FALSE);
+    }
+    return rc;
+}
+
 /* Folds one page back: its content into the memfd, the memfd mapped again. */
 static void
 exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
 {
-    Region *r = &g_array_index(a->regions, Region, it->region);
-    guint8 *hva = r->host + it->page * PF_PAGE_SIZE;
-    off_t off = (off_t)(r->offset + it->page * PF_PAGE_SIZE);
-    int rc;
+    int rc = fold_back(a, &g_array_index(a->regions, Region, it->region), it->page, 1, TRUE);
 
-    /* A remapped page is in a VMA of its own, not registered yet. */
-    if ((rc = uffd_register(a->uffd, hva, PF_PAGE_SIZE)) < 0 ||
-        (rc = uffd_protect(a->uffd, hva, PF_PAGE_SIZE, TRUE)) < 0) {
-        set_result(res, PF_RESULT_ERROR, -rc);
-        return;
-    }
-    if (pwrite(r->fd, hva, PF_PAGE_SIZE, off) != PF_PAGE_SIZE) {
-        int e = errno ? errno : EIO;
-
-        uffd_protect(a->uffd, hva, PF_PAGE_SIZE, FALSE);
-        set_result(res, PF_RESULT_ERROR, e);
-        return;
-    }
-    if (mmap(hva, PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd, off) ==
-        MAP_FAILED) {
-        int e = errno;
-
-        uffd_protect(a->uffd, hva, PF_PAGE_SIZE, FALSE);
-        set_result(res, PF_RESULT_ERROR, e);
-        return;
-    }
-    /* Advised and registered again, it coalesces with its neighbours. */
-    readvise(r, hva, PF_PAGE_SIZE);
-    uffd_register(a->uffd, hva, PF_PAGE_SIZE);
-    uffd_wake(a->uffd, hva, PF_PAGE_SIZE);
-    set_result(res, PF_RESULT_DONE, 0);
+    set_result(res, rc < 0 ? PF_RESULT_ERROR : PF_RESULT_DONE, -rc);
 }
 
 /* Back to a huge page, once every page of the extent is unmerged.  The
@@ -396,14 +474,21 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
     for (guint32 i = 0; i < n;) {
         guint32 k = 1;
 
-        if (a->mode != PF_MODE_MERGE || !item_valid(a, &items[i])) {
-            /* Out of range, or not ours to act on: refused, nothing touched. */
-            set_result(&res[i], PF_RESULT_ERROR, a->mode != PF_MODE_MERGE ? EPERM : EINVAL);
+        if (!item_valid(a, &items[i])) {
+            /* Out of range: refused, nothing touched. */
+            set_result(&res[i], PF_RESULT_ERROR, EINVAL);
             i++;
             continue;
         }
+        /* After a step back to advise mode nothing is remapped: an unmerge
+         * finds its page in the memfd already and says so. */
         if (items[i].kind == PF_ITEM_UNMERGE) {
             exec_unmerge(a, &items[i], &res[i]);
+            i++;
+            continue;
+        }
+        if (a->mode != PF_MODE_MERGE) {
+            set_result(&res[i], PF_RESULT_ERROR, EPERM);
             i++;
             continue;
         }
@@ -493,6 +578,14 @@ send_error(PfAgent *a, const char *text)
     pf_proto_send(a->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
 }
 
+static void
+set_connected(PfAgent *a, gboolean connected)
+{
+    g_mutex_lock(&a->lock);
+    a->connected = connected;
+    g_mutex_unlock(&a->lock);
+}
+
 static gpointer
 agent_thread(gpointer data)
 {
@@ -520,6 +613,7 @@ agent_thread(gpointer data)
             }
             break;
         }
+        g_mutex_lock(&a->work);
         switch (msg->header.type) {
         case PF_MSG_POOL:
             ok = take_chunk(a, msg, &error);
@@ -538,17 +632,20 @@ agent_thread(gpointer data)
             ok = FALSE;
         }
         pf_msg_close_fds(msg);
+        if (!ok && error != NULL) {
+            g_warning("pagefold agent: %s; disconnecting", error->message);
+            send_error(a, error->message);
+        }
         if (!ok) {
-            if (error != NULL) {
-                g_warning("pagefold agent: %s; disconnecting", error->message);
-                send_error(a, error->message);
-            }
+            /* Said under the work lock: nobody sends after the ERROR. */
+            set_connected(a, FALSE);
+        }
+        g_mutex_unlock(&a->work);
+        if (!ok) {
             break;
         }
     }
-    g_mutex_lock(&a->lock);
-    a->connected = FALSE;
-    g_mutex_unlock(&a->lock);
+    set_connected(a, FALSE);
     return NULL;
 }
 
@@ -572,17 +669,52 @@ recv_expect(int sock, PfMsg *msg, PfMsgType type, GError **error)
     return TRUE;
 }
 
+/* Chooses the mode, says it, and starts serving. */
+static gboolean
+settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd, GError **error)
+{
+    PfWireMode ready = { 0 };
+    g_autofree char *why = NULL;
+
+    if (a->advise_reason != NULL) {
+        why = g_strdup(a->advise_reason);
+    } else if (welcome->mode != PF_MODE_MERGE) {
+        why = g_strdup(welcome->reason);
+    } else if (uffd_setup(a, dev_fd, &why)) {
+        a->mode = PF_MODE_MERGE;
+    }
+    g_free(a->reason);
+    a->reason = g_strdup(why ? why : "");
+    ready.version = PF_PROTO_VERSION;
+    ready.mode = a->mode;
+    pf_wire_set_string(ready.reason, sizeof(ready.reason), a->reason);
+    if (!pf_proto_send(a->sock, PF_MSG_READY, 0, &ready, sizeof(ready), NULL, 0, error)) {
+        return FALSE;
+    }
+    if (a->mode != PF_MODE_MERGE) {
+        g_message("pagefold agent: VM %s stays in advise mode: %s", a->name, a->reason);
+    }
+    set_connected(a, TRUE);
+    if (pipe2(a->stop, O_CLOEXEC) < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pipe: %s", g_strerror(errno));
+        return FALSE;
+    }
+    a->thread = g_thread_new("pagefold-agent", agent_thread, a);
+    return TRUE;
+}
+
 gboolean
 pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
     g_autofree PfMsg *msg = g_new0(PfMsg, 1);
     PfWireHello hello = { 0 };
-    PfWireMode ready = { 0 };
-    g_autofree char *why = NULL;
     int dev_fd = -1;
+    gboolean ok;
 
-    g_return_val_if_fail(a->sock < 0 && a->regions->len > 0, FALSE);
+    g_return_val_if_fail(a->sock < 0, FALSE);
+    /* With no region to merge the VM is still listed, with the reason. */
+    g_return_val_if_fail(a->regions->len > 0 || a->advise_reason != NULL, FALSE);
     if (strlen(socket_path) >= sizeof(addr.sun_path)) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long");
         return FALSE;
@@ -593,6 +725,13 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot connect to pagefoldd at %s: %s",
                     socket_path, g_strerror(errno));
         return FALSE;
+    }
+    {
+        /* A pagefoldd that stops reading must not stall the VM's threads
+         * that wait for the work lock: after this, the link is given up. */
+        struct timeval tv = { .tv_sec = 5 };
+
+        setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     }
     hello.version = PF_PROTO_VERSION;
     hello.pid = (guint32)getpid();
@@ -623,34 +762,13 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
         dev_fd = msg->fds[0];
         msg->n_fds = 0;
     }
-    if (a->advise_reason != NULL) {
-        why = g_strdup(a->advise_reason);
-    } else if (pf_msg_mode(msg)->mode != PF_MODE_MERGE) {
-        why = g_strdup(pf_msg_mode(msg)->reason);
-    } else if (uffd_setup(a, dev_fd, &why)) {
-        a->mode = PF_MODE_MERGE;
-    }
+    g_mutex_lock(&a->work);
+    ok = settle_mode(a, pf_msg_mode(msg), dev_fd, error);
+    g_mutex_unlock(&a->work);
     if (dev_fd >= 0) {
         close(dev_fd);
     }
-    g_free(a->reason);
-    a->reason = g_strdup(why ? why : "");
-    ready.version = PF_PROTO_VERSION;
-    ready.mode = a->mode;
-    pf_wire_set_string(ready.reason, sizeof(ready.reason), a->reason);
-    if (!pf_proto_send(a->sock, PF_MSG_READY, 0, &ready, sizeof(ready), NULL, 0, error)) {
-        return FALSE;
-    }
-    if (a->mode != PF_MODE_MERGE) {
-        g_message("pagefold agent: VM %s stays in advise mode: %s", a->name, a->reason);
-    }
-    a->connected = TRUE;
-    if (pipe2(a->stop, O_CLOEXEC) < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pipe: %s", g_strerror(errno));
-        return FALSE;
-    }
-    a->thread = g_thread_new("pagefold-agent", agent_thread, a);
-    return TRUE;
+    return ok;
 }
 
 PfAgent *
@@ -668,6 +786,7 @@ pf_agent_new(const char *vm_name, const guint8 *uuid)
     a->stop[0] = a->stop[1] = -1;
     a->mode = PF_MODE_ADVISE;
     g_mutex_init(&a->lock);
+    g_mutex_init(&a->work);
     return a;
 }
 
@@ -677,6 +796,7 @@ pf_agent_add_region(PfAgent *a, const PfAgentRegion *r)
     Region reg = {
         g_strdup(r->name), r->host, r->size, r->size / PF_PAGE_SIZE,
         fcntl(r->fd, F_DUPFD_CLOEXEC, 3), r->offset, { 0 },
+        g_new0(guint64, (r->size / PF_PAGE_SIZE + 63) / 64),
     };
 
     memcpy(reg.advice, r->advice, sizeof(reg.advice));
@@ -685,11 +805,105 @@ pf_agent_add_region(PfAgent *a, const PfAgentRegion *r)
     g_array_append_val(a->regions, reg);
 }
 
-void
-pf_agent_set_advise_only(PfAgent *a, const char *reason)
+static void
+send_to_daemon(PfAgent *a, PfMsgType type, const void *payload, gsize length)
 {
-    g_free(a->advise_reason);
-    a->advise_reason = g_strdup(reason);
+    g_autoptr(GError) error = NULL;
+
+    if (pf_agent_is_connected(a) &&
+        !pf_proto_send(a->sock, type, 0, payload, length, NULL, 0, &error)) {
+        g_warning("pagefold agent: cannot tell pagefoldd: %s", error->message);
+    }
+}
+
+void
+pf_agent_step_back(PfAgent *a, const char *reason)
+{
+    PfWireMode m = { PF_PROTO_VERSION, PF_MODE_ADVISE, "" };
+    int rc = 0;
+
+    g_mutex_lock(&a->work);
+    if (a->advise_reason == NULL) {
+        a->advise_reason = g_strdup(reason);
+    }
+    if (a->mode != PF_MODE_MERGE) {
+        g_mutex_unlock(&a->work);
+        return;
+    }
+    a->mode = PF_MODE_ADVISE;
+    for (guint i = 0; i < a->regions->len && rc == 0; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+
+        rc = fold_back(a, r, 0, r->n_pages, TRUE);
+        if (rc < 0) {
+            /* pagefoldd must not reuse slots still mapped here: it is told
+             * to let go of this VM, and its slots stay taken till the end. */
+            g_autofree char *text = g_strdup_printf("cannot fold %s back into its memfd: %s",
+                                                    r->name, g_strerror(-rc));
+
+            g_warning("pagefold agent: %s", text);
+            send_error(a, text);
+            shutdown(a->sock, SHUT_RDWR);
+        }
+    }
+    for (guint i = 0; i < a->regions->len && rc == 0; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+        struct uffdio_range range = { (guint64)(guintptr)r->host, r->size };
+
+        ioctl(a->uffd, UFFDIO_UNREGISTER, &range);
+    }
+    if (rc == 0) {
+        /* Nothing of this VM is write-protected or remapped any more. */
+        close(a->uffd);
+        a->uffd = -1;
+    }
+    g_free(a->reason);
+    a->reason = g_strdup(reason);
+    pf_wire_set_string(m.reason, sizeof(m.reason), reason);
+    if (rc == 0) {
+        send_to_daemon(a, PF_MSG_ADVISE, &m, sizeof(m));
+    }
+    g_message("pagefold agent: VM %s steps back to advise mode: %s", a->name, reason);
+    g_mutex_unlock(&a->work);
+}
+
+void
+pf_agent_discard(PfAgent *a, void *host, gsize len)
+{
+    guint8 *lo = host, *hi = lo + len;
+
+    g_mutex_lock(&a->work);
+    for (guint i = 0; i < a->regions->len; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+        gsize first, end, before;
+        PfWireRange wr = { i, 0, 0, 0 };
+        int rc;
+
+        if (hi <= r->host || lo >= r->host + r->size) {
+            continue;
+        }
+        first = (gsize)(MAX(lo, r->host) - r->host) / PF_PAGE_SIZE;
+        end = (gsize)(MIN(hi, r->host + r->size) - r->host + PF_PAGE_SIZE - 1) / PF_PAGE_SIZE;
+        if (find_remapped(r, first, end, TRUE) == end) {
+            continue;
+        }
+        g_mutex_lock(&a->lock);
+        before = a->stats.remapped;
+        g_mutex_unlock(&a->lock);
+        rc = fold_back(a, r, first, end - first, FALSE);
+        g_mutex_lock(&a->lock);
+        a->stats.discarded += before - a->stats.remapped;
+        g_mutex_unlock(&a->lock);
+        if (rc < 0) {
+            /* The discard then misses those pages: they keep their content. */
+            g_warning("pagefold agent: cannot map %s from its memfd again before a discard: %s",
+                      r->name, g_strerror(-rc));
+        }
+        wr.page = first;
+        wr.n_pages = end - first;
+        send_to_daemon(a, PF_MSG_DISCARD, &wr, sizeof(wr));
+    }
+    g_mutex_unlock(&a->work);
 }
 
 void
@@ -717,11 +931,13 @@ pf_agent_free(PfAgent *a)
         Region *r = &g_array_index(a->regions, Region, i);
 
         g_free(r->name);
+        g_free(r->remapped);
         close(r->fd);
     }
     g_array_unref(a->regions);
     g_ptr_array_unref(a->chunks);
     g_mutex_clear(&a->lock);
+    g_mutex_clear(&a->work);
     g_free(a->advise_reason);
     g_free(a->reason);
     g_free(a->name);

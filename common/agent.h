@@ -40,20 +40,38 @@ typedef struct {
 } PfAgentRegion;
 
 typedef struct {
-    guint64 merged;
+    guint64 merged;    /* items done, since the start */
     guint64 zeroed;
     guint64 unmerged;
-    guint64 changed;
+    guint64 changed;   /* merges the last compare refused */
     guint64 errors;
     guint64 requests;
+    guint64 remapped;  /* pages mapped from the pool now */
+    guint64 discarded; /* remapped pages given their memfd back to be
+                        * discarded (balloon, virtio-mem) */
 } PfAgentStats;
 
 typedef struct _PfAgent PfAgent;
 
 PfAgent *pf_agent_new(const char *vm_name, const guint8 *uuid);
 void pf_agent_add_region(PfAgent *a, const PfAgentRegion *r);
-/* This VM must not be remapped (vhost-user, VFIO, ...): advise mode. */
-void pf_agent_set_advise_only(PfAgent *a, const char *reason);
+/*
+ * This VM's RAM must be plain memfd mappings from now on: a vhost-user
+ * backend or a migration is about to use it, or a device pins it.  Every
+ * page the agent remapped is folded back into the memfd (under write
+ * protection: no write is lost), the userfaultfd is dropped (postcopy and
+ * background snapshot need their own), pagefoldd is told, and the VM stays
+ * in advise mode with reason.  Before pf_agent_start() it just chooses
+ * advise mode.  Blocks while a request is being served.
+ */
+void pf_agent_step_back(PfAgent *a, const char *reason);
+/*
+ * The VMM is about to discard host..host+len (a balloon inflates,
+ * virtio-mem unplugs): remapped pages there get their memfd mapping back
+ * first, so that the discard reaches the memfd and pagefoldd drops their
+ * pool references.  Their content is not copied: it is being thrown away.
+ */
+void pf_agent_discard(PfAgent *a, void *host, gsize len);
 
 /* Connects, announces the VM and its regions, settles the mode, and
  * starts serving on a thread of its own. */
@@ -62,6 +80,8 @@ gboolean pf_agent_start(PfAgent *a, const char *socket_path, GError **error);
 void pf_agent_free(PfAgent *a);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfAgent, pf_agent_free)
 
+/* Mode and reason change only in pf_agent_start() and
+ * pf_agent_step_back(): read them on the thread that calls those. */
 PfMode pf_agent_get_mode(PfAgent *a);
 const char *pf_agent_get_reason(PfAgent *a);
 gboolean pf_agent_is_connected(PfAgent *a);

@@ -121,7 +121,8 @@ validate(const PfMsg *msg, GError **error)
         if (!string_ok(p->name, sizeof(p->name), FALSE)) {
             return fail(error, "HELLO name is not a terminated UTF-8 string");
         }
-        if (p->n_regions == 0 || p->n_regions > 256) {
+        /* No region: RAM that cannot be merged, attached to say why. */
+        if (p->n_regions > 256) {
             return fail(error, "HELLO announces %u regions", p->n_regions);
         }
         break;
@@ -147,9 +148,11 @@ validate(const PfMsg *msg, GError **error)
         break;
     }
     case PF_MSG_WELCOME:
-    case PF_MSG_READY: {
+    case PF_MSG_READY:
+    case PF_MSG_ADVISE: {
         const PfWireMode *p = (const void *)msg->payload;
-        const char *what = h->type == PF_MSG_WELCOME ? "WELCOME" : "READY";
+        const char *what = h->type == PF_MSG_WELCOME ? "WELCOME"
+                           : h->type == PF_MSG_READY ? "READY" : "ADVISE";
 
         if (h->length != sizeof(*p)) {
             return fail(error, "%s of %u bytes", what, h->length);
@@ -160,8 +163,13 @@ validate(const PfMsg *msg, GError **error)
         if (p->mode != PF_MODE_ADVISE && p->mode != PF_MODE_MERGE) {
             return fail(error, "%s mode %u", what, p->mode);
         }
-        if (!string_ok(p->reason, sizeof(p->reason), TRUE)) {
-            return fail(error, "%s reason is not a terminated UTF-8 string", what);
+        if (!string_ok(p->reason, sizeof(p->reason), h->type != PF_MSG_ADVISE)) {
+            return fail(error, "%s reason is %s", what,
+                        h->type == PF_MSG_ADVISE ? "empty, or not a terminated UTF-8 string"
+                                                 : "not a terminated UTF-8 string");
+        }
+        if (h->type == PF_MSG_ADVISE && p->mode != PF_MODE_ADVISE) {
+            return fail(error, "ADVISE of mode %u", p->mode);
         }
         want_fds_max = h->type == PF_MSG_WELCOME ? 1 : 0;
         break;
@@ -201,6 +209,16 @@ validate(const PfMsg *msg, GError **error)
                     return fail(error, "RESULT %u has status %u", i, r->status);
                 }
             }
+        }
+        break;
+    }
+    case PF_MSG_DISCARD: {
+        const PfWireRange *p = (const void *)msg->payload;
+
+        if (h->length != sizeof(*p) || p->n_pages == 0 || p->page >= (1ull << 34) ||
+            p->n_pages > (1ull << 34)) {
+            return fail(error, "DISCARD of %u bytes, or of an empty or impossible range",
+                        h->length);
         }
         break;
     }
@@ -302,8 +320,16 @@ pf_msg_region(const PfMsg *msg)
 const PfWireMode *
 pf_msg_mode(const PfMsg *msg)
 {
-    g_return_val_if_fail(msg->header.type == PF_MSG_WELCOME || msg->header.type == PF_MSG_READY,
+    g_return_val_if_fail(msg->header.type == PF_MSG_WELCOME || msg->header.type == PF_MSG_READY ||
+                             msg->header.type == PF_MSG_ADVISE,
                          NULL);
+    return (const void *)msg->payload;
+}
+
+const PfWireRange *
+pf_msg_range(const PfMsg *msg)
+{
+    g_return_val_if_fail(msg->header.type == PF_MSG_DISCARD, NULL);
     return (const void *)msg->payload;
 }
 

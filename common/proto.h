@@ -31,7 +31,12 @@ typedef enum {
     PF_MSG_REQUEST = 6, /* daemon -> agent: a batch of items */
     PF_MSG_RESULT = 7,  /* agent -> daemon: one result per item of a batch */
     PF_MSG_ERROR = 8,   /* either way: why the sender gives up, then close */
-    PF_MSG_LAST = PF_MSG_ERROR,
+    PF_MSG_ADVISE = 9,  /* agent -> daemon: advise mode from now on, and
+                         * why; every page it had remapped is back in its
+                         * memfd (a device or a migration needs plain RAM) */
+    PF_MSG_DISCARD = 10, /* agent -> daemon: a range of pages mapped from
+                          * the memfd again because the VMM discards it */
+    PF_MSG_LAST = PF_MSG_DISCARD,
 } PfMsgType;
 
 typedef struct {
@@ -62,7 +67,7 @@ typedef struct {
 
 typedef enum { PF_MODE_ADVISE = 0, PF_MODE_MERGE = 1 } PfMode;
 
-/* WELCOME and READY: a mode, and why not merge when it is advise. */
+/* WELCOME, READY and ADVISE: a mode, and why not merge when it is advise. */
 typedef struct {
     guint32 version;
     guint32 mode; /* PfMode */
@@ -73,6 +78,14 @@ typedef struct {
     guint32 chunk;
     guint32 n_slots;
 } PfWirePool;
+
+/* DISCARD: pages [page, page + n_pages) of a region. */
+typedef struct {
+    guint32 region;
+    guint32 reserved;
+    guint64 page;
+    guint64 n_pages;
+} PfWireRange;
 
 typedef enum {
     PF_ITEM_MERGE = 1,   /* map pool slot over the page if equal */
@@ -107,6 +120,7 @@ G_STATIC_ASSERT(sizeof(PfWireHello) == 96);
 G_STATIC_ASSERT(sizeof(PfWireRegion) == 96);
 G_STATIC_ASSERT(sizeof(PfWireItem) == 24);
 G_STATIC_ASSERT(sizeof(PfWireResult) == 8);
+G_STATIC_ASSERT(sizeof(PfWireRange) == 24);
 
 typedef struct {
     PfMsgHeader header;
@@ -131,6 +145,7 @@ const PfWireHello *pf_msg_hello(const PfMsg *msg);
 const PfWireRegion *pf_msg_region(const PfMsg *msg);
 const PfWireMode *pf_msg_mode(const PfMsg *msg);
 const PfWirePool *pf_msg_pool(const PfMsg *msg);
+const PfWireRange *pf_msg_range(const PfMsg *msg);
 const PfWireItem *pf_msg_items(const PfMsg *msg, guint32 *n_items);
 const PfWireResult *pf_msg_results(const PfMsg *msg, guint32 *n_results);
 

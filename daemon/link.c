@@ -269,6 +269,9 @@ on_ready(PfLink *l, const PfMsg *msg)
     if (vm == NULL) {
         return link_refuse(l, "%s", error->message);
     }
+    if (m->mode == PF_MODE_MERGE && vm->regions->len == 0) {
+        return link_refuse(l, "mode merge without a region to merge");
+    }
     if (m->mode == PF_MODE_MERGE) {
         vm->mode = "merge";
     } else {
@@ -291,6 +294,50 @@ on_ready(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
+/* All regions are in: the agent may merge, and may need a userfaultfd. */
+static gboolean
+link_welcome(PfLink *l)
+{
+    PfWireMode w = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
+    g_autoptr(GError) error = NULL;
+    int fd = l->srv->uffd_dev;
+
+    if (!pf_proto_send(l->sock, PF_MSG_WELCOME, 0, &w, sizeof(w), &fd, fd >= 0 ? 1 : 0,
+                       &error)) {
+        link_close(l, error->message);
+        return FALSE;
+    }
+    l->state = LINK_READY;
+    return TRUE;
+}
+
+static gboolean
+on_advise(PfLink *l, const PfMsg *msg)
+{
+    if (!pf_vm_merges(l->vm)) {
+        return link_refuse(l, "ADVISE from an agent that is not merging");
+    }
+    pf_scanner_step_back(l->srv->scanner, l->vm, pf_msg_mode(msg)->reason);
+    return TRUE;
+}
+
+static gboolean
+on_discard(PfLink *l, const PfMsg *msg)
+{
+    const PfWireRange *wr = pf_msg_range(msg);
+    const PfRegion *r = wr->region < l->vm->regions->len
+                            ? g_ptr_array_index(l->vm->regions, wr->region)
+                            : NULL;
+
+    if (r == NULL || wr->page + wr->n_pages > r->n_pages) {
+        return link_refuse(l, "DISCARD of pages %" G_GUINT64_FORMAT "+%" G_GUINT64_FORMAT
+                              " of region %u: no such pages",
+                           wr->page, wr->n_pages, wr->region);
+    }
+    pf_scanner_discarded(l->srv->scanner, l->vm, wr->region, wr->page, wr->n_pages);
+    return TRUE;
+}
+
 static gboolean
 on_message(PfLink *l, PfMsg *msg)
 {
@@ -307,7 +354,7 @@ on_message(PfLink *l, PfMsg *msg)
         }
         l->hello = *h;
         l->state = LINK_REGIONS;
-        return TRUE;
+        return h->n_regions > 0 || link_welcome(l);
     }
     case LINK_REGIONS: {
         const PfWireRegion *wr;
@@ -327,18 +374,7 @@ on_message(PfLink *l, PfMsg *msg)
             return link_refuse(l, "%s", error->message);
         }
         g_ptr_array_add(l->regions, r);
-        if (l->regions->len == l->hello.n_regions) {
-            PfWireMode w = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
-            int fd = l->srv->uffd_dev;
-
-            if (!pf_proto_send(l->sock, PF_MSG_WELCOME, 0, &w, sizeof(w), &fd, fd >= 0 ? 1 : 0,
-                               &error)) {
-                link_close(l, error->message);
-                return FALSE;
-            }
-            l->state = LINK_READY;
-        }
-        return TRUE;
+        return l->regions->len < l->hello.n_regions || link_welcome(l);
     }
     case LINK_READY:
         if (msg->header.type != PF_MSG_READY) {
@@ -348,6 +384,12 @@ on_message(PfLink *l, PfMsg *msg)
     default:
         if (msg->header.type == PF_MSG_RESULT) {
             return on_result(l, msg);
+        }
+        if (msg->header.type == PF_MSG_ADVISE) {
+            return on_advise(l, msg);
+        }
+        if (msg->header.type == PF_MSG_DISCARD) {
+            return on_discard(l, msg);
         }
         if (msg->header.type == PF_MSG_ERROR) {
             g_autofree char *text = g_strdup_printf("its agent gave up: %.*s",

@@ -1171,6 +1171,39 @@ pf_scanner_unmerge(PfScanner *s, PfVm *only)
     settle(s);
 }
 
+/* Pages back in their memfd: what they shared is let go, and they are read
+ * again from scratch.  A page in flight is settled by its agent's answer,
+ * which comes after this news. */
+static void
+back_in_memfd(PfScanner *s, PfRegion *r, gsize from, gsize to)
+{
+    for (gsize i = from; i < to; i++) {
+        if (r->pages[i].state == PF_PAGE_SHARED || r->pages[i].state == PF_PAGE_ZERO) {
+            make_absent(s, r, i);
+        }
+    }
+}
+
+void
+pf_scanner_step_back(PfScanner *s, PfVm *vm, const char *reason)
+{
+    for (guint k = 0; k < vm->regions->len; k++) {
+        PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+        back_in_memfd(s, r, 0, r->n_pages);
+    }
+    vm->mode = "advise";
+    g_free(vm->mode_reason);
+    vm->mode_reason = g_strdup(reason);
+    g_message("VM %s (pid %d) is in advise mode from now on: %s", vm->name, vm->pid, reason);
+}
+
+void
+pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n)
+{
+    back_in_memfd(s, g_ptr_array_index(vm->regions, region), first, first + n);
+}
+
 /* Waits for the agents' answers to every request sent so far. */
 static void
 settle(PfScanner *s)

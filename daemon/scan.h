@@ -114,6 +114,11 @@ void pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultSt
  * process is gone. */
 void pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why);
 PfPool *pf_scanner_get_pool(PfScanner *s);
+/* The VM's agent stepped back to advise mode (a vhost-user device, a
+ * migration, ...): every page it had remapped is back in its memfd. */
+void pf_scanner_step_back(PfScanner *s, PfVm *vm, const char *reason);
+/* Pages of a VM's region were mapped from the memfd again and discarded. */
+void pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n);
 /* Unmerges every page of one VM, or of all (KSM's run=2), and waits for
  * the agents to answer. */
 void pf_scanner_unmerge(PfScanner *s, PfVm *only);

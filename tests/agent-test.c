@@ -353,13 +353,128 @@ test_unmerge_all(void)
     g_assert_cmpint(total(s, "pages_pending"), ==, 0);
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, 0);
     for (int i = 0; i < 2; i++) {
-        g_assert_cmpint(pf_test_memfd_kib(v[i]->pid), ==, PAGES * 4);
+        /* Zero pages stay holes: the merge punched them, and a hole reads
+         * zero.  Writers may have filled a few since. */
+        g_assert_cmpint(pf_test_memfd_kib(v[i]->pid), >=, (PAGES - ZERO) * 4);
         /* Merged, guest RAM was in many mappings; now in one again. */
         g_assert_cmpint(pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
         vmm_verify(v[i]);
         vmm_quit(v[i]);
         vmm_free(v[i]);
     }
+}
+
+static gint64
+vmm_stat(Vmm *v, const char *name)
+{
+    g_autofree char *r = vmm_cmd(v, "stats");
+    g_autofree char *key = g_strdup_printf(" %s ", name);
+    const char *p = strstr(r, key);
+
+    g_assert_nonnull(p);
+    return g_ascii_strtoll(p + strlen(key), NULL, 10);
+}
+
+/* A VM whose VMM needs plain RAM again (a vhost-user device, a migration
+ * with postcopy, background snapshot or x-ignore-shared) steps back while
+ * merged and written: every page back in its memfd, no write lost, the
+ * pool references let go, advise mode with the reason; the other VM stays
+ * merged. */
+static void
+test_step_back(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *a = vmm_start(d, "a", 1, 2, FALSE), *b = vmm_start(d, "b", 2, 0, FALSE);
+    guint64 ram = guest_addr(d, "a");
+    g_autoptr(JsonObject) s = stats(d, "scan-now", "3");
+    g_autofree char *r = NULL;
+    JsonObject *vm;
+
+    gint64 b_remapped = vmm_stat(b, "remapped");
+
+    g_assert_cmpint(vmm_stat(a, "remapped"), >, IDENTICAL / 2);
+    g_assert_cmpint(pf_test_count_vmas(a->pid, ram, PAGES * PF_PAGE_SIZE), >, 1);
+    r = vmm_cmd(a, "step-back a vhost-user device (test)");
+    g_assert_cmpstr(r, ==, "ok advise");
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "2");
+    vm = vm_of(s, "a");
+    g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "advise");
+    g_assert_cmpstr(json_object_get_string_member(vm, "mode_reason"), ==,
+                    "a vhost-user device (test)");
+    /* No page of a is remapped: guest RAM is one mapping of the memfd
+     * again, and what it reads there is what was written. */
+    g_assert_cmpint(vmm_stat(a, "remapped"), ==, 0);
+    g_assert_cmpint(pf_test_count_vmas(a->pid, ram, PAGES * PF_PAGE_SIZE), ==, 1);
+    vmm_verify(a);
+    /* b keeps its merges; the slots are b's alone now. */
+    g_assert_cmpint(vmm_stat(b, "remapped"), >=, b_remapped);
+    g_assert_cmpint(json_object_get_int_member(vm_of(s, "b"), "zero_pages"), ==, ZERO);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==,
+                    vmm_stat(b, "remapped") - ZERO);
+    vmm_verify(b);
+    /* Once is enough; a link that stepped back stays up. */
+    g_clear_pointer(&r, g_free);
+    r = vmm_cmd(a, "step-back again");
+    g_assert_cmpstr(r, ==, "ok advise");
+    g_assert_cmpint(vmm_stat(a, "connected"), ==, 1);
+    vmm_quit(a);
+    vmm_quit(b);
+    vmm_free(a);
+    vmm_free(b);
+}
+
+/* A balloon takes merged pages: the agent maps the memfd back first, so
+ * the discard frees them and pagefoldd lets their slots go; written
+ * again, they merge again. */
+static void
+test_discard(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *a = vmm_start(d, "a", 1, 0, FALSE), *b = vmm_start(d, "b", 2, 0, FALSE);
+    guint64 ram = guest_addr(d, "a");
+    gint64 vmas = pf_test_count_vmas(a->pid, ram, PAGES * PF_PAGE_SIZE);
+    g_autoptr(JsonObject) s = stats(d, "scan-now", "3");
+    g_autofree char *r1 = NULL, *r2 = NULL, *r3 = NULL;
+    /* Blocks in the order identical, unique, zero: 16 identical and 16
+     * unique pages; 8 unique and 16 zero. */
+    g_autofree char *across1 = g_strdup_printf("discard %d 32", IDENTICAL - 16);
+    g_autofree char *across2 = g_strdup_printf("discard %d 24", IDENTICAL + UNIQUE - 8);
+    g_autofree char *r4 = NULL;
+    gint64 merged_vmas = pf_test_count_vmas(a->pid, ram, PAGES * PF_PAGE_SIZE);
+
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
+    /* 64 identical pages, and ranges across blocks. */
+    r1 = vmm_cmd(a, "discard 0 64");
+    g_assert_cmpstr(r1, ==, "ok");
+    r2 = vmm_cmd(a, across1);
+    g_assert_cmpstr(r2, ==, "ok");
+    r4 = vmm_cmd(a, across2);
+    g_assert_cmpstr(r4, ==, "ok");
+    g_assert_cmpint(vmm_stat(a, "discarded"), ==, 64 + 16 + 16);
+    g_assert_cmpint(vmm_stat(a, "remapped"), ==, IDENTICAL + ZERO - 96);
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "2");
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 80);
+    g_assert_cmpint(json_object_get_int_member(vm_of(s, "a"), "zero_pages"), ==, ZERO - 16);
+    /* The memfd holds nothing new: the discard punched what it took. */
+    g_assert_cmpint(pf_test_memfd_kib(a->pid), ==, (UNIQUE - 24) * 4);
+    /* Each discard splits at most one mapping in two. */
+    g_assert_cmpint(pf_test_count_vmas(a->pid, ram, PAGES * PF_PAGE_SIZE), <=, merged_vmas + 3);
+    g_assert_cmpint(vmas, ==, 1);
+    vmm_verify(a);
+    vmm_verify(b);
+    /* The guest takes page 0 back and writes what it held: merged again. */
+    r3 = vmm_cmd(a, "restore 0");
+    g_assert_cmpstr(r3, ==, "ok");
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "3");
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 79);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
+    vmm_quit(a);
+    vmm_quit(b);
+    vmm_free(a);
+    vmm_free(b);
 }
 
 /* Merges that cannot share mappings stop at the VM's mapping budget. */
@@ -455,8 +570,12 @@ test_huge_pages(void)
     n = pf_test_ctl_json(d, "set", "run", "2", NULL);
     json_node_unref(n);
     for (int i = 0; i < 2; i++) {
-        /* Every extent unmerged is a huge page again. */
-        g_assert_cmpint(huge_kib(v[i]->pid, ram[i]), ==, before[i]);
+        /* Every extent unmerged is a huge page again, but one of zero
+         * pages only: the merge punched those, and a hole reads zero for
+         * free. */
+        gint64 zero_extents = PAGES / 512 - (IDENTICAL + UNIQUE + 511) / 512;
+
+        g_assert_cmpint(huge_kib(v[i]->pid, ram[i]), ==, before[i] - zero_extents * 2048);
         g_assert_cmpint(pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
         vmm_verify(v[i]);
         vmm_quit(v[i]);
@@ -596,6 +715,8 @@ main(int argc, char **argv)
     g_test_add_data_func("/agent/cow-and-remerge/pagemap", "pagemap", test_cow_and_remerge);
     g_test_add_func("/agent/unmerge-all", test_unmerge_all);
     g_test_add_func("/agent/vma-budget", test_vma_budget);
+    g_test_add_func("/agent/step-back", test_step_back);
+    g_test_add_func("/agent/discard", test_discard);
     g_test_add_func("/agent/huge-pages", test_huge_pages);
     g_test_add_func("/agent/concurrent-writers", test_concurrent_writers);
     g_test_add_func("/agent/kill-daemon", test_kill_daemon);

@@ -14,9 +14,15 @@
  *   restore PAGE    write the page's first content back  -> "ok"
  *   verify          compare all RAM with the shadow      -> "verify ok N" / "verify FAIL ..."
  *   stats           the agent's counters                 -> "stats merged M zeroed Z ..."
+ *   discard PAGE N  give N pages back as a balloon does: the agent first,
+ *                   then punch and MADV_DONTNEED as QEMU's
+ *                   ram_block_discard_range(); they read zero after -> "ok"
+ *   step-back WHY   pf_agent_step_back(), as QEMU before a vhost-user
+ *                   device or a migration that needs plain RAM  -> "ok MODE"
  *   quit            stop writers, verify, exit 0 or 1
  * EOF on stdin is quit.  Prints "ready PID MODE" first.
  */
+#include <errno.h>
 #include <fcntl.h>
 #include <glib.h>
 #include <stdio.h>
@@ -68,6 +74,28 @@ write_page(Vmm *v, gsize page, const guint8 *content, gboolean partial)
         memcpy(sh, content, PF_PAGE_SIZE);
     }
     g_mutex_unlock(lock_of(v, page));
+}
+
+/* What QEMU's ram_block_discard_range() does to a shared memfd block,
+ * after asking the agent: the pages read zero from then on. */
+static void
+discard(Vmm *v, PfAgent *agent, gsize page, gsize n)
+{
+    guint8 *hva = v->g->mem + page * PF_PAGE_SIZE;
+
+    for (gsize l = page / 64; l <= (page + n - 1) / 64; l++) {
+        g_mutex_lock(&v->locks[l]);
+    }
+    pf_agent_discard(agent, hva, n * PF_PAGE_SIZE);
+    if (fallocate(v->g->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                  (off_t)(page * PF_PAGE_SIZE), (off_t)(n * PF_PAGE_SIZE)) < 0 ||
+        madvise(hva, n * PF_PAGE_SIZE, MADV_DONTNEED) < 0) {
+        g_error("discard: %s", g_strerror(errno));
+    }
+    memset(v->shadow + page * PF_PAGE_SIZE, 0, n * PF_PAGE_SIZE);
+    for (gsize l = page / 64; l <= (page + n - 1) / 64; l++) {
+        g_mutex_unlock(&v->locks[l]);
+    }
 }
 
 static void
@@ -221,7 +249,7 @@ main(int argc, char **argv)
     fflush(stdout);
 
     while (fgets(line, sizeof(line), stdin) != NULL) {
-        guint64 page;
+        guint64 page, n;
         guint8 buf[PF_PAGE_SIZE];
 
         g_strchomp(line);
@@ -233,6 +261,13 @@ main(int argc, char **argv)
             first_content(&v, page, buf);
             write_page(&v, page, buf, FALSE);
             printf("ok\n");
+        } else if (sscanf(line, "discard %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT, &page, &n) ==
+                       2 && page < pages && n > 0 && n <= pages - page) {
+            discard(&v, agent, page, n);
+            printf("ok\n");
+        } else if (g_str_has_prefix(line, "step-back ")) {
+            pf_agent_step_back(agent, line + strlen("step-back "));
+            printf("ok %s\n", pf_agent_get_mode(agent) == PF_MODE_MERGE ? "merge" : "advise");
         } else if (g_str_equal(line, "verify")) {
             if (verify(&v, why)) {
                 printf("verify ok %zu\n", pages);
@@ -245,9 +280,11 @@ main(int argc, char **argv)
             pf_agent_get_stats(agent, &st);
             printf("stats merged %" G_GUINT64_FORMAT " zeroed %" G_GUINT64_FORMAT
                    " unmerged %" G_GUINT64_FORMAT " changed %" G_GUINT64_FORMAT
-                   " errors %" G_GUINT64_FORMAT " writes %" G_GUINT64_FORMAT " connected %d\n",
-                   st.merged, st.zeroed, st.unmerged, st.changed, st.errors,
-                   __atomic_load_n(&v.writes, __ATOMIC_RELAXED), pf_agent_is_connected(agent));
+                   " errors %" G_GUINT64_FORMAT " remapped %" G_GUINT64_FORMAT
+                   " discarded %" G_GUINT64_FORMAT " writes %" G_GUINT64_FORMAT " connected %d\n",
+                   st.merged, st.zeroed, st.unmerged, st.changed, st.errors, st.remapped,
+                   st.discarded, __atomic_load_n(&v.writes, __ATOMIC_RELAXED),
+                   pf_agent_is_connected(agent));
         } else if (g_str_equal(line, "quit")) {
             break;
         } else {
