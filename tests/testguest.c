@@ -3,8 +3,11 @@
  */
 #include "testguest.h"
 
+#include <gio/gunixsocketaddress.h>
+#include <glib/gstdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "testproc.h"
 
@@ -42,14 +45,15 @@ pf_test_guest_start(const PfGuestSpec *spec)
 {
     Guest *g = g_new0(Guest, 1);
     g_autoptr(GError) error = NULL;
-    g_autofree char *mem = g_strdup_printf("memory-backend-memfd,id=ram,size=%dM,share=on",
-                                           spec->ram_mib);
+    g_autofree char *mem = g_strdup_printf("memory-backend-memfd,id=ram,size=%dM,share=%s",
+                                           spec->ram_mib, spec->private_ram ? "off" : "on");
+    g_autofree char *qmp = NULL;
     g_autofree char *agent = g_strdup_printf("x-pagefold-agent,id=pf0,socket=%s",
                                              spec->agent_sock);
     g_autofree char *append = g_strdup_printf(
         "console=ttyS0 quiet pfguest.mib=%d pfguest.seed=%d pfguest.seconds=%d "
-        "pfguest.check_s=%d pfguest.reboot=%d", spec->fill_mib, spec->seed, spec->seconds,
-        spec->check_s, spec->reboot);
+        "pfguest.check_s=%d pfguest.reboot=%d %s", spec->fill_mib, spec->seed, spec->seconds,
+        spec->check_s, spec->reboot, spec->cmdline ? spec->cmdline : "");
     g_autofree char *guestname = g_strdup_printf("guest=%s", spec->name);
     g_autofree char *m = g_strdup_printf("%dM", spec->ram_mib);
     g_autoptr(GPtrArray) argv = g_ptr_array_new();
@@ -62,6 +66,15 @@ pf_test_guest_start(const PfGuestSpec *spec)
 
     for (gsize i = 0; i < G_N_ELEMENTS(args); i++) {
         g_ptr_array_add(argv, (char *)args[i]);
+    }
+    g->dir = g_dir_make_tmp("pagefold-guest-XXXXXX", &error);
+    g_assert_no_error(error);
+    g->qmp_path = g_build_filename(g->dir, "qmp.sock", NULL);
+    qmp = g_strdup_printf("unix:%s,server=on,wait=off", g->qmp_path);
+    g_ptr_array_add(argv, (char *)"-qmp");
+    g_ptr_array_add(argv, qmp);
+    for (gsize i = 0; spec->extra != NULL && spec->extra[i] != NULL; i++) {
+        g_ptr_array_add(argv, (char *)spec->extra[i]);
     }
     if (spec->agent_sock != NULL) {
         g_ptr_array_add(argv, (char *)"-machine");
@@ -122,7 +135,70 @@ pf_test_guest_free(Guest *g)
     g_thread_join(g->reader);
     g_async_queue_unref(g->lines);
     g_object_unref(g->proc);
+    unlink(g->qmp_path);
+    g_rmdir(g->dir);
+    g_free(g->qmp_path);
+    g_free(g->dir);
     g_free(g->name);
     g_free(g);
+}
+
+/* The next reply on a QMP connection, events skipped. */
+static JsonNode *
+qmp_reply(GDataInputStream *in, const char *command)
+{
+    for (;;) {
+        g_autoptr(GError) error = NULL;
+        g_autofree char *line = g_data_input_stream_read_line(in, NULL, NULL, &error);
+        g_autoptr(JsonParser) p = json_parser_new();
+        JsonObject *o;
+
+        g_assert_no_error(error);
+        if (line == NULL) {
+            g_error("QMP %s: connection closed", command);
+        }
+        g_assert_true(json_parser_load_from_data(p, line, -1, &error));
+        o = json_node_get_object(json_parser_get_root(p));
+        if (json_object_has_member(o, "error")) {
+            g_error("QMP %s: %s", command, line);
+        }
+        if (json_object_has_member(o, "return")) {
+            return json_node_copy(json_object_get_member(o, "return"));
+        }
+    }
+}
+
+JsonNode *
+pf_test_guest_qmp(Guest *g, const char *command, const char *arguments)
+{
+    g_autoptr(GError) error = NULL;
+    g_autoptr(GSocketClient) client = g_socket_client_new();
+    g_autoptr(GSocketAddress) addr = g_unix_socket_address_new(g->qmp_path);
+    g_autoptr(GSocketConnection) conn = NULL;
+    g_autoptr(GDataInputStream) in = NULL;
+    g_autofree char *line = NULL, *greeting = NULL;
+    GOutputStream *out;
+    const char *caps = "{\"execute\": \"qmp_capabilities\"}\n";
+
+    /* QEMU opens the socket early, but not at once. */
+    for (int i = 0; i < 100 && conn == NULL; i++) {
+        g_clear_error(&error);
+        conn = g_socket_client_connect(client, G_SOCKET_CONNECTABLE(addr), NULL, &error);
+        if (conn == NULL) {
+            g_usleep(100000);
+        }
+    }
+    g_assert_no_error(error);
+    in = g_data_input_stream_new(g_io_stream_get_input_stream(G_IO_STREAM(conn)));
+    out = g_io_stream_get_output_stream(G_IO_STREAM(conn));
+    greeting = g_data_input_stream_read_line(in, NULL, NULL, &error);
+    g_assert_no_error(error);
+    g_assert_nonnull(greeting);
+    g_assert_true(g_output_stream_write_all(out, caps, strlen(caps), NULL, NULL, &error));
+    json_node_unref(qmp_reply(in, "qmp_capabilities"));
+    line = g_strdup_printf("{\"execute\": \"%s\"%s%s}\n", command,
+                           arguments ? ", \"arguments\": " : "", arguments ? arguments : "");
+    g_assert_true(g_output_stream_write_all(out, line, strlen(line), NULL, NULL, &error));
+    return qmp_reply(in, command);
 }
 

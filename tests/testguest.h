@@ -6,6 +6,7 @@
 #pragma once
 
 #include <gio/gio.h>
+#include <json-glib/json-glib.h>
 
 typedef struct {
     const char *name;
@@ -17,6 +18,9 @@ typedef struct {
     int seconds;            /* pfguest runs this long, then powers off */
     int check_s;            /* between its checks of all it wrote */
     gboolean reboot;        /* reboot instead of powering off */
+    gboolean private_ram;   /* with the agent, memfd RAM without share=on */
+    const char *const *extra; /* more QEMU arguments, NULL-terminated */
+    const char *cmdline;    /* more of the guest kernel's command line */
 } PfGuestSpec;
 
 typedef struct {
@@ -25,6 +29,8 @@ typedef struct {
     GThread *reader;
     int pid;
     char *name;
+    char *dir;      /* its QMP socket, and whatever a test puts there */
+    char *qmp_path;
 } Guest;
 
 /* QEMU_BINARY, GUEST_KERNEL and GUEST_INITRD are set. */
@@ -33,3 +39,6 @@ Guest *pf_test_guest_start(const PfGuestSpec *spec);
 /* Waits for a line starting with prefix; fails on a FAIL line or EOF. */
 char *pf_test_guest_expect(Guest *g, const char *prefix, guint seconds);
 void pf_test_guest_free(Guest *g);
+/* Runs one QMP command (arguments as a JSON object text, or NULL) on a
+ * connection of its own; returns its "return", fails on an "error". */
+JsonNode *pf_test_guest_qmp(Guest *g, const char *command, const char *arguments);

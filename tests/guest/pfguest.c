@@ -10,8 +10,12 @@
  * Settings come from the kernel command line: pfguest.mib= (fill, 64),
  * pfguest.seed= (1), pfguest.volatile= (percent, 1), pfguest.period_ms=
  * (500), pfguest.check_s= (5), pfguest.seconds= (0: until powered off),
- * pfguest.reboot=1 (reboot instead of powering off at the end).
- * It prints on the console, one line each: "PFGUEST READY", "PFGUEST CHECK
+ * pfguest.reboot=1 (reboot instead of powering off at the end),
+ * pfguest.scratch_mib= (0) and pfguest.scratch_s= (10): memory filled
+ * right after READY (half zero, half one content repeated) and given back
+ * to the guest kernel after scratch_s seconds, for a balloon to take.
+ * It prints on the console, one line each: "PFGUEST READY", "PFGUEST
+ * SCRATCH filled|freed", "PFGUEST CHECK
  * ok|FAIL ...", and at the end "PFGUEST PASS" or "PFGUEST FAIL", then powers
  * the guest off.  It never trusts the host: everything is recomputed.
  */
@@ -72,6 +76,8 @@ main(void)
     char cmdline[4096] = "";
     FILE *f;
     unsigned long mib, seed, vol_pct, period_ms, check_s, seconds, reboot_after;
+    unsigned long scratch_mib, scratch_s;
+    uint8_t *scratch = NULL;
     size_t pages, identical, zero, vol, unique;
     uint8_t *mem, want[PAGE];
     uint32_t *gen;
@@ -92,6 +98,8 @@ main(void)
     check_s = param(cmdline, "pfguest.check_s=", 5);
     seconds = param(cmdline, "pfguest.seconds=", 0);
     reboot_after = param(cmdline, "pfguest.reboot=", 0);
+    scratch_mib = param(cmdline, "pfguest.scratch_mib=", 0);
+    scratch_s = param(cmdline, "pfguest.scratch_s=", 10);
 
     pages = mib * 256;
     identical = pages / 2;
@@ -121,10 +129,36 @@ main(void)
            identical, zero, unique, vol);
     fflush(stdout);
 
+    if (scratch_mib > 0) {
+        scratch = mmap(NULL, scratch_mib << 20, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (scratch == MAP_FAILED) {
+            printf("PFGUEST FAIL cannot allocate %lu MiB of scratch\n", scratch_mib);
+            return 1;
+        }
+        for (size_t i = 0; i < scratch_mib * 256; i++) {
+            if (i % 2) {
+                fill(scratch + i * PAGE, mix(4, 0, 0, 0));
+            } else {
+                memset(scratch + i * PAGE, 0, PAGE);
+            }
+        }
+        printf("PFGUEST SCRATCH filled %lu MiB\n", scratch_mib);
+        fflush(stdout);
+    }
+
     start = last_check = now();
     while (seconds == 0 || now() - start < seconds) {
         size_t bad = 0;
         double t0;
+
+        if (scratch != NULL && now() - start >= scratch_s) {
+            /* Back to the guest kernel's free pages, merged as they are. */
+            munmap(scratch, scratch_mib << 20);
+            scratch = NULL;
+            printf("PFGUEST SCRATCH freed\n");
+            fflush(stdout);
+        }
 
         /* The guest keeps writing: volatile pages get new content. */
         for (size_t k = 0; k < vol; k++) {
