@@ -163,14 +163,6 @@ uffd_protect(int uffd, void *addr, gsize len, gboolean on)
     return ioctl(uffd, UFFDIO_WRITEPROTECT, &wp) < 0 ? -errno : 0;
 }
 
-static void
-uffd_wake(int uffd, void *addr, gsize len)
-{
-    struct uffdio_range r = { (guint64)(guintptr)addr, len };
-
-    ioctl(uffd, UFFDIO_WAKE, &r);
-}
-
 /* Makes the userfaultfd and registers all guest RAM for write protection;
  * on failure says why the VM must stay in advise mode. */
 static gboolean
@@ -255,6 +247,37 @@ continues(const PfWireItem *first, guint32 k, const PfWireItem *it)
            it->chunk == first->chunk && it->slot == first->slot + k;
 }
 
+#define WINDOW_PAGES 4096u /* 16 MiB */
+
+static guint64
+extent_of_page(const Region *r, guint64 page)
+{
+    return ((guintptr)r->host + page * PF_PAGE_SIZE) / (HUGE_PAGES * PF_PAGE_SIZE);
+}
+
+/*
+ * Does it join the window of first, which spans pages [lo, hi)?  Within
+ * WINDOW_PAGES, and never across a 2 MiB extent with no item in it:
+ * protecting a page splits its huge mapping, which merging does anyway
+ * where it merges, but must not do where it does not.
+ */
+static gboolean
+is_window_item(PfAgent *a, const PfWireItem *first, const PfWireItem *it, guint64 lo,
+               guint64 hi)
+{
+    const Region *r;
+    guint64 e;
+
+    if ((it->kind != PF_ITEM_MERGE && it->kind != PF_ITEM_ZERO) ||
+        it->region != first->region || !item_valid(a, it) ||
+        MAX(hi, it->page + 1) - MIN(lo, it->page) > WINDOW_PAGES) {
+        return FALSE;
+    }
+    r = &g_array_index(a->regions, Region, it->region);
+    e = extent_of_page(r, it->page);
+    return e + 1 >= extent_of_page(r, lo) && e <= extent_of_page(r, hi - 1) + 1;
+}
+
 /* A fresh mapping has none of the region's advice: give it again. */
 static void
 readvise(const Region *r, void *addr, gsize len)
@@ -273,7 +296,8 @@ set_result(PfWireResult *res, PfResultStatus status, int err)
 }
 
 /* k consecutive pages to k consecutive pool slots: the slots' content
- * (merge), or zero slots when the pages are zero (zero). */
+ * (merge), or zero slots when the pages are zero (zero).  The pages are
+ * write-protected already (exec_window): what is compared is what stays. */
 static void
 exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
 {
@@ -282,15 +306,7 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
     gboolean zero = first->kind == PF_ITEM_ZERO;
     guint8 *hva = r->host + first->page * PF_PAGE_SIZE;
     gboolean done[MAX_RUN] = { FALSE };
-    int rc = uffd_protect(a->uffd, hva, (gsize)k * PF_PAGE_SIZE, TRUE);
 
-    if (rc < 0) {
-        for (guint32 t = 0; t < k; t++) {
-            set_result(&res[t], PF_RESULT_ERROR, -rc);
-        }
-        return;
-    }
-    /* Writers now block.  What we compare is what stays. */
     for (guint32 t = 0; t < k; t++) {
         const guint8 *slot = c->map + (gsize)(first->slot + t) * PF_PAGE_SIZE;
 
@@ -317,11 +333,9 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
             int e = errno;
 
             for (guint32 v = t; v < u; v++) {
-                done[v] = FALSE;
                 set_result(&res[v], PF_RESULT_ERROR, e);
             }
         } else {
-            readvise(r, m, (gsize)(u - t) * PF_PAGE_SIZE);
             for (guint32 v = t; v < u; v++) {
                 set_remapped(a, r, first->page + v, TRUE);
             }
@@ -334,22 +348,44 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
         }
         t = u;
     }
-    /* Pages left as they were: lift the protection, their writers go on. */
-    for (guint32 t = 0; t < k;) {
-        guint32 u = t;
+}
 
-        if (done[t]) {
-            t++;
-            continue;
+/*
+ * Merge and zero items of one region within WINDOW_PAGES of each other
+ * share their system calls: one write protection of the window, runs
+ * remapped, then the window registered again (the new mappings are not),
+ * unprotected (which wakes every writer that blocked meanwhile; they retry
+ * on whatever the page is now) and advised as the region is.  Each of
+ * those calls flushes TLBs or walks mappings: per window, not per run.
+ */
+static void
+exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 hi,
+            PfWireResult *res)
+{
+    Region *r = &g_array_index(a->regions, Region, items[0].region);
+    guint8 *hva = r->host + lo * PF_PAGE_SIZE;
+    gsize len = (hi - lo) * PF_PAGE_SIZE;
+    int rc;
+
+    if ((rc = uffd_register(a->uffd, hva, len)) < 0 ||
+        (rc = uffd_protect(a->uffd, hva, len, TRUE)) < 0) {
+        for (guint32 t = 0; t < n; t++) {
+            set_result(&res[t], PF_RESULT_ERROR, -rc);
         }
-        while (u < k && !done[u]) {
-            u++;
-        }
-        uffd_protect(a->uffd, hva + (gsize)t * PF_PAGE_SIZE, (gsize)(u - t) * PF_PAGE_SIZE, FALSE);
-        t = u;
+        return;
     }
-    /* Writers that blocked on remapped pages retry on the new mapping. */
-    uffd_wake(a->uffd, hva, (gsize)k * PF_PAGE_SIZE);
+    for (guint32 i = 0; i < n;) {
+        guint32 k = 1;
+
+        while (i + k < n && k < MAX_RUN && continues(&items[i], k, &items[i + k])) {
+            k++;
+        }
+        exec_run(a, &items[i], k, &res[i]);
+        i += k;
+    }
+    uffd_register(a->uffd, hva, len);
+    uffd_protect(a->uffd, hva, len, FALSE);
+    readvise(r, hva, len);
 }
 
 /*
@@ -473,6 +509,7 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
 
     for (guint32 i = 0; i < n;) {
         guint32 k = 1;
+        guint64 lo, hi;
 
         if (!item_valid(a, &items[i])) {
             /* Out of range: refused, nothing touched. */
@@ -497,11 +534,14 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
             i++;
             continue;
         }
-        while (i + k < n && k < MAX_RUN && continues(&items[i], k, &items[i + k]) &&
-               item_valid(a, &items[i + k])) {
+        lo = items[i].page;
+        hi = lo + 1;
+        while (i + k < n && is_window_item(a, &items[i], &items[i + k], lo, hi)) {
+            lo = MIN(lo, items[i + k].page);
+            hi = MAX(hi, items[i + k].page + 1);
             k++;
         }
-        exec_run(a, &items[i], k, &res[i]);
+        exec_window(a, &items[i], k, lo, hi, &res[i]);
         i += k;
     }
     count_results(a, items, res, n);

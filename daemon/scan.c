@@ -1127,7 +1127,12 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
             continue;
         }
         if (s->cur_page >= s->data_end) {
+            gsize from = s->cur_page;
+
+            /* Holes count as visited: batch_size() paces passes over all
+             * pages, and merged pages are holes too. */
             find_data(s, r);
+            done += s->cur_page - from;
             continue;
         }
         done += scan_range(s, r, MIN(max_pages - done, s->data_end - s->cur_page));

@@ -84,7 +84,7 @@ GPtrArray *pf_scanner_get_vms(PfScanner *s);
 PfVm *pf_scanner_find_vm(PfScanner *s, const char *name_or_pid);
 
 /* Visits up to max_pages pages; stops early at the end of a pass.
- * Returns the pages visited. */
+ * Returns the pages visited, holes of the memfd stepped over included. */
 gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
 /* Scans until n passes have ended (the current one counts if begun). */
 void pf_scanner_run_passes(PfScanner *s, guint n);

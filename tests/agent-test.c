@@ -151,22 +151,6 @@ vm_of(JsonObject *s, const char *name)
     return NULL;
 }
 
-/* A proportional set size in KiB (each physical page split among the
- * processes that map it): "Pss" or one of its parts, "Pss_Shmem". */
-static gint64
-pss_kib(int pid, const char *which)
-{
-    g_autofree char *path = g_strdup_printf("/proc/%d/smaps_rollup", pid);
-    g_autofree char *text = NULL;
-    g_autofree char *key = g_strdup_printf("\n%s:", which);
-    const char *p;
-
-    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
-    p = strstr(text, key);
-    g_assert_nonnull(p);
-    return g_ascii_strtoll(p + strlen(key), NULL, 10);
-}
-
 static guint64
 pfn_of(int pid, guint64 addr)
 {
@@ -227,7 +211,7 @@ test_merge_exact(void)
         ram[i] = guest_addr(d, name);
         pss_before += pf_test_smaps_sum(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE, "Pss");
     }
-    pss_before += pss_kib(daemon_pid, "Pss_Shmem");
+    pss_before += pf_test_rollup_kib(daemon_pid, "Pss_Shmem");
     s = stats(d, "scan-now", "3");
     g_assert_cmpstr(json_object_get_string_member(s, "mode"), ==, "merge");
     g_assert_cmpint(total(s, "pages_shared"), ==, IDENTICAL);
@@ -260,7 +244,7 @@ test_merge_exact(void)
     for (int i = 0; i < 3; i++) {
         pss_after += pf_test_smaps_sum(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE, "Pss");
     }
-    pss_after += pss_kib(daemon_pid, "Pss_Shmem");
+    pss_after += pf_test_rollup_kib(daemon_pid, "Pss_Shmem");
     g_test_message("Pss %" G_GINT64_FORMAT " KiB -> %" G_GINT64_FORMAT " KiB", pss_before,
                    pss_after);
     g_assert_cmpint(pss_before - pss_after, >=, (2 * IDENTICAL + 3 * ZERO - 512) * 4 * 9 / 10);

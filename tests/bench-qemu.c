@@ -27,10 +27,12 @@
 typedef struct {
     char name[32];
     double saved_mib;
+    double net_mib;  /* saved_mib less the deduplicator's own memory */
     double used_mib; /* the guests' memory at the end (their Pss, and pagefoldd's) */
     double t90_s;
     double cpu90_s;
     double slowdown;
+    double agent90_s; /* of cpu90_s, the agents' part (pagefold) */
 } Result;
 
 static double
@@ -88,6 +90,25 @@ ksmd_pid(void)
     return -1;
 }
 
+static char *ksm_get(const char *knob);
+
+/*
+ * KSM's own memory, which no process's Pss shows: its rmap_items, as its
+ * general_profit counter charges them ((pages_sharing + ksm_zero_pages)
+ * pages, less general_profit).  pagefoldd's is in its Pss.
+ */
+static double
+ksm_metadata_mib(void)
+{
+    g_autofree char *sharing = ksm_get("pages_sharing"), *zero = ksm_get("ksm_zero_pages");
+    g_autofree char *profit = ksm_get("general_profit");
+
+    return ((double)(g_ascii_strtoll(sharing, NULL, 10) + g_ascii_strtoll(zero, NULL, 10)) *
+                4096.0 -
+            (double)g_ascii_strtoll(profit, NULL, 10)) /
+           (1024.0 * 1024.0);
+}
+
 static gboolean
 ksm_set(const char *knob, const char *value)
 {
@@ -134,6 +155,51 @@ median_of(GArray *a)
     return a->len ? bench_median((double *)a->data, a->len) : -1;
 }
 
+/* Where a process's memory is, by mapping name: to see what is left. */
+static void
+dump_pss(const char *who, int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/smaps", pid);
+    g_autofree char *text = NULL;
+    g_auto(GStrv) lines = NULL;
+    g_autoptr(GHashTable) by_name = g_hash_table_new_full(g_str_hash, g_str_equal, g_free, NULL);
+    g_autofree char *name = g_strdup("?");
+    GHashTableIter it;
+    gpointer k, v;
+
+    if (!g_file_get_contents(path, &text, NULL, NULL)) {
+        return;
+    }
+    lines = g_strsplit(text, "\n", -1);
+    for (char **l = lines; *l != NULL; l++) {
+        gint64 kib;
+
+        if (g_ascii_isxdigit((*l)[0]) && strchr(*l, '-') != NULL && strchr(*l, ' ') != NULL) {
+            g_auto(GStrv) f = g_strsplit_set(*l, " ", -1);
+            const char *n = "[anon]";
+
+            for (int i = 5; f[i] != NULL; i++) {
+                if (*f[i]) {
+                    n = f[i];
+                    break;
+                }
+            }
+            g_free(name);
+            name = g_strdup(n);
+        } else if (sscanf(*l, "Pss: %" G_GINT64_FORMAT, &kib) == 1) {
+            gint64 old = GPOINTER_TO_SIZE(g_hash_table_lookup(by_name, name));
+
+            g_hash_table_replace(by_name, g_strdup(name), GSIZE_TO_POINTER((gsize)(old + kib)));
+        }
+    }
+    g_hash_table_iter_init(&it, by_name);
+    while (g_hash_table_iter_next(&it, &k, &v)) {
+        if (GPOINTER_TO_SIZE(v) >= 1024) {
+            printf("# %s: %-50s %8.1f MiB\n", who, (char *)k, GPOINTER_TO_SIZE(v) / 1024.0);
+        }
+    }
+}
+
 /* One system: boot, wait, measure a baseline, start deduplicating,
  * sample until `seconds` have passed. */
 static Result
@@ -149,9 +215,10 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     g_autoptr(GArray) t = g_array_new(FALSE, FALSE, sizeof(double));
     g_autoptr(GArray) saving = g_array_new(FALSE, FALSE, sizeof(double));
     g_autoptr(GArray) cpu = g_array_new(FALSE, FALSE, sizeof(double));
+    g_autoptr(GArray) agent_cpu = g_array_new(FALSE, FALSE, sizeof(double));
     g_autofree char *ksm_stat = g_strdup_printf("/proc/%d/stat", ksmd);
     g_autofree char *daemon_stat = NULL;
-    double pss0 = 0, cpu0 = 0, t0, final;
+    double pss0 = 0, cpu0 = 0, agent0 = 0, t0, final;
 
     g_strlcpy(res.name, name, sizeof(res.name));
     if (pf) {
@@ -178,10 +245,11 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
         g_free(line);
     }
     for (int i = 0; i < n_guests; i++) {
-        pss0 += pf_test_smaps_sum(g[i]->pid, 0, 0, "Pss");
-        cpu0 += pf ? agent_cpu_s(g[i]->pid) : 0;
+        pss0 += pf_test_rollup_kib(g[i]->pid, "Pss");
+        agent0 += pf ? agent_cpu_s(g[i]->pid) : 0;
     }
-    pss0 += pf ? pf_test_smaps_sum(daemon_pid, 0, 0, "Pss") : 0;
+    cpu0 += agent0;
+    pss0 += pf ? pf_test_rollup_kib(daemon_pid, "Pss") : 0;
     cpu0 += pf ? proc_cpu_s(daemon_stat) : proc_cpu_s(ksm_stat);
 
     if (pf) {
@@ -197,13 +265,16 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     }
     t0 = bench_now();
     while (bench_now() - t0 < seconds) {
-        double pss = 0, c = 0, now_s = bench_now() - t0, save;
+        double pss = 0, c = 0, ac = 0, now_s = bench_now() - t0, save;
 
         for (int i = 0; i < n_guests; i++) {
-            pss += pf_test_smaps_sum(g[i]->pid, 0, 0, "Pss");
-            c += pf ? agent_cpu_s(g[i]->pid) : 0;
+            pss += pf_test_rollup_kib(g[i]->pid, "Pss");
+            ac += pf ? agent_cpu_s(g[i]->pid) : 0;
         }
-        pss += pf ? pf_test_smaps_sum(daemon_pid, 0, 0, "Pss") : 0;
+        c = ac;
+        ac -= agent0;
+        g_array_append_val(agent_cpu, ac);
+        pss += pf ? pf_test_rollup_kib(daemon_pid, "Pss") : 0;
         c += pf ? proc_cpu_s(daemon_stat) : proc_cpu_s(ksm_stat);
         save = (pss0 - pss) / 1024.0;
         c -= cpu0;
@@ -215,16 +286,32 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     }
     final = g_array_index(saving, double, saving->len - 1);
     res.saved_mib = final;
+    res.net_mib = final - (pf ? 0 : ksm_metadata_mib());
     res.used_mib = pss0 / 1024.0 - final;
     res.t90_s = -1;
     for (guint k = 0; k < saving->len; k++) {
         if (g_array_index(saving, double, k) >= 0.9 * final) {
             res.t90_s = g_array_index(t, double, k);
             res.cpu90_s = g_array_index(cpu, double, k);
+            res.agent90_s = g_array_index(agent_cpu, double, k);
             break;
         }
     }
     res.slowdown = median_of(after) / median_of(before);
+    if (g_getenv("PAGEFOLD_BENCH_SMAPS") != NULL) {
+        dump_pss(g[0]->name, g[0]->pid);
+        if (pf) {
+            JsonNode *q = pf_test_guest_qmp(g[0], "x-query-pagefold", NULL);
+            g_autofree char *text = json_to_string(q, FALSE);
+            JsonNode *st = pf_test_ctl_json(d, "stats", NULL);
+            g_autofree char *stext = json_to_string(st, FALSE);
+
+            dump_pss("pagefoldd", daemon_pid);
+            printf("# %s agent: %s\n# pagefoldd stats: %s\n", g[0]->name, text, stext);
+            json_node_unref(q);
+            json_node_unref(st);
+        }
+    }
     if (!pf) {
         ksm_set("run", "2");
     }
@@ -266,20 +353,21 @@ main(int argc, char **argv)
         }
         r[i] = run_system(systems[i].name, systems[i].pages_to_scan, n, mib, systems[i].seconds);
         printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"guests\":%d,\"fill_mib\":%d,"
-               "\"freed_mib\":%.1f,\"used_mib\":%.1f,\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,"
-               "\"guest_slowdown\":%.2f}\n",
-               r[i].name, n, mib, r[i].saved_mib, r[i].used_mib, r[i].t90_s, r[i].cpu90_s,
-               r[i].slowdown);
+               "\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,\"used_mib\":%.1f,\"t90_s\":%.2f,"
+               "\"cpu_to_90_s\":%.2f,"
+               "\"agent_cpu_to_90_s\":%.2f,\"guest_slowdown\":%.2f}\n",
+               r[i].name, n, mib, r[i].saved_mib, r[i].net_mib, r[i].used_mib, r[i].t90_s,
+               r[i].cpu90_s, r[i].agent90_s, r[i].slowdown);
         fflush(stdout);
     }
     ksm_set("pages_to_scan", pts);
     ksm_set("sleep_millisecs", sleep_ms);
     ksm_set("run", run);
-    printf("\n%-10s %10s %10s %8s %12s %10s\n", "system", "freed_MiB", "used_MiB", "t90_s",
-           "cpu_to_90_s", "slowdown");
+    printf("\n%-10s %10s %10s %10s %8s %12s %10s\n", "system", "freed_MiB", "net_MiB",
+           "used_MiB", "t90_s", "cpu_to_90_s", "slowdown");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
-        printf("%-10s %10.1f %10.1f %8.2f %12.2f %10.2f\n", r[i].name, r[i].saved_mib,
-               r[i].used_mib, r[i].t90_s, r[i].cpu90_s, r[i].slowdown);
+        printf("%-10s %10.1f %10.1f %10.1f %8.2f %12.2f %10.2f\n", r[i].name, r[i].saved_mib,
+               r[i].net_mib, r[i].used_mib, r[i].t90_s, r[i].cpu90_s, r[i].slowdown);
     }
     return 0;
 }

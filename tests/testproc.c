@@ -319,6 +319,22 @@ pf_test_smaps_sum(int pid, guint64 start, guint64 size, const char *field)
     return walk_mappings(pid, "smaps", start, size, field);
 }
 
+/* A proportional set size in KiB (each physical page split among the
+ * processes that map it): "Pss" or one of its parts, "Pss_Shmem". */
+gint64
+pf_test_rollup_kib(int pid, const char *which)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/smaps_rollup", pid);
+    g_autofree char *text = NULL;
+    g_autofree char *key = g_strdup_printf("\n%s:", which);
+    const char *p;
+
+    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
+    p = strstr(text, key);
+    g_assert_nonnull(p);
+    return g_ascii_strtoll(p + strlen(key), NULL, 10);
+}
+
 gint64
 pf_test_memfd_kib(int pid)
 {
