@@ -139,18 +139,8 @@ total(JsonObject *s, const char *name)
 static JsonObject *
 vm_of(JsonObject *s, const char *name)
 {
-    JsonArray *vms = json_object_get_array_member(s, "vms");
-
-    for (guint i = 0; i < json_array_get_length(vms); i++) {
-        JsonObject *vm = json_array_get_object_element(vms, i);
-
-        if (g_str_equal(json_object_get_string_member(vm, "name"), name)) {
-            return vm;
-        }
-    }
-    return NULL;
+    return pf_test_find_vm(json_object_get_array_member(s, "vms"), name);
 }
-
 static guint64
 pfn_of(int pid, guint64 addr)
 {

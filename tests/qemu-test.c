@@ -167,18 +167,14 @@ test_reboot_restart_shutdown(void)
 /* ---- configurations where remapping is unsafe ---- */
 
 static JsonObject *
-listed_vm(JsonNode *list, const char *name)
+attached_vm(JsonArray *vms, const char *name)
 {
-    JsonArray *a = json_node_get_array(list);
+    JsonObject *vm = pf_test_find_vm(vms, name);
 
-    for (guint i = 0; i < json_array_get_length(a); i++) {
-        JsonObject *o = json_array_get_object_element(a, i);
-
-        if (g_str_equal(json_object_get_string_member(o, "name"), name)) {
-            return o;
-        }
+    if (vm == NULL) {
+        g_error("VM %s is not attached", name);
     }
-    g_error("VM %s is not attached", name);
+    return vm;
 }
 
 /* x-query-pagefold: the guest's one agent. */
@@ -206,7 +202,7 @@ static void
 assert_advise(PfTestDaemon *d, Guest *g, const char *why)
 {
     JsonNode *list = pf_test_ctl_json(d, "list", NULL);
-    JsonObject *vm = listed_vm(list, g->name);
+    JsonObject *vm = attached_vm(json_node_get_array(list), g->name);
     JsonArray *regions = json_object_get_array_member(vm, "regions");
     const char *mode = NULL;
 
@@ -408,16 +404,9 @@ test_advise_migration(void)
 static gint64
 vm_counter(JsonNode *stats, const char *vm, const char *name)
 {
-    JsonArray *a = json_object_get_array_member(json_node_get_object(stats), "vms");
+    JsonArray *vms = json_object_get_array_member(json_node_get_object(stats), "vms");
 
-    for (guint i = 0; i < json_array_get_length(a); i++) {
-        JsonObject *o = json_array_get_object_element(a, i);
-
-        if (g_str_equal(json_object_get_string_member(o, "name"), vm)) {
-            return json_object_get_int_member(o, name);
-        }
-    }
-    g_error("VM %s is not attached", vm);
+    return json_object_get_int_member(attached_vm(vms, vm), name);
 }
 
 /*

@@ -321,6 +321,19 @@ pf_test_smaps_sum(int pid, guint64 start, guint64 size, const char *field)
 
 /* A proportional set size in KiB (each physical page split among the
  * processes that map it): "Pss" or one of its parts, "Pss_Shmem". */
+JsonObject *
+pf_test_find_vm(JsonArray *vms, const char *name)
+{
+    for (guint i = 0; i < json_array_get_length(vms); i++) {
+        JsonObject *o = json_array_get_object_element(vms, i);
+
+        if (g_str_equal(json_object_get_string_member(o, "name"), name)) {
+            return o;
+        }
+    }
+    return NULL;
+}
+
 gint64
 pf_test_rollup_kib(int pid, const char *which)
 {

@@ -34,6 +34,9 @@ G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestDaemon, pf_test_daemon_free)
 
 /* Runs pagefoldctl --json with the arguments; asserts it succeeds. */
 JsonNode *pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
+/* The VM of that name in an array of VM objects (list's, or stats' "vms"),
+ * or NULL. */
+JsonObject *pf_test_find_vm(JsonArray *vms, const char *name);
 
 /* The daemon's end of the agent protocol, played by hand: for tests and
  * benchmarks of the agent library alone. */
