@@ -13,6 +13,7 @@
  *   write PAGE      write new content into a page        -> "ok"
  *   restore PAGE    write the page's first content back  -> "ok"
  *   verify          compare all RAM with the shadow      -> "verify ok N" / "verify FAIL ..."
+ *   nonzero         pages whose content is not all zero  -> "nonzero N"
  *   stats           the agent's counters                 -> "stats merged M zeroed Z ..."
  *   discard PAGE N  give N pages back as a balloon does: the agent first,
  *                   then punch and MADV_DONTNEED as QEMU's
@@ -268,6 +269,16 @@ main(int argc, char **argv)
         } else if (g_str_has_prefix(line, "step-back ")) {
             pf_agent_step_back(agent, line + strlen("step-back "));
             printf("ok %s\n", pf_agent_get_mode(agent) == PF_MODE_MERGE ? "merge" : "advise");
+        } else if (g_str_equal(line, "nonzero")) {
+            static const guint8 zero_page[PF_PAGE_SIZE];
+            gsize nz = 0;
+
+            for (gsize p = 0; p < pages; p++) {
+                g_mutex_lock(lock_of(&v, p));
+                nz += memcmp(v.shadow + p * PF_PAGE_SIZE, zero_page, PF_PAGE_SIZE) != 0;
+                g_mutex_unlock(lock_of(&v, p));
+            }
+            printf("nonzero %zu\n", nz);
         } else if (g_str_equal(line, "verify")) {
             if (verify(&v, why)) {
                 printf("verify ok %zu\n", pages);
