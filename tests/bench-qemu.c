@@ -9,10 +9,15 @@
  * pagefoldd's own for pagefold), time to 90% of the final saving, CPU
  * seconds spent to get there (pagefoldd and the agent threads; ksmd), and
  * the guests' slowdown (their full check of memory, after / before).
- * Prints one JSON line per system, then a table.  Needs QEMU_BINARY,
- * GUEST_KERNEL, GUEST_INITRD (scripts/run-tests sets them); KSM's settings
- * are restored as found.  PAGEFOLD_BENCH_GUESTS, _MIB change the size;
- * PAGEFOLD_BENCH_ONLY=pagefold,ksm-5000 runs some systems only.
+ * Prints one JSON line per system as it ends, then all of them as CSV and
+ * as a table.  freed_net_mib is the saving less the deduplicator's own
+ * memory: pagefoldd's is in its Pss already, KSM's rmap_items (in the
+ * kernel) are charged as its general_profit counter charges them.
+ * Needs QEMU_BINARY, GUEST_KERNEL, GUEST_INITRD (scripts/run-tests sets
+ * them); KSM's settings are restored as found.  PAGEFOLD_BENCH_GUESTS, _MIB
+ * change the size; PAGEFOLD_BENCH_ONLY=pagefold,ksm-5000 runs some systems
+ * only; PAGEFOLD_BENCH_PASS_MS sets pagefoldd's target_pass_millisecs
+ * (500); PAGEFOLD_BENCH_SMAPS=1 shows where one guest's memory is at the end.
  */
 #include <glib.h>
 #include <glib/gstdio.h>
@@ -222,7 +227,11 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
 
     g_strlcpy(res.name, name, sizeof(res.name));
     if (pf) {
-        d = pf_test_daemon_start("--set", "run=0", "--set", "target_pass_millisecs=500", NULL);
+        const char *pass_ms = g_getenv("PAGEFOLD_BENCH_PASS_MS");
+        g_autofree char *target = g_strdup_printf("target_pass_millisecs=%s",
+                                                  pass_ms ? pass_ms : "500");
+
+        d = pf_test_daemon_start("--set", "run=0", "--set", target, NULL);
         daemon_pid = atoi(g_subprocess_get_identifier(d->proc));
         daemon_stat = g_strdup_printf("/proc/%d/stat", daemon_pid);
     }
@@ -363,6 +372,14 @@ main(int argc, char **argv)
     ksm_set("pages_to_scan", pts);
     ksm_set("sleep_millisecs", sleep_ms);
     ksm_set("run", run);
+    /* The same, as CSV, then as a table for people. */
+    printf("\nsystem,guests,fill_mib,freed_mib,freed_net_mib,used_mib,t90_s,cpu_to_90_s,"
+           "agent_cpu_to_90_s,guest_slowdown\n");
+    for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
+        printf("%s,%d,%d,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f\n", r[i].name, n, mib,
+               r[i].saved_mib, r[i].net_mib, r[i].used_mib, r[i].t90_s, r[i].cpu90_s,
+               r[i].agent90_s, r[i].slowdown);
+    }
     printf("\n%-10s %10s %10s %10s %8s %12s %10s\n", "system", "freed_MiB", "net_MiB",
            "used_MiB", "t90_s", "cpu_to_90_s", "slowdown");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
