@@ -1461,6 +1461,24 @@ batch_size(PfScanner *s)
                              (s->knobs.target_pass_millisecs * 1000ull));
 }
 
+/* Agents with more than a few batches to answer are behind: scanning on
+ * would only read again pages that have not changed, at the agents' CPU's
+ * expense, and decide nothing new for the pages in flight. */
+#define BEHIND_ITEMS (4 * PF_PROTO_MAX_ITEMS)
+
+static gboolean
+agents_behind(PfScanner *s)
+{
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (vm->link != NULL && pf_link_in_flight(vm->link) > BEHIND_ITEMS) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
 static gboolean
 scanner_tick(gpointer user)
 {
@@ -1468,7 +1486,7 @@ scanner_tick(gpointer user)
     guint64 sleep_ms = s->knobs.sleep_millisecs;
 
     s->timer_id = 0;
-    if (s->knobs.run && s->vms->len > 0) {
+    if (s->knobs.run && s->vms->len > 0 && !agents_behind(s)) {
         gint64 t0 = g_get_monotonic_time();
         gint64 cpu0 = thread_cpu_usec();
         gint64 cpu;
