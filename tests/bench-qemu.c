@@ -5,6 +5,8 @@
  *   pagefold: memfd share=on RAM, the agent, pagefoldd (target_pass 500 ms)
  *   ksm-N:    QEMU's default anonymous RAM (mem-merge=on), kernel KSM with
  *             pages_to_scan N (100, 1000, 5000), sleep_millisecs 20
+ * All guests are headless (-vga none): the video memory a VGA card adds
+ * is private RAM either way, merged by kernel KSM in its runs only.
  * For each: memory freed (drop of the summed Pss of the QEMU processes, plus
  * pagefoldd's own for pagefold), time to 90% of the final saving, CPU
  * seconds spent to get there (pagefoldd and the agent threads; ksmd), and
@@ -237,8 +239,11 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     }
     for (int i = 0; i < n_guests; i++) {
         g_autofree char *gname = g_strdup_printf("%s-%d", name, i);
+        /* Headless: a VGA card's memory is private RAM that only kernel
+         * KSM could merge (and does, in its runs), not guest RAM. */
+        static const char *const headless[] = { "-vga", "none", NULL };
         PfGuestSpec spec = { gname, pf ? d->agent_sock : NULL, MAX(2 * mib, mib + 192), mib, i + 1,
-                             seconds + 60, 5, FALSE };
+                             seconds + 60, 5, FALSE, FALSE, headless, NULL };
 
         g[i] = pf_test_guest_start(&spec);
     }
