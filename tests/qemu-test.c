@@ -178,20 +178,22 @@ attached_vm(JsonArray *vms, const char *name)
 }
 
 /* x-query-pagefold: the guest's one agent. */
-static gint64
-agent_stat(Guest *g, const char *member, const char **mode_out)
+static JsonObject *
+agent_info(Guest *g)
 {
-    static char mode[32];
     JsonNode *n = pf_test_guest_qmp(g, "x-query-pagefold", NULL);
-    JsonObject *o = json_array_get_object_element(json_node_get_array(n), 0);
-    gint64 v = json_object_get_int_member(o, member);
+    JsonObject *o = json_object_ref(json_array_get_object_element(json_node_get_array(n), 0));
 
-    g_strlcpy(mode, json_object_get_string_member(o, "mode"), sizeof(mode));
-    if (mode_out != NULL) {
-        *mode_out = mode;
-    }
     json_node_unref(n);
-    return v;
+    return o;
+}
+
+static gint64
+agent_stat(Guest *g, const char *member)
+{
+    g_autoptr(JsonObject) o = agent_info(g);
+
+    return json_object_get_int_member(o, member);
 }
 
 /*
@@ -204,15 +206,15 @@ assert_advise(PfTestDaemon *d, Guest *g, const char *why)
     JsonNode *list = pf_test_ctl_json(d, "list", NULL);
     JsonObject *vm = attached_vm(json_node_get_array(list), g->name);
     JsonArray *regions = json_object_get_array_member(vm, "regions");
-    const char *mode = NULL;
+    g_autoptr(JsonObject) agent = agent_info(g);
 
     g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "advise");
     if (strstr(json_object_get_string_member(vm, "mode_reason"), why) == NULL) {
         g_error("%s: reason '%s' does not say '%s'", g->name,
                 json_object_get_string_member(vm, "mode_reason"), why);
     }
-    g_assert_cmpint(agent_stat(g, "remapped", &mode), ==, 0);
-    g_assert_cmpstr(mode, ==, "advise");
+    g_assert_cmpint(json_object_get_int_member(agent, "remapped"), ==, 0);
+    g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "advise");
     for (guint i = 0; i < json_array_get_length(regions); i++) {
         JsonObject *r = json_array_get_object_element(regions, i);
 
@@ -380,7 +382,7 @@ test_advise_migration(void)
             "{\"capabilities\": [{\"capability\": \"%s\", \"state\": true}]}", caps[i]);
         JsonNode *r;
 
-        g_assert_cmpint(agent_stat(g[i], "remapped", NULL), >, FILL_PAGES / 2);
+        g_assert_cmpint(agent_stat(g[i], "remapped"), >, FILL_PAGES / 2);
         /* Background snapshot's own check registers guest RAM with a
          * userfaultfd of its own: it passes only if the agent let go. */
         r = pf_test_guest_qmp(g[i], "migrate-set-capabilities", args);
@@ -388,7 +390,7 @@ test_advise_migration(void)
         s = pf_test_ctl_json(d, "scan-now", "1", NULL);
         json_node_unref(s);
         assert_advise(d, g[i], why[i]);
-        g_assert_cmpint(agent_stat(g[i], "connected", NULL), ==, 1);
+        g_assert_cmpint(agent_stat(g[i], "connected"), ==, 1);
     }
     /* The pool keeps only what no guest maps any more: nothing. */
     s = pf_test_ctl_json(d, "scan-now", "1", NULL);
@@ -451,7 +453,7 @@ test_balloon(void)
     json_node_unref(pf_test_guest_qmp(g, "balloon", "{\"value\": 163577856}"));
     for (int i = 0; i < 300 && discarded < 100 * 256 / 4; i++) {
         g_usleep(100000);
-        discarded = agent_stat(g, "discarded", NULL);
+        discarded = agent_stat(g, "discarded");
     }
     g_test_message("balloon0: %" G_GINT64_FORMAT " merged pages discarded", discarded);
     /* Seen: about half the balloon is scratch the guest freed. */
