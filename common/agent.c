@@ -93,22 +93,26 @@ is_remapped(const Region *r, gsize page)
     return (r->remapped[page / 64] >> (page % 64)) & 1;
 }
 
-static inline void
-set_remapped(PfAgent *a, Region *r, gsize page, gboolean on)
+/* Marks pages [from, to) remapped or not; returns how many changed. */
+static gsize
+mark_remapped(PfAgent *a, Region *r, gsize from, gsize to, gboolean on)
 {
-    guint64 bit = 1ull << (page % 64);
+    gsize changed = 0;
 
-    if (on == is_remapped(r, page)) {
-        return;
+    for (gsize page = from; page < to; page++) {
+        if (on != is_remapped(r, page)) {
+            r->remapped[page / 64] ^= 1ull << (page % 64);
+            changed++;
+        }
     }
-    r->remapped[page / 64] ^= bit;
     g_mutex_lock(&a->lock);
     if (on) {
-        a->stats.remapped++;
+        a->stats.remapped += changed;
     } else {
-        a->stats.remapped--;
+        a->stats.remapped -= changed;
     }
     g_mutex_unlock(&a->lock);
+    return changed;
 }
 
 /* The first page in [from, to) that is remapped (want) or not, or to. */
@@ -336,9 +340,7 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
                 set_result(&res[v], PF_RESULT_ERROR, e);
             }
         } else {
-            for (guint32 v = t; v < u; v++) {
-                set_remapped(a, r, first->page + v, TRUE);
-            }
+            mark_remapped(a, r, first->page + t, first->page + u, TRUE);
             /* Only now is the old page unreachable: drop it from the memfd. */
             if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                           (off_t)(r->offset + (first->page + t) * PF_PAGE_SIZE),
@@ -395,9 +397,10 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 
  * without, the pages are about to be discarded and their content does not
  * matter.  A zero page needs no copy: the merge left a hole there.
  * Returns 0 or -errno; pages not folded back stay remapped and valid.
+ * Adds the pages folded back to *folded, if given.
  */
 static int
-fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy)
+fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsize *folded)
 {
     guint8 *hva = r->host + first * PF_PAGE_SIZE;
     gsize len = n * PF_PAGE_SIZE;
@@ -431,9 +434,12 @@ fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy)
             rc = -errno;
         }
         if (rc == 0) {
+            gsize changed;
+
             readvise(r, r->host + t * PF_PAGE_SIZE, (u - t) * PF_PAGE_SIZE);
-            for (gsize v = t; v < u; v++) {
-                set_remapped(a, r, v, FALSE);
+            changed = mark_remapped(a, r, t, u, FALSE);
+            if (folded != NULL) {
+                *folded += changed;
             }
         }
         t = find_remapped(r, u, first + n, TRUE);
@@ -451,7 +457,8 @@ fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy)
 static void
 exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
 {
-    int rc = fold_back(a, &g_array_index(a->regions, Region, it->region), it->page, 1, TRUE);
+    int rc = fold_back(a, &g_array_index(a->regions, Region, it->region), it->page, 1, TRUE,
+                       NULL);
 
     set_result(res, rc < 0 ? PF_RESULT_ERROR : PF_RESULT_DONE, -rc);
 }
@@ -509,39 +516,28 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
 
     for (guint32 i = 0; i < n;) {
         guint32 k = 1;
-        guint64 lo, hi;
 
         if (!item_valid(a, &items[i])) {
             /* Out of range: refused, nothing touched. */
             set_result(&res[i], PF_RESULT_ERROR, EINVAL);
-            i++;
-            continue;
-        }
-        /* After a step back to advise mode nothing is remapped: an unmerge
-         * finds its page in the memfd already and says so. */
-        if (items[i].kind == PF_ITEM_UNMERGE) {
+        } else if (items[i].kind == PF_ITEM_UNMERGE) {
+            /* After a step back to advise mode nothing is remapped: an
+             * unmerge finds its page in the memfd already and says so. */
             exec_unmerge(a, &items[i], &res[i]);
-            i++;
-            continue;
-        }
-        if (a->mode != PF_MODE_MERGE) {
+        } else if (a->mode != PF_MODE_MERGE) {
             set_result(&res[i], PF_RESULT_ERROR, EPERM);
-            i++;
-            continue;
-        }
-        if (items[i].kind == PF_ITEM_COLLAPSE) {
+        } else if (items[i].kind == PF_ITEM_COLLAPSE) {
             exec_collapse(a, &items[i], &res[i]);
-            i++;
-            continue;
+        } else {
+            guint64 lo = items[i].page, hi = lo + 1;
+
+            while (i + k < n && is_window_item(a, &items[i], &items[i + k], lo, hi)) {
+                lo = MIN(lo, items[i + k].page);
+                hi = MAX(hi, items[i + k].page + 1);
+                k++;
+            }
+            exec_window(a, &items[i], k, lo, hi, &res[i]);
         }
-        lo = items[i].page;
-        hi = lo + 1;
-        while (i + k < n && is_window_item(a, &items[i], &items[i + k], lo, hi)) {
-            lo = MIN(lo, items[i + k].page);
-            hi = MAX(hi, items[i + k].page + 1);
-            k++;
-        }
-        exec_window(a, &items[i], k, lo, hi, &res[i]);
         i += k;
     }
     count_results(a, items, res, n);
@@ -871,10 +867,12 @@ pf_agent_step_back(PfAgent *a, const char *reason)
         return;
     }
     a->mode = PF_MODE_ADVISE;
+    g_free(a->reason);
+    a->reason = g_strdup(reason);
     for (guint i = 0; i < a->regions->len && rc == 0; i++) {
         Region *r = &g_array_index(a->regions, Region, i);
 
-        rc = fold_back(a, r, 0, r->n_pages, TRUE);
+        rc = fold_back(a, r, 0, r->n_pages, TRUE, NULL);
         if (rc < 0) {
             /* pagefoldd must not reuse slots still mapped here: it is told
              * to let go of this VM, and its slots stay taken till the end. */
@@ -886,21 +884,12 @@ pf_agent_step_back(PfAgent *a, const char *reason)
             shutdown(a->sock, SHUT_RDWR);
         }
     }
-    for (guint i = 0; i < a->regions->len && rc == 0; i++) {
-        Region *r = &g_array_index(a->regions, Region, i);
-        struct uffdio_range range = { (guint64)(guintptr)r->host, r->size };
-
-        ioctl(a->uffd, UFFDIO_UNREGISTER, &range);
-    }
     if (rc == 0) {
-        /* Nothing of this VM is write-protected or remapped any more. */
+        /* Nothing of this VM is remapped any more; closing the userfaultfd
+         * unregisters guest RAM, for whoever needs it next. */
         close(a->uffd);
         a->uffd = -1;
-    }
-    g_free(a->reason);
-    a->reason = g_strdup(reason);
-    pf_wire_set_string(m.reason, sizeof(m.reason), reason);
-    if (rc == 0) {
+        pf_wire_set_string(m.reason, sizeof(m.reason), reason);
         send_to_daemon(a, PF_MSG_ADVISE, &m, sizeof(m));
     }
     g_message("pagefold agent: VM %s steps back to advise mode: %s", a->name, reason);
@@ -915,7 +904,7 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
     g_mutex_lock(&a->work);
     for (guint i = 0; i < a->regions->len; i++) {
         Region *r = &g_array_index(a->regions, Region, i);
-        gsize first, end, before;
+        gsize first, end, folded = 0;
         PfWireRange wr = { i, 0, 0, 0 };
         int rc;
 
@@ -927,12 +916,9 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
         if (find_remapped(r, first, end, TRUE) == end) {
             continue;
         }
+        rc = fold_back(a, r, first, end - first, FALSE, &folded);
         g_mutex_lock(&a->lock);
-        before = a->stats.remapped;
-        g_mutex_unlock(&a->lock);
-        rc = fold_back(a, r, first, end - first, FALSE);
-        g_mutex_lock(&a->lock);
-        a->stats.discarded += before - a->stats.remapped;
+        a->stats.discarded += folded;
         g_mutex_unlock(&a->lock);
         if (rc < 0) {
             /* The discard then misses those pages: they keep their content. */

@@ -1037,7 +1037,6 @@ find_data(PfScanner *s, PfRegion *r)
     s->data_end = MAX(end, first + 1);
 }
 
-
 static gboolean
 begin_pass(PfScanner *s)
 {
