@@ -5,17 +5,31 @@
  *  - with UFFD_FEATURE_EVENT_UNMAP, a MAP_FIXED over a registered range
  *    blocks until the event is read: no event features are asked for, and
  *    the userfaultfd is non-blocking;
- *  - a VMA mapped over a registered range is not registered: unmerge
- *    registers the page again, so the range coalesces back;
+ *  - a VMA mapped over a registered range is not registered: the range is
+ *    registered again after every remap, so it coalesces back;
+ *  - before Linux 6.4 (Debian 12's 6.1) UFFDIO_WRITEPROTECT refuses a range
+ *    that spans mappings (ENOENT), and remapped runs are mappings of their
+ *    own: such a range is protected piece by piece;
  *  - QEMU not running as root cannot create a userfaultfd that sees KVM's
  *    faults: pagefoldd may pass a /dev/userfaultfd fd to make one with;
  *  - write protection does not stop writes through another mapping of the
- *    memfd or pwrite() (vhost-user): such VMs must stay in advise mode.
+ *    memfd or pwrite() (vhost-user), nor a device's writes into a page
+ *    pinned for DMA: such VMs stay in advise mode, such pages are skipped;
+ *  - a MAP_FIXED that fails may have unmapped the old pages already, and a
+ *    private writable mapping can fail on commit accounting
+ *    (vm.overcommit_memory=2): the memfd is mapped back at once.
+ *
+ * Every system call that changes guest RAM goes through a->sys, so that
+ * tests can make each one fail; every result is checked.  The rule on
+ * failure: guest RAM stays exactly as the guest last wrote it, and what is
+ * reported to pagefoldd is what is true (a page still mapped from a pool
+ * slot is never reported as not merged: pagefoldd would reuse its slot).
  */
 #include "agent.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/mempolicy.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
 #include <string.h>
@@ -61,29 +75,57 @@ typedef struct {
     guint32 n_slots;
 } Chunk;
 
+typedef struct {
+    const guint8 *lo, *hi;
+} DmaRange;
+
 struct _PfAgent {
     char *name;
     guint8 uuid[16];
     GArray *regions; /* Region */
     char *advise_reason;
+    PfAgentSyscalls sys;
 
     PfMode mode;
     char *reason;
     int sock;
     int uffd;
-    GPtrArray *chunks; /* Chunk*, indexed by chunk id, NULL where unknown */
+    gboolean uffd_lost; /* closed because protection could not be lifted */
+    GPtrArray *chunks;  /* Chunk*, indexed by chunk id, NULL where unknown */
 
     GThread *thread;
     int stop[2];
     GMutex work; /* held while pages are remapped or folded back, and
                   * while the answer is sent: what pagefoldd reads from
                   * this socket is in the order it happened */
+    GMutex dma;  /* the ranges in DMA; held across every change of a
+                  * mapping, so that a new DMA waits for it (lock order:
+                  * work, then dma) */
+    GArray *dma_ranges; /* DmaRange, one per mapping the VMM made */
     GMutex lock; /* stats, connected */
     PfAgentStats stats;
     gboolean connected;
 };
 
 static const guint8 zero_page[PF_PAGE_SIZE];
+
+/* ---- the system calls, behind the seam ---- */
+
+static int
+real_ioctl(int fd, unsigned long request, void *arg)
+{
+    return ioctl(fd, request, arg);
+}
+
+static const PfAgentSyscalls real_syscalls = {
+    mmap, fallocate, pwrite, real_ioctl, madvise,
+};
+
+void
+pf_agent_set_syscalls(PfAgent *a, const PfAgentSyscalls *sys)
+{
+    a->sys = sys != NULL ? *sys : real_syscalls;
+}
 
 /* ---- which pages are remapped ---- */
 
@@ -129,6 +171,47 @@ find_remapped(const Region *r, gsize from, gsize to, gboolean want)
     return MIN(from, to);
 }
 
+/* ---- pages in DMA ---- */
+
+void
+pf_agent_dma_map(PfAgent *a, void *host, gsize len)
+{
+    DmaRange d = { host, (const guint8 *)host + len };
+
+    g_mutex_lock(&a->dma);
+    g_array_append_val(a->dma_ranges, d);
+    g_mutex_unlock(&a->dma);
+}
+
+void
+pf_agent_dma_unmap(PfAgent *a, void *host, gsize len)
+{
+    g_mutex_lock(&a->dma);
+    for (guint i = 0; i < a->dma_ranges->len; i++) {
+        DmaRange *d = &g_array_index(a->dma_ranges, DmaRange, i);
+
+        if (d->lo == host && d->hi == (const guint8 *)host + len) {
+            g_array_remove_index_fast(a->dma_ranges, i);
+            break;
+        }
+    }
+    g_mutex_unlock(&a->dma);
+}
+
+/* Is any page of [lo, hi) in DMA?  Called with a->dma held. */
+static gboolean
+in_dma(PfAgent *a, const guint8 *lo, const guint8 *hi)
+{
+    for (guint i = 0; i < a->dma_ranges->len; i++) {
+        const DmaRange *d = &g_array_index(a->dma_ranges, DmaRange, i);
+
+        if (d->lo < hi && lo < d->hi) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
 /* ---- userfaultfd ---- */
 
 static int
@@ -146,36 +229,163 @@ uffd_create(int dev_fd)
 }
 
 static int
-uffd_register(int uffd, void *addr, gsize len)
+uffd_ioctl(PfAgent *a, unsigned long request, void *arg)
+{
+    if (a->uffd < 0) {
+        return -EBADF;
+    }
+    return a->sys.ioctl(a->uffd, request, arg) < 0 ? -errno : 0;
+}
+
+static int
+uffd_register(PfAgent *a, void *addr, gsize len)
 {
     struct uffdio_register reg = {
         .range = { (guint64)(guintptr)addr, len },
         .mode = UFFDIO_REGISTER_MODE_WP,
     };
 
-    return ioctl(uffd, UFFDIO_REGISTER, &reg) < 0 ? -errno : 0;
+    return uffd_ioctl(a, UFFDIO_REGISTER, &reg);
 }
 
+/*
+ * Write-protects [addr, addr + len), or lifts the protection (which wakes
+ * the writers that blocked on it).  Before Linux 6.4 one call must stay
+ * within one mapping, and ENOENT says it did not: the range is then
+ * halved until each piece fits.  A call that fails changes nothing, so
+ * the pieces done stay done.  Lifting goes on past a piece that fails, to
+ * free every writer it can; a single page that is not registered (mapped
+ * since) has no protection to lift.
+ */
 static int
-uffd_protect(int uffd, void *addr, gsize len, gboolean on)
+uffd_protect(PfAgent *a, guint8 *addr, gsize len, gboolean on)
 {
     struct uffdio_writeprotect wp = {
         .range = { (guint64)(guintptr)addr, len },
-        .mode = on ? UFFDIO_WRITEPROTECT_MODE_WP : 0, /* off also wakes */
+        .mode = on ? UFFDIO_WRITEPROTECT_MODE_WP : 0,
     };
+    int rc = uffd_ioctl(a, UFFDIO_WRITEPROTECT, &wp);
+    gsize half;
 
-    return ioctl(uffd, UFFDIO_WRITEPROTECT, &wp) < 0 ? -errno : 0;
+    if (rc != -ENOENT) {
+        return rc;
+    }
+    if (len <= PF_PAGE_SIZE) {
+        return on ? rc : 0;
+    }
+    half = len / PF_PAGE_SIZE / 2 * PF_PAGE_SIZE;
+    rc = uffd_protect(a, addr, half, on);
+    if (rc == 0 || !on) {
+        int rc2 = uffd_protect(a, addr + half, len - half, on);
+
+        rc = rc < 0 ? rc : rc2;
+    }
+    return rc;
+}
+
+/*
+ * Lifts the protection of [addr, addr + len).  It must not fail: a page
+ * left protected blocks its writer (a vCPU, an I/O thread) for good.  If
+ * the kernel refuses, the range is unregistered, which lifts it too
+ * (Linux 6.0+), and its writers woken; if even that fails, the userfaultfd is closed, which lets
+ * every writer go, and this VM merges nothing more.
+ */
+static void
+uffd_release(PfAgent *a, guint8 *addr, gsize len)
+{
+    struct uffdio_range range = { (guint64)(guintptr)addr, len };
+    int rc = uffd_protect(a, addr, len, FALSE);
+
+    if (rc == 0 || a->uffd < 0) {
+        return;
+    }
+    g_warning("pagefold agent: cannot lift write protection at %p+%zu: %s; unregistering it",
+              addr, len, g_strerror(-rc));
+    /* Unregistering does not wake a writer blocked on protection. */
+    if ((rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range)) == 0 &&
+        (rc = uffd_ioctl(a, UFFDIO_WAKE, &range)) == 0) {
+        return;
+    }
+    g_warning("pagefold agent: cannot unregister and wake %p+%zu: %s; closing the userfaultfd",
+              addr, len, g_strerror(-rc));
+    close(a->uffd);
+    a->uffd = -1;
+    a->uffd_lost = TRUE;
+}
+
+/* Why the pages of r cannot be remapped in this process, or NULL. */
+static char *
+region_unsafe(const Region *r)
+{
+    int seals = fcntl(r->fd, F_GET_SEALS);
+    int fl = fcntl(r->fd, F_GETFL);
+    int mode = MPOL_DEFAULT;
+
+    /* The punch after each merge must work, or memory is never freed. */
+    if (fl < 0 || (fl & O_ACCMODE) != O_RDWR) {
+        return g_strdup_printf("region %s: its memfd is not open for writing", r->name);
+    }
+    if (seals > 0 && (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE))) {
+        return g_strdup_printf("region %s: its memfd is sealed against writing", r->name);
+    }
+    /*
+     * A page mapped from the pool lives where pagefoldd wrote it, and its
+     * copy on write follows the pool file's policy: a private mapping of
+     * shmem has no policy of its own (mbind() on it would set the pool
+     * file's, for every VM).  Bound RAM stays plain memfd.
+     */
+    if (syscall(SYS_get_mempolicy, &mode, NULL, 0, r->host, MPOL_F_ADDR) == 0 &&
+        mode != MPOL_DEFAULT) {
+        return g_strdup_printf("region %s has a NUMA memory policy (host-nodes, policy): "
+                               "pages mapped from pagefold's pool would not follow it",
+                               r->name);
+    }
+    return NULL;
+}
+
+/*
+ * Locked guest memory (mlockall(MCL_FUTURE): QEMU -overcommit
+ * mem-lock=on, libvirt <locked/>) populates every new private mapping by
+ * write faults: each merge would be copied on write at once.  Seen by
+ * mapping a page: locked, it is resident before anyone touches it.
+ */
+static gboolean
+memory_locked(void)
+{
+    unsigned char vec = 0;
+    void *probe = mmap(NULL, PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                       -1, 0);
+    gboolean locked;
+
+    if (probe == MAP_FAILED) {
+        return FALSE;
+    }
+    locked = mincore(probe, PF_PAGE_SIZE, &vec) == 0 && (vec & 1);
+    munmap(probe, PF_PAGE_SIZE);
+    return locked;
 }
 
 /* Makes the userfaultfd and registers all guest RAM for write protection;
- * on failure says why the VM must stay in advise mode. */
+ * on failure says why the VM must stay in advise mode, and holds nothing
+ * registered (postcopy or a background snapshot may want it later). */
 static gboolean
 uffd_setup(PfAgent *a, int dev_fd, char **why)
 {
     struct uffdio_api api = { .api = UFFD_API, .features = 0 };
-    int probe = uffd_create(dev_fd);
+    int probe;
     guint64 supported;
 
+    if (memory_locked()) {
+        *why = g_strdup("guest memory is locked (mlockall: -overcommit mem-lock=on, libvirt "
+                        "<locked/>): every merged page would be copied back at once");
+        return FALSE;
+    }
+    for (guint i = 0; i < a->regions->len; i++) {
+        if ((*why = region_unsafe(&g_array_index(a->regions, Region, i))) != NULL) {
+            return FALSE;
+        }
+    }
+    probe = uffd_create(dev_fd);
     if (probe < 0) {
         *why = g_strdup_printf("cannot create a userfaultfd: %s (QEMU needs root, or "
                                "/dev/userfaultfd from pagefoldd)", g_strerror(errno));
@@ -197,21 +407,179 @@ uffd_setup(PfAgent *a, int dev_fd, char **why)
     api.features = UFFD_FEATURE_WP_HUGETLBFS_SHMEM;
     if (a->uffd < 0 || ioctl(a->uffd, UFFDIO_API, &api) < 0) {
         *why = g_strdup_printf("userfaultfd: %s", g_strerror(errno));
-        return FALSE;
     }
-    for (guint i = 0; i < a->regions->len; i++) {
+    for (guint i = 0; i < a->regions->len && *why == NULL; i++) {
         Region *r = &g_array_index(a->regions, Region, i);
-        int rc = uffd_register(a->uffd, r->host, r->size);
+        int rc = uffd_register(a, r->host, r->size);
 
         if (rc < 0) {
             *why = g_strdup_printf("cannot write-protect region %s: %s%s", r->name,
                                    g_strerror(-rc),
                                    rc == -EBUSY ? " (postcopy or background snapshot "
                                                   "already uses userfaultfd)" : "");
-            return FALSE;
         }
     }
-    return TRUE;
+    if (*why != NULL && a->uffd >= 0) {
+        /* Closing it unregisters whatever was registered. */
+        close(a->uffd);
+        a->uffd = -1;
+    }
+    return *why == NULL;
+}
+
+/* ---- mappings ---- */
+
+/* A fresh mapping has none of the region's advice: give it again. */
+static int
+readvise(PfAgent *a, const Region *r, void *addr, gsize len)
+{
+    for (guint i = 0; i < G_N_ELEMENTS(r->advice) && r->advice[i] != 0; i++) {
+        if (a->sys.madvise(addr, len, r->advice[i]) < 0) {
+            return -errno;
+        }
+    }
+    return 0;
+}
+
+/*
+ * Maps pages [from, to) of r from its memfd again, shared, as the VMM
+ * mapped them.  Called where the previous mapping is to go, or is gone
+ * already: a failed MAP_FIXED may have unmapped it first (mincore() tells
+ * a hole).  A hole cannot be left in guest RAM, so a failure there is
+ * tried once more and then ends the process, as the guest's next access
+ * there would.  Returns 0 with the memfd mapped, or -errno with the old
+ * mapping still in place.
+ */
+static int
+map_memfd(PfAgent *a, Region *r, gsize from, gsize to)
+{
+    guint8 *addr = r->host + from * PF_PAGE_SIZE;
+    gsize len = (to - from) * PF_PAGE_SIZE;
+    int rc = 0;
+
+    for (int attempt = 0; attempt < 2; attempt++) {
+        unsigned char vec[64];
+
+        if (a->sys.mmap(addr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd,
+                        (off_t)(r->offset + from * PF_PAGE_SIZE)) != MAP_FAILED) {
+            rc = readvise(a, r, addr, len);
+            if (rc < 0) {
+                /* The page is right, only its advice is missing. */
+                g_warning("pagefold agent: advice for %s at %p+%zu: %s", r->name, addr, len,
+                          g_strerror(-rc));
+            }
+            return 0;
+        }
+        rc = -errno;
+        if (mincore(addr, MIN(len, sizeof(vec) * PF_PAGE_SIZE), vec) == 0 ||
+            errno != ENOMEM) {
+            return rc; /* still mapped as before */
+        }
+    }
+    g_error("pagefold agent: cannot map guest RAM %s at %p+%zu back from its memfd: %s", r->name,
+            addr, len, g_strerror(-rc));
+}
+
+/*
+ * Copies the remapped pages [from, to) into the memfd, under write
+ * protection.  A zero page is punched, not trusted to be a hole already:
+ * its merge may have left the old page there.
+ */
+static int
+copy_back(PfAgent *a, Region *r, gsize from, gsize to)
+{
+    for (gsize v = from; v < to; v++) {
+        const guint8 *page = r->host + v * PF_PAGE_SIZE;
+        off_t off = (off_t)(r->offset + v * PF_PAGE_SIZE);
+
+        if (memcmp(page, zero_page, PF_PAGE_SIZE) == 0 &&
+            a->sys.fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off,
+                             PF_PAGE_SIZE) == 0) {
+            continue;
+        }
+        errno = 0;
+        if (a->sys.pwrite(r->fd, page, PF_PAGE_SIZE, off) != PF_PAGE_SIZE) {
+            return errno ? -errno : -EIO;
+        }
+    }
+    return 0;
+}
+
+/*
+ * Maps the memfd again over the remapped pages of [first, first + n).
+ * With copy, their content goes back into the memfd first, under write
+ * protection so that no write falls between the copy and the mapping; a
+ * page in DMA is not touched (-EBUSY), since the device's write would land
+ * in the copy left behind.  Without copy, the pages are about to be
+ * discarded and their content does not matter.  Stops at the first
+ * failure: pages before *stop are in the memfd, the others as they were
+ * (remapped and valid).  Returns 0 or -errno; adds the pages folded back
+ * to *folded, if given.  The caller holds a->dma.
+ */
+static int
+fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsize *stop,
+                 gsize *folded)
+{
+    guint8 *hva = r->host + first * PF_PAGE_SIZE;
+    gsize len = n * PF_PAGE_SIZE;
+    gsize t = find_remapped(r, first, first + n, TRUE);
+    int rc = 0;
+
+    *stop = first;
+    if (t == first + n) {
+        *stop = first + n;
+        return 0;
+    }
+    if (copy && in_dma(a, hva, hva + len)) {
+        return -EBUSY;
+    }
+    /* Remapped pages are VMAs of their own, not registered yet. */
+    if (copy && ((rc = uffd_register(a, hva, len)) < 0 ||
+                 (rc = uffd_protect(a, hva, len, TRUE)) < 0)) {
+        if (a->uffd >= 0) {
+            uffd_release(a, hva, len);
+        }
+        return rc;
+    }
+    while (t < first + n) {
+        gsize u = find_remapped(r, t, first + n, FALSE);
+
+        *stop = t;
+        if ((copy && (rc = copy_back(a, r, t, u)) < 0) || (rc = map_memfd(a, r, t, u)) < 0) {
+            break;
+        }
+        u = MIN(u, first + n);
+        if (folded != NULL) {
+            *folded += mark_remapped(a, r, t, u, FALSE);
+        } else {
+            mark_remapped(a, r, t, u, FALSE);
+        }
+        t = find_remapped(r, u, first + n, TRUE);
+    }
+    if (rc == 0) {
+        *stop = first + n;
+    }
+    /* Registered again, the range coalesces with its neighbours (if that
+     * fails, the next fold-back registers it); lifting the protection
+     * wakes any writer that blocked meanwhile. */
+    (void)uffd_register(a, hva, len);
+    if (copy) {
+        uffd_release(a, hva, len);
+    }
+    return rc;
+}
+
+/* fold_back_locked(), for callers that do not hold a->dma. */
+static int
+fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsize *stop,
+          gsize *folded)
+{
+    int rc;
+
+    g_mutex_lock(&a->dma);
+    rc = fold_back_locked(a, r, first, n, copy, stop, folded);
+    g_mutex_unlock(&a->dma);
+    return rc;
 }
 
 /* ---- items ---- */
@@ -282,15 +650,6 @@ is_window_item(PfAgent *a, const PfWireItem *first, const PfWireItem *it, guint6
     return e + 1 >= extent_of_page(r, lo) && e <= extent_of_page(r, hi - 1) + 1;
 }
 
-/* A fresh mapping has none of the region's advice: give it again. */
-static void
-readvise(const Region *r, void *addr, gsize len)
-{
-    for (guint i = 0; i < G_N_ELEMENTS(r->advice) && r->advice[i] != 0; i++) {
-        madvise(addr, len, r->advice[i]);
-    }
-}
-
 static void
 set_result(PfWireResult *res, PfResultStatus status, int err)
 {
@@ -299,9 +658,52 @@ set_result(PfWireResult *res, PfResultStatus status, int err)
     res->err = err;
 }
 
+/*
+ * Maps pool slots over pages [from, to) of r, which are write-protected
+ * and equal to them, then punches the pages out of the memfd.  If the
+ * advice or the punch fails, the merge is undone the safe way, by folding
+ * back (a write that came since went to the new private copy).  Returns 0,
+ * or -errno with the pages in the memfd as before.  The caller holds a->dma.
+ */
+static int
+remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 slot)
+{
+    guint8 *addr = r->host + from * PF_PAGE_SIZE;
+    gsize len = (to - from) * PF_PAGE_SIZE, stop;
+    const char *what;
+    int rc;
+
+    if (a->sys.mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, c->fd,
+                    (off_t)slot * PF_PAGE_SIZE) == MAP_FAILED) {
+        rc = -errno;
+        /* Nothing was punched: the memfd still holds the pages. */
+        map_memfd(a, r, from, to);
+        return rc;
+    }
+    mark_remapped(a, r, from, to, TRUE);
+    /* Only now is the old page unreachable: drop it from the memfd. */
+    if ((rc = readvise(a, r, addr, len)) < 0) {
+        what = "advice";
+    } else if (a->sys.fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                (off_t)(r->offset + from * PF_PAGE_SIZE), (off_t)len) < 0) {
+        rc = -errno;
+        what = "punch";
+    } else {
+        return 0;
+    }
+    g_warning("pagefold agent: %s after merging %s at %p+%zu: %s; folding it back", what,
+              r->name, addr, len, g_strerror(-rc));
+    if (fold_back_locked(a, r, from, to - from, TRUE, &stop, NULL) < 0) {
+        /* Still merged, and valid: that is what pagefoldd must hear. */
+        return 0;
+    }
+    return rc;
+}
+
 /* k consecutive pages to k consecutive pool slots: the slots' content
  * (merge), or zero slots when the pages are zero (zero).  The pages are
- * write-protected already (exec_window): what is compared is what stays. */
+ * write-protected already (exec_window): what is compared is what stays.
+ * A page in DMA is refused: a device may write it behind the protection. */
 static void
 exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
 {
@@ -313,15 +715,20 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
 
     for (guint32 t = 0; t < k; t++) {
         const guint8 *slot = c->map + (gsize)(first->slot + t) * PF_PAGE_SIZE;
+        guint8 *page = hva + (gsize)t * PF_PAGE_SIZE;
 
+        if (in_dma(a, page, page + PF_PAGE_SIZE)) {
+            set_result(&res[t], PF_RESULT_ERROR, EBUSY);
+            continue;
+        }
         /* A zero page maps a zero slot: both must be zero. */
-        done[t] = memcmp(hva + (gsize)t * PF_PAGE_SIZE, slot, PF_PAGE_SIZE) == 0 &&
+        done[t] = memcmp(page, slot, PF_PAGE_SIZE) == 0 &&
                   (!zero || memcmp(slot, zero_page, PF_PAGE_SIZE) == 0);
         set_result(&res[t], done[t] ? PF_RESULT_DONE : PF_RESULT_CHANGED, 0);
     }
     for (guint32 t = 0; t < k;) {
         guint32 u = t;
-        void *m;
+        int rc;
 
         if (!done[t]) {
             t++;
@@ -330,23 +737,9 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
         while (u < k && done[u]) {
             u++;
         }
-        m = mmap(hva + (gsize)t * PF_PAGE_SIZE, (gsize)(u - t) * PF_PAGE_SIZE,
-                 PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, c->fd,
-                 (off_t)(first->slot + t) * PF_PAGE_SIZE);
-        if (m == MAP_FAILED) {
-            int e = errno;
-
-            for (guint32 v = t; v < u; v++) {
-                set_result(&res[v], PF_RESULT_ERROR, e);
-            }
-        } else {
-            mark_remapped(a, r, first->page + t, first->page + u, TRUE);
-            /* Only now is the old page unreachable: drop it from the memfd. */
-            if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                          (off_t)(r->offset + (first->page + t) * PF_PAGE_SIZE),
-                          (off_t)(u - t) * PF_PAGE_SIZE) < 0) {
-                g_warning("pagefold agent: punching %s failed: %s", r->name, g_strerror(errno));
-            }
+        rc = remap_run(a, r, first->page + t, first->page + u, c, first->slot + t);
+        for (guint32 v = t; rc < 0 && v < u; v++) {
+            set_result(&res[v], PF_RESULT_ERROR, -rc);
         }
         t = u;
     }
@@ -357,8 +750,9 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
  * share their system calls: one write protection of the window, runs
  * remapped, then the window registered again (the new mappings are not),
  * unprotected (which wakes every writer that blocked meanwhile; they retry
- * on whatever the page is now) and advised as the region is.  Each of
- * those calls flushes TLBs or walks mappings: per window, not per run.
+ * on whatever the page is now).  Each of those calls flushes TLBs or walks
+ * mappings: per window, not per run.  A DMA mapping of these pages waits
+ * until the window is done.
  */
 static void
 exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 hi,
@@ -369,11 +763,15 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 
     gsize len = (hi - lo) * PF_PAGE_SIZE;
     int rc;
 
-    if ((rc = uffd_register(a->uffd, hva, len)) < 0 ||
-        (rc = uffd_protect(a->uffd, hva, len, TRUE)) < 0) {
+    g_mutex_lock(&a->dma);
+    if ((rc = uffd_register(a, hva, len)) < 0 || (rc = uffd_protect(a, hva, len, TRUE)) < 0) {
         for (guint32 t = 0; t < n; t++) {
             set_result(&res[t], PF_RESULT_ERROR, -rc);
         }
+        if (a->uffd >= 0) {
+            uffd_release(a, hva, len); /* pieces of it may be protected */
+        }
+        g_mutex_unlock(&a->dma);
         return;
     }
     for (guint32 i = 0; i < n;) {
@@ -385,80 +783,19 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 
         exec_run(a, &items[i], k, &res[i]);
         i += k;
     }
-    uffd_register(a->uffd, hva, len);
-    uffd_protect(a->uffd, hva, len, FALSE);
-    readvise(r, hva, len);
-}
-
-/*
- * Maps the memfd again over the remapped pages of [first, first + n).
- * With copy, their content goes back into the memfd first, under write
- * protection so that no write falls between the copy and the mapping;
- * without, the pages are about to be discarded and their content does not
- * matter.  A zero page needs no copy: the merge left a hole there.
- * Returns 0 or -errno; pages not folded back stay remapped and valid.
- * Adds the pages folded back to *folded, if given.
- */
-static int
-fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsize *folded)
-{
-    guint8 *hva = r->host + first * PF_PAGE_SIZE;
-    gsize len = n * PF_PAGE_SIZE;
-    gsize t = find_remapped(r, first, first + n, TRUE);
-    int rc = 0;
-
-    if (t == first + n) {
-        return 0;
-    }
-    /* Remapped pages are VMAs of their own, not registered yet. */
-    if ((rc = uffd_register(a->uffd, hva, len)) < 0 ||
-        (copy && (rc = uffd_protect(a->uffd, hva, len, TRUE)) < 0)) {
-        return rc;
-    }
-    while (t < first + n && rc == 0) {
-        gsize u = find_remapped(r, t, first + n, FALSE);
-        off_t off = (off_t)(r->offset + t * PF_PAGE_SIZE);
-
-        for (gsize v = t; copy && v < u && rc == 0; v++) {
-            const guint8 *page = r->host + v * PF_PAGE_SIZE;
-
-            if (memcmp(page, zero_page, PF_PAGE_SIZE) != 0 &&
-                pwrite(r->fd, page, PF_PAGE_SIZE, (off_t)(r->offset + v * PF_PAGE_SIZE)) !=
-                    PF_PAGE_SIZE) {
-                rc = errno ? -errno : -EIO;
-            }
-        }
-        if (rc == 0 && mmap(r->host + t * PF_PAGE_SIZE, (u - t) * PF_PAGE_SIZE,
-                            PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd,
-                            off) == MAP_FAILED) {
-            rc = -errno;
-        }
-        if (rc == 0) {
-            gsize changed;
-
-            readvise(r, r->host + t * PF_PAGE_SIZE, (u - t) * PF_PAGE_SIZE);
-            changed = mark_remapped(a, r, t, u, FALSE);
-            if (folded != NULL) {
-                *folded += changed;
-            }
-        }
-        t = find_remapped(r, u, first + n, TRUE);
-    }
-    /* Registered again, the range coalesces with its neighbours; lifting
-     * the protection wakes any writer that blocked meanwhile. */
-    uffd_register(a->uffd, hva, len);
-    if (copy) {
-        uffd_protect(a->uffd, hva, len, FALSE);
-    }
-    return rc;
+    /* If this fails, the next fold-back registers the new mappings. */
+    (void)uffd_register(a, hva, len);
+    uffd_release(a, hva, len);
+    g_mutex_unlock(&a->dma);
 }
 
 /* Folds one page back: its content into the memfd, the memfd mapped again. */
 static void
 exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
 {
+    gsize stop;
     int rc = fold_back(a, &g_array_index(a->regions, Region, it->region), it->page, 1, TRUE,
-                       NULL);
+                       &stop, NULL);
 
     set_result(res, rc < 0 ? PF_RESULT_ERROR : PF_RESULT_DONE, -rc);
 }
@@ -473,19 +810,22 @@ exec_collapse(PfAgent *a, const PfWireItem *it, PfWireResult *res)
     guint8 *hva = r->host + it->page * PF_PAGE_SIZE;
     gsize len = (gsize)HUGE_PAGES * PF_PAGE_SIZE;
     struct uffdio_range range = { (guint64)(guintptr)hva, len };
-    int err = 0;
+    int err = 0, rc;
 
-    if (ioctl(a->uffd, UFFDIO_UNREGISTER, &range) < 0) {
-        set_result(res, PF_RESULT_ERROR, errno);
+    if ((rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range)) < 0) {
+        set_result(res, PF_RESULT_ERROR, -rc);
         return;
     }
-    if (madvise(hva, len, MADV_COLLAPSE) < 0) {
+    if (a->sys.madvise(hva, len, MADV_COLLAPSE) < 0) {
         err = errno;
     }
-    uffd_register(a->uffd, hva, len);
+    if ((rc = uffd_register(a, hva, len)) < 0) {
+        /* Unregistered, these pages cannot be merged: say so, it is
+         * tried again at the next merge there. */
+        err = -rc;
+    }
     set_result(res, err ? PF_RESULT_ERROR : PF_RESULT_DONE, err);
 }
-
 static void
 count_results(PfAgent *a, const PfWireItem *items, const PfWireResult *res, guint32 n)
 {
@@ -541,7 +881,16 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
         i += k;
     }
     count_results(a, items, res, n);
-    return pf_proto_send_results(a->sock, msg->header.seq, res, n, error);
+    if (!pf_proto_send_results(a->sock, msg->header.seq, res, n, error)) {
+        return FALSE;
+    }
+    if (a->uffd_lost) {
+        /* Merged pages stay valid; pagefoldd keeps their slots taken. */
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "the userfaultfd had to be closed: this VM cannot merge any more");
+        return FALSE;
+    }
+    return TRUE;
 }
 
 /* ---- pool chunks ---- */
@@ -818,11 +1167,14 @@ pf_agent_new(const char *vm_name, const guint8 *uuid)
     }
     a->regions = g_array_new(FALSE, TRUE, sizeof(Region));
     a->chunks = g_ptr_array_new_with_free_func(chunk_free);
+    a->dma_ranges = g_array_new(FALSE, FALSE, sizeof(DmaRange));
+    a->sys = real_syscalls;
     a->sock = a->uffd = -1;
     a->stop[0] = a->stop[1] = -1;
     a->mode = PF_MODE_ADVISE;
     g_mutex_init(&a->lock);
     g_mutex_init(&a->work);
+    g_mutex_init(&a->dma);
     return a;
 }
 
@@ -852,48 +1204,66 @@ send_to_daemon(PfAgent *a, PfMsgType type, const void *payload, gsize length)
     }
 }
 
-void
-pf_agent_step_back(PfAgent *a, const char *reason)
+gboolean
+pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
 {
     PfWireMode m = { PF_PROTO_VERSION, PF_MODE_ADVISE, "" };
+    g_autoptr(GError) err = NULL;
     int rc = 0;
 
     g_mutex_lock(&a->work);
     if (a->advise_reason == NULL) {
         a->advise_reason = g_strdup(reason);
     }
-    if (a->mode != PF_MODE_MERGE) {
-        g_mutex_unlock(&a->work);
-        return;
-    }
-    a->mode = PF_MODE_ADVISE;
-    g_free(a->reason);
-    a->reason = g_strdup(reason);
-    for (guint i = 0; i < a->regions->len && rc == 0; i++) {
-        Region *r = &g_array_index(a->regions, Region, i);
-
-        rc = fold_back(a, r, 0, r->n_pages, TRUE, NULL);
-        if (rc < 0) {
-            /* pagefoldd must not reuse slots still mapped here: it is told
-             * to let go of this VM, and its slots stay taken till the end. */
-            g_autofree char *text = g_strdup_printf("cannot fold %s back into its memfd: %s",
-                                                    r->name, g_strerror(-rc));
-
-            g_warning("pagefold agent: %s", text);
-            send_error(a, text);
-            shutdown(a->sock, SHUT_RDWR);
+    if (a->mode == PF_MODE_MERGE) {
+        g_message("pagefold agent: VM %s steps back to advise mode: %s", a->name, reason);
+        a->mode = PF_MODE_ADVISE;
+        g_free(a->reason);
+        a->reason = g_strdup(reason);
+        if (pf_agent_is_connected(a)) {
+            pf_wire_set_string(m.reason, sizeof(m.reason), reason);
         }
     }
-    if (rc == 0) {
+    /* Again after a failure, too: what is left is folded back now. */
+    for (guint i = 0; i < a->regions->len && rc == 0; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+        gsize stop;
+
+        if (find_remapped(r, 0, r->n_pages, TRUE) == r->n_pages) {
+            continue;
+        }
+        if (a->uffd < 0) {
+            rc = -EBADF; /* no safe way to fold back any more */
+        } else {
+            rc = fold_back(a, r, 0, r->n_pages, TRUE, &stop, NULL);
+        }
+        if (rc < 0) {
+            g_set_error(&err, PF_ERROR, PF_ERROR_FAILED,
+                        "pagefold: cannot fold merged pages of %s back into its memfd: %s",
+                        r->name, g_strerror(-rc));
+        }
+    }
+    if (rc < 0) {
+        /* pagefoldd does not know which pages came back: it lets go of
+         * this VM, and the slots it still maps stay taken till the end. */
+        g_warning("%s", err->message);
+        if (pf_agent_is_connected(a)) {
+            send_error(a, err->message);
+            shutdown(a->sock, SHUT_RDWR);
+            set_connected(a, FALSE);
+        }
+        g_propagate_error(error, g_steal_pointer(&err));
+    } else if (a->uffd >= 0) {
         /* Nothing of this VM is remapped any more; closing the userfaultfd
          * unregisters guest RAM, for whoever needs it next. */
         close(a->uffd);
         a->uffd = -1;
-        pf_wire_set_string(m.reason, sizeof(m.reason), reason);
-        send_to_daemon(a, PF_MSG_ADVISE, &m, sizeof(m));
+        if (m.reason[0] != '\0') {
+            send_to_daemon(a, PF_MSG_ADVISE, &m, sizeof(m));
+        }
     }
-    g_message("pagefold agent: VM %s steps back to advise mode: %s", a->name, reason);
     g_mutex_unlock(&a->work);
+    return rc == 0;
 }
 
 void
@@ -904,7 +1274,7 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
     g_mutex_lock(&a->work);
     for (guint i = 0; i < a->regions->len; i++) {
         Region *r = &g_array_index(a->regions, Region, i);
-        gsize first, end, folded = 0;
+        gsize first, end, stop, folded = 0;
         PfWireRange wr = { i, 0, 0, 0 };
         int rc;
 
@@ -916,18 +1286,22 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
         if (find_remapped(r, first, end, TRUE) == end) {
             continue;
         }
-        rc = fold_back(a, r, first, end - first, FALSE, &folded);
+        rc = fold_back(a, r, first, end - first, FALSE, &stop, &folded);
         g_mutex_lock(&a->lock);
         a->stats.discarded += folded;
         g_mutex_unlock(&a->lock);
         if (rc < 0) {
-            /* The discard then misses those pages: they keep their content. */
+            /* The discard misses the pages from stop on: they keep their
+             * content and their pool slots, which pagefoldd must not
+             * hear of as free. */
             g_warning("pagefold agent: cannot map %s from its memfd again before a discard: %s",
                       r->name, g_strerror(-rc));
         }
         wr.page = first;
-        wr.n_pages = end - first;
-        send_to_daemon(a, PF_MSG_DISCARD, &wr, sizeof(wr));
+        wr.n_pages = stop - first;
+        if (wr.n_pages > 0) {
+            send_to_daemon(a, PF_MSG_DISCARD, &wr, sizeof(wr));
+        }
     }
     g_mutex_unlock(&a->work);
 }
@@ -962,8 +1336,10 @@ pf_agent_free(PfAgent *a)
     }
     g_array_unref(a->regions);
     g_ptr_array_unref(a->chunks);
+    g_array_unref(a->dma_ranges);
     g_mutex_clear(&a->lock);
     g_mutex_clear(&a->work);
+    g_mutex_clear(&a->dma);
     g_free(a->advise_reason);
     g_free(a->reason);
     g_free(a->name);

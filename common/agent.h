@@ -24,6 +24,7 @@
 #pragma once
 
 #include <glib.h>
+#include <sys/types.h>
 
 #include "proto.h"
 
@@ -62,9 +63,13 @@ void pf_agent_add_region(PfAgent *a, const PfAgentRegion *r);
  * protection: no write is lost), the userfaultfd is dropped (postcopy and
  * background snapshot need their own), pagefoldd is told, and the VM stays
  * in advise mode with reason.  Before pf_agent_start() it just chooses
- * advise mode.  Blocks while a request is being served.
+ * advise mode.  Blocks while a request is being served.  FALSE when a
+ * page could not be folded back (it is in DMA, or the kernel refused):
+ * those pages stay merged and valid, pagefoldd lets go of this VM (its
+ * pool pages stay taken), and the caller must not hand guest RAM to
+ * whoever needed it plain; calling again retries.
  */
-void pf_agent_step_back(PfAgent *a, const char *reason);
+gboolean pf_agent_step_back(PfAgent *a, const char *reason, GError **error);
 /*
  * The VMM is about to discard host..host+len (a balloon inflates,
  * virtio-mem unplugs): remapped pages there get their memfd mapping back
@@ -72,6 +77,32 @@ void pf_agent_step_back(PfAgent *a, const char *reason);
  * pool references.  Their content is not copied: it is being thrown away.
  */
 void pf_agent_discard(PfAgent *a, void *host, gsize len);
+/*
+ * A device is about to write host..host+len outside the VM's page tables
+ * (an O_DIRECT or io_uring read lands there: the kernel pins the pages),
+ * until pf_agent_dma_unmap() with the same range.  Write protection
+ * cannot see such writes, so the agent merges, zeroes and folds back no
+ * page of a range in DMA; a merge in progress there finishes before this
+ * returns.  Cheap: a mutex and an array append.
+ */
+void pf_agent_dma_map(PfAgent *a, void *host, gsize len);
+void pf_agent_dma_unmap(PfAgent *a, void *host, gsize len);
+
+/*
+ * The system calls through which the agent changes guest RAM.  Tests
+ * replace them to make each fail (pf_agent_set_syscalls(), before
+ * pf_agent_start()); a VMM never needs to.  Each behaves like the libc
+ * call it stands for: -1 (MAP_FAILED) and errno on failure.
+ */
+typedef struct {
+    void *(*mmap)(void *addr, size_t len, int prot, int flags, int fd, off_t offset);
+    int (*fallocate)(int fd, int mode, off_t offset, off_t len);
+    ssize_t (*pwrite)(int fd, const void *buf, size_t count, off_t offset);
+    int (*ioctl)(int fd, unsigned long request, void *arg); /* the userfaultfd's */
+    int (*madvise)(void *addr, size_t len, int advice);
+} PfAgentSyscalls;
+
+void pf_agent_set_syscalls(PfAgent *a, const PfAgentSyscalls *sys);
 
 /* Connects, announces the VM and its regions, settles the mode, and
  * starts serving on a thread of its own. */

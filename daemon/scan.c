@@ -830,11 +830,21 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
             reset_page(r, p, PF_PAGE_VOLATILE);
             restore_huge(s, r, pd->page - r->base);
             return;
-        } else if (pd->slot != PF_POOL_SLOT_NONE) {
-            /* Still mapped from the slot: it stays taken for good. */
-            g_warning("VM %s: page %u could not be folded back; pool slot %u stays taken",
-                      vm->name, pd->page - r->base, pd->slot);
         }
+        /* Still mapped from its slot (in DMA, or the kernel refused): it
+         * is merged as before, and its copy on write is found again at
+         * the next pass, which asks again. */
+        if (pd->node != 0 && node_at(s, pd->node)->live) {
+            pf_stable_tree_add(&s->stable, pd->node, pd->page);
+            merged(r, p, PF_PAGE_SHARED);
+            return;
+        }
+        if (pd->slot == PF_POOL_SLOT_NONE) {
+            merged(r, p, PF_PAGE_ZERO);
+            return;
+        }
+        g_warning("VM %s: page %u could not be folded back; pool slot %u stays taken",
+                  vm->name, pd->page - r->base, pd->slot);
         break;
     default:
         break;

@@ -10,8 +10,12 @@
 #include <glib.h>
 #include <glib/gstdio.h>
 #include <string.h>
+#include <linux/mempolicy.h>
+#include <linux/userfaultfd.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -36,6 +40,8 @@ typedef struct {
 
 #define make_pool pf_test_pool_chunk
 
+static const guint8 zero_page_of_test[PF_PAGE_SIZE];
+
 static void
 expect_msg(Fixture *f, PfMsgType type)
 {
@@ -46,6 +52,102 @@ expect_msg(Fixture *f, PfMsgType type)
     g_assert_cmpuint(f->msg.header.type, ==, type);
 }
 
+/* ---- system calls that fail when a test says so ---- */
+
+/* One call to fail: which, after how many good ones, how often, how. */
+typedef struct {
+    const char *call;  /* "mmap-private", "mmap-shared", "fallocate", "pwrite",
+                        * "madvise", "register", "unregister", "wp-off", or
+                        * several of those, comma-separated */
+    gint skip;         /* calls let through first */
+    gint times;        /* failures, then it passes again (-1: for good) */
+    int err;           /* errno; 0: report success without doing it */
+    gboolean unmap;    /* mmap: unmap the range first, as a MAP_FIXED that
+                        * fails on accounting does */
+} Fault;
+
+static Fault fault;
+static gint fault_hits;
+
+static gboolean
+fault_now(const char *call)
+{
+    g_autofree char *calls = g_strconcat(",", fault.call ? fault.call : "", ",", NULL);
+    g_autofree char *one = g_strconcat(",", call, ",", NULL);
+
+    if (strstr(calls, one) == NULL || fault.times == 0) {
+        return FALSE;
+    }
+    if (g_atomic_int_add(&fault.skip, -1) > 0) {
+        return FALSE;
+    }
+    if (fault.times > 0) {
+        fault.times--;
+    }
+    g_atomic_int_inc(&fault_hits);
+    errno = fault.err;
+    return TRUE;
+}
+
+static void
+fault_set(const char *call, int skip, int times, int err)
+{
+    fault = (Fault){ call, skip, times, err, FALSE };
+    fault_hits = 0;
+}
+
+static void *
+fake_mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off)
+{
+    if ((flags & MAP_FIXED) &&
+        fault_now((flags & MAP_SHARED) ? "mmap-shared" : "mmap-private")) {
+        if (fault.unmap) {
+            g_assert_cmpint(munmap(addr, len), ==, 0);
+        }
+        errno = fault.err;
+        return MAP_FAILED;
+    }
+    return mmap(addr, len, prot, flags, fd, off);
+}
+
+static int
+fake_fallocate(int fd, int mode, off_t off, off_t len)
+{
+    if (fault_now("fallocate")) {
+        return fault.err ? -1 : 0;
+    }
+    return fallocate(fd, mode, off, len);
+}
+
+static ssize_t
+fake_pwrite(int fd, const void *buf, size_t n, off_t off)
+{
+    return fault_now("pwrite") ? -1 : pwrite(fd, buf, n, off);
+}
+
+static int
+fake_ioctl(int fd, unsigned long req, void *arg)
+{
+    if ((req == UFFDIO_REGISTER && fault_now("register")) ||
+        (req == UFFDIO_UNREGISTER && fault_now("unregister")) ||
+        (req == UFFDIO_WRITEPROTECT &&
+         !(((struct uffdio_writeprotect *)arg)->mode & UFFDIO_WRITEPROTECT_MODE_WP) &&
+         fault_now("wp-off"))) {
+        return -1;
+    }
+    return ioctl(fd, req, arg);
+}
+
+static int
+fake_madvise(void *addr, size_t len, int advice)
+{
+    return fault_now("madvise") ? -1 : madvise(addr, len, advice);
+}
+
+static const PfAgentSyscalls fake_syscalls = {
+    fake_mmap, fake_fallocate, fake_pwrite, fake_ioctl, fake_madvise,
+};
+
 static void
 setup(Fixture *f, gconstpointer data)
 {
@@ -53,11 +155,15 @@ setup(Fixture *f, gconstpointer data)
     PfAgentRegion r;
 
     memset(f, 0, sizeof(*f));
+    fault_set(NULL, 0, 0, 0);
     f->peer = pf_test_peer_new();
     f->guest = pf_guest_new("memory-backend-memfd", &l, 1);
     f->agent = pf_agent_new("vm-test", NULL);
-    r = (PfAgentRegion){ "pc.ram", f->guest->mem, PAGES * PF_PAGE_SIZE, f->guest->fd, 0 };
+    r = (PfAgentRegion){ "pc.ram", f->guest->mem, PAGES * PF_PAGE_SIZE, f->guest->fd, 0,
+                         { MADV_DONTFORK } };
     pf_agent_add_region(f->agent, &r);
+    /* The fault tests' calls fail only when a test says so. */
+    pf_agent_set_syscalls(f->agent, &fake_syscalls);
     g_assert_cmpint(pf_test_peer_accept(f->peer, f->agent), ==, PF_MODE_MERGE);
     f->conn = f->peer->conn;
     f->pool_fd = make_pool(PAGES, TRUE, &f->pool_map);
@@ -331,6 +437,431 @@ test_bad_messages(Fixture *f, gconstpointer data)
     }
 }
 
+/* ---- failures: guest RAM stays as the guest wrote it, the answer true ---- */
+
+/* Slots 0..PAGES/2-1 hold the guest's identical pages. */
+static void
+send_identical_pool(Fixture *f)
+{
+    memcpy(f->pool_map, f->guest->mem, (PAGES / 2) * PF_PAGE_SIZE);
+    send_pool(f, f->pool_fd, 0, PAGES);
+}
+
+/* Merges pages [first, first + n) with the slots of the same index. */
+static const PfWireResult *
+merge_pages(Fixture *f, guint first, guint n, guint32 seq)
+{
+    PfWireItem items[PAGES];
+
+    for (guint i = 0; i < n; i++) {
+        items[i] = (PfWireItem){ .kind = PF_ITEM_MERGE, .region = 0, .page = first + i,
+                                 .chunk = 0, .slot = first + i };
+    }
+    return request(f, items, n, seq);
+}
+
+static const PfWireResult *
+unmerge_page(Fixture *f, guint page, guint32 seq)
+{
+    PfWireItem it = { .kind = PF_ITEM_UNMERGE, .region = 0, .page = page };
+
+    return request(f, &it, 1, seq);
+}
+
+static guint64
+remapped(Fixture *f)
+{
+    PfAgentStats st;
+
+    pf_agent_get_stats(f->agent, &st);
+    return st.remapped;
+}
+
+/* Does page i of guest RAM map the memfd?  A byte written through the
+ * mapping must be read back from the memfd. */
+static gboolean
+maps_memfd(Fixture *f, guint i)
+{
+    guint8 *b = f->guest->mem + (gsize)i * PF_PAGE_SIZE + 7;
+    guint8 old = *b, got = 0;
+    gboolean yes;
+
+    *b = (guint8)(old ^ 0xa5);
+    yes = pread(f->guest->fd, &got, 1, (off_t)((gsize)i * PF_PAGE_SIZE + 7)) == 1 &&
+          got == (guint8)(old ^ 0xa5);
+    *b = old;
+    return yes;
+}
+
+static void
+assert_memfd_page(Fixture *f, guint i, const guint8 *want)
+{
+    guint8 back[PF_PAGE_SIZE];
+
+    g_assert_cmpint(pread(f->guest->fd, back, PF_PAGE_SIZE, (off_t)i * PF_PAGE_SIZE), ==,
+                    PF_PAGE_SIZE);
+    g_assert_cmpint(memcmp(back, want, PF_PAGE_SIZE), ==, 0);
+}
+
+/*
+ * A MAP_FIXED of pool slots that fails: early (the mapping limit), or late,
+ * after the kernel unmapped the old pages (commit accounting with
+ * vm.overcommit_memory=2).  The merge is refused, the memfd is mapped
+ * there as before, and nothing was punched.
+ */
+static void
+test_fault_merge_mmap(Fixture *f, gconstpointer late)
+{
+    g_autofree guint8 *before = g_memdup2(f->guest->mem, PAGES * PF_PAGE_SIZE);
+    blkcnt_t blocks = memfd_blocks(f->guest->fd);
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    fault_set("mmap-private", 0, -1, ENOMEM);
+    fault.unmap = late != NULL;
+    res = merge_pages(f, 0, 64, 1);
+    for (guint i = 0; i < 64; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
+        g_assert_cmpint(res[i].err, ==, ENOMEM);
+    }
+    g_assert_cmpint(fault_hits, >, 0);
+    g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    g_assert_cmpuint(remapped(f), ==, 0);
+    g_assert_cmpint(memfd_blocks(f->guest->fd), ==, blocks);
+    for (guint i = 0; i < 64; i += 9) {
+        g_assert_true(maps_memfd(f, i));
+    }
+    /* And once the kernel agrees, the same merge works. */
+    fault_set(NULL, 0, 0, 0);
+    res = merge_pages(f, 0, 64, 2);
+    for (guint i = 0; i < 64; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+    }
+    g_assert_cmpuint(remapped(f), ==, 64);
+    g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+}
+
+/* The punch, or the advice, fails after the pool slot is mapped: the
+ * merge is undone by folding back, and reported as not done. */
+static void
+test_fault_merge_punch(Fixture *f, gconstpointer call)
+{
+    g_autofree guint8 *before = g_memdup2(f->guest->mem, PAGES * PF_PAGE_SIZE);
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    fault_set(call, 0, 1, EPERM);
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*after merging pc.ram*folding it back*");
+    res = merge_pages(f, 0, 16, 1);
+    g_test_assert_expected_messages();
+    for (guint i = 0; i < 16; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
+        g_assert_cmpint(res[i].err, ==, EPERM);
+    }
+    g_assert_cmpuint(remapped(f), ==, 0);
+    g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    for (guint i = 0; i < 16; i++) {
+        g_assert_true(maps_memfd(f, i));
+        assert_memfd_page(f, i, before + (gsize)i * PF_PAGE_SIZE);
+    }
+}
+
+/* Folding a written page back, when mapping the memfd fails: late (the
+ * old mapping gone: mapped again at once, nothing lost), or early (the
+ * page stays merged, its write in place, and the unmerge says it failed). */
+static void
+test_fault_unmerge_mmap(Fixture *f, gconstpointer late)
+{
+    guint8 *page = f->guest->mem + 3 * PF_PAGE_SIZE;
+    g_autofree guint8 *want = NULL;
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    res = merge_pages(f, 0, 8, 1);
+    g_assert_cmpuint(res[3].status, ==, PF_RESULT_DONE);
+    page[10] ^= 0x55; /* copied on write */
+    want = g_memdup2(page, PF_PAGE_SIZE);
+
+    fault_set("mmap-shared", 0, late ? 1 : -1, ENOMEM);
+    fault.unmap = late != NULL;
+    res = unmerge_page(f, 3, 2);
+    g_assert_cmpint(fault_hits, ==, 1);
+    g_assert_cmpint(memcmp(page, want, PF_PAGE_SIZE), ==, 0);
+    if (late) {
+        g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+        g_assert_cmpuint(remapped(f), ==, 7);
+        g_assert_true(maps_memfd(f, 3));
+        assert_memfd_page(f, 3, want);
+        return;
+    }
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_ERROR);
+    g_assert_cmpint(res[0].err, ==, ENOMEM);
+    g_assert_cmpuint(remapped(f), ==, 8);
+    g_assert_false(maps_memfd(f, 3));
+    fault_set(NULL, 0, 0, 0);
+    res = unmerge_page(f, 3, 3);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    assert_memfd_page(f, 3, want);
+    g_assert_cmpint(memcmp(page, want, PF_PAGE_SIZE), ==, 0);
+}
+
+/* A merge whose punch did not happen leaves the old page in the memfd; a
+ * guest that then zeroes the page must see zeros after the fold-back,
+ * not the old page: a zero page is not trusted to be a hole. */
+static void
+test_fault_fold_zero(Fixture *f, gconstpointer data)
+{
+    guint8 *page = f->guest->mem;
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    fault_set("fallocate", 0, 1, 0); /* says it punched, did not */
+    res = merge_pages(f, 0, 1, 1);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    g_assert_cmpint(fault_hits, ==, 1);
+    memset(page, 0, PF_PAGE_SIZE);
+    res = unmerge_page(f, 0, 2);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    g_assert_cmpint(memcmp(page, zero_page_of_test, PF_PAGE_SIZE), ==, 0);
+    assert_memfd_page(f, 0, zero_page_of_test);
+}
+
+/* A discard whose fold-back stops halfway tells pagefoldd only of the
+ * pages that are back in the memfd: the others keep their slots. */
+static void
+test_fault_discard_partial(Fixture *f, gconstpointer data)
+{
+    PfWireItem items[16];
+    const PfWireResult *res;
+    const PfWireRange *wr;
+
+    send_identical_pool(f);
+    for (guint i = 0; i < 16; i++) {
+        guint page = i < 8 ? i : 8 + i; /* two runs: 0..7 and 16..23 */
+
+        items[i] = (PfWireItem){ .kind = PF_ITEM_MERGE, .region = 0, .page = page, .chunk = 0,
+                                 .slot = page };
+    }
+    res = request(f, items, 16, 1);
+    for (guint i = 0; i < 16; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+    }
+    fault_set("mmap-shared", 1, -1, ENOMEM);
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*before a discard*");
+    pf_agent_discard(f->agent, f->guest->mem, 32 * PF_PAGE_SIZE);
+    g_test_assert_expected_messages();
+    expect_msg(f, PF_MSG_DISCARD);
+    wr = pf_msg_range(&f->msg);
+    g_assert_cmpuint(wr->page, ==, 0);
+    g_assert_cmpuint(wr->n_pages, ==, 16);
+    g_assert_cmpuint(remapped(f), ==, 8);
+}
+
+/* A step back that cannot fold every page back says so: the caller must
+ * not hand guest RAM on.  pagefoldd is told to let go; a later call
+ * finishes the job. */
+static void
+test_fault_step_back(Fixture *f, gconstpointer data)
+{
+    g_autofree guint8 *before = g_memdup2(f->guest->mem, PAGES * PF_PAGE_SIZE);
+    g_autoptr(GError) error = NULL;
+
+    send_identical_pool(f);
+    merge_pages(f, 0, 8, 1);
+    fault_set("mmap-shared", 0, -1, ENOMEM);
+    g_test_expect_message("pagefold", G_LOG_LEVEL_MESSAGE, "*steps back to advise mode*");
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*cannot fold merged pages*");
+    g_assert_false(pf_agent_step_back(f->agent, "a test", &error));
+    g_test_assert_expected_messages();
+    g_assert_error(error, PF_ERROR, PF_ERROR_FAILED);
+    g_clear_error(&error);
+    expect_msg(f, PF_MSG_ERROR);
+    g_assert_false(pf_agent_is_connected(f->agent));
+    g_assert_cmpuint(remapped(f), ==, 8);
+    g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+
+    fault_set(NULL, 0, 0, 0);
+    g_assert_true(pf_agent_step_back(f->agent, "a test", &error));
+    g_assert_no_error(error);
+    g_assert_cmpuint(remapped(f), ==, 0);
+    g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    g_assert_true(maps_memfd(f, 0));
+}
+
+typedef struct {
+    guint8 *byte;
+    gint stop;
+    gint writes;
+} Writer;
+
+static gpointer
+writer_thread(gpointer data)
+{
+    Writer *w = data;
+
+    while (!g_atomic_int_get(&w->stop)) {
+        (*(volatile guint8 *)w->byte)++;
+        g_atomic_int_inc(&w->writes);
+        g_usleep(100);
+    }
+    return NULL;
+}
+
+/* Has the writer written since, within 5 s? */
+static gboolean
+writer_runs(Writer *w)
+{
+    gint n = g_atomic_int_get(&w->writes);
+
+    for (int i = 0; i < 500; i++) {
+        if (g_atomic_int_get(&w->writes) > n + 10) {
+            return TRUE;
+        }
+        g_usleep(10000);
+    }
+    return FALSE;
+}
+
+/*
+ * Lifting write protection fails: the range is unregistered instead, and
+ * if that fails too the userfaultfd is closed (the agent then gives up
+ * its link).  Either way no writer stays blocked.
+ */
+static void
+test_fault_unprotect(Fixture *f, gconstpointer calls)
+{
+    Writer w = { f->guest->mem + 5 * PF_PAGE_SIZE + 100, 0, 0 };
+    GThread *t;
+
+    send_identical_pool(f);
+    t = g_thread_new("writer", writer_thread, &w);
+    g_assert_true(writer_runs(&w));
+    fault_set(calls, 0, -1, EINVAL);
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*cannot lift write protection*");
+    if (strchr(calls, ',') != NULL) {
+        g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*closing the userfaultfd*");
+        g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*cannot merge any more*");
+    }
+    merge_pages(f, 0, 32, 1);
+    g_assert_true(writer_runs(&w));
+    if (strchr(calls, ',') != NULL) {
+        expect_msg(f, PF_MSG_ERROR);
+        for (int i = 0; i < 200 && pf_agent_is_connected(f->agent); i++) {
+            g_usleep(10000);
+        }
+        g_assert_false(pf_agent_is_connected(f->agent));
+    }
+    g_test_assert_expected_messages();
+    g_atomic_int_set(&w.stop, 1);
+    g_thread_join(t);
+    g_assert_true(maps_memfd(f, 5));
+}
+
+/* Pages in DMA (a device writes them behind the page tables) are neither
+ * merged nor folded back until the VMM says the DMA is over. */
+static void
+test_dma(Fixture *f, gconstpointer data)
+{
+    guint8 *mem = f->guest->mem;
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    pf_agent_dma_map(f->agent, mem + 4 * PF_PAGE_SIZE, 2 * PF_PAGE_SIZE);
+    res = merge_pages(f, 0, 8, 1);
+    for (guint i = 0; i < 8; i++) {
+        g_assert_cmpuint(res[i].status, ==, i == 4 || i == 5 ? PF_RESULT_ERROR : PF_RESULT_DONE);
+        g_assert_cmpint(res[i].err, ==, i == 4 || i == 5 ? EBUSY : 0);
+    }
+    g_assert_true(maps_memfd(f, 4));
+    mem[10] ^= 1;
+    pf_agent_dma_map(f->agent, mem, PF_PAGE_SIZE);
+    res = unmerge_page(f, 0, 2);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_ERROR);
+    g_assert_cmpint(res[0].err, ==, EBUSY);
+    pf_agent_dma_unmap(f->agent, mem, PF_PAGE_SIZE);
+    res = unmerge_page(f, 0, 3);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    pf_agent_dma_unmap(f->agent, mem + 4 * PF_PAGE_SIZE, 2 * PF_PAGE_SIZE);
+    res = merge_pages(f, 4, 2, 4);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    g_assert_cmpuint(res[1].status, ==, PF_RESULT_DONE);
+}
+
+/* The VmFlags of the mapping at addr, from /proc/self/smaps. */
+static char *
+vma_flags(const void *addr)
+{
+    g_autofree char *smaps = NULL;
+    g_auto(GStrv) lines = NULL;
+    gboolean in = FALSE;
+
+    g_assert_true(g_file_get_contents("/proc/self/smaps", &smaps, NULL, NULL));
+    lines = g_strsplit(smaps, "\n", -1);
+    for (guint i = 0; lines[i] != NULL; i++) {
+        guint64 lo, hi;
+
+        if (sscanf(lines[i], "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x ", &lo, &hi) == 2 &&
+            strchr(lines[i], ' ') == lines[i] + strcspn(lines[i], " ")) {
+            in = (guintptr)addr >= lo && (guintptr)addr < hi;
+        } else if (in && g_str_has_prefix(lines[i], "VmFlags:")) {
+            return g_strdup(lines[i]);
+        }
+    }
+    return g_strdup("");
+}
+
+typedef enum { UNSAFE_SETUP_FAILS, UNSAFE_LOCKED, UNSAFE_NUMA } Unsafe;
+
+/*
+ * The VM stays in advise mode, with the reason, and holds no userfaultfd
+ * registration (postcopy or a background snapshot may want one later):
+ * when registering the second region fails, when guest memory is locked
+ * (every merge would be copied on write at once), when guest RAM has a
+ * NUMA policy (pool pages would not follow it).
+ */
+static void
+test_unsafe(gconstpointer data)
+{
+    Unsafe how = GPOINTER_TO_INT(data);
+    PfLayout l = { .identical = PAGES };
+    g_autoptr(PfGuest) guest = pf_guest_new("memory-backend-memfd", &l, 1);
+    g_autoptr(PfTestPeer) peer = pf_test_peer_new();
+    g_autoptr(PfAgent) agent = pf_agent_new("vm-test", NULL);
+    static const char *const why[] = { "cannot write-protect region ram1",
+                                       "guest memory is locked", "NUMA memory policy" };
+    g_autofree char *flags = NULL;
+
+    for (guint i = 0; i < 2; i++) {
+        g_autofree char *name = g_strdup_printf("ram%u", i);
+        PfAgentRegion r = { name, guest->mem + i * (PAGES / 2) * PF_PAGE_SIZE,
+                            (PAGES / 2) * PF_PAGE_SIZE, guest->fd, i * (PAGES / 2) * PF_PAGE_SIZE };
+
+        pf_agent_add_region(agent, &r);
+    }
+    pf_agent_set_syscalls(agent, &fake_syscalls);
+    fault_set(how == UNSAFE_SETUP_FAILS ? "register" : NULL, 1, -1, EINVAL);
+    if (how == UNSAFE_LOCKED) {
+        /* Future mappings only: locking ASan's shadow would never end. */
+        g_assert_cmpint(mlockall(MCL_FUTURE), ==, 0);
+    } else if (how == UNSAFE_NUMA) {
+        unsigned long node0 = 1;
+
+        g_assert_cmpint(syscall(SYS_mbind, guest->mem, PAGES * PF_PAGE_SIZE, MPOL_BIND, &node0,
+                                sizeof(node0) * 8, 0), ==, 0);
+    }
+    g_test_expect_message("pagefold", G_LOG_LEVEL_MESSAGE, "*stays in advise mode*");
+    g_assert_cmpint(pf_test_peer_accept(peer, agent), ==, PF_MODE_ADVISE);
+    g_test_assert_expected_messages();
+    if (how == UNSAFE_LOCKED) {
+        munlockall();
+    }
+    g_assert_nonnull(strstr(pf_agent_get_reason(agent), why[how]));
+    flags = vma_flags(guest->mem);
+    g_assert_nonnull(strstr(flags, " sh"));
+    g_assert_null(strstr(flags, " uw"));
+    fault_set(NULL, 0, 0, 0);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -340,5 +871,33 @@ main(int argc, char **argv)
     g_test_add("/agent-proto/bad-items", Fixture, NULL, setup, test_bad_items, teardown);
     g_test_add("/agent-proto/unsealed-pool", Fixture, NULL, setup, test_unsealed_pool, teardown);
     g_test_add("/agent-proto/bad-messages", Fixture, NULL, setup, test_bad_messages, teardown);
+    g_test_add("/agent-proto/fault/merge-map-early", Fixture, NULL, setup, test_fault_merge_mmap,
+               teardown);
+    g_test_add("/agent-proto/fault/merge-map-late", Fixture, "late", setup,
+               test_fault_merge_mmap, teardown);
+    g_test_add("/agent-proto/fault/merge-punch", Fixture, "fallocate", setup,
+               test_fault_merge_punch, teardown);
+    g_test_add("/agent-proto/fault/merge-advice", Fixture, "madvise", setup,
+               test_fault_merge_punch, teardown);
+    g_test_add("/agent-proto/fault/unmerge-map-early", Fixture, NULL, setup,
+               test_fault_unmerge_mmap, teardown);
+    g_test_add("/agent-proto/fault/unmerge-map-late", Fixture, "late", setup,
+               test_fault_unmerge_mmap, teardown);
+    g_test_add("/agent-proto/fault/fold-zero", Fixture, NULL, setup, test_fault_fold_zero,
+               teardown);
+    g_test_add("/agent-proto/fault/discard-partial", Fixture, NULL, setup,
+               test_fault_discard_partial, teardown);
+    g_test_add("/agent-proto/fault/step-back", Fixture, NULL, setup, test_fault_step_back,
+               teardown);
+    g_test_add("/agent-proto/fault/unprotect", Fixture, "wp-off", setup, test_fault_unprotect,
+               teardown);
+    g_test_add("/agent-proto/fault/unprotect-unregister", Fixture, "wp-off,unregister", setup,
+               test_fault_unprotect, teardown);
+    g_test_add("/agent-proto/dma", Fixture, NULL, setup, test_dma, teardown);
+    g_test_add_data_func("/agent-proto/advise/setup-fails", GINT_TO_POINTER(UNSAFE_SETUP_FAILS),
+                         test_unsafe);
+    g_test_add_data_func("/agent-proto/advise/locked", GINT_TO_POINTER(UNSAFE_LOCKED),
+                         test_unsafe);
+    g_test_add_data_func("/agent-proto/advise/numa", GINT_TO_POINTER(UNSAFE_NUMA), test_unsafe);
     return g_test_run();
 }

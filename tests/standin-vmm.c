@@ -267,7 +267,11 @@ main(int argc, char **argv)
             discard(&v, agent, page, n);
             printf("ok\n");
         } else if (g_str_has_prefix(line, "step-back ")) {
-            pf_agent_step_back(agent, line + strlen("step-back "));
+            g_autoptr(GError) err = NULL;
+
+            if (!pf_agent_step_back(agent, line + strlen("step-back "), &err)) {
+                g_printerr("standin-vmm: %s\n", err->message);
+            }
             printf("ok %s\n", pf_agent_get_mode(agent) == PF_MODE_MERGE ? "merge" : "advise");
         } else if (g_str_equal(line, "nonzero")) {
             static const guint8 zero_page[PF_PAGE_SIZE];
