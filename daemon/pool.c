@@ -3,7 +3,8 @@
  *
  * A freed slot cannot be punched out (the write seal forbids fallocate), so
  * it keeps its memory and is reused first: the pool's memory is the
- * high-water mark of slots in use.
+ * high-water mark of slots in use.  It is zeroed when freed: agents map
+ * whole chunks, and a page no guest shares any more is nobody's to read.
  */
 #include "pool.h"
 
@@ -190,6 +191,9 @@ pf_pool_unref(PfPool *p, guint32 slot)
     if (--*r > 0) {
         return FALSE;
     }
+    /* No guest maps it any more; every agent still holds the chunk, so
+     * what the slot held must not stay readable there. */
+    memset(slot_data(p, slot), 0, PF_PAGE_SIZE);
     g_array_append_val(p->free_slots, slot);
     p->in_use--;
     return TRUE;
