@@ -545,7 +545,19 @@ fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsi
         gsize u = find_remapped(r, t, first + n, FALSE);
 
         *stop = t;
-        if ((copy && (rc = copy_back(a, r, t, u)) < 0) || (rc = map_memfd(a, r, t, u)) < 0) {
+        if (copy && (rc = copy_back(a, r, t, u)) < 0) {
+            break;
+        }
+        if ((rc = map_memfd(a, r, t, u)) < 0) {
+            /* Still remapped: its memfd pages are holes again, where
+             * pagefoldd looks for copy-on-write (it looks among data too,
+             * should this punch fail). */
+            if (copy && a->sys.fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                         (off_t)(r->offset + t * PF_PAGE_SIZE),
+                                         (off_t)((u - t) * PF_PAGE_SIZE)) < 0) {
+                g_warning("pagefold agent: cannot punch %s again: %s", r->name,
+                          g_strerror(errno));
+            }
             break;
         }
         u = MIN(u, first + n);

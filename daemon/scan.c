@@ -627,6 +627,8 @@ request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint
     pf_link_queue(r->vm->link, &item, &pd);
 }
 
+static void check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to);
+
 static void
 visit(PfScanner *s, PfRegion *r, gsize idx)
 {
@@ -639,9 +641,14 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
     guint64 c;
     guint32 other;
 
-    if (p->state == PF_PAGE_PENDING ||
-        (merge_domain && (p->state == PF_PAGE_SHARED || p->state == PF_PAGE_ZERO))) {
-        /* Its agent has it, or it is merged: nothing to read here. */
+    if (p->state == PF_PAGE_PENDING) {
+        return; /* its agent has it */
+    }
+    if (merge_domain && (p->state == PF_PAGE_SHARED || p->state == PF_PAGE_ZERO)) {
+        /* Merged: nothing to read.  A merged page is a hole of the memfd,
+         * where copy-on-write is looked for; one found among data (its
+         * fold-back failed after copying) is looked at here. */
+        check_merged(s, r, idx, idx + 1);
         return;
     }
     if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED &&

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "agent.h"
+#include "faultsys.h"
 #include "guestmem.h"
 #include "proto.h"
 #include "testproc.h"
@@ -52,102 +53,6 @@ expect_msg(Fixture *f, PfMsgType type)
     g_assert_cmpuint(f->msg.header.type, ==, type);
 }
 
-/* ---- system calls that fail when a test says so ---- */
-
-/* One call to fail: which, after how many good ones, how often, how. */
-typedef struct {
-    const char *call;  /* "mmap-private", "mmap-shared", "fallocate", "pwrite",
-                        * "madvise", "register", "unregister", "wp-off", or
-                        * several of those, comma-separated */
-    gint skip;         /* calls let through first */
-    gint times;        /* failures, then it passes again (-1: for good) */
-    int err;           /* errno; 0: report success without doing it */
-    gboolean unmap;    /* mmap: unmap the range first, as a MAP_FIXED that
-                        * fails on accounting does */
-} Fault;
-
-static Fault fault;
-static gint fault_hits;
-
-static gboolean
-fault_now(const char *call)
-{
-    g_autofree char *calls = g_strconcat(",", fault.call ? fault.call : "", ",", NULL);
-    g_autofree char *one = g_strconcat(",", call, ",", NULL);
-
-    if (strstr(calls, one) == NULL || fault.times == 0) {
-        return FALSE;
-    }
-    if (g_atomic_int_add(&fault.skip, -1) > 0) {
-        return FALSE;
-    }
-    if (fault.times > 0) {
-        fault.times--;
-    }
-    g_atomic_int_inc(&fault_hits);
-    errno = fault.err;
-    return TRUE;
-}
-
-static void
-fault_set(const char *call, int skip, int times, int err)
-{
-    fault = (Fault){ call, skip, times, err, FALSE };
-    fault_hits = 0;
-}
-
-static void *
-fake_mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off)
-{
-    if ((flags & MAP_FIXED) &&
-        fault_now((flags & MAP_SHARED) ? "mmap-shared" : "mmap-private")) {
-        if (fault.unmap) {
-            g_assert_cmpint(munmap(addr, len), ==, 0);
-        }
-        errno = fault.err;
-        return MAP_FAILED;
-    }
-    return mmap(addr, len, prot, flags, fd, off);
-}
-
-static int
-fake_fallocate(int fd, int mode, off_t off, off_t len)
-{
-    if (fault_now("fallocate")) {
-        return fault.err ? -1 : 0;
-    }
-    return fallocate(fd, mode, off, len);
-}
-
-static ssize_t
-fake_pwrite(int fd, const void *buf, size_t n, off_t off)
-{
-    return fault_now("pwrite") ? -1 : pwrite(fd, buf, n, off);
-}
-
-static int
-fake_ioctl(int fd, unsigned long req, void *arg)
-{
-    if ((req == UFFDIO_REGISTER && fault_now("register")) ||
-        (req == UFFDIO_UNREGISTER && fault_now("unregister")) ||
-        (req == UFFDIO_WRITEPROTECT &&
-         !(((struct uffdio_writeprotect *)arg)->mode & UFFDIO_WRITEPROTECT_MODE_WP) &&
-         fault_now("wp-off"))) {
-        return -1;
-    }
-    return ioctl(fd, req, arg);
-}
-
-static int
-fake_madvise(void *addr, size_t len, int advice)
-{
-    return fault_now("madvise") ? -1 : madvise(addr, len, advice);
-}
-
-static const PfAgentSyscalls fake_syscalls = {
-    fake_mmap, fake_fallocate, fake_pwrite, fake_ioctl, fake_madvise,
-};
-
 static void
 setup(Fixture *f, gconstpointer data)
 {
@@ -155,7 +60,7 @@ setup(Fixture *f, gconstpointer data)
     PfAgentRegion r;
 
     memset(f, 0, sizeof(*f));
-    fault_set(NULL, 0, 0, 0);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
     f->peer = pf_test_peer_new();
     f->guest = pf_guest_new("memory-backend-memfd", &l, 1);
     f->agent = pf_agent_new("vm-test", NULL);
@@ -163,7 +68,7 @@ setup(Fixture *f, gconstpointer data)
                          { MADV_DONTFORK } };
     pf_agent_add_region(f->agent, &r);
     /* The fault tests' calls fail only when a test says so. */
-    pf_agent_set_syscalls(f->agent, &fake_syscalls);
+    pf_agent_set_syscalls(f->agent, &pf_test_faulty_syscalls);
     g_assert_cmpint(pf_test_peer_accept(f->peer, f->agent), ==, PF_MODE_MERGE);
     f->conn = f->peer->conn;
     f->pool_fd = make_pool(PAGES, TRUE, &f->pool_map);
@@ -517,14 +422,13 @@ test_fault_merge_mmap(Fixture *f, gconstpointer late)
     const PfWireResult *res;
 
     send_identical_pool(f);
-    fault_set("mmap-private", 0, -1, ENOMEM);
-    fault.unmap = late != NULL;
+    pf_test_fault_set("mmap-private", 0, -1, ENOMEM, late != NULL);
     res = merge_pages(f, 0, 64, 1);
     for (guint i = 0; i < 64; i++) {
         g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
         g_assert_cmpint(res[i].err, ==, ENOMEM);
     }
-    g_assert_cmpint(fault_hits, >, 0);
+    g_assert_cmpint(pf_test_fault_hits(), >, 0);
     g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
     g_assert_cmpuint(remapped(f), ==, 0);
     g_assert_cmpint(memfd_blocks(f->guest->fd), ==, blocks);
@@ -532,7 +436,7 @@ test_fault_merge_mmap(Fixture *f, gconstpointer late)
         g_assert_true(maps_memfd(f, i));
     }
     /* And once the kernel agrees, the same merge works. */
-    fault_set(NULL, 0, 0, 0);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
     res = merge_pages(f, 0, 64, 2);
     for (guint i = 0; i < 64; i++) {
         g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
@@ -550,7 +454,7 @@ test_fault_merge_punch(Fixture *f, gconstpointer call)
     const PfWireResult *res;
 
     send_identical_pool(f);
-    fault_set(call, 0, 1, EPERM);
+    pf_test_fault_set(call, 0, 1, EPERM, FALSE);
     g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*after merging pc.ram*folding it back*");
     res = merge_pages(f, 0, 16, 1);
     g_test_assert_expected_messages();
@@ -582,10 +486,9 @@ test_fault_unmerge_mmap(Fixture *f, gconstpointer late)
     page[10] ^= 0x55; /* copied on write */
     want = g_memdup2(page, PF_PAGE_SIZE);
 
-    fault_set("mmap-shared", 0, late ? 1 : -1, ENOMEM);
-    fault.unmap = late != NULL;
+    pf_test_fault_set("mmap-shared", 0, late ? 1 : -1, ENOMEM, late != NULL);
     res = unmerge_page(f, 3, 2);
-    g_assert_cmpint(fault_hits, ==, 1);
+    g_assert_cmpint(pf_test_fault_hits(), ==, 1);
     g_assert_cmpint(memcmp(page, want, PF_PAGE_SIZE), ==, 0);
     if (late) {
         g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
@@ -598,7 +501,7 @@ test_fault_unmerge_mmap(Fixture *f, gconstpointer late)
     g_assert_cmpint(res[0].err, ==, ENOMEM);
     g_assert_cmpuint(remapped(f), ==, 8);
     g_assert_false(maps_memfd(f, 3));
-    fault_set(NULL, 0, 0, 0);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
     res = unmerge_page(f, 3, 3);
     g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
     assert_memfd_page(f, 3, want);
@@ -615,10 +518,10 @@ test_fault_fold_zero(Fixture *f, gconstpointer data)
     const PfWireResult *res;
 
     send_identical_pool(f);
-    fault_set("fallocate", 0, 1, 0); /* says it punched, did not */
+    pf_test_fault_set("fallocate", 0, 1, 0, FALSE); /* says it punched, did not */
     res = merge_pages(f, 0, 1, 1);
     g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
-    g_assert_cmpint(fault_hits, ==, 1);
+    g_assert_cmpint(pf_test_fault_hits(), ==, 1);
     memset(page, 0, PF_PAGE_SIZE);
     res = unmerge_page(f, 0, 2);
     g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
@@ -646,7 +549,7 @@ test_fault_discard_partial(Fixture *f, gconstpointer data)
     for (guint i = 0; i < 16; i++) {
         g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
     }
-    fault_set("mmap-shared", 1, -1, ENOMEM);
+    pf_test_fault_set("mmap-shared", 1, -1, ENOMEM, FALSE);
     g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*before a discard*");
     pf_agent_discard(f->agent, f->guest->mem, 32 * PF_PAGE_SIZE);
     g_test_assert_expected_messages();
@@ -668,7 +571,7 @@ test_fault_step_back(Fixture *f, gconstpointer data)
 
     send_identical_pool(f);
     merge_pages(f, 0, 8, 1);
-    fault_set("mmap-shared", 0, -1, ENOMEM);
+    pf_test_fault_set("mmap-shared", 0, -1, ENOMEM, FALSE);
     g_test_expect_message("pagefold", G_LOG_LEVEL_MESSAGE, "*steps back to advise mode*");
     g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*cannot fold merged pages*");
     g_assert_false(pf_agent_step_back(f->agent, "a test", &error));
@@ -680,7 +583,7 @@ test_fault_step_back(Fixture *f, gconstpointer data)
     g_assert_cmpuint(remapped(f), ==, 8);
     g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
 
-    fault_set(NULL, 0, 0, 0);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
     g_assert_true(pf_agent_step_back(f->agent, "a test", &error));
     g_assert_no_error(error);
     g_assert_cmpuint(remapped(f), ==, 0);
@@ -736,7 +639,7 @@ test_fault_unprotect(Fixture *f, gconstpointer calls)
     send_identical_pool(f);
     t = g_thread_new("writer", writer_thread, &w);
     g_assert_true(writer_runs(&w));
-    fault_set(calls, 0, -1, EINVAL);
+    pf_test_fault_set(calls, 0, -1, EINVAL, FALSE);
     g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*cannot lift write protection*");
     if (strchr(calls, ',') != NULL) {
         g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*closing the userfaultfd*");
@@ -838,8 +741,8 @@ test_unsafe(gconstpointer data)
 
         pf_agent_add_region(agent, &r);
     }
-    pf_agent_set_syscalls(agent, &fake_syscalls);
-    fault_set(how == UNSAFE_SETUP_FAILS ? "register" : NULL, 1, -1, EINVAL);
+    pf_agent_set_syscalls(agent, &pf_test_faulty_syscalls);
+    pf_test_fault_set(how == UNSAFE_SETUP_FAILS ? "register" : NULL, 1, -1, EINVAL, FALSE);
     if (how == UNSAFE_LOCKED) {
         /* Future mappings only: locking ASan's shadow would never end. */
         g_assert_cmpint(mlockall(MCL_FUTURE), ==, 0);
@@ -859,7 +762,7 @@ test_unsafe(gconstpointer data)
     flags = vma_flags(guest->mem);
     g_assert_nonnull(strstr(flags, " sh"));
     g_assert_null(strstr(flags, " uw"));
-    fault_set(NULL, 0, 0, 0);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
 }
 
 int

@@ -323,6 +323,46 @@ test_cow_and_remerge(gconstpointer data)
     vmm_quit(b);
 }
 
+/* A merged page both VMs wrote, whose fold-back fails for a while: it
+ * stays merged in pagefoldd's books (its slot is still mapped), and once
+ * the kernel agrees both fold back and the slot is free: no reference
+ * leaks, nothing is lost. */
+static void
+test_unmerge_fails(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *v[2] = { vmm_start(d, "a", 1, 0, FALSE), vmm_start(d, "b", 2, 0, FALSE) };
+    g_autoptr(JsonObject) s = stats(d, "scan-now", "3");
+
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *f = vmm_cmd(v[i], "fault mmap-shared 0 -1 12"); /* ENOMEM */
+        g_autofree char *w = vmm_cmd(v[i], "write 5");
+
+        g_assert_cmpstr(f, ==, "ok");
+        g_assert_cmpstr(w, ==, "ok");
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        g_clear_pointer(&s, json_object_unref);
+        s = stats(d, "scan-now", "1");
+        g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
+        g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+    }
+    g_assert_cmpint(vmm_stat(v[0], "errors"), >=, 1);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *f = vmm_cmd(v[i], "fault none");
+
+        vmm_verify(v[i]);
+    }
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "2");
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL - 1);
+    g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 1);
+    vmm_quit(v[0]);
+    vmm_quit(v[1]);
+}
+
 /* KSM's run=2: every page back in its memfd, the mappings coalesced
  * again, the pool empty, scanning stopped. */
 static void
@@ -680,6 +720,7 @@ main(int argc, char **argv)
                          test_cow_and_remerge);
     g_test_add_data_func("/agent/cow-and-remerge/pagemap", "pagemap", test_cow_and_remerge);
     g_test_add_func("/agent/unmerge-all", test_unmerge_all);
+    g_test_add_func("/agent/unmerge-fails", test_unmerge_fails);
     g_test_add_func("/agent/vma-budget", test_vma_budget);
     g_test_add_func("/agent/step-back", test_step_back);
     g_test_add_func("/agent/discard", test_discard);

@@ -20,6 +20,9 @@
  *                   ram_block_discard_range(); they read zero after -> "ok"
  *   step-back WHY   pf_agent_step_back(), as QEMU before a vhost-user
  *                   device or a migration that needs plain RAM  -> "ok MODE"
+ *   fault CALLS SKIP TIMES ERRNO
+ *                   make the agent's system calls fail (faultsys.h);
+ *                   "fault none" stops it                     -> "ok"
  *   quit            stop writers, verify, exit 0 or 1
  * EOF on stdin is quit.  Prints "ready PID MODE" first.
  */
@@ -33,6 +36,7 @@
 #include <unistd.h>
 
 #include "agent.h"
+#include "faultsys.h"
 #include "guestmem.h"
 #include "util.h"
 
@@ -238,6 +242,8 @@ main(int argc, char **argv)
     r = (PfAgentRegion){ "pc.ram", v.g->mem, pages * PF_PAGE_SIZE, v.g->fd, 0,
                          { huge ? MADV_HUGEPAGE : 0 } };
     pf_agent_add_region(agent, &r);
+    /* They fail only when told to ("fault"). */
+    pf_agent_set_syscalls(agent, &pf_test_faulty_syscalls);
     if (!pf_agent_start(agent, socket_path, &error)) {
         g_printerr("standin-vmm: %s\n", error->message);
         return 1;
@@ -251,6 +257,8 @@ main(int argc, char **argv)
 
     while (fgets(line, sizeof(line), stdin) != NULL) {
         guint64 page, n;
+        char calls[64];
+        int skip, times, errnum;
         guint8 buf[PF_PAGE_SIZE];
 
         g_strchomp(line);
@@ -265,6 +273,12 @@ main(int argc, char **argv)
         } else if (sscanf(line, "discard %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT, &page, &n) ==
                        2 && page < pages && n > 0 && n <= pages - page) {
             discard(&v, agent, page, n);
+            printf("ok\n");
+        } else if (g_str_equal(line, "fault none")) {
+            pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+            printf("ok\n");
+        } else if (sscanf(line, "fault %63s %d %d %d", calls, &skip, &times, &errnum) == 4) {
+            pf_test_fault_set(calls, skip, times, errnum, FALSE);
             printf("ok\n");
         } else if (g_str_has_prefix(line, "step-back ")) {
             g_autoptr(GError) err = NULL;
