@@ -301,7 +301,14 @@ test_cow_and_remerge(gconstpointer data)
     a = vmm_start(d, "a", 1, 0, FALSE);
     b = vmm_start(d, "b", 2, 0, FALSE);
     s = stats(d, "scan-now", "3");
-    g_assert_cmpstr(json_object_get_string_member(s, "cow_detection"), ==, path);
+    if (!g_str_equal(json_object_get_string_member(s, "cow_detection"), path)) {
+        /* PAGEMAP_SCAN came in Linux 6.7; Debian 12's 6.1 has not got it. */
+        g_assert_cmpstr(path, ==, "PAGEMAP_SCAN");
+        g_test_skip("this kernel has no PAGEMAP_SCAN");
+        vmm_quit(a);
+        vmm_quit(b);
+        return;
+    }
 
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
     r1 = vmm_cmd(a, "write 5");
