@@ -1,11 +1,27 @@
 /*
  * link.c - see link.h.
  *
- * A connection goes HELLO -> REGION x n -> (WELCOME) -> READY, then
- * carries REQUESTs and RESULTs.  Agents are trusted with nothing: the pid
- * they announce must be the socket peer's, their memfds are mapped
- * read-only and checked like any region, and a result must answer a
- * request in flight, item for item.
+ * A connection goes HELLO -> REGION x n -> WELCOME -> READY, then carries
+ * REQUESTs and RESULTs.  The peer is trusted with nothing it has not shown:
+ *  - its process is pinned at accept: a pidfd (SO_PEERPIDFD where the
+ *    kernel has it, else pidfd_open() of SO_PEERCRED's pid) and its
+ *    /proc/PID, opened while that pidfd showed it alive, through which
+ *    every later look at its mappings goes (invariant 8);
+ *  - the pid HELLO announces must be that process's, and each REGION must
+ *    be what that process really maps (vm.c), within a cap, before
+ *    anything is allocated for it;
+ *  - WELCOME, and /dev/userfaultfd with it, comes only after the last
+ *    REGION passed, and only to a peer with a region to merge: with
+ *    /dev/userfaultfd an unprivileged process can trap faults the kernel
+ *    takes for it, which vm.unprivileged_userfaultfd=0 exists to forbid;
+ *  - READY may say merge only where WELCOME offered it, and only if the
+ *    regions are registered for userfaultfd write protection;
+ *  - a result must answer a request in flight, item for item.
+ * Never waits for a peer on the main loop: a handshake has
+ * HANDSHAKE_TIMEOUT_MS and one of a bounded number of places, a send that
+ * the socket cannot take waits in the link's queue, and a peer that takes
+ * nothing for SEND_STALL_MS is given up.  A refused peer leaves nothing
+ * behind: its link owns every descriptor it passed or was given.
  */
 #include "link.h"
 
@@ -18,10 +34,29 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include "util.h"
+
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77 /* Linux 6.5 */
+#endif
+
+/* A handshake is a few messages the agent sends at once: an agent that
+ * has not finished in this long is not going to. */
+#define HANDSHAKE_TIMEOUT_MS 5000
+/* Handshakes in progress: in all, and per process.  Per process, not per
+ * uid: under libvirt every QEMU runs as the same user, and one of them
+ * must not be able to take the others' places. */
+#define MAX_HANDSHAKES 64
+#define MAX_HANDSHAKES_PER_PROCESS 4
+/* A peer whose socket took nothing for this long while we had something
+ * to send is not reading it. */
+#define SEND_STALL_MS 5000
+/* What the kernel may hold for a peer; the rest waits in the link. */
+#define SOCKET_SNDBUF (256 << 10)
 
 enum { LINK_HELLO, LINK_REGIONS, LINK_READY, LINK_RUNNING };
 
@@ -31,7 +66,7 @@ struct _PfLinkServer {
     int fd;
     guint watch;
     int uffd_dev; /* /dev/userfaultfd, for agents that cannot make one */
-    GPtrArray *handshakes; /* PfLink* not yet READY */
+    GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
 };
 
 typedef struct {
@@ -39,12 +74,26 @@ typedef struct {
     GArray *pending; /* PfPending, one per item sent */
 } Batch;
 
+/* A message the socket could not take yet. */
+typedef struct {
+    PfMsgType type;
+    guint32 seq;
+    guint8 *data; /* the payload, or a REQUEST's items */
+    gsize len;
+    int fd;       /* owned, or -1 */
+} OutMsg;
+
 struct _PfLink {
     PfLinkServer *srv;
     int sock;
     guint watch;
     int state;
     pid_t peer_pid;
+    int pidfd;            /* the peer's process, from accept on */
+    int proc_dir;         /* its /proc/PID */
+    guint handshake_timer;
+    gboolean offered_merge; /* WELCOME said merge */
+    guint64 announced_bytes; /* of all its regions */
     PfWireHello hello;
     GPtrArray *regions; /* PfRegion*, during the handshake */
     PfVm *vm;
@@ -53,7 +102,13 @@ struct _PfLink {
     GArray *queue_pending; /* PfPending */
     GQueue in_flight;      /* Batch*, oldest first */
     gsize n_in_flight;
-    gboolean broken;
+    GQueue out;            /* OutMsg*, oldest first */
+    guint out_watch;       /* G_IO_OUT, while out is not empty */
+    guint stall_timer;     /* while out is not empty */
+    gint64 last_sent;      /* the socket last took a message, or out filled */
+    gboolean broken;       /* nothing more is sent; closed from the main loop */
+    char *broken_why;
+    guint close_idle;
 };
 
 static void
@@ -63,6 +118,52 @@ batch_free(Batch *b)
     g_free(b);
 }
 
+static void
+out_msg_free(OutMsg *m)
+{
+    if (m->fd >= 0) {
+        close(m->fd);
+    }
+    g_free(m->data);
+    g_free(m);
+}
+
+static void
+out_clear(PfLink *l)
+{
+    OutMsg *m;
+
+    while ((m = g_queue_pop_head(&l->out)) != NULL) {
+        out_msg_free(m);
+    }
+    g_clear_handle_id(&l->out_watch, g_source_remove);
+    g_clear_handle_id(&l->stall_timer, g_source_remove);
+}
+
+/*
+ * Drops what the peer sent that will never be read: closing a socket with
+ * unread data resets the connection, and the peer's next read returns
+ * ECONNRESET instead of the ERROR queued for it (an agent sends all its
+ * REGIONs at once; the first may be refused).  Bounded: a peer that keeps
+ * sending gets the reset.
+ */
+static void
+drain_socket(int sock)
+{
+    g_autofree PfMsg *msg = g_new(PfMsg, 1);
+
+    for (int i = 0; i < 1024; i++) {
+        g_autoptr(GError) error = NULL;
+
+        if (pf_proto_recv(sock, msg, &error)) {
+            pf_msg_close_fds(msg);
+        } else if (!g_error_matches(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT)) {
+            return; /* empty, closed, or failing: nothing more to drop */
+        }
+    }
+}
+
+/* Best effort, never waiting: the link is closed right after. */
 static void
 link_send_error(PfLink *l, const char *text)
 {
@@ -86,13 +187,23 @@ pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpoint
     for (guint i = 0; func != NULL && i < l->queue_pending->len; i++) {
         func(&g_array_index(l->queue_pending, PfPending, i), user);
     }
-    if (l->watch != 0) {
-        g_source_remove(l->watch);
-    }
-    close(l->sock);
+    g_clear_handle_id(&l->watch, g_source_remove);
+    g_clear_handle_id(&l->handshake_timer, g_source_remove);
+    g_clear_handle_id(&l->close_idle, g_source_remove);
+    out_clear(l);
     g_ptr_array_unref(l->regions);
     g_array_unref(l->queue_items);
     g_array_unref(l->queue_pending);
+    if (l->pidfd >= 0) {
+        close(l->pidfd);
+    }
+    if (l->proc_dir >= 0) {
+        close(l->proc_dir);
+    }
+    g_free(l->broken_why);
+    /* Last: when the peer sees the hang-up, all it passed is closed. */
+    drain_socket(l->sock);
+    close(l->sock);
     g_free(l);
 }
 
@@ -104,7 +215,8 @@ link_close(PfLink *l, const char *why)
         pf_scanner_detach(l->srv->scanner, l->vm, why);
         return;
     }
-    g_message("agent connection closed during its handshake: %s", why);
+    g_message("agent connection of process %d closed during its handshake: %s", l->peer_pid,
+              why);
     g_ptr_array_remove(l->srv->handshakes, l);
 }
 
@@ -125,59 +237,169 @@ link_refuse(PfLink *l, const char *fmt, ...)
     return FALSE;
 }
 
-/* The socket is non-blocking, so a slow agent cannot stall the daemon
- * forever: a full socket gets SEND_PATIENCE_MS to drain, then the link is
- * given up. */
-#define SEND_PATIENCE_MS 5000
-
-typedef gboolean (*SendFunc)(PfLink *l, gconstpointer data, GError **error);
-
-static void
-link_send(PfLink *l, SendFunc send_func, gconstpointer data)
+static gboolean
+close_idle_cb(gpointer user)
 {
-    gint64 deadline = g_get_monotonic_time() + SEND_PATIENCE_MS * 1000;
+    PfLink *l = user;
+    g_autofree char *why = g_steal_pointer(&l->broken_why);
 
-    while (!l->broken) {
+    l->close_idle = 0;
+    link_close(l, why);
+    return G_SOURCE_REMOVE;
+}
+
+/* Nothing more can be sent.  The link is closed from the main loop, not
+ * here: the scanner may be in the middle of this VM's pages. */
+static void
+link_break(PfLink *l, const char *why)
+{
+    if (l->broken) {
+        return;
+    }
+    g_message("agent of %s (process %d): %s", l->vm ? l->vm->name : l->hello.name,
+              l->peer_pid, why);
+    l->broken = TRUE;
+    l->broken_why = g_strdup_printf("cannot send to its agent: %s", why);
+    out_clear(l);
+    l->close_idle = g_idle_add_full(G_PRIORITY_DEFAULT, close_idle_cb, l, NULL);
+}
+
+static gboolean
+out_send(PfLink *l, const OutMsg *m, GError **error)
+{
+    if (m->type == PF_MSG_REQUEST) {
+        return pf_proto_send_items(l->sock, m->seq, (const PfWireItem *)m->data,
+                                   (guint32)(m->len / sizeof(PfWireItem)), error);
+    }
+    return pf_proto_send(l->sock, m->type, m->seq, m->data, m->len, &m->fd,
+                         m->fd >= 0 ? 1 : 0, error);
+}
+
+/* Sends what waits, as far as the socket takes it, without waiting. */
+static void
+out_flush(PfLink *l)
+{
+    OutMsg *m;
+
+    while (!l->broken && (m = g_queue_peek_head(&l->out)) != NULL) {
         g_autoptr(GError) error = NULL;
-        struct pollfd p = { l->sock, POLLOUT, 0 };
-        gint64 left;
 
-        if (send_func(l, data, &error)) {
+        if (!out_send(l, m, &error)) {
+            if (!g_error_matches(error, PF_ERROR, PF_ERROR_WOULD_BLOCK)) {
+                link_break(l, error->message);
+            }
             return;
         }
-        left = (deadline - g_get_monotonic_time()) / 1000;
-        if (!g_error_matches(error, PF_ERROR, PF_ERROR_WOULD_BLOCK) || left <= 0) {
-            g_message("agent of %s: %s", l->vm ? l->vm->name : "?",
-                      left <= 0 ? "not reading its socket" : error->message);
-            l->broken = TRUE;
-            return;
-        }
-        poll(&p, 1, (int)left);
+        out_msg_free(g_queue_pop_head(&l->out));
+        l->last_sent = g_get_monotonic_time();
+    }
+    if (g_queue_is_empty(&l->out)) {
+        g_clear_handle_id(&l->stall_timer, g_source_remove);
     }
 }
 
 static gboolean
-send_chunk(PfLink *l, gconstpointer data, GError **error)
+out_cb(gint fd, GIOCondition cond, gpointer user)
 {
-    const PfPoolChunk *chunk = data;
-    PfWirePool p = { chunk->id, chunk->n_slots };
+    PfLink *l = user;
 
-    return pf_proto_send(l->sock, PF_MSG_POOL, 0, &p, sizeof(p), &chunk->fd, 1, error);
+    out_flush(l);
+    if (l->broken || g_queue_is_empty(&l->out)) {
+        l->out_watch = 0;
+        return G_SOURCE_REMOVE;
+    }
+    return G_SOURCE_CONTINUE;
+}
+
+/* How long the peer has left to take something from its socket. */
+static gint64
+stall_left_ms(PfLink *l)
+{
+    return (l->last_sent + (gint64)SEND_STALL_MS * 1000 - g_get_monotonic_time()) / 1000;
+}
+
+static gboolean
+stall_cb(gpointer user)
+{
+    PfLink *l = user;
+    gint64 left;
+
+    l->stall_timer = 0;
+    out_flush(l);
+    if (l->broken || g_queue_is_empty(&l->out)) {
+        return G_SOURCE_REMOVE;
+    }
+    left = stall_left_ms(l);
+    if (left <= 0) {
+        link_break(l, "not reading its socket: it took nothing for " G_STRINGIFY(SEND_STALL_MS)
+                      " ms");
+        return G_SOURCE_REMOVE;
+    }
+    l->stall_timer = g_timeout_add((guint)left + 1, stall_cb, l);
+    return G_SOURCE_REMOVE;
+}
+
+/*
+ * Sends a message, or queues it behind those waiting, and never blocks.
+ * The queue needs no bound of its own: the peer that does not drain it is
+ * given up after SEND_STALL_MS, and until then it holds at most one
+ * request per page of its VM that the scanner found to merge (a page is
+ * pending once), plus a message per pool chunk.
+ */
+static void
+link_send(PfLink *l, PfMsgType type, guint32 seq, gconstpointer data, gsize len, int fd)
+{
+    OutMsg *m;
+
+    if (l->broken) {
+        return;
+    }
+    if (g_queue_is_empty(&l->out)) {
+        OutMsg now = { type, seq, (guint8 *)data, len, fd };
+        g_autoptr(GError) error = NULL;
+
+        if (out_send(l, &now, &error)) {
+            l->last_sent = g_get_monotonic_time();
+            return;
+        }
+        if (!g_error_matches(error, PF_ERROR, PF_ERROR_WOULD_BLOCK)) {
+            link_break(l, error->message);
+            return;
+        }
+        /* The stall clock starts when the socket first says no. */
+        l->last_sent = g_get_monotonic_time();
+    }
+    m = g_new0(OutMsg, 1);
+    m->type = type;
+    m->seq = seq;
+    m->data = g_memdup2(data, len);
+    m->len = len;
+    /* Our own descriptor: the pool may free its chunk meanwhile. */
+    m->fd = fd >= 0 ? fcntl(fd, F_DUPFD_CLOEXEC, 3) : -1;
+    if (fd >= 0 && m->fd < 0) {
+        g_autofree char *why = g_strdup_printf("cannot keep a descriptor to send: %s",
+                                               g_strerror(errno));
+
+        out_msg_free(m);
+        link_break(l, why);
+        return;
+    }
+    g_queue_push_tail(&l->out, m);
+    if (l->out_watch == 0) {
+        l->out_watch = g_unix_fd_add(l->sock, G_IO_OUT, out_cb, l);
+    }
+    if (l->stall_timer == 0) {
+        l->stall_timer = g_timeout_add(SEND_STALL_MS, stall_cb, l);
+    }
+    out_flush(l);
 }
 
 void
 pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk)
 {
-    link_send(l, send_chunk, chunk);
-}
+    PfWirePool p = { chunk->id, chunk->n_slots };
 
-static gboolean
-send_batch(PfLink *l, gconstpointer data, GError **error)
-{
-    const Batch *b = data;
-
-    return pf_proto_send_items(l->sock, b->seq, (PfWireItem *)l->queue_items->data,
-                               l->queue_items->len, error);
+    link_send(l, PF_MSG_POOL, 0, &p, sizeof(p), chunk->fd);
 }
 
 void
@@ -204,7 +426,8 @@ pf_link_flush(PfLink *l)
     l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
     g_queue_push_tail(&l->in_flight, b);
     l->n_in_flight += b->pending->len;
-    link_send(l, send_batch, b);
+    link_send(l, PF_MSG_REQUEST, b->seq, l->queue_items->data,
+              l->queue_items->len * sizeof(PfWireItem), -1);
     g_array_set_size(l->queue_items, 0);
 }
 
@@ -243,6 +466,15 @@ on_result(PfLink *l, const PfMsg *msg)
 }
 
 static gboolean
+peer_alive(PfLink *l)
+{
+    struct pollfd p = { l->pidfd, POLLIN, 0 };
+
+    /* A pidfd turns readable when its process exits. */
+    return poll(&p, 1, 0) == 0;
+}
+
+static gboolean
 on_ready(PfLink *l, const PfMsg *msg)
 {
     const PfWireMode *m = pf_msg_mode(msg);
@@ -251,7 +483,21 @@ on_ready(PfLink *l, const PfMsg *msg)
     g_autoptr(PfVm) vm = NULL;
     PfVm *old;
     g_autofree char *pidstr = g_strdup_printf("%d", l->peer_pid);
+    guint idx;
 
+    if (m->mode == PF_MODE_MERGE && !l->offered_merge) {
+        return link_refuse(l, "READY in mode merge without a region to merge: WELCOME "
+                              "offered advise mode");
+    }
+    /* What an agent does before it says merge, checked: what it does
+     * after is its own VM's business. */
+    if (m->mode == PF_MODE_MERGE &&
+        !pf_regions_check_write_protected(l->proc_dir, l->regions, &error)) {
+        return link_refuse(l, "READY says merge, but %s", error->message);
+    }
+    if (!peer_alive(l)) {
+        return link_refuse(l, "process %d exited during its handshake", l->peer_pid);
+    }
     if (pf_scanner_find_vm(s, l->hello.name) != NULL &&
         pf_scanner_find_vm(s, l->hello.name)->pid != l->peer_pid) {
         return link_refuse(l, "a VM named '%s' is already attached", l->hello.name);
@@ -265,12 +511,10 @@ on_ready(PfLink *l, const PfMsg *msg)
         }
         pf_scanner_remove_vm(s, old);
     }
-    vm = pf_vm_new_from_agent(l->peer_pid, l->hello.name, l->regions, &error);
+    vm = pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name, l->regions,
+                              &error);
     if (vm == NULL) {
         return link_refuse(l, "%s", error->message);
-    }
-    if (m->mode == PF_MODE_MERGE && vm->regions->len == 0) {
-        return link_refuse(l, "mode merge without a region to merge");
     }
     if (m->mode == PF_MODE_MERGE) {
         vm->mode = "merge";
@@ -280,12 +524,9 @@ on_ready(PfLink *l, const PfMsg *msg)
     vm->link = l;
     l->vm = vm;
     l->state = LINK_RUNNING;
-    {
-        guint idx;
-
-        if (g_ptr_array_find(l->srv->handshakes, l, &idx)) {
-            g_ptr_array_steal_index_fast(l->srv->handshakes, idx);
-        }
+    g_clear_handle_id(&l->handshake_timer, g_source_remove);
+    if (g_ptr_array_find(l->srv->handshakes, l, &idx)) {
+        g_ptr_array_steal_index(l->srv->handshakes, idx);
     }
     g_message("VM %s (pid %d) attached by its agent in mode %s%s%s: %u region(s), %zu pages",
               vm->name, vm->pid, vm->mode, vm->mode_reason ? " because " : "",
@@ -294,20 +535,56 @@ on_ready(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
-/* All regions are in: the agent may merge, and may need a userfaultfd. */
+/* Every region is in and checked.  A peer with guest RAM to merge may
+ * merge, and gets /dev/userfaultfd in case it cannot make a userfaultfd
+ * itself; a peer without has no use for either. */
 static gboolean
 link_welcome(PfLink *l)
 {
     PfWireMode w = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
-    g_autoptr(GError) error = NULL;
     int fd = l->srv->uffd_dev;
 
-    if (!pf_proto_send(l->sock, PF_MSG_WELCOME, 0, &w, sizeof(w), &fd, fd >= 0 ? 1 : 0,
-                       &error)) {
-        link_close(l, error->message);
+    if (l->regions->len == 0) {
+        w.mode = PF_MODE_ADVISE;
+        pf_wire_set_string(w.reason, sizeof(w.reason), "no guest RAM to merge was announced");
+        fd = -1;
+    }
+    l->offered_merge = w.mode == PF_MODE_MERGE;
+    link_send(l, PF_MSG_WELCOME, 0, &w, sizeof(w), fd);
+    if (l->broken) {
+        g_autofree char *why = g_steal_pointer(&l->broken_why);
+
+        link_close(l, why);
         return FALSE;
     }
     l->state = LINK_READY;
+    return TRUE;
+}
+
+/* A REGION passes if the peer's process maps it as announced (vm.c), it
+ * overlaps no region before it, and the VM stays within its cap. */
+static gboolean
+region_acceptable(PfLink *l, const PfWireRegion *wr, int fd, GError **error)
+{
+    if (!pf_region_check_mapping(l->proc_dir, fd, wr->name, wr->host_addr, wr->offset,
+                                 wr->size, error)) {
+        return FALSE;
+    }
+    for (guint i = 0; i < l->regions->len; i++) {
+        const PfRegion *r = g_ptr_array_index(l->regions, i);
+
+        if (wr->host_addr < r->host_addr + r->size && r->host_addr < wr->host_addr + wr->size) {
+            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "region %s overlaps region %u (%s)", wr->name, i, r->name);
+            return FALSE;
+        }
+    }
+    if (wr->size > PF_MAX_VM_BYTES - l->announced_bytes) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "region %s: regions of more than %" G_GUINT64_FORMAT " GiB in all",
+                    wr->name, PF_MAX_VM_BYTES >> 30);
+        return FALSE;
+    }
     return TRUE;
 }
 
@@ -368,12 +645,17 @@ on_message(PfLink *l, PfMsg *msg)
         if (wr->index != l->regions->len) {
             return link_refuse(l, "REGION %u arrived as region %u", wr->index, l->regions->len);
         }
+        /* Refused, its memfd is closed with the message. */
+        if (!region_acceptable(l, wr, msg->fds[0], &error)) {
+            return link_refuse(l, "%s", error->message);
+        }
         r = pf_region_new(wr->name, msg->fds[0], wr->host_addr, wr->offset, wr->size, &error);
         msg->n_fds = 0; /* taken, or closed on error */
         if (r == NULL) {
             return link_refuse(l, "%s", error->message);
         }
         g_ptr_array_add(l->regions, r);
+        l->announced_bytes += r->size;
         return l->regions->len < l->hello.n_regions || link_welcome(l);
     }
     case LINK_READY:
@@ -434,10 +716,6 @@ link_in_cb(gint fd, GIOCondition cond, gpointer user)
     if (!link_read(l)) {
         return G_SOURCE_REMOVE; /* the link is freed, and its watch with it */
     }
-    if (l->broken) {
-        link_close(l, "cannot send to its agent");
-        return G_SOURCE_REMOVE;
-    }
     return G_SOURCE_CONTINUE;
 }
 
@@ -447,7 +725,8 @@ pf_link_settle(PfLink *l, guint timeout_ms)
     gint64 deadline = g_get_monotonic_time() + (gint64)timeout_ms * 1000;
 
     while (l->n_in_flight > 0 && !l->broken) {
-        struct pollfd p = { l->sock, POLLIN, 0 };
+        gboolean sending = !g_queue_is_empty(&l->out);
+        struct pollfd p = { l->sock, POLLIN | (sending ? POLLOUT : 0), 0 };
         gint64 left = (deadline - g_get_monotonic_time()) / 1000;
 
         if (left <= 0) {
@@ -455,45 +734,172 @@ pf_link_settle(PfLink *l, guint timeout_ms)
                       l->n_in_flight, timeout_ms);
             return;
         }
-        if (poll(&p, 1, (int)left) > 0 && !link_read(l)) {
+        /* Requests still queued here must reach the agent to be answered;
+         * an agent that does not take them is given up, as on the loop. */
+        if (sending && stall_left_ms(l) <= 0) {
+            link_break(l, "not reading its socket: it took nothing for "
+                          G_STRINGIFY(SEND_STALL_MS) " ms");
+            break;
+        }
+        if (sending) {
+            left = MIN(left, stall_left_ms(l) + 1);
+        }
+        if (poll(&p, 1, (int)left) <= 0) {
+            continue;
+        }
+        if (p.revents & POLLOUT) {
+            out_flush(l);
+        }
+        if ((p.revents & (POLLIN | POLLHUP | POLLERR)) && !link_read(l)) {
             return; /* l is gone */
         }
     }
     if (l->broken) {
-        link_close(l, "cannot send to its agent");
+        g_autofree char *why = g_steal_pointer(&l->broken_why);
+
+        link_close(l, why);
     }
+}
+
+static gboolean
+handshake_timeout_cb(gpointer user)
+{
+    PfLink *l = user;
+    struct pollfd p = { l->sock, POLLIN, 0 };
+
+    l->handshake_timer = 0;
+    /* Messages waiting: the peer was on time and we were not (a long pass
+     * held the loop).  Its watch reads them as soon as the loop is free,
+     * so a peer that drips its handshake gets nothing from this. */
+    if (poll(&p, 1, 0) == 1 && p.revents == POLLIN) {
+        l->handshake_timer = g_timeout_add(HANDSHAKE_TIMEOUT_MS / 5, handshake_timeout_cb, l);
+        return G_SOURCE_REMOVE;
+    }
+    link_refuse(l, "agent handshake not finished in %d ms", HANDSHAKE_TIMEOUT_MS);
+    return G_SOURCE_REMOVE;
+}
+
+/* Refuses a connection that never became a link. */
+static void
+refuse_socket(int sock, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+
+static void
+refuse_socket(int sock, const char *fmt, ...)
+{
+    va_list ap;
+    g_autofree char *text = NULL;
+
+    va_start(ap, fmt);
+    text = g_strdup_vprintf(fmt, ap);
+    va_end(ap);
+    g_message("agent connection refused: %s", text);
+    pf_proto_send(sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
+    drain_socket(sock);
+    close(sock);
+}
+
+/*
+ * The peer's process, pinned: a pidfd, and its /proc/PID opened while the
+ * pidfd showed it alive (so that directory is that process's for good).
+ * SO_PEERPIDFD names the very process that connected; before Linux 6.5 the
+ * pid is looked up again, and a peer that died before accept() could have
+ * its pid reused by then.
+ */
+static gboolean
+pin_peer(int sock, pid_t pid, int *pidfd_out, int *proc_dir_out, GError **error)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d", pid);
+    socklen_t len = sizeof(int);
+    int pidfd = -1, proc_dir, e;
+    struct pollfd p;
+
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) < 0) {
+        e = errno;
+        pidfd = e == ENOPROTOOPT ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
+        if (pidfd < 0) {
+            e = e == ENOPROTOOPT ? errno : e;
+            g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no pidfd for process %d: %s", pid,
+                        g_strerror(e));
+            return FALSE;
+        }
+    }
+    proc_dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    p = (struct pollfd){ pidfd, POLLIN, 0 };
+    if (proc_dir < 0 || poll(&p, 1, 0) != 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "process %d exited", pid);
+        if (proc_dir >= 0) {
+            close(proc_dir);
+        }
+        close(pidfd);
+        return FALSE;
+    }
+    *pidfd_out = pidfd;
+    *proc_dir_out = proc_dir;
+    return TRUE;
+}
+
+static guint
+handshakes_of(PfLinkServer *srv, pid_t pid)
+{
+    guint n = 0;
+
+    for (guint i = 0; i < srv->handshakes->len; i++) {
+        n += ((PfLink *)g_ptr_array_index(srv->handshakes, i))->peer_pid == pid;
+    }
+    return n;
 }
 
 static gboolean
 listen_cb(gint fd, GIOCondition cond, gpointer user)
 {
     PfLinkServer *srv = user;
+    g_autoptr(GError) error = NULL;
     struct ucred cred;
     socklen_t len = sizeof(cred);
     int sock = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int pidfd, proc_dir, buf = SOCKET_SNDBUF;
     PfLink *l;
 
     if (sock < 0) {
         return G_SOURCE_CONTINUE;
     }
-    if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || srv->handshakes->len > 64) {
-        close(sock);
+    /* pid 0: a process outside pagefoldd's pid namespace. */
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.pid <= 0) {
+        refuse_socket(sock, "no process id for this connection");
         return G_SOURCE_CONTINUE;
     }
-    {
-        int buf = 4 << 20;
-
-        setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+    /* A process that holds its places idle only loses its own time. */
+    if (handshakes_of(srv, cred.pid) >= MAX_HANDSHAKES_PER_PROCESS) {
+        refuse_socket(sock, "process %d already has %u agent handshakes in progress", cred.pid,
+                      MAX_HANDSHAKES_PER_PROCESS);
+        return G_SOURCE_CONTINUE;
     }
+    if (!pin_peer(sock, cred.pid, &pidfd, &proc_dir, &error)) {
+        refuse_socket(sock, "%s", error->message);
+        return G_SOURCE_CONTINUE;
+    }
+    /* Many processes holding places idle: the oldest gives way.  An agent
+     * sends its whole handshake at once, so that is rarely a real one. */
+    if (srv->handshakes->len >= MAX_HANDSHAKES) {
+        link_refuse(g_ptr_array_index(srv->handshakes, 0),
+                    "too many agent handshakes in progress (%u): the oldest gives way",
+                    MAX_HANDSHAKES);
+    }
+    /* Enough for a few batches; more waits in the link's queue. */
+    setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
     l = g_new0(PfLink, 1);
     l->srv = srv;
     l->sock = sock;
     l->peer_pid = cred.pid;
+    l->pidfd = pidfd;
+    l->proc_dir = proc_dir;
     l->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
     l->queue_items = g_array_new(FALSE, FALSE, sizeof(PfWireItem));
     l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
     g_queue_init(&l->in_flight);
+    g_queue_init(&l->out);
     l->watch = g_unix_fd_add(sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
+    l->handshake_timer = g_timeout_add(HANDSHAKE_TIMEOUT_MS, handshake_timeout_cb, l);
     g_ptr_array_add(srv->handshakes, l);
     return G_SOURCE_CONTINUE;
 }

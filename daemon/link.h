@@ -2,10 +2,16 @@
  * link.h - pagefoldd's end of the agent protocol: the agent socket, one
  * PfLink per connected VM, the batches of requests in flight.
  *
- * Owns the agent connections.  A link that misbehaves (bad message, wrong
- * pid, a result for no request) is told why and closed, and its VM is
- * detached; the daemon and the other VMs carry on.  Never decides a merge:
- * it carries the scanner's requests and the agents' answers.
+ * Owns the agent connections.  A peer is believed only as far as its
+ * process shows: its regions must be what that process maps, merge mode
+ * must be backed by write protection, and /dev/userfaultfd goes only to a
+ * peer whose regions passed.  A link that misbehaves (bad message, wrong
+ * pid, a region it does not map, a result for no request, a handshake it
+ * does not finish, a socket it does not read) is told why and closed, with
+ * every descriptor it passed, and its VM is detached; the daemon and the
+ * other VMs carry on.  Never waits for a peer on the main loop, and never
+ * decides a merge: it carries the scanner's requests and the agents'
+ * answers.
  */
 #pragma once
 
@@ -20,11 +26,13 @@ PfLinkServer *pf_link_server_new(PfScanner *s, const char *path, GError **error)
 void pf_link_server_free(PfLinkServer *srv);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfLinkServer, pf_link_server_free)
 
-/* Queues one item; sent by pf_link_flush() or when a batch is full. */
+/* Queues one item; sent by pf_link_flush() or when a batch is full.  A
+ * batch the socket cannot take yet waits in the link, never in a call. */
 void pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd);
 void pf_link_flush(PfLink *l);
 gsize pf_link_in_flight(PfLink *l);
-/* Reads answers until none is outstanding or timeout_ms passed. */
+/* Reads answers (sending what still waits) until none is outstanding or
+ * timeout_ms passed; a peer that reads nothing is given up sooner. */
 void pf_link_settle(PfLink *l, guint timeout_ms);
 void pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk);
 /* Hands every request still in flight to func, then frees the link. */

@@ -4,18 +4,25 @@
  * The memfd is opened through /proc/PID/map_files/START-END, which names
  * exactly the file behind the mapping (QEMU may have several memfds) and
  * gives a read-only file description of our own.  That needs CAP_SYS_ADMIN,
- * which pagefoldd has as root.
+ * which pagefoldd has as root.  An agent's memfds are checked the same way:
+ * the file behind each of its mappings must be the one it passed.  Its
+ * /proc/PID files are read through a directory fd opened while its pidfd
+ * showed it alive, never by pid again, so a reused pid cannot swap in
+ * another process's mappings.
  */
 #include "vm.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "util.h"
@@ -89,17 +96,19 @@ PfRegion *
 pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset, gsize size,
               GError **error)
 {
-    g_autofree PfRegion *r = g_new0(PfRegion, 1);
+    g_autoptr(PfRegion) r = g_new0(PfRegion, 1);
     struct stat st;
     void *map;
 
-    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) ||
-        (guint64)st.st_size < offset + size || size == 0 || size % PF_PAGE_SIZE ||
-        offset % PF_PAGE_SIZE) {
+    r->fd = fd;
+    r->name = g_strdup(name);
+    /* offset + size must not wrap around to look small. */
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || size == 0 || size % PF_PAGE_SIZE ||
+        offset % PF_PAGE_SIZE || offset > (guint64)st.st_size ||
+        size > (guint64)st.st_size - offset) {
         g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND,
                     "region %s: not a memfd of at least %zu bytes at offset %" G_GUINT64_FORMAT,
                     name, size, offset);
-        close(fd);
         return NULL;
     }
     map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, (off_t)offset);
@@ -108,11 +117,8 @@ pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset, gsize
 
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot map region %s: %s", name,
                     g_strerror(e));
-        close(fd);
         return NULL;
     }
-    r->fd = fd;
-    r->name = g_strdup(name);
     r->host_addr = host_addr;
     r->file_offset = offset;
     r->size = size;
@@ -120,10 +126,233 @@ pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset, gsize
     r->dev = st.st_dev;
     r->ino = st.st_ino;
     r->map = map;
-    r->pages = g_new0(PfPage, r->n_pages);
-    r->huge_seen = g_new0(guint8, (size >> 21) / 8 + 2);
-    r->huge_was = g_new0(guint8, (size >> 21) / 8 + 2);
+    /* The records of a large region are a large allocation: if it cannot
+     * be had, the region is refused, and pagefoldd runs on. */
+    r->pages = g_try_new0(PfPage, r->n_pages);
+    r->huge_seen = g_try_new0(guint8, (size >> 21) / 8 + 2);
+    r->huge_was = g_try_new0(guint8, (size >> 21) / 8 + 2);
+    if (r->pages == NULL || r->huge_seen == NULL || r->huge_was == NULL) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "region %s: no memory for the records of its %zu pages", name, r->n_pages);
+        return NULL;
+    }
     return g_steal_pointer(&r);
+}
+
+typedef struct {
+    guint64 start, end, offset, ino;
+    guint major, minor;
+    char perms[8];
+    gboolean uffd_wp; /* "uw" in smaps' VmFlags */
+} Vma;
+
+/* The mappings that overlap [lo, hi), in address order, from the process's
+ * "maps" or "smaps" (which adds VmFlags), read as a stream: a process may
+ * have tens of thousands of mappings. */
+static GArray *
+read_vmas(int proc_dir, const char *file, guint64 lo, guint64 hi, GError **error)
+{
+    g_autoptr(GArray) out = g_array_new(FALSE, TRUE, sizeof(Vma));
+    g_autofree char *line = NULL;
+    size_t cap = 0;
+    Vma *cur = NULL;
+    int fd = openat(proc_dir, file, O_RDONLY | O_CLOEXEC);
+    FILE *f;
+    gboolean failed;
+    int e;
+
+    if (fd < 0 || (f = fdopen(fd, "re")) == NULL) {
+        e = errno;
+        if (fd >= 0) {
+            close(fd);
+        }
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot read the process's %s: %s", file,
+                    g_strerror(e));
+        return NULL;
+    }
+    while (getline(&line, &cap, f) > 0) {
+        Vma v = { 0 };
+
+        if (sscanf(line,
+                   "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x %7s %" G_GINT64_MODIFIER
+                   "x %x:%x %" G_GINT64_MODIFIER "u",
+                   &v.start, &v.end, v.perms, &v.offset, &v.major, &v.minor, &v.ino) == 7) {
+            cur = NULL;
+            if (v.end > lo && v.start < hi) {
+                g_array_append_val(out, v);
+                cur = &g_array_index(out, Vma, out->len - 1);
+            }
+        } else if (cur != NULL && g_str_has_prefix(line, "VmFlags:")) {
+            /* Every flag is two letters, each after a space. */
+            cur->uffd_wp = strstr(line, " uw") != NULL;
+        }
+    }
+    failed = ferror(f);
+    e = errno;
+    fclose(f);
+    if (failed) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot read the process's %s: %s", file,
+                    g_strerror(e));
+        return NULL;
+    }
+    return g_steal_pointer(&out);
+}
+
+static gboolean
+refuse_region(GError **error, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+
+static gboolean
+refuse_region(GError **error, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (error != NULL) {
+        va_start(ap, fmt);
+        *error = g_error_new_valist(PF_ERROR, PF_ERROR_INVALID_ARGUMENT, fmt, ap);
+        va_end(ap);
+    }
+    return FALSE;
+}
+
+gboolean
+pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
+                        guint64 offset, guint64 size, GError **error)
+{
+    g_autoptr(GArray) vmas = NULL;
+    guint64 end = host_addr + size, at = host_addr;
+    struct stat st;
+    struct statfs sfs;
+    int seals;
+
+    if (size == 0 || size % PF_PAGE_SIZE || host_addr % PF_PAGE_SIZE ||
+        offset % PF_PAGE_SIZE || end < host_addr) {
+        return refuse_region(error, "region %s: not page-aligned, or it wraps around", name);
+    }
+    if (size > PF_MAX_REGION_BYTES) {
+        return refuse_region(error,
+                             "region %s: %" G_GUINT64_FORMAT " bytes, larger than the %"
+                             G_GUINT64_FORMAT " GiB a region may have",
+                             name, size, PF_MAX_REGION_BYTES >> 30);
+    }
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || fstatfs(fd, &sfs) < 0 ||
+        (sfs.f_type != TMPFS_MAGIC && sfs.f_type != HUGETLBFS_MAGIC)) {
+        return refuse_region(error, "region %s: not a memfd", name);
+    }
+    if (sfs.f_type == HUGETLBFS_MAGIC) {
+        return refuse_region(error, "region %s: a memfd of huge pages (pagefold merges 4 KiB "
+                             "pages)", name);
+    }
+    /* Seals only ever get added: once seen, it stays. */
+    seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+        return refuse_region(error, "region %s: its memfd is not sealed against shrinking "
+                             "(F_SEAL_SHRINK, as QEMU's memory-backend-memfd seals it): a "
+                             "truncation would fault pagefoldd's reads", name);
+    }
+    if (offset > (guint64)st.st_size || size > (guint64)st.st_size - offset) {
+        return refuse_region(error,
+                             "region %s: %" G_GUINT64_FORMAT " bytes at offset %"
+                             G_GUINT64_FORMAT " go beyond the end of its memfd (%"
+                             G_GINT64_FORMAT " bytes)",
+                             name, size, offset, (gint64)st.st_size);
+    }
+    vmas = read_vmas(proc_dir, "maps", host_addr, end, error);
+    if (vmas == NULL) {
+        g_prefix_error(error, "region %s: ", name);
+        return FALSE;
+    }
+    for (guint i = 0; i < vmas->len && at < end; i++) {
+        const Vma *v = &g_array_index(vmas, Vma, i);
+        g_autofree char *entry = NULL;
+        struct stat mst;
+
+        if (v->start > at) {
+            break;
+        }
+        if (v->perms[0] == '\0' || v->perms[3] != 's') {
+            return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is mapped %s, "
+                                 "not shared", name, at, v->perms);
+        }
+        if (v->ino != (guint64)st.st_ino || makedev(v->major, v->minor) != st.st_dev) {
+            return refuse_region(error, "region %s: the process maps another file at %#"
+                                 G_GINT64_MODIFIER "x", name, at);
+        }
+        if (v->offset + (at - v->start) != offset + (at - host_addr)) {
+            return refuse_region(error, "region %s: the process maps its memfd at %#"
+                                 G_GINT64_MODIFIER "x from offset %" G_GUINT64_FORMAT
+                                 ", not %" G_GUINT64_FORMAT,
+                                 name, at, v->offset + (at - v->start),
+                                 offset + (at - host_addr));
+        }
+        /* The file itself, not only its numbers. */
+        entry = g_strdup_printf("map_files/%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x",
+                                v->start, v->end);
+        if (fstatat(proc_dir, entry, &mst, 0) < 0) {
+            int e = errno;
+
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "region %s: cannot look at %s: %s%s",
+                        name, entry, g_strerror(e),
+                        e == EPERM ? " (pagefoldd needs CAP_SYS_ADMIN)" : "");
+            return FALSE;
+        }
+        if (mst.st_dev != st.st_dev || mst.st_ino != st.st_ino) {
+            return refuse_region(error, "region %s: the process maps another file at %#"
+                                 G_GINT64_MODIFIER "x", name, at);
+        }
+        at = v->end;
+    }
+    if (at < end) {
+        return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is not mapped by the "
+                             "process", name, at);
+    }
+    return TRUE;
+}
+
+gboolean
+pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GError **error)
+{
+    g_autoptr(GArray) vmas = NULL;
+    guint64 lo = G_MAXUINT64, hi = 0;
+
+    for (guint i = 0; i < regions->len; i++) {
+        const PfRegion *r = g_ptr_array_index(regions, i);
+
+        lo = MIN(lo, r->host_addr);
+        hi = MAX(hi, r->host_addr + r->size);
+    }
+    if (regions->len == 0) {
+        return TRUE;
+    }
+    vmas = read_vmas(proc_dir, "smaps", lo, hi, error);
+    if (vmas == NULL) {
+        return FALSE;
+    }
+    for (guint i = 0; i < regions->len; i++) {
+        const PfRegion *r = g_ptr_array_index(regions, i);
+        guint64 at = r->host_addr, end = r->host_addr + r->size;
+
+        for (guint k = 0; k < vmas->len && at < end; k++) {
+            const Vma *v = &g_array_index(vmas, Vma, k);
+
+            if (v->end <= at) {
+                continue;
+            }
+            if (v->start > at) {
+                break;
+            }
+            if (!v->uffd_wp) {
+                return refuse_region(error, "region %s is not registered for userfaultfd write "
+                                     "protection at %#" G_GINT64_MODIFIER "x",
+                                     r->name, at);
+            }
+            at = v->end;
+        }
+        if (at < end) {
+            return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is no longer "
+                                 "mapped", r->name, at);
+        }
+    }
+    return TRUE;
 }
 
 static PfRegion *
@@ -298,8 +527,9 @@ default_name(int pid)
     return g_strdup_printf("pid-%d", pid);
 }
 
+/* pidfd: the process's, to duplicate, or -1 to open one by pid. */
 static PfVm *
-vm_new(int pid, GError **error)
+vm_new(int pid, int pidfd, GError **error)
 {
     g_autoptr(PfVm) vm = g_new0(PfVm, 1);
 
@@ -315,7 +545,8 @@ vm_new(int pid, GError **error)
         return NULL;
     }
     /* The pidfd first: from here on a reused pid cannot fool us. */
-    vm->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    vm->pidfd = pidfd >= 0 ? fcntl(pidfd, F_DUPFD_CLOEXEC, 3)
+                           : (int)syscall(SYS_pidfd_open, pid, 0);
     if (vm->pidfd < 0) {
         int e = errno;
 
@@ -328,9 +559,10 @@ vm_new(int pid, GError **error)
 }
 
 PfVm *
-pf_vm_new_from_agent(int pid, const char *name, GPtrArray *regions, GError **error)
+pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, GPtrArray *regions,
+                     GError **error)
 {
-    g_autoptr(PfVm) vm = vm_new(pid, error);
+    g_autoptr(PfVm) vm = vm_new(pid, pidfd, error);
     g_autofree char *pagemap = g_strdup_printf("/proc/%d/pagemap", pid);
 
     if (vm == NULL) {
@@ -344,7 +576,7 @@ pf_vm_new_from_agent(int pid, const char *name, GPtrArray *regions, GError **err
     }
     g_ptr_array_set_free_func(regions, NULL);
     g_ptr_array_set_size(regions, 0);
-    vm->pagemap_fd = open(pagemap, O_RDONLY | O_CLOEXEC);
+    vm->pagemap_fd = openat(proc_dir, "pagemap", O_RDONLY | O_CLOEXEC);
     if (vm->pagemap_fd < 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot open %s: %s", pagemap,
                     g_strerror(errno));
@@ -381,7 +613,7 @@ pf_vm_count_vmas(const PfVm *vm)
 PfVm *
 pf_vm_attach(int pid, const char *name, GError **error)
 {
-    g_autoptr(PfVm) vm = vm_new(pid, error);
+    g_autoptr(PfVm) vm = vm_new(pid, -1, error);
     g_autoptr(GPtrArray) gone = g_ptr_array_new();
     g_autoptr(GPtrArray) added = g_ptr_array_new();
 

@@ -6,6 +6,9 @@
  * /proc/PID/maps), takes each memfd read-only and maps it PROT_READ.  It
  * must never map guest RAM writable, and never touch the pages (touching a
  * hole of a memfd through a mapping allocates it): the scanner reads them.
+ * What an agent announces is believed only once checked against what its
+ * process maps (pf_region_check_mapping()), before anything is allocated
+ * for it; a region too large to track is refused, never an abort.
  */
 #pragma once
 
@@ -16,6 +19,11 @@
 
 /* Smaller shared memfds are not guest RAM (QEMU's RAM blocks are MiBs). */
 #define PF_MIN_REGION_SIZE (1u << 20)
+/* The most guest RAM an agent may announce, per region and per VM: page
+ * ids are 32-bit and shared by all VMs (16 TiB in all), and each page costs
+ * a 16-byte record, so one VM's claim must not use up everyone's. */
+#define PF_MAX_REGION_BYTES (G_GUINT64_CONSTANT(1) << 40)
+#define PF_MAX_VM_BYTES (G_GUINT64_CONSTANT(1) << 40)
 
 typedef struct _PfVm PfVm;
 typedef struct _PfLink PfLink;
@@ -65,9 +73,27 @@ struct _PfVm {
 };
 
 PfVm *pf_vm_attach(int pid, const char *name, GError **error);
-/* A VM announced by its agent: regions as the agent described them, the
- * memfds it passed.  Its regions never change behind the agent's back. */
-PfVm *pf_vm_new_from_agent(int pid, const char *name, GPtrArray *regions, GError **error);
+/* A VM announced by its agent: regions as the agent described them (each
+ * checked by pf_region_check_mapping()), the memfds it passed.  pidfd and
+ * proc_dir (its /proc/PID, opened while pidfd showed it alive) pin the
+ * process the agent's socket came from; pidfd is duplicated.  Its regions
+ * never change behind the agent's back. */
+PfVm *pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name,
+                           GPtrArray *regions, GError **error);
+/*
+ * Whether fd may be taken as guest RAM that the process of proc_dir maps at
+ * host_addr..host_addr + size from offset: a memfd (shmem, 4 KiB pages)
+ * sealed against shrinking (pagefoldd's reads would fault past a
+ * truncation), at most PF_MAX_REGION_BYTES, that range within it, and the
+ * process mapping exactly that file there, shared, at those offsets, in
+ * one mapping or several.  Allocates nothing for the region.
+ */
+gboolean pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
+                                 guint64 offset, guint64 size, GError **error);
+/* Whether every page of the regions is registered for userfaultfd write
+ * protection in the process of proc_dir ("uw" in smaps' VmFlags), as an
+ * agent's are before it may merge. */
+gboolean pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GError **error);
 /* Maps one memfd read-only; takes fd. */
 PfRegion *pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset,
                         gsize size, GError **error);
@@ -89,3 +115,4 @@ gboolean pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added,
                        GError **error);
 
 void pf_region_free(PfRegion *r);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfRegion, pf_region_free)

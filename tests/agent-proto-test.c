@@ -743,6 +743,13 @@ test_unsafe(gconstpointer data)
     }
     pf_agent_set_syscalls(agent, &pf_test_faulty_syscalls);
     pf_test_fault_set(how == UNSAFE_SETUP_FAILS ? "register" : NULL, 1, -1, EINVAL, FALSE);
+#ifdef __SANITIZE_ADDRESS__
+    if (how == UNSAFE_LOCKED) {
+        /* ASan maps its own memory as it goes: locked, it fails. */
+        g_test_skip("mlockall under AddressSanitizer");
+        return;
+    }
+#endif
     if (how == UNSAFE_LOCKED) {
         /* Future mappings only: locking ASan's shadow would never end. */
         g_assert_cmpint(mlockall(MCL_FUTURE), ==, 0);

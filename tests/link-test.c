@@ -2,13 +2,28 @@
  * link-test.c - pagefoldd's end of the agent protocol, fed bad input by a
  * hand-made agent: each bad conversation gets an ERROR saying why and is
  * closed; pagefoldd, its control socket and a real VM attached alongside
- * carry on untouched.
+ * carry on untouched.  The peer is believed only as far as its process
+ * shows: a REGION must be a sealed memfd the peer maps at that address, a
+ * READY in merge mode must be backed by write protection it registered, and
+ * peers that stall (idle handshakes, a full socket) cost nobody else.
+ *
+ * The hand-made agent is this test process: it maps its guest RAM itself,
+ * so what it announces can be made true or false at will.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <glib.h>
+#include <linux/userfaultfd.h>
+#include <poll.h>
+#include <signal.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "guestmem.h"
@@ -16,14 +31,21 @@
 #include "testproc.h"
 #include "util.h"
 
+/* What pagefoldd must never take longer than to give up an idle
+ * handshake (link.c says 5 s; this leaves slack on a loaded machine). */
+#define HANDSHAKE_GIVE_UP_S 12
+
 static int
 connect_agent(PfTestDaemon *d)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    /* pagefoldd that never answers must fail the test, not hang it. */
+    struct timeval tv = { .tv_sec = 20 };
 
     g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
     g_assert_cmpint(connect(fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
+    g_assert_cmpint(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), ==, 0);
     return fd;
 }
 
@@ -40,51 +62,110 @@ send_hello(int fd, guint32 pid, guint32 n_regions)
 }
 
 static void
-send_region(int fd, int memfd, gsize size)
+send_region_full(int fd, guint32 index, int memfd, const void *host, guint64 offset,
+                 guint64 size)
 {
     PfWireRegion r = { 0 };
 
+    r.index = index;
     r.page_size = PF_PAGE_SIZE;
-    r.host_addr = 0x10000000;
+    r.host_addr = (guint64)(guintptr)host;
+    r.offset = offset;
     r.size = size;
     pf_wire_set_string(r.name, sizeof(r.name), "pc.ram");
     g_assert_true(pf_proto_send(fd, PF_MSG_REGION, 0, &r, sizeof(r), &memfd, 1, NULL));
 }
 
-/* pagefoldd must answer with an ERROR containing want, then hang up. */
+static void
+send_region(int fd, const PfGuest *g)
+{
+    send_region_full(fd, 0, g->fd, g->mem, 0, g->n_pages * PF_PAGE_SIZE);
+}
+
+/* Sealed as QEMU seals memory-backend-memfd RAM. */
+static void
+seal(int memfd)
+{
+    g_assert_cmpint(fcntl(memfd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL), ==, 0);
+}
+
+static PfGuest *
+sealed_guest(gsize pages, gsize zero)
+{
+    PfLayout l = { .identical = pages - zero, .zero = zero };
+    PfGuest *g = pf_guest_new("memory-backend-memfd", &l, 1);
+
+    seal(g->fd);
+    return g;
+}
+
+/* pagefoldd must answer with an ERROR containing want, then hang up.  The
+ * ERROR is read after the hang-up: it must still be there to read, not
+ * lost to a reset. */
 static void
 expect_refusal(int fd, const char *want)
 {
     g_autofree PfMsg *m = g_new0(PfMsg, 1);
     g_autoptr(GError) error = NULL;
+    struct pollfd hup = { fd, 0, 0 };
 
-    g_assert_true(pf_proto_recv(fd, m, &error));
-    g_assert_cmpuint(m->header.type, ==, PF_MSG_ERROR);
+    g_assert_cmpint(poll(&hup, 1, 20000), ==, 1);
+    g_assert_true(hup.revents & POLLHUP);
+    if (!pf_proto_recv(fd, m, &error)) {
+        g_error("expected a refusal saying '%s', got: %s", want, error->message);
+    }
+    if (m->header.type != PF_MSG_ERROR) {
+        g_error("expected a refusal saying '%s', got message type %u with %u fd(s)", want,
+                m->header.type, m->n_fds);
+    }
     if (g_strstr_len((const char *)m->payload, m->header.length, want) == NULL) {
         g_error("refusal '%.*s' does not say '%s'", (int)m->header.length,
                 (const char *)m->payload, want);
     }
+    g_test_message("refused: %.*s", (int)m->header.length, (const char *)m->payload);
     g_assert_false(pf_proto_recv(fd, m, &error));
     close(fd);
 }
 
-/* HELLO, the regions (a memfd of 256 pages, or none), WELCOME, READY. */
-static int
-handshake(PfTestDaemon *d, int memfd, PfMode mode, const char *reason)
+/* The WELCOME that must follow HELLO and every REGION; its fds stay in m. */
+static void
+expect_welcome(int fd, PfMsg *m)
 {
-    g_autofree PfMsg *m = g_new0(PfMsg, 1);
-    PfWireMode r = { PF_PROTO_VERSION, mode, "" };
-    int fd = connect_agent(d);
+    g_autoptr(GError) error = NULL;
 
-    send_hello(fd, (guint32)getpid(), memfd >= 0 ? 1 : 0);
-    if (memfd >= 0) {
-        send_region(fd, memfd, 256 * PF_PAGE_SIZE);
+    if (!pf_proto_recv(fd, m, &error)) {
+        g_error("expected WELCOME: %s", error->message);
     }
-    g_assert_true(pf_proto_recv(fd, m, NULL));
+    if (m->header.type == PF_MSG_ERROR) {
+        g_error("expected WELCOME, got ERROR '%.*s'", (int)m->header.length,
+                (const char *)m->payload);
+    }
     g_assert_cmpuint(m->header.type, ==, PF_MSG_WELCOME);
-    pf_msg_close_fds(m);
+}
+
+static void
+send_ready(int fd, PfMode mode, const char *reason)
+{
+    PfWireMode r = { PF_PROTO_VERSION, mode, "" };
+
     pf_wire_set_string(r.reason, sizeof(r.reason), reason);
     g_assert_true(pf_proto_send(fd, PF_MSG_READY, 0, &r, sizeof(r), NULL, 0, NULL));
+}
+
+/* HELLO, the guest as its one region (or none), WELCOME, READY. */
+static int
+handshake(PfTestDaemon *d, const PfGuest *g, PfMode mode, const char *reason)
+{
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    int fd = connect_agent(d);
+
+    send_hello(fd, (guint32)getpid(), g != NULL ? 1 : 0);
+    if (g != NULL) {
+        send_region(fd, g);
+    }
+    expect_welcome(fd, m);
+    pf_msg_close_fds(m);
+    send_ready(fd, mode, reason);
     return fd;
 }
 
@@ -96,13 +177,105 @@ send_discard(int fd, guint32 region, guint64 page, guint64 n)
     g_assert_true(pf_proto_send(fd, PF_MSG_DISCARD, 0, &r, sizeof(r), NULL, 0, NULL));
 }
 
+static int
+daemon_pid(PfTestDaemon *d)
+{
+    return atoi(g_subprocess_get_identifier(d->proc));
+}
+
+static guint
+count_fds(int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/fd", pid);
+    g_autoptr(GDir) dir = g_dir_open(path, 0, NULL);
+    guint n = 0;
+
+    g_assert_nonnull(dir);
+    while (g_dir_read_name(dir) != NULL) {
+        n++;
+    }
+    return n;
+}
+
+/* pagefoldd's descriptors come back to want (it may still be closing the
+ * last refused link's when the test sees the hang-up). */
+static void
+assert_fds_back_to(PfTestDaemon *d, guint want)
+{
+    guint n = 0;
+
+    for (int i = 0; i < 100 && (n = count_fds(daemon_pid(d))) != want; i++) {
+        g_usleep(20000);
+    }
+    g_assert_cmpuint(n, ==, want);
+}
+
+static guint
+count_vms(PfTestDaemon *d)
+{
+    JsonNode *n = pf_test_ctl_json(d, "list", NULL);
+    guint len = json_array_get_length(json_node_get_array(n));
+
+    json_node_unref(n);
+    return len;
+}
+
+/* The VM of that name in `list`, as a new reference, or NULL. */
+static JsonObject *
+find_vm(PfTestDaemon *d, const char *name)
+{
+    JsonNode *n = pf_test_ctl_json(d, "list", NULL);
+    JsonObject *o = pf_test_find_vm(json_node_get_array(n), name);
+
+    if (o != NULL) {
+        json_object_ref(o);
+    }
+    json_node_unref(n);
+    return o;
+}
+
+/* Waits until the VM of that name is listed (or no longer is). */
+static void
+wait_listed(PfTestDaemon *d, const char *name, gboolean listed)
+{
+    for (int i = 0; i < 500; i++) {
+        JsonObject *o = find_vm(d, name);
+
+        if (o != NULL) {
+            json_object_unref(o);
+        }
+        if ((o != NULL) == listed) {
+            return;
+        }
+        g_usleep(10000);
+    }
+    g_error("VM %s is %slisted", name, listed ? "not " : "still ");
+}
+
+/* Registers the guest for userfaultfd write protection, as the agent does
+ * before it says merge; returns the userfaultfd. */
+static int
+register_wp(const PfGuest *g)
+{
+    struct uffdio_api api = { .api = UFFD_API, .features = UFFD_FEATURE_WP_HUGETLBFS_SHMEM };
+    struct uffdio_register reg = {
+        .range = { (guint64)(guintptr)g->mem, g->n_pages * PF_PAGE_SIZE },
+        .mode = UFFDIO_REGISTER_MODE_WP,
+    };
+    int uffd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+
+    g_assert_cmpint(uffd, >=, 0);
+    g_assert_cmpint(ioctl(uffd, UFFDIO_API, &api), ==, 0);
+    g_assert_cmpint(ioctl(uffd, UFFDIO_REGISTER, &reg), ==, 0);
+    return uffd;
+}
+
 static void
 test_bad_agents(void)
 {
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
-    PfLayout l = { .identical = 256 };
-    g_autoptr(PfGuest) g = pf_guest_new("memory-backend-memfd", &l, 1);
-    int fd, pipefd[2];
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    int fd;
 
     /* Garbage. */
     fd = connect_agent(d);
@@ -116,37 +289,18 @@ test_bad_agents(void)
 
     /* Out of order. */
     fd = connect_agent(d);
-    send_region(fd, g->fd, 256 * PF_PAGE_SIZE);
+    send_region(fd, g);
     expect_refusal(fd, "expected HELLO");
-
-    /* A pipe where a memfd belongs. */
-    g_assert_cmpint(pipe(pipefd), ==, 0);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
-    send_region(fd, pipefd[0], 256 * PF_PAGE_SIZE);
-    expect_refusal(fd, "not a memfd");
-    close(pipefd[0]);
-    close(pipefd[1]);
-
-    /* A region larger than its memfd. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
-    send_region(fd, g->fd, 1024 * PF_PAGE_SIZE);
-    expect_refusal(fd, "not a memfd of at least");
 
     /* READY before all regions. */
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 2);
-    send_region(fd, g->fd, 256 * PF_PAGE_SIZE);
-    {
-        PfWireMode r = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
-
-        g_assert_true(pf_proto_send(fd, PF_MSG_READY, 0, &r, sizeof(r), NULL, 0, NULL));
-    }
+    send_region(fd, g);
+    send_ready(fd, PF_MODE_MERGE, "");
     expect_refusal(fd, "expected REGION");
 
     /* A result for no request, after a proper handshake. */
-    fd = handshake(d, g->fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     {
         PfWireResult res = { 0 };
 
@@ -155,37 +309,37 @@ test_bad_agents(void)
     expect_refusal(fd, "answers no request");
 
     /* Merge mode with nothing to merge. */
-    fd = handshake(d, -1, PF_MODE_MERGE, "");
+    fd = handshake(d, NULL, PF_MODE_MERGE, "");
     expect_refusal(fd, "without a region");
 
     /* A discard of pages the region does not have, or of none. */
-    fd = handshake(d, g->fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     send_discard(fd, 0, 250, 7);
     expect_refusal(fd, "no such pages");
-    fd = handshake(d, g->fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     send_discard(fd, 1, 0, 1);
     expect_refusal(fd, "no such pages");
-    fd = handshake(d, g->fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     send_discard(fd, 0, 0, 0);
     expect_refusal(fd, "DISCARD of");
 
     /* Stepping back to advise mode: only from merge mode, with a reason,
      * and to advise mode. */
-    fd = handshake(d, g->fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     {
         PfWireMode r = { PF_PROTO_VERSION, PF_MODE_ADVISE, "vhost-user" };
 
         g_assert_true(pf_proto_send(fd, PF_MSG_ADVISE, 0, &r, sizeof(r), NULL, 0, NULL));
     }
     expect_refusal(fd, "not merging");
-    fd = handshake(d, g->fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     {
         PfWireMode r = { PF_PROTO_VERSION, PF_MODE_ADVISE, "" };
 
         g_assert_true(pf_proto_send(fd, PF_MSG_ADVISE, 0, &r, sizeof(r), NULL, 0, NULL));
     }
     expect_refusal(fd, "ADVISE reason is empty");
-    fd = handshake(d, g->fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     {
         PfWireMode r = { PF_PROTO_VERSION, PF_MODE_MERGE, "merge again" };
 
@@ -194,12 +348,510 @@ test_bad_agents(void)
     expect_refusal(fd, "ADVISE of mode 1");
 
     /* Through all that, pagefoldd kept answering, and forgot the fakes. */
-    {
-        JsonNode *n = pf_test_ctl_json(d, "list", NULL);
+    wait_listed(d, "fake", FALSE);
+    g_assert_cmpuint(count_vms(d), ==, 0);
+}
 
-        g_assert_cmpuint(json_array_get_length(json_node_get_array(n)), ==, 0);
-        json_node_unref(n);
+/* A memfd of size bytes, sealed or not, never written (a sparse file). */
+static int
+sparse_memfd(guint64 size, gboolean sealed)
+{
+    int fd = memfd_create("memory-backend-memfd", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+    g_assert_cmpint(fd, >=, 0);
+    g_assert_cmpint(ftruncate(fd, (off_t)size), ==, 0);
+    if (sealed) {
+        seal(fd);
     }
+    return fd;
+}
+
+/*
+ * Every REGION is checked against what the peer's process maps before
+ * anything is allocated for it: the memfd it passes must be the file it
+ * maps shared at that address, at that offset, all the way, sealed against
+ * shrinking, and not too large.  Each lie is refused with the reason and
+ * costs pagefoldd nothing: it is alive after, with every descriptor the
+ * peers passed closed.
+ */
+static void
+test_regions(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    g_autoptr(PfGuest) other = sealed_guest(256, 0);
+    PfLayout l = { .identical = 256 };
+    g_autoptr(PfGuest) unsealed = pf_guest_new("memory-backend-memfd", &l, 2);
+    gsize size = 256 * PF_PAGE_SIZE;
+    guint fds_before;
+    int fd, pipefd[2], big, tib;
+    guint8 *map;
+
+    /* One handshake first, so that whatever pagefoldd opens once (the
+     * pidfd machinery, /dev/userfaultfd) is open when we count. */
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
+    wait_listed(d, "fake", TRUE);
+    close(fd);
+    wait_listed(d, "fake", FALSE);
+    fds_before = count_fds(daemon_pid(d));
+
+    /* A pipe where a memfd belongs. */
+    g_assert_cmpint(pipe(pipefd), ==, 0);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, pipefd[0], g->mem, 0, size);
+    expect_refusal(fd, "not a memfd");
+    close(pipefd[0]);
+    close(pipefd[1]);
+
+    /* A region larger than its memfd. */
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, g->fd, g->mem, 0, 1024 * PF_PAGE_SIZE);
+    expect_refusal(fd, "beyond the end of its memfd");
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, g->fd, g->mem, G_MAXUINT64 - PF_PAGE_SIZE + 1, size);
+    expect_refusal(fd, "beyond the end of its memfd");
+
+    /* A memfd that can shrink: a read of pagefoldd's would fault. */
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region(fd, unsealed);
+    expect_refusal(fd, "F_SEAL_SHRINK");
+    /* The same as the first of two regions sent at once, as an agent
+     * sends them: the ERROR still reaches the peer, not a reset for the
+     * region left unread.  pagefoldd is stopped meanwhile, so that both
+     * are sent before it reads the first. */
+    g_assert_cmpint(kill(daemon_pid(d), SIGSTOP), ==, 0);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 2);
+    send_region(fd, unsealed);
+    send_region_full(fd, 1, g->fd, g->mem, 0, size);
+    g_assert_cmpint(kill(daemon_pid(d), SIGCONT), ==, 0);
+    expect_refusal(fd, "F_SEAL_SHRINK");
+
+    /* A memfd the peer does not map at all. */
+    big = sparse_memfd(size, TRUE);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, big, g->mem, 0, size);
+    expect_refusal(fd, "maps another file");
+
+    /* Its memfd, at an address where the peer maps another one. */
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, g->fd, other->mem, 0, size);
+    expect_refusal(fd, "maps another file");
+
+    /* At an address where nothing is mapped. */
+    map = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    g_assert(map != MAP_FAILED);
+    g_assert_cmpint(munmap(map, size), ==, 0);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, big, map, 0, size);
+    expect_refusal(fd, "not mapped");
+
+    /* The right file, but not at the offset announced. */
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, g->fd, g->mem, PF_PAGE_SIZE, size - PF_PAGE_SIZE);
+    expect_refusal(fd, "offset");
+
+    /* Mapped private: the peer's pages are not the memfd's. */
+    map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, big, 0);
+    g_assert(map != MAP_FAILED);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, big, map, 0, size);
+    expect_refusal(fd, "not shared");
+    /* Shared, but one page in the middle is another file's. */
+    g_assert(mmap(map, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, big, 0) == map);
+    g_assert(mmap(map + 8 * PF_PAGE_SIZE, PF_PAGE_SIZE, PROT_READ | PROT_WRITE,
+                  MAP_SHARED | MAP_FIXED, other->fd, 0) == map + 8 * PF_PAGE_SIZE);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, big, map, 0, size);
+    expect_refusal(fd, "maps another file");
+    /* ... or a hole in the middle. */
+    g_assert_cmpint(munmap(map + 8 * PF_PAGE_SIZE, PF_PAGE_SIZE), ==, 0);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, big, map, 0, size);
+    expect_refusal(fd, "not mapped");
+    g_assert_cmpint(munmap(map, size), ==, 0);
+    close(big);
+
+    /* Two regions over the same pages. */
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 2);
+    send_region(fd, g);
+    send_region_full(fd, 1, g->fd, g->mem + PF_PAGE_SIZE, PF_PAGE_SIZE, PF_PAGE_SIZE);
+    expect_refusal(fd, "overlaps");
+
+    /* A region of 2^46 bytes, really mapped: once it aborted pagefoldd on
+     * the allocation of its page records. */
+    big = sparse_memfd(1ull << 46, TRUE);
+    map = mmap(NULL, 1ull << 46, PROT_READ, MAP_SHARED | MAP_NORESERVE, big, 0);
+    g_assert(map != MAP_FAILED);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region_full(fd, 0, big, map, 0, 1ull << 46);
+    expect_refusal(fd, "larger than");
+    g_assert_cmpint(munmap(map, 1ull << 46), ==, 0);
+    close(big);
+
+    /* Regions each within the cap, but too much RAM together. */
+    tib = sparse_memfd(1ull << 40, TRUE);
+    map = mmap(NULL, 1ull << 40, PROT_READ, MAP_SHARED | MAP_NORESERVE, tib, 0);
+    g_assert(map != MAP_FAILED);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 2);
+    send_region(fd, g);
+    send_region_full(fd, 1, tib, map, 0, 1ull << 40);
+    expect_refusal(fd, "more than");
+    g_assert_cmpint(munmap(map, 1ull << 40), ==, 0);
+    close(tib);
+
+    /* Each refusal closed every descriptor that peer passed or got. */
+    assert_fds_back_to(d, fds_before);
+    g_assert_cmpuint(count_vms(d), ==, 0);
+}
+
+/*
+ * The peer is the process that connected, pinned at accept.  Here it
+ * connects and exits (pagefoldd, stopped meanwhile, accepts only after),
+ * and this process, which shares its socket, speaks in its name with RAM
+ * of its own: pagefoldd refuses, and no WELCOME, let alone
+ * /dev/userfaultfd, reaches the socket.
+ */
+static void
+test_peer_gone(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    struct timeval tv = { .tv_sec = 20 };
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    int pid, status;
+
+    g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
+    g_assert_cmpint(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), ==, 0);
+    g_assert_cmpint(kill(daemon_pid(d), SIGSTOP), ==, 0);
+    pid = fork();
+    g_assert_cmpint(pid, >=, 0);
+    if (pid == 0) {
+        _exit(connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0 ? 0 : 1);
+    }
+    g_assert_cmpint(waitpid(pid, &status, 0), ==, pid);
+    g_assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    send_hello(fd, (guint32)pid, 1);
+    send_region(fd, g);
+    g_assert_cmpint(kill(daemon_pid(d), SIGCONT), ==, 0);
+    expect_refusal(fd, "process");
+    g_assert_cmpuint(count_vms(d), ==, 0);
+}
+
+/*
+ * WELCOME comes after the last REGION checked, and hands /dev/userfaultfd
+ * only to a peer that has guest RAM to merge: a peer without a region is
+ * offered advise mode, and no descriptor.
+ */
+static void
+test_welcome(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    int fd;
+
+    /* No region: nothing to merge, no userfaultfd. */
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 0);
+    expect_welcome(fd, m);
+    g_assert_cmpuint(m->n_fds, ==, 0);
+    g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_ADVISE);
+    pf_msg_close_fds(m);
+    close(fd);
+
+    /* A region the peer maps in pieces (its own madvise() calls split the
+     * mapping, as QEMU's do), all of its memfd in order: merge is offered,
+     * with /dev/userfaultfd when pagefoldd has one to give. */
+    g_assert_cmpint(madvise(g->mem + 16 * PF_PAGE_SIZE, 16 * PF_PAGE_SIZE, MADV_DONTDUMP), ==,
+                    0);
+    g_assert_cmpint(pf_test_count_vmas(getpid(), (guint64)(guintptr)g->mem,
+                                       g->n_pages * PF_PAGE_SIZE), ==, 3);
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 1);
+    send_region(fd, g);
+    expect_welcome(fd, m);
+    g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_MERGE);
+    g_assert_cmpuint(m->n_fds, ==, g_file_test("/dev/userfaultfd", G_FILE_TEST_EXISTS) ? 1 : 0);
+    pf_msg_close_fds(m);
+    close(fd);
+}
+
+/*
+ * READY's mode is checked: merge only where WELCOME offered it, and only
+ * when the peer's regions are registered for userfaultfd write protection
+ * (VmFlags "uw"), which the agent does before it says merge.
+ */
+static void
+test_ready(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    g_autoptr(JsonObject) vm = NULL;
+    int fd, uffd;
+
+    /* Merge mode claimed without write protection. */
+    fd = handshake(d, g, PF_MODE_MERGE, "");
+    expect_refusal(fd, "write protection");
+
+    /* Merge mode where WELCOME offered advise. */
+    fd = handshake(d, NULL, PF_MODE_MERGE, "");
+    expect_refusal(fd, "without a region");
+
+    /* The same claim, true this time. */
+    uffd = register_wp(g);
+    fd = handshake(d, g, PF_MODE_MERGE, "");
+    wait_listed(d, "fake", TRUE);
+    vm = find_vm(d, "fake");
+    g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
+    close(fd);
+    close(uffd);
+}
+
+/*
+ * A handshake has a few seconds to finish: a peer that connects and says
+ * nothing, or stops halfway, is told so and closed.
+ */
+static void
+test_handshake_timeout(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    gint64 t0 = g_get_monotonic_time();
+    int silent = connect_agent(d);
+    int halfway = connect_agent(d);
+    double s;
+
+    send_hello(halfway, (guint32)getpid(), 2);
+    send_region(halfway, g);
+    expect_refusal(silent, "handshake");
+    expect_refusal(halfway, "handshake");
+    s = (g_get_monotonic_time() - t0) / 1e6;
+    g_test_message("idle handshakes given up after %.1f s", s);
+    g_assert_cmpfloat(s, >=, 2.0);
+    g_assert_cmpfloat(s, <, HANDSHAKE_GIVE_UP_S);
+}
+
+typedef struct {
+    GSubprocess *proc;
+    GDataInputStream *out;
+    int pid;
+    char *mode;
+} Vmm;
+
+static void
+vmm_free(Vmm *v)
+{
+    g_subprocess_force_exit(v->proc);
+    g_subprocess_wait(v->proc, NULL, NULL);
+    g_object_unref(v->out);
+    g_object_unref(v->proc);
+    g_free(v->mode);
+    g_free(v);
+}
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(Vmm, vmm_free)
+
+/* A stand-in VMM with the real agent; NULL if it could not attach. */
+static Vmm *
+vmm_start(PfTestDaemon *d, const char *name, const char *mib)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *guest = g_strdup_printf("guest=%s", name);
+    g_autofree char *line = NULL;
+    g_auto(GStrv) words = NULL;
+    const char *argv[] = { pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket",
+                           d->agent_sock, "--mib", mib, NULL };
+    Vmm *v = g_new0(Vmm, 1);
+
+    v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE,
+                             argv, &error);
+    g_assert_no_error(error);
+    v->out = g_data_input_stream_new(g_subprocess_get_stdout_pipe(v->proc));
+    line = g_data_input_stream_read_line(v->out, NULL, NULL, NULL);
+    if (line == NULL) {
+        vmm_free(v);
+        return NULL;
+    }
+    words = g_strsplit(line, " ", 3);
+    g_assert_cmpstr(words[0], ==, "ready");
+    v->pid = atoi(words[1]);
+    v->mode = g_strdup(words[2]);
+    return v;
+}
+
+/* A child that holds n idle connections to the agent socket until the
+ * test ends. */
+static int
+idle_holder(PfTestDaemon *d, int n)
+{
+    int ready[2];
+    int pid;
+    char c = 0;
+
+    g_assert_cmpint(pipe(ready), ==, 0);
+    pid = fork();
+    g_assert_cmpint(pid, >=, 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(ready[0]);
+        for (int i = 0; i < n; i++) {
+            (void)connect_agent(d);
+        }
+        (void)!write(ready[1], &c, 1);
+        for (;;) {
+            pause();
+        }
+    }
+    close(ready[1]);
+    g_assert_cmpint(read(ready[0], &c, 1), ==, 1);
+    close(ready[0]);
+    return pid;
+}
+
+/*
+ * Idle connections, from one process or from many, do not lock the agents
+ * out: a process gets a few handshakes at a time (more are refused at
+ * once), and when too many processes hold one, the oldest gives way.  A
+ * real agent connecting after them attaches at once, long before any
+ * timeout frees a place.
+ */
+static void
+test_many_idle(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(Vmm) v = NULL;
+    int mine[8], holders[20];
+    guint refused = 0;
+    gint64 t0;
+    double s;
+
+    for (guint i = 0; i < G_N_ELEMENTS(mine); i++) {
+        mine[i] = connect_agent(d);
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(holders); i++) {
+        holders[i] = idle_holder(d, 4);
+    }
+    t0 = g_get_monotonic_time();
+    v = vmm_start(d, "good", "4");
+    s = (g_get_monotonic_time() - t0) / 1e6;
+    g_assert_nonnull(v);
+    g_test_message("a real agent attached in %.2f s past 88 idle connections", s);
+    g_assert_cmpstr(v->mode, ==, "merge");
+    g_assert_cmpfloat(s, <, 4.0);
+    wait_listed(d, "good", TRUE);
+    /* This process asked for more handshakes at once than one gets: the
+     * extra ones were refused (or gave way to the others) at once. */
+    for (guint i = 0; i < G_N_ELEMENTS(mine); i++) {
+        struct pollfd p = { mine[i], POLLIN, 0 };
+
+        if (poll(&p, 1, 0) == 1) {
+            expect_refusal(mine[i], "handshakes");
+            mine[i] = -1;
+            refused++;
+        }
+    }
+    g_assert_cmpuint(refused, >=, 4);
+    for (guint i = 0; i < G_N_ELEMENTS(holders); i++) {
+        pf_guest_release(holders[i]);
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(mine); i++) {
+        if (mine[i] >= 0) {
+            close(mine[i]);
+        }
+    }
+}
+
+static gint64
+vm_counter(PfTestDaemon *d, const char *name, const char *counter)
+{
+    JsonNode *n = pf_test_ctl_json(d, "stats", NULL);
+    JsonObject *o = pf_test_find_vm(json_object_get_array_member(json_node_get_object(n), "vms"),
+                                    name);
+    gint64 v = o != NULL ? json_object_get_int_member(o, counter) : -1;
+
+    json_node_unref(n);
+    return v;
+}
+
+/*
+ * A merging peer that stops reading its socket is given up without
+ * pagefoldd ever waiting on it: the control socket keeps answering at once
+ * meanwhile, the peer is detached and its socket closed, and the VM next
+ * to it is scanned and merged on.
+ */
+static void
+test_not_reading(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start(
+        "--set", "pages_to_scan=200000", "--set", "sleep_millisecs=50", NULL);
+    /* Enough zero pages that the requests for them overflow any socket
+     * buffer pagefoldd may have. */
+    g_autoptr(PfGuest) g = sealed_guest(64 * 1024, 64 * 1024);
+    g_autoptr(Vmm) v = vmm_start(d, "served", "8");
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    int uffd = register_wp(g);
+    int fd = handshake(d, g, PF_MODE_MERGE, "");
+    double worst = 0;
+    gint64 t0 = g_get_monotonic_time(), gone = 0, scanned;
+
+    g_assert_nonnull(v);
+    wait_listed(d, "fake", TRUE);
+    /* From here on this peer reads nothing. */
+    while (g_get_monotonic_time() - t0 < 20 * G_USEC_PER_SEC) {
+        gint64 c0 = g_get_monotonic_time();
+        JsonObject *o = find_vm(d, "fake");
+        double lat = (g_get_monotonic_time() - c0) / 1e6;
+
+        worst = MAX(worst, lat);
+        if (o == NULL) {
+            gone = g_get_monotonic_time();
+            break;
+        }
+        json_object_unref(o);
+        g_usleep(100000);
+    }
+    g_test_message("the silent peer was given up after %.1f s; the slowest control answer "
+                   "meanwhile took %.2f s",
+                   (gone - t0) / 1e6, worst);
+    g_assert_cmpint(gone, !=, 0);
+    /* A pass and a pagefoldctl run, even under TCG, but never the 5 s a
+     * send once waited for a full socket. */
+    g_assert_cmpfloat(worst, <, 4.0);
+
+    /* Its socket was closed: behind what pagefoldd had sent is the end. */
+    {
+        g_autoptr(GError) error = NULL;
+
+        while (pf_proto_recv(fd, m, &error)) {
+            pf_msg_close_fds(m);
+        }
+        g_assert_error(error, PF_ERROR, PF_ERROR_CLOSED);
+    }
+    close(fd);
+    close(uffd);
+
+    /* The other VM is still served. */
+    scanned = vm_counter(d, "served", "pages_scanned");
+    g_assert_cmpint(scanned, >=, 0);
+    for (int i = 0; i < 500 && vm_counter(d, "served", "pages_scanned") <= scanned; i++) {
+        g_usleep(10000);
+    }
+    g_assert_cmpint(vm_counter(d, "served", "pages_scanned"), >, scanned);
 }
 
 /* RAM that cannot be merged (private, not memfd): the VM is listed all
@@ -208,27 +860,16 @@ static void
 test_no_region(void)
 {
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
-    int fd = handshake(d, -1, PF_MODE_ADVISE, "RAM is private: kernel KSM merges it");
-    JsonNode *n;
-    JsonObject *vm;
+    int fd = handshake(d, NULL, PF_MODE_ADVISE, "RAM is private: kernel KSM merges it");
+    g_autoptr(JsonObject) vm = NULL;
 
     /* The daemon handles the READY before it answers the control socket. */
-    for (int i = 0; i < 100; i++) {
-        n = pf_test_ctl_json(d, "list", NULL);
-        if (json_array_get_length(json_node_get_array(n)) == 1) {
-            break;
-        }
-        json_node_unref(n);
-        n = NULL;
-        g_usleep(10000);
-    }
-    g_assert_nonnull(n);
-    vm = json_array_get_object_element(json_node_get_array(n), 0);
+    wait_listed(d, "fake", TRUE);
+    vm = find_vm(d, "fake");
     g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "advise");
     g_assert_cmpstr(json_object_get_string_member(vm, "mode_reason"), ==,
                     "RAM is private: kernel KSM merges it");
     g_assert_cmpuint(json_array_get_length(json_object_get_array_member(vm, "regions")), ==, 0);
-    json_node_unref(n);
     close(fd);
 }
 
@@ -237,6 +878,13 @@ main(int argc, char **argv)
 {
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/link/bad-agents", test_bad_agents);
+    g_test_add_func("/link/regions", test_regions);
+    g_test_add_func("/link/peer-gone", test_peer_gone);
+    g_test_add_func("/link/welcome", test_welcome);
+    g_test_add_func("/link/ready", test_ready);
+    g_test_add_func("/link/handshake-timeout", test_handshake_timeout);
+    g_test_add_func("/link/many-idle", test_many_idle);
+    g_test_add_func("/link/not-reading", test_not_reading);
     g_test_add_func("/link/no-region", test_no_region);
     return g_test_run();
 }
