@@ -509,10 +509,12 @@ copy_back(PfAgent *a, Region *r, gsize from, gsize to)
  * Maps the memfd again over the remapped pages of [first, first + n).
  * With copy, their content goes back into the memfd first, under write
  * protection so that no write falls between the copy and the mapping; a
- * page in DMA is not touched (-EBUSY), since the device's write would land
- * in the copy left behind.  Without copy, the pages are about to be
- * discarded and their content does not matter.  Stops at the first
- * failure: pages before *stop are in the memfd, the others as they were
+ * run of remapped pages in DMA is not touched (the device's write would
+ * land in the copy left behind), the others are, and -EBUSY says so.  Only
+ * the merged pages count: QEMU keeps some guest RAM mapped for writing
+ * for as long as a device runs (AHCI's receive areas, vhost's used rings).  Without copy, the pages are about to be
+ * discarded and their content does not matter (nor is any page busy).
+ * Stops at the first failure: pages before *stop are in the memfd, the others as they were
  * (remapped and valid).  Returns 0 or -errno; adds the pages folded back
  * to *folded, if given.  The caller holds a->dma.
  */
@@ -523,15 +525,13 @@ fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsi
     guint8 *hva = r->host + first * PF_PAGE_SIZE;
     gsize len = n * PF_PAGE_SIZE;
     gsize t = find_remapped(r, first, first + n, TRUE);
+    gboolean busy = FALSE;
     int rc = 0;
 
     *stop = first;
     if (t == first + n) {
         *stop = first + n;
         return 0;
-    }
-    if (copy && in_dma(a, hva, hva + len)) {
-        return -EBUSY;
     }
     /* Remapped pages are VMAs of their own, not registered yet. */
     if (copy && ((rc = uffd_register(a, hva, len)) < 0 ||
@@ -545,6 +545,12 @@ fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsi
         gsize u = find_remapped(r, t, first + n, FALSE);
 
         *stop = t;
+        if (copy && in_dma(a, r->host + t * PF_PAGE_SIZE, r->host + u * PF_PAGE_SIZE)) {
+            /* Left as it is; the others are folded back all the same. */
+            busy = TRUE;
+            t = find_remapped(r, u, first + n, TRUE);
+            continue;
+        }
         if (copy && (rc = copy_back(a, r, t, u)) < 0) {
             break;
         }
@@ -568,7 +574,9 @@ fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsi
         }
         t = find_remapped(r, u, first + n, TRUE);
     }
-    if (rc == 0) {
+    if (rc == 0 && busy) {
+        rc = -EBUSY;
+    } else if (rc == 0) {
         *stop = first + n;
     }
     /* Registered again, the range coalesces with its neighbours (if that

@@ -688,6 +688,29 @@ test_dma(Fixture *f, gconstpointer data)
     res = merge_pages(f, 4, 2, 4);
     g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
     g_assert_cmpuint(res[1].status, ==, PF_RESULT_DONE);
+
+    /* A step back folds back every merged run not in DMA, and fails for
+     * the one that is (pages 1..7, as page 0 was folded back above);
+     * once the DMA is over, it finishes.  DMA over pages that are not
+     * merged (QEMU keeps some mapped while a device runs) is no matter. */
+    res = merge_pages(f, 16, 4, 5);
+    g_assert_cmpuint(remapped(f), ==, 11);
+    pf_agent_dma_map(f->agent, mem + 6 * PF_PAGE_SIZE, PF_PAGE_SIZE);
+    pf_agent_dma_map(f->agent, mem + 40 * PF_PAGE_SIZE, 8 * PF_PAGE_SIZE);
+    g_test_expect_message("pagefold", G_LOG_LEVEL_MESSAGE, "*steps back to advise mode*");
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*Device or resource busy*");
+    {
+        g_autoptr(GError) error = NULL;
+
+        g_assert_false(pf_agent_step_back(f->agent, "a test", &error));
+        g_assert_error(error, PF_ERROR, PF_ERROR_FAILED);
+    }
+    g_test_assert_expected_messages();
+    g_assert_cmpuint(remapped(f), ==, 7);
+    pf_agent_dma_unmap(f->agent, mem + 6 * PF_PAGE_SIZE, PF_PAGE_SIZE);
+    g_assert_true(pf_agent_step_back(f->agent, "a test", NULL));
+    g_assert_cmpuint(remapped(f), ==, 0);
+    pf_agent_dma_unmap(f->agent, mem + 40 * PF_PAGE_SIZE, 8 * PF_PAGE_SIZE);
 }
 
 /* The VmFlags of the mapping at addr, from /proc/self/smaps. */

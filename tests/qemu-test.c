@@ -9,6 +9,7 @@
  * TCG stands in for KVM, which this machine lacks; nothing here depends on
  * TCG: KVM follows remapped host pages through its MMU notifier.
  */
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <glib.h>
@@ -20,6 +21,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "guestmem.h"
 #include "testguest.h"
 #include "testproc.h"
 #include "util.h"
@@ -488,6 +490,237 @@ test_advise_private_ram(void)
     pf_test_guest_free(g);
 }
 
+/* ---- shared RAM that is not guest RAM ---- */
+
+/*
+ * ivshmem-plain's memory (memdev=, a shared memfd like guest RAM) is
+ * mapped by other processes too: merged pages would be holes there.  The
+ * agent is handed guest RAM only, QEMU says which block it left alone,
+ * and the VM merges its own RAM all the same.
+ */
+static void
+test_ivshmem(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    const char *extra[] = { "-object", "memory-backend-memfd,id=shm,size=4M,share=on",
+                            "-device", "ivshmem-plain,memdev=shm", NULL };
+    PfGuestSpec spec = { "ivshmem0", NULL, 128, 16, 1, 12, 4, FALSE, FALSE, extra };
+    g_autoptr(JsonObject) agent = NULL;
+    g_autofree char *skipped = NULL;
+    JsonNode *list, *s;
+    JsonArray *regions;
+    Guest *g;
+
+    if (!have_qemu()) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    spec.agent_sock = d->agent_sock;
+    g = pf_test_guest_start(&spec);
+    skipped = pf_test_guest_expect_text(g, "is not guest RAM", 60);
+    g_assert_nonnull(strstr(skipped, "shm"));
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+
+    /* One region, guest RAM, in pagefoldd and in the agent. */
+    list = pf_test_ctl_json(d, "list", NULL);
+    regions = json_object_get_array_member(attached_vm(json_node_get_array(list), g->name),
+                                           "regions");
+    g_assert_cmpint(json_array_get_length(regions), ==, 1);
+    g_assert_cmpint(json_object_get_int_member(json_array_get_object_element(regions, 0), "size"),
+                    ==, 128 << 20);
+    json_node_unref(list);
+    agent = agent_info(g);
+    g_assert_cmpint(json_object_get_int_member(agent, "regions"), ==, 1);
+    g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
+
+    /* Guest RAM merges: its zero pages, at the least. */
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 16 * 256 / 5 * 9 / 10);
+    json_node_unref(s);
+    g_assert_cmpint(agent_stat(g, "zeroed"), >=, 16 * 256 / 5 * 9 / 10);
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
+    pf_test_guest_free(g);
+}
+
+/* ---- device writes behind the page tables ---- */
+
+#define ODIRECT_BLOCKS 512 /* the disk: 2 MiB */
+#define ODIRECT_BUFS 1024  /* each guest's buffer pages: every block in about 4 */
+#define ODIRECT_SECONDS 20 /* each guest reads this long */
+
+/*
+ * A disk image on a file system with O_DIRECT (/var/tmp: tmpfs has none
+ * before Linux 6.6), block i as pfguest computes it: pf_fill_page() of
+ * pf_page_seed(5, 0, i, 0) is pfguest's fill(mix(5, 0, i, 0)).  NULL if
+ * O_DIRECT is refused there.
+ */
+static char *
+odirect_image(void)
+{
+    g_autofree char *dir = g_strdup("/var/tmp/pagefold-odirect-XXXXXX");
+    g_autofree guint8 *data = g_malloc(ODIRECT_BLOCKS * PF_PAGE_SIZE);
+    g_autoptr(GError) error = NULL;
+    char *path;
+    int fd;
+
+    g_assert_nonnull(g_mkdtemp(dir));
+    path = g_build_filename(dir, "disk.img", NULL);
+    for (guint i = 0; i < ODIRECT_BLOCKS; i++) {
+        pf_fill_page(data + (gsize)i * PF_PAGE_SIZE, pf_page_seed(5, 0, i, 0));
+    }
+    g_assert_true(g_file_set_contents(path, (const char *)data,
+                                      ODIRECT_BLOCKS * PF_PAGE_SIZE, &error));
+    g_assert_no_error(error);
+    fd = open(path, O_RDONLY | O_DIRECT);
+    if (fd < 0) {
+        g_test_message("%s: no O_DIRECT: %s", path, g_strerror(errno));
+        unlink(path);
+        g_rmdir(dir);
+        g_free(path);
+        return NULL;
+    }
+    close(fd);
+    return path;
+}
+
+static void
+odirect_image_free(char *path)
+{
+    g_autofree char *dir = g_path_get_dirname(path);
+
+    unlink(path);
+    g_rmdir(dir);
+    g_free(path);
+}
+
+/*
+ * Two guests read one disk with O_DIRECT (QEMU: cache=none, aio=native or
+ * io_uring) into buffers they keep: the host kernel pins each buffer page
+ * while the device writes it, behind QEMU's page tables and the agent's
+ * write protection.  Buffers of both guests hold the same blocks, so
+ * pagefoldd merges them while reads go on: reads land in merged pages
+ * (copied on write, then folded back), and pages the agent was asked to
+ * merge or fold back while a read was in flight are refused (QEMU tells it
+ * what address_space_map() handed out).  A page merged or folded back
+ * under a read would hold stale data: each guest checks every page it
+ * reads, and all its buffers again every few seconds.  Then one guest
+ * steps back to advise mode in the middle of its reads.
+ */
+static void
+test_odirect(gconstpointer data)
+{
+    const char *aio = data;
+    g_autoptr(PfTestDaemon) d = NULL;
+    g_autofree char *image = NULL;
+    g_autofree char *drive = NULL;
+    Guest *g[2];
+    gint64 merged[2] = { 0 }, errors[2] = { 0 }, unmerged[2] = { 0 }, cow[2] = { 0 };
+    gint64 start, end;
+    gboolean enough = FALSE;
+
+    if (!have_qemu()) {
+        return;
+    }
+    image = odirect_image();
+    if (image == NULL) {
+        g_test_skip("/var/tmp has no O_DIRECT");
+        return;
+    }
+    drive = g_strdup_printf("file=%s,format=raw,if=none,id=disk0,cache=none,aio=%s,"
+                            "snapshot=off,readonly=on", image, aio);
+    /* Fast passes: a buffer left alone for a second or so merges. */
+    d = pf_test_daemon_start("--set", "target_pass_millisecs=200", "--set", "sleep_millisecs=5",
+                             NULL);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *name = g_strdup_printf("od-%s%d", aio, i);
+        const char *extra[] = { "-drive", drive, "-device", "virtio-blk-pci,drive=disk0", NULL };
+        /* A read of up to 16 pages every 5 to 10 ms (TCG): each buffer
+         * is rewritten every second or so, and often stays long enough
+         * to merge (two passes). */
+        PfGuestSpec spec = { name, d->agent_sock, 128, 1, i + 1, ODIRECT_SECONDS, 4, FALSE,
+                             FALSE, extra,
+                             "pfguest.odirect=" G_STRINGIFY(ODIRECT_BUFS)
+                             " pfguest.odirect_pause_us=5000" };
+
+        g[i] = pf_test_guest_start(&spec);
+    }
+    for (int i = 0; i < 2; i++) {
+        g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
+    }
+    /*
+     * Until both guests had many merges (their identical kernels, then
+     * their buffers), and the agent was asked to merge or fold back pages
+     * a read was in flight to (which only an error says: the agent refuses
+     * them with EBUSY, and pagefoldd logs it).  Reads that land in merged
+     * buffers make most of the copies on write and fold-backs.
+     */
+    start = g_get_monotonic_time();
+    end = start + (ODIRECT_SECONDS - 3) * G_USEC_PER_SEC;
+    while (!enough && g_get_monotonic_time() < end) {
+        JsonNode *s;
+
+        g_usleep(G_USEC_PER_SEC);
+        s = pf_test_ctl_json(d, "stats", NULL);
+        for (int i = 0; i < 2; i++) {
+            g_autoptr(JsonObject) a = agent_info(g[i]);
+
+            merged[i] = json_object_get_int_member(a, "merged");
+            errors[i] = json_object_get_int_member(a, "errors");
+            unmerged[i] = json_object_get_int_member(a, "unmerged");
+            cow[i] = vm_counter(s, g[i]->name, "cow");
+        }
+        json_node_unref(s);
+        enough = merged[0] >= 1000 && merged[1] >= 1000 && unmerged[0] + unmerged[1] > 0 &&
+                 errors[0] + errors[1] > 0;
+    }
+    g_test_message("after %.1f s of reads:", (g_get_monotonic_time() - start) / 1e6);
+    for (int i = 0; i < 2; i++) {
+        g_test_message("%s: merged %" G_GINT64_FORMAT ", refused (in DMA) %" G_GINT64_FORMAT
+                       ", folded back %" G_GINT64_FORMAT ", copied on write %" G_GINT64_FORMAT,
+                       g[i]->name, merged[i], errors[i], unmerged[i], cow[i]);
+        g_assert_cmpint(merged[i], >=, 1000);
+    }
+    g_assert_cmpint(unmerged[0] + unmerged[1], >, 0);
+    g_assert_cmpint(errors[0] + errors[1], >, 0);
+    /*
+     * The first guest steps back while its reads go on: QEMU drains block
+     * I/O first, so no page is in DMA and every merged page, buffers
+     * included, is folded back (one in DMA would refuse the capability).
+     */
+    g_assert_cmpint(agent_stat(g[0], "remapped"), >, 0);
+    json_node_unref(pf_test_guest_qmp(g[0], "migrate-set-capabilities",
+                                      "{\"capabilities\": [{\"capability\": "
+                                      "\"x-ignore-shared\", \"state\": true}]}"));
+    assert_advise(d, g[0], "x-ignore-shared");
+    /* Every page each guest read was right, and so was every buffer. */
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *counts = NULL;
+        unsigned long reads = 0, pages = 0, bad = 1;
+
+        for (;;) {
+            char *line = pf_test_guest_expect(g[i], "PFGUEST", ODIRECT_SECONDS + 60);
+
+            if (g_str_has_prefix(line, "PFGUEST ODIRECT")) {
+                g_free(counts);
+                counts = line;
+            } else if (g_str_has_prefix(line, "PFGUEST PASS")) {
+                g_free(line);
+                break;
+            } else {
+                g_free(line);
+            }
+        }
+        g_assert_nonnull(counts);
+        g_assert_cmpint(sscanf(counts, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu", &reads,
+                               &pages, &bad), ==, 3);
+        g_assert_cmpuint(bad, ==, 0);
+        g_assert_cmpuint(reads, >=, 500);
+        pf_test_guest_free(g[i]);
+    }
+    odirect_image_free(g_steal_pointer(&image));
+}
+
 int
 main(int argc, char **argv)
 {
@@ -498,5 +731,8 @@ main(int argc, char **argv)
     g_test_add_func("/qemu/advise/migration", test_advise_migration);
     g_test_add_func("/qemu/advise/private-ram", test_advise_private_ram);
     g_test_add_func("/qemu/balloon", test_balloon);
+    g_test_add_func("/qemu/ivshmem", test_ivshmem);
+    g_test_add_data_func("/qemu/odirect/native", "native", test_odirect);
+    g_test_add_data_func("/qemu/odirect/io_uring", "io_uring", test_odirect);
     return g_test_run();
 }

@@ -103,9 +103,10 @@ pf_test_guest_start(const PfGuestSpec *spec)
     return g;
 }
 
-/* Waits for a console line starting with prefix; fails on PFGUEST FAIL. */
-char *
-pf_test_guest_expect(Guest *g, const char *prefix, guint seconds)
+/* Waits for a console line with text at its start, or anywhere; fails on a
+ * FAIL line (PFGUEST FAIL, or a check that failed) or EOF. */
+static char *
+expect_line(Guest *g, const char *text, gboolean anywhere, guint seconds)
 {
     gint64 end = g_get_monotonic_time() + (gint64)seconds * G_USEC_PER_SEC;
 
@@ -114,17 +115,29 @@ pf_test_guest_expect(Guest *g, const char *prefix, guint seconds)
         char *line = left > 0 ? g_async_queue_timeout_pop(g->lines, (guint64)left) : NULL;
 
         if (line == NULL) {
-            g_error("guest %s: no '%s' within %u s", g->name, prefix, seconds);
+            g_error("guest %s: no '%s' within %u s", g->name, text, seconds);
         }
         g_test_message("%s: %s", g->name, line);
         if (strstr(line, "FAIL") != NULL || g_str_equal(line, "EOF")) {
             g_error("guest %s: %s", g->name, line);
         }
-        if (g_str_has_prefix(line, prefix)) {
+        if (anywhere ? strstr(line, text) != NULL : g_str_has_prefix(line, text)) {
             return line;
         }
         g_free(line);
     }
+}
+
+char *
+pf_test_guest_expect(Guest *g, const char *prefix, guint seconds)
+{
+    return expect_line(g, prefix, FALSE, seconds);
+}
+
+char *
+pf_test_guest_expect_text(Guest *g, const char *text, guint seconds)
+{
+    return expect_line(g, text, TRUE, seconds);
 }
 
 void

@@ -38,6 +38,9 @@ gboolean pf_guest_available(void);
 Guest *pf_test_guest_start(const PfGuestSpec *spec);
 /* Waits for a line starting with prefix; fails on a FAIL line or EOF. */
 char *pf_test_guest_expect(Guest *g, const char *prefix, guint seconds);
+/* The same for a line that contains text anywhere: QEMU's own lines
+ * (those that say "pagefold") start with its program name. */
+char *pf_test_guest_expect_text(Guest *g, const char *text, guint seconds);
 void pf_test_guest_free(Guest *g);
 /* Runs one QMP command (arguments as a JSON object text, or NULL) on a
  * connection of its own; returns its "return", fails on an "error". */

@@ -14,15 +14,33 @@
  * pfguest.scratch_mib= (0) and pfguest.scratch_s= (10): memory filled
  * right after READY (half zero, half one content repeated) and given back
  * to the guest kernel after scratch_s seconds, for a balloon to take.
+ * pfguest.odirect= (0) buffer pages: instead of sleeping between rewrites
+ * of the volatile pages, read /dev/vda with O_DIRECT into those buffers,
+ * up to 16 pages a read, at random, and check each page read; a buffer
+ * keeps what it read until the next read into it, so that the buffers of
+ * guests reading the same disk hold identical pages for the host to
+ * merge, and later reads land in merged pages.  Block i of the disk holds
+ * fill(mix(5, 0, i, 0)) (the host test writes it: pf_fill_page() of
+ * pf_page_seed(5, 0, i, 0) is the same page).  pfguest.odirect_pause_us=
+ * (0) sleeps between reads.  The host pins a page for such a read and the
+ * device writes it behind the page tables: a page the host remaps
+ * meanwhile shows up here as stale data.
  * It prints on the console, one line each: "PFGUEST READY", "PFGUEST
  * SCRATCH filled|freed", "PFGUEST CHECK
- * ok|FAIL ...", and at the end "PFGUEST PASS" or "PFGUEST FAIL", then powers
- * the guest off.  It never trusts the host: everything is recomputed.
+ * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=..." with each
+ * check (a bad page also prints "PFGUEST ODIRECT FAIL ..." at once), and
+ * at the end "PFGUEST PASS" or "PFGUEST FAIL", then powers the guest off.
+ * It never trusts the host: everything is recomputed.
  */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fs.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
@@ -70,14 +88,151 @@ now(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* ---- O_DIRECT reads into buffers the host may merge ---- */
+
+#define ODIRECT_RUN 16 /* pages per read, at most */
+
+typedef struct {
+    int fd;
+    size_t n_bufs;      /* buffer pages */
+    size_t n_blocks;    /* 4 KiB blocks of /dev/vda */
+    uint8_t *bufs;
+    size_t *held;       /* the block each buffer holds, n_blocks if none */
+    unsigned long pause_us;
+    uint64_t rng;
+    unsigned long reads, pages, bad;
+} Odirect;
+
+static uint64_t
+next_rand(uint64_t *x)
+{
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+/* 0 if the page of buffer i holds block b; else 1, and the console says so. */
+static int
+odirect_page_bad(Odirect *o, size_t i, size_t b, const char *when)
+{
+    uint8_t want[PAGE];
+    const uint8_t *page = o->bufs + i * PAGE;
+
+    fill(want, mix(5, 0, b, 0));
+    if (memcmp(page, want, PAGE) == 0) {
+        return 0;
+    }
+    for (unsigned k = 0; k < PAGE; k++) {
+        if (page[k] != want[k]) {
+            printf("PFGUEST ODIRECT FAIL %s: buffer %zu, block %zu: byte %u is %02x, "
+                   "not %02x\n", when, i, b, k, page[k], want[k]);
+            break;
+        }
+    }
+    fflush(stdout);
+    return 1;
+}
+
+static int
+odirect_open(Odirect *o, unsigned long n_bufs, unsigned long pause_us, unsigned long seed)
+{
+    uint64_t size = 0;
+
+    /* The disk appears when virtio_blk's probe is done: wait a little. */
+    for (int i = 0; i < 100; i++) {
+        o->fd = open("/dev/vda", O_RDONLY | O_DIRECT);
+        if (o->fd >= 0 || errno != ENOENT) {
+            break;
+        }
+        usleep(100000);
+    }
+    if (o->fd < 0 || ioctl(o->fd, BLKGETSIZE64, &size) < 0 || size < ODIRECT_RUN * PAGE) {
+        printf("PFGUEST FAIL cannot read /dev/vda with O_DIRECT: %s, %llu bytes\n",
+               strerror(errno), (unsigned long long)size);
+        return -1;
+    }
+    o->n_bufs = n_bufs < ODIRECT_RUN ? ODIRECT_RUN : n_bufs;
+    o->n_blocks = size / PAGE;
+    o->bufs = mmap(NULL, o->n_bufs * PAGE, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    o->held = malloc(o->n_bufs * sizeof(*o->held));
+    if (o->bufs == MAP_FAILED || o->held == NULL) {
+        printf("PFGUEST FAIL cannot allocate %zu O_DIRECT buffers\n", o->n_bufs);
+        return -1;
+    }
+    for (size_t i = 0; i < o->n_bufs; i++) {
+        o->held[i] = o->n_blocks;
+    }
+    o->pause_us = pause_us;
+    o->rng = seed * 0x9E3779B97F4A7C15ull | 1;
+    return 0;
+}
+
+/* One read of up to ODIRECT_RUN blocks into as many buffers, checked. */
+static void
+odirect_read(Odirect *o)
+{
+    size_t k = 1 + next_rand(&o->rng) % ODIRECT_RUN;
+    size_t i = next_rand(&o->rng) % (o->n_bufs - k + 1);
+    size_t b = next_rand(&o->rng) % (o->n_blocks - k + 1);
+    ssize_t n = pread(o->fd, o->bufs + i * PAGE, k * PAGE, (off_t)b * PAGE);
+
+    if (n != (ssize_t)(k * PAGE)) {
+        printf("PFGUEST ODIRECT FAIL read of %zu blocks at %zu: %zd, %s\n", k, b, n,
+               strerror(errno));
+        fflush(stdout);
+        o->bad++;
+        return;
+    }
+    o->reads++;
+    for (size_t t = 0; t < k; t++) {
+        o->held[i + t] = b + t;
+        o->pages++;
+        o->bad += odirect_page_bad(o, i + t, b + t, "just read");
+    }
+}
+
+/* Reads for ms milliseconds. */
+static void
+odirect_for(Odirect *o, unsigned long ms)
+{
+    double end = now() + ms * 1e-3;
+
+    do {
+        odirect_read(o);
+        if (o->pause_us) {
+            usleep(o->pause_us);
+        }
+    } while (now() < end);
+}
+
+/* Every buffer still holds what was read into it. */
+static size_t
+odirect_check(Odirect *o)
+{
+    size_t bad = 0;
+
+    for (size_t i = 0; i < o->n_bufs; i++) {
+        if (o->held[i] < o->n_blocks) {
+            bad += odirect_page_bad(o, i, o->held[i], "kept");
+        }
+    }
+    o->bad += bad;
+    printf("PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu\n", o->reads, o->pages, o->bad);
+    fflush(stdout);
+    return bad;
+}
+
 int
 main(void)
 {
     char cmdline[4096] = "";
     FILE *f;
     unsigned long mib, seed, vol_pct, period_ms, check_s, seconds, reboot_after;
-    unsigned long scratch_mib, scratch_s;
+    unsigned long scratch_mib, scratch_s, odirect_bufs;
     uint8_t *scratch = NULL;
+    Odirect od = { .fd = -1 };
     size_t pages, identical, zero, vol, unique;
     uint8_t *mem, want[PAGE];
     uint32_t *gen;
@@ -100,6 +255,7 @@ main(void)
     reboot_after = param(cmdline, "pfguest.reboot=", 0);
     scratch_mib = param(cmdline, "pfguest.scratch_mib=", 0);
     scratch_s = param(cmdline, "pfguest.scratch_s=", 10);
+    odirect_bufs = param(cmdline, "pfguest.odirect=", 0);
 
     pages = mib * 256;
     identical = pages / 2;
@@ -124,6 +280,11 @@ main(void)
         } else {
             fill(p, mix(3, seed, i, 0));
         }
+    }
+    if (odirect_bufs > 0 &&
+        odirect_open(&od, odirect_bufs, param(cmdline, "pfguest.odirect_pause_us=", 0),
+                     seed) < 0) {
+        return 1;
     }
     printf("PFGUEST READY pages=%zu identical=%zu zero=%zu unique=%zu volatile=%zu\n", pages,
            identical, zero, unique, vol);
@@ -167,7 +328,11 @@ main(void)
             gen[k]++;
             fill(mem + i * PAGE, mix(3, seed, i, gen[k]));
         }
-        usleep(period_ms * 1000);
+        if (od.fd >= 0) {
+            odirect_for(&od, period_ms);
+        } else {
+            usleep(period_ms * 1000);
+        }
         if (now() - last_check < check_s) {
             continue;
         }
@@ -189,6 +354,15 @@ main(void)
                bad, (now() - t0) * 1e3);
         fflush(stdout);
         ok &= bad == 0;
+        if (od.fd >= 0) {
+            odirect_check(&od);
+        }
+    }
+    if (od.fd >= 0) {
+        /* The counts, and the buffers checked once more; any bad page
+         * read or kept fails the run. */
+        odirect_check(&od);
+        ok &= od.bad == 0;
     }
     printf("PFGUEST %s\n", ok ? "PASS" : "FAIL");
     fflush(stdout);
