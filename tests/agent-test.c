@@ -20,13 +20,7 @@
 #define ZERO (PAGES * 20 / 100)
 #define UNIQUE (PAGES - IDENTICAL - ZERO)
 
-typedef struct {
-    GSubprocess *proc;
-    GDataInputStream *out;
-    GOutputStream *in;
-    int pid;
-    char *mode;
-} Vmm;
+typedef PfTestVmm Vmm;
 
 static Vmm *vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers,
                            gboolean as_nobody, const char *extra);
@@ -42,33 +36,19 @@ static Vmm *
 vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers, gboolean as_nobody,
                const char *extra)
 {
-    Vmm *v = g_new0(Vmm, 1);
-    g_autoptr(GError) error = NULL;
     g_autofree char *guest = g_strdup_printf("guest=%s", name);
     g_autofree char *seedarg = g_strdup_printf("%d", seed);
     g_autofree char *wr = g_strdup_printf("%d", writers);
     g_autofree char *mib = g_strdup_printf("%d", MIB);
-    g_autofree char *line = NULL;
-    g_auto(GStrv) words = NULL;
     const char *argv[] = {
         "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
         pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket", d->agent_sock,
         "--mib", mib, "--seed", seedarg, "--writers", wr, "--writes-per-sec", "2000",
         extra, NULL
     };
+    Vmm *v = pf_test_vmm_spawn(as_nobody ? argv : argv + 4);
 
-    v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE,
-                             as_nobody ? argv : argv + 4, &error);
-    g_assert_no_error(error);
-    v->out = g_data_input_stream_new(g_subprocess_get_stdout_pipe(v->proc));
-    v->in = g_subprocess_get_stdin_pipe(v->proc);
-    line = g_data_input_stream_read_line(v->out, NULL, NULL, &error);
-    g_assert_no_error(error);
-    g_assert_nonnull(line);
-    words = g_strsplit(line, " ", 3);
-    g_assert_cmpstr(words[0], ==, "ready");
-    v->pid = atoi(words[1]);
-    v->mode = g_strdup(words[2]);
+    g_assert_nonnull(v);
     return v;
 }
 
@@ -119,17 +99,6 @@ vmm_stat(Vmm *v, const char *name)
     return vmm_number(v, "stats", name);
 }
 
-static void
-vmm_free(Vmm *v)
-{
-    g_subprocess_force_exit(v->proc);
-    g_subprocess_wait(v->proc, NULL, NULL);
-    g_object_unref(v->out);
-    g_object_unref(v->proc);
-    g_free(v->mode);
-    g_free(v);
-}
-
 /* Stops it (it checks all its RAM one last time) and frees it. */
 static void
 vmm_quit(Vmm *v)
@@ -141,7 +110,7 @@ vmm_quit(Vmm *v)
     }
     g_assert_true(g_subprocess_wait(v->proc, NULL, NULL));
     g_assert_cmpint(g_subprocess_get_exit_status(v->proc), ==, 0);
-    vmm_free(v);
+    pf_test_vmm_free(v);
 }
 
 static JsonObject *
@@ -584,7 +553,7 @@ test_huge_pages(void)
     pf_test_write_sysfs(knob, old);
     if (before[0] == 0) {
         for (int i = 0; i < 2; i++) {
-            vmm_free(v[i]);
+            pf_test_vmm_free(v[i]);
         }
         g_test_skip("guest RAM got no huge pages");
         return;
@@ -693,7 +662,7 @@ test_kill_vmm(void)
     g_assert_cmpint(total(s, "pages_pending"), ==, 0);
     vmm_verify(a);
     vmm_quit(a);
-    vmm_free(b);
+    pf_test_vmm_free(b);
 }
 
 /* QEMU under libvirt is not root: the agent makes its userfaultfd from

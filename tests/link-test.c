@@ -647,51 +647,15 @@ test_handshake_timeout(void)
     g_assert_cmpfloat(s, <, HANDSHAKE_GIVE_UP_S);
 }
 
-typedef struct {
-    GSubprocess *proc;
-    GDataInputStream *out;
-    int pid;
-    char *mode;
-} Vmm;
-
-static void
-vmm_free(Vmm *v)
-{
-    g_subprocess_force_exit(v->proc);
-    g_subprocess_wait(v->proc, NULL, NULL);
-    g_object_unref(v->out);
-    g_object_unref(v->proc);
-    g_free(v->mode);
-    g_free(v);
-}
-G_DEFINE_AUTOPTR_CLEANUP_FUNC(Vmm, vmm_free)
-
 /* A stand-in VMM with the real agent; NULL if it could not attach. */
-static Vmm *
+static PfTestVmm *
 vmm_start(PfTestDaemon *d, const char *name, const char *mib)
 {
-    g_autoptr(GError) error = NULL;
     g_autofree char *guest = g_strdup_printf("guest=%s", name);
-    g_autofree char *line = NULL;
-    g_auto(GStrv) words = NULL;
     const char *argv[] = { pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket",
                            d->agent_sock, "--mib", mib, NULL };
-    Vmm *v = g_new0(Vmm, 1);
 
-    v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE,
-                             argv, &error);
-    g_assert_no_error(error);
-    v->out = g_data_input_stream_new(g_subprocess_get_stdout_pipe(v->proc));
-    line = g_data_input_stream_read_line(v->out, NULL, NULL, NULL);
-    if (line == NULL) {
-        vmm_free(v);
-        return NULL;
-    }
-    words = g_strsplit(line, " ", 3);
-    g_assert_cmpstr(words[0], ==, "ready");
-    v->pid = atoi(words[1]);
-    v->mode = g_strdup(words[2]);
-    return v;
+    return pf_test_vmm_spawn(argv);
 }
 
 /* A child that holds n idle connections to the agent socket until the
@@ -734,7 +698,7 @@ static void
 test_many_idle(void)
 {
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
-    g_autoptr(Vmm) v = NULL;
+    g_autoptr(PfTestVmm) v = NULL;
     int mine[8], holders[20];
     guint refused = 0;
     gint64 t0;
@@ -802,7 +766,7 @@ test_not_reading(void)
     /* Enough zero pages that the requests for them overflow any socket
      * buffer pagefoldd may have. */
     g_autoptr(PfGuest) g = sealed_guest(64 * 1024, 64 * 1024);
-    g_autoptr(Vmm) v = vmm_start(d, "served", "8");
+    g_autoptr(PfTestVmm) v = vmm_start(d, "served", "8");
     g_autofree PfMsg *m = g_new0(PfMsg, 1);
     int uffd = register_wp(g);
     int fd = handshake(d, g, PF_MODE_MERGE, "");

@@ -23,6 +23,42 @@ pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
     return g_subprocess_launcher_spawnv(l, argv, error);
 }
 
+PfTestVmm *
+pf_test_vmm_spawn(const char *const *argv)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *line = NULL;
+    g_auto(GStrv) words = NULL;
+    PfTestVmm *v = g_new0(PfTestVmm, 1);
+
+    v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE,
+                             argv, &error);
+    g_assert_no_error(error);
+    v->out = g_data_input_stream_new(g_subprocess_get_stdout_pipe(v->proc));
+    v->in = g_subprocess_get_stdin_pipe(v->proc);
+    line = g_data_input_stream_read_line(v->out, NULL, NULL, NULL);
+    if (line == NULL) {
+        pf_test_vmm_free(v);
+        return NULL;
+    }
+    words = g_strsplit(line, " ", 3);
+    g_assert_cmpstr(words[0], ==, "ready");
+    v->pid = atoi(words[1]);
+    v->mode = g_strdup(words[2]);
+    return v;
+}
+
+void
+pf_test_vmm_free(PfTestVmm *v)
+{
+    g_subprocess_force_exit(v->proc);
+    g_subprocess_wait(v->proc, NULL, NULL);
+    g_object_unref(v->out);
+    g_object_unref(v->proc);
+    g_free(v->mode);
+    g_free(v);
+}
+
 const char *
 pf_test_bin(const char *var)
 {

@@ -14,6 +14,22 @@ const char *pf_test_bin(const char *var);
 /* Spawns a child that is killed if the test dies (an orphan daemon would
  * hold meson's output pipe open). */
 GSubprocess *pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error);
+/* A stand-in VMM (tests/standin-vmm) and its command pipes. */
+typedef struct {
+    GSubprocess *proc;
+    GDataInputStream *out;
+    GOutputStream *in;
+    int pid;
+    char *mode; /* "merge" or "advise": what its agent settled on */
+} PfTestVmm;
+
+/* Runs argv (standin-vmm and its options, maybe behind setpriv) and waits
+ * for its "ready PID MODE"; NULL if it exits before saying so. */
+PfTestVmm *pf_test_vmm_spawn(const char *const *argv);
+/* Kills and reaps it. */
+void pf_test_vmm_free(PfTestVmm *v);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestVmm, pf_test_vmm_free)
+
 /* prog [--socket sock] then the NULL-terminated arguments, as an argv. */
 GPtrArray *pf_test_argv_new(const char *prog, const char *sock, va_list ap);
 
