@@ -508,6 +508,36 @@ test_fault_unmerge_mmap(Fixture *f, gconstpointer late)
     g_assert_cmpint(memcmp(page, want, PF_PAGE_SIZE), ==, 0);
 }
 
+/* Folding a written page back when copying it into the memfd fails
+ * (ENOSPC: a memfd on a full tmpfs): the page stays merged, its write in
+ * place, and the unmerge says it failed; later it works. */
+static void
+test_fault_unmerge_copy(Fixture *f, gconstpointer data)
+{
+    guint8 *page = f->guest->mem + 2 * PF_PAGE_SIZE;
+    g_autofree guint8 *want = NULL;
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    res = merge_pages(f, 0, 4, 1);
+    g_assert_cmpuint(res[2].status, ==, PF_RESULT_DONE);
+    page[99] ^= 0x3c;
+    want = g_memdup2(page, PF_PAGE_SIZE);
+    pf_test_fault_set("pwrite", 0, -1, ENOSPC, FALSE);
+    res = unmerge_page(f, 2, 2);
+    g_assert_cmpint(pf_test_fault_hits(), ==, 1);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_ERROR);
+    g_assert_cmpint(res[0].err, ==, ENOSPC);
+    g_assert_cmpuint(remapped(f), ==, 4);
+    g_assert_false(maps_memfd(f, 2));
+    g_assert_cmpint(memcmp(page, want, PF_PAGE_SIZE), ==, 0);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+    res = unmerge_page(f, 2, 3);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    assert_memfd_page(f, 2, want);
+    g_assert_true(maps_memfd(f, 2));
+}
+
 /* A merge whose punch did not happen leaves the old page in the memfd; a
  * guest that then zeroes the page must see zeros after the fold-back,
  * not the old page: a zero page is not trusted to be a hole. */
@@ -816,6 +846,8 @@ main(int argc, char **argv)
                test_fault_unmerge_mmap, teardown);
     g_test_add("/agent-proto/fault/unmerge-map-late", Fixture, "late", setup,
                test_fault_unmerge_mmap, teardown);
+    g_test_add("/agent-proto/fault/unmerge-copy", Fixture, NULL, setup, test_fault_unmerge_copy,
+               teardown);
     g_test_add("/agent-proto/fault/fold-zero", Fixture, NULL, setup, test_fault_fold_zero,
                teardown);
     g_test_add("/agent-proto/fault/discard-partial", Fixture, NULL, setup,
