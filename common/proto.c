@@ -174,14 +174,18 @@ validate(const PfMsg *msg, GError **error)
         want_fds_max = h->type == PF_MSG_WELCOME ? 1 : 0;
         break;
     }
-    case PF_MSG_POOL: {
+    case PF_MSG_POOL:
+    case PF_MSG_DROP: {
         const PfWirePool *p = (const void *)msg->payload;
+        const char *what = h->type == PF_MSG_POOL ? "POOL" : "DROP";
 
-        if (h->length != sizeof(*p) || p->n_slots == 0 || p->n_slots > (1u << 24)) {
-            return fail(error, "POOL of %u bytes or %u slots", h->length,
+        if (h->length != sizeof(*p) || p->n_slots == 0 || p->n_slots > (1u << 24) ||
+            p->chunk >= PF_PROTO_MAX_CHUNKS) {
+            return fail(error, "%s of %u bytes, or of chunk %u of %u slots", what, h->length,
+                        h->length == sizeof(*p) ? p->chunk : 0,
                         h->length == sizeof(*p) ? p->n_slots : 0);
         }
-        want_fds_min = want_fds_max = 1;
+        want_fds_min = want_fds_max = h->type == PF_MSG_POOL ? 1 : 0;
         break;
     }
     case PF_MSG_REQUEST:
@@ -336,7 +340,8 @@ pf_msg_range(const PfMsg *msg)
 const PfWirePool *
 pf_msg_pool(const PfMsg *msg)
 {
-    g_return_val_if_fail(msg->header.type == PF_MSG_POOL, NULL);
+    g_return_val_if_fail(msg->header.type == PF_MSG_POOL || msg->header.type == PF_MSG_DROP,
+                         NULL);
     return (const void *)msg->payload;
 }
 

@@ -36,7 +36,10 @@ typedef enum {
                          * memfd (a device or a migration needs plain RAM) */
     PF_MSG_DISCARD = 10, /* agent -> daemon: a range of pages mapped from
                           * the memfd again because the VMM discards it */
-    PF_MSG_LAST = PF_MSG_DISCARD,
+    PF_MSG_DROP = 11,    /* daemon -> agent: no page of this VM maps this
+                          * pool chunk any more: let it go (its memory
+                          * returns once nobody maps it) */
+    PF_MSG_LAST = PF_MSG_DROP,
 } PfMsgType;
 
 typedef struct {
@@ -74,6 +77,10 @@ typedef struct {
     char reason[PF_PROTO_REASON_LEN];
 } PfWireMode;
 
+/* Chunk ids are reused once dropped: they stay below this. */
+#define PF_PROTO_MAX_CHUNKS (1u << 20)
+
+/* POOL (with the chunk's memfd) and DROP (without). */
 typedef struct {
     guint32 chunk;
     guint32 n_slots;
@@ -144,6 +151,7 @@ void pf_msg_close_fds(PfMsg *msg);
 const PfWireHello *pf_msg_hello(const PfMsg *msg);
 const PfWireRegion *pf_msg_region(const PfMsg *msg);
 const PfWireMode *pf_msg_mode(const PfMsg *msg);
+/* POOL or DROP. */
 const PfWirePool *pf_msg_pool(const PfMsg *msg);
 const PfWireRange *pf_msg_range(const PfMsg *msg);
 const PfWireItem *pf_msg_items(const PfMsg *msg, guint32 *n_items);
