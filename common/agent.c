@@ -17,7 +17,9 @@
  *    pinned for DMA: such VMs stay in advise mode, such pages are skipped;
  *  - a MAP_FIXED that fails may have unmapped the old pages already, and a
  *    private writable mapping can fail on commit accounting
- *    (vm.overcommit_memory=2): the memfd is mapped back at once.
+ *    (vm.overcommit_memory=2): the memfd is mapped back at once, after the
+ *    content of pages that were mapped from the pool (a move to another
+ *    slot) is written into it, where their memfd pages are holes.
  *
  * Every system call that changes guest RAM goes through a->sys, so that
  * tests can make each one fail; every result is checked.  The rule on
@@ -442,6 +444,25 @@ readvise(PfAgent *a, const Region *r, void *addr, gsize len)
 }
 
 /*
+ * Is every page of [addr, addr + len) mapped?  A MAP_FIXED that failed may
+ * have unmapped the old pages first; mincore() fails with ENOMEM where
+ * any page is not mapped, mapped pages need not be resident.
+ */
+static gboolean
+range_mapped(const guint8 *addr, gsize len)
+{
+    unsigned char vec[64];
+
+    for (gsize off = 0; off < len; off += sizeof(vec) * PF_PAGE_SIZE) {
+        if (mincore((void *)(addr + off), MIN(len - off, sizeof(vec) * PF_PAGE_SIZE), vec) < 0 &&
+            errno == ENOMEM) {
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
+/*
  * Maps pages [from, to) of r from its memfd again, shared, as the VMM
  * mapped them.  Called where the previous mapping is to go, or is gone
  * already: a failed MAP_FIXED may have unmapped it first (mincore() tells
@@ -458,8 +479,6 @@ map_memfd(PfAgent *a, Region *r, gsize from, gsize to)
     int rc = 0;
 
     for (int attempt = 0; attempt < 2; attempt++) {
-        unsigned char vec[64];
-
         if (a->sys.mmap(addr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd,
                         (off_t)(r->offset + from * PF_PAGE_SIZE)) != MAP_FAILED) {
             rc = readvise(a, r, addr, len);
@@ -471,8 +490,7 @@ map_memfd(PfAgent *a, Region *r, gsize from, gsize to)
             return 0;
         }
         rc = -errno;
-        if (mincore(addr, MIN(len, sizeof(vec) * PF_PAGE_SIZE), vec) == 0 ||
-            errno != ENOMEM) {
+        if (range_mapped(addr, len)) {
             return rc; /* still mapped as before */
         }
     }
@@ -482,14 +500,17 @@ map_memfd(PfAgent *a, Region *r, gsize from, gsize to)
 
 /*
  * Copies the remapped pages [from, to) into the memfd, under write
- * protection.  A zero page is punched, not trusted to be a hole already:
- * its merge may have left the old page there.
+ * protection: their own content, or with src the content they are known
+ * to have (src holds page from, then the next ones), for when they are no
+ * longer mapped.  A zero page is punched, not trusted to be a hole
+ * already: its merge may have left the old page there.
  */
 static int
-copy_back(PfAgent *a, Region *r, gsize from, gsize to)
+copy_back(PfAgent *a, Region *r, gsize from, gsize to, const guint8 *src)
 {
     for (gsize v = from; v < to; v++) {
-        const guint8 *page = r->host + v * PF_PAGE_SIZE;
+        const guint8 *page = src != NULL ? src + (v - from) * PF_PAGE_SIZE
+                                         : r->host + v * PF_PAGE_SIZE;
         off_t off = (off_t)(r->offset + v * PF_PAGE_SIZE);
 
         if (memcmp(page, zero_page, PF_PAGE_SIZE) == 0 &&
@@ -551,7 +572,7 @@ fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsi
             t = find_remapped(r, u, first + n, TRUE);
             continue;
         }
-        if (copy && (rc = copy_back(a, r, t, u)) < 0) {
+        if (copy && (rc = copy_back(a, r, t, u, NULL)) < 0) {
             break;
         }
         if ((rc = map_memfd(a, r, t, u)) < 0) {
@@ -679,11 +700,48 @@ set_result(PfWireResult *res, PfResultStatus status, int err)
 }
 
 /*
+ * The MAP_FIXED of pool slots over pages [from, to) of r failed after the
+ * kernel unmapped the old pages.  Each page's content is known: it
+ * compared equal to its slot, under write protection.  A page that was in
+ * the memfd still is (nothing was punched), but one remapped already (a
+ * move from another slot) has a hole there, which the guest would read as
+ * zeros: its slot's content goes into the memfd first.  Then the memfd is
+ * mapped over the run.  Guest RAM cannot be left a hole nor lose content:
+ * if the copy fails, the process ends, as map_memfd() does (and as the
+ * guest's next access there would).
+ */
+static void
+restore_unmapped(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 slot)
+{
+    for (gsize t = find_remapped(r, from, to, TRUE); t < to;) {
+        gsize u = find_remapped(r, t, to, FALSE);
+        int rc = copy_back(a, r, t, u, c->map + (gsize)(slot + (t - from)) * PF_PAGE_SIZE);
+
+        if (rc < 0) {
+            g_error("pagefold agent: cannot write merged pages of guest RAM %s at %p+%zu into "
+                    "its memfd, after mapping them from the pool failed: %s", r->name,
+                    r->host + t * PF_PAGE_SIZE, (u - t) * PF_PAGE_SIZE, g_strerror(-rc));
+        }
+        t = find_remapped(r, u, to, TRUE);
+    }
+    /* The old pages are gone, so this maps the memfd (or ends the
+     * process): a failure that leaves the range mapped cannot happen. */
+    if (map_memfd(a, r, from, to) == 0) {
+        mark_remapped(a, r, from, to, FALSE);
+    }
+}
+
+/*
  * Maps pool slots over pages [from, to) of r, which are write-protected
- * and equal to them, then punches the pages out of the memfd.  If the
- * advice or the punch fails, the merge is undone the safe way, by folding
- * back (a write that came since went to the new private copy).  Returns 0,
- * or -errno with the pages in the memfd as before.  The caller holds a->dma.
+ * and equal to them, then punches the pages out of the memfd.  Pages
+ * remapped already are moved: pagefoldd maps them from another slot of
+ * the same content, and their memfd pages are holes already (the punch
+ * changes nothing there).  If the advice or the punch fails, the merge is
+ * undone the safe way, by folding back (a write that came since went to
+ * the new private copy; a moved page goes into the memfd with what it
+ * holds).  Returns 0, or -errno with each page as before (its memfd, or
+ * its old slot) or, where the old mapping could not be kept, back in the
+ * memfd with its content.  The caller holds a->dma.
  */
 static int
 remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 slot)
@@ -696,8 +754,12 @@ remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 s
     if (a->sys.mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, c->fd,
                     (off_t)slot * PF_PAGE_SIZE) == MAP_FAILED) {
         rc = -errno;
-        /* Nothing was punched: the memfd still holds the pages. */
-        map_memfd(a, r, from, to);
+        /* Still mapped, the pages are as they were: the memfd, or their
+         * old slots (whose memfd pages are holes: mapping the memfd over
+         * them would lose them). */
+        if (!range_mapped(addr, len)) {
+            restore_unmapped(a, r, from, to, c, slot);
+        }
         return rc;
     }
     mark_remapped(a, r, from, to, TRUE);
@@ -723,9 +785,10 @@ remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 s
 /* k consecutive pages to k consecutive pool slots: the slots' content
  * (merge), or zero slots when the pages are zero (zero).  The pages are
  * write-protected already (exec_window): what is compared is what stays.
- * A page in DMA is refused: a device may write it behind the protection. */
+ * A page in DMA is refused: a device may write it behind the protection.
+ * moved[t] says whether page t, if done, came from another slot. */
 static void
-exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
+exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res, gboolean *moved)
 {
     Region *r = &g_array_index(a->regions, Region, first->region);
     const Chunk *c = g_ptr_array_index(a->chunks, first->chunk);
@@ -744,6 +807,7 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
         /* A zero page maps a zero slot: both must be zero. */
         done[t] = memcmp(page, slot, PF_PAGE_SIZE) == 0 &&
                   (!zero || memcmp(slot, zero_page, PF_PAGE_SIZE) == 0);
+        moved[t] = done[t] && is_remapped(r, first->page + t);
         set_result(&res[t], done[t] ? PF_RESULT_DONE : PF_RESULT_CHANGED, 0);
     }
     for (guint32 t = 0; t < k;) {
@@ -776,7 +840,7 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
  */
 static void
 exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 hi,
-            PfWireResult *res)
+            PfWireResult *res, gboolean *moved)
 {
     Region *r = &g_array_index(a->regions, Region, items[0].region);
     guint8 *hva = r->host + lo * PF_PAGE_SIZE;
@@ -800,7 +864,7 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 
         while (i + k < n && k < MAX_RUN && continues(&items[i], k, &items[i + k])) {
             k++;
         }
-        exec_run(a, &items[i], k, &res[i]);
+        exec_run(a, &items[i], k, &res[i], &moved[i]);
         i += k;
     }
     /* If this fails, the next fold-back registers the new mappings. */
@@ -846,8 +910,13 @@ exec_collapse(PfAgent *a, const PfWireItem *it, PfWireResult *res)
     }
     set_result(res, err ? PF_RESULT_ERROR : PF_RESULT_DONE, err);
 }
+
+/* A merge or zero item done on a page that was remapped already moved it
+ * from one slot to another: counted apart, so that merged and zeroed stay
+ * pages that left the memfd. */
 static void
-count_results(PfAgent *a, const PfWireItem *items, const PfWireResult *res, guint32 n)
+count_results(PfAgent *a, const PfWireItem *items, const PfWireResult *res,
+              const gboolean *moved, guint32 n)
 {
     g_mutex_lock(&a->lock);
     a->stats.requests++;
@@ -856,6 +925,8 @@ count_results(PfAgent *a, const PfWireItem *items, const PfWireResult *res, guin
             a->stats.changed++;
         } else if (res[i].status == PF_RESULT_ERROR) {
             a->stats.errors++;
+        } else if (moved[i]) {
+            a->stats.moved++;
         } else if (items[i].kind == PF_ITEM_MERGE) {
             a->stats.merged++;
         } else if (items[i].kind == PF_ITEM_ZERO) {
@@ -873,6 +944,7 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
     guint32 n;
     const PfWireItem *items = pf_msg_items(msg, &n);
     g_autofree PfWireResult *res = g_new0(PfWireResult, n);
+    g_autofree gboolean *moved = g_new0(gboolean, n);
 
     for (guint32 i = 0; i < n;) {
         guint32 k = 1;
@@ -896,11 +968,11 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
                 hi = MAX(hi, items[i + k].page + 1);
                 k++;
             }
-            exec_window(a, &items[i], k, lo, hi, &res[i]);
+            exec_window(a, &items[i], k, lo, hi, &res[i], &moved[i]);
         }
         i += k;
     }
-    count_results(a, items, res, n);
+    count_results(a, items, res, moved, n);
     if (!pf_proto_send_results(a->sock, msg->header.seq, res, n, error)) {
         return FALSE;
     }
@@ -914,6 +986,13 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
 }
 
 /* ---- pool chunks ---- */
+
+/* The chunk of this id that pagefoldd sent and has not dropped, or NULL. */
+static Chunk *
+held_chunk(PfAgent *a, guint32 id)
+{
+    return id < a->chunks->len ? g_ptr_array_index(a->chunks, id) : NULL;
+}
 
 static gboolean
 take_chunk(PfAgent *a, PfMsg *msg, GError **error)
@@ -933,12 +1012,18 @@ take_chunk(PfAgent *a, PfMsg *msg, GError **error)
                     p->chunk, seals < 0 ? 0 : seals);
         return FALSE;
     }
-    if (fstat(fd, &st) < 0 || (guint64)st.st_size < (guint64)p->n_slots * PF_PAGE_SIZE ||
-        p->chunk > 4096 || (p->chunk < a->chunks->len && g_ptr_array_index(a->chunks, p->chunk))) {
+    /* pf_proto_recv() refused larger ids already: the array of chunks
+     * stays within what the protocol allows. */
+    if (p->chunk >= PF_PROTO_MAX_CHUNKS || held_chunk(a, p->chunk) != NULL) {
         close(fd);
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "pool chunk %u is smaller than its %u slots, or sent twice", p->chunk,
-                    p->n_slots);
+                    "pool chunk %u is out of range, or sent again without a DROP", p->chunk);
+        return FALSE;
+    }
+    if (fstat(fd, &st) < 0 || (guint64)st.st_size < (guint64)p->n_slots * PF_PAGE_SIZE) {
+        close(fd);
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "pool chunk %u is smaller than its %u slots", p->chunk, p->n_slots);
         return FALSE;
     }
     map = mmap(NULL, (gsize)p->n_slots * PF_PAGE_SIZE, PROT_READ, MAP_SHARED, fd, 0);
@@ -969,10 +1054,46 @@ chunk_free(gpointer p)
     if (c == NULL) {
         return;
     }
-    /* Merged pages keep their own references to the memory. */
-    munmap((void *)c->map, (gsize)c->n_slots * PF_PAGE_SIZE);
-    close(c->fd);
+    /* Merged pages keep their own references to the memory.  Neither
+     * call can fail on what take_chunk() made; if one did, the chunk's
+     * memory would only stay taken. */
+    if (munmap((void *)c->map, (gsize)c->n_slots * PF_PAGE_SIZE) < 0) {
+        g_warning("pagefold agent: cannot unmap a pool chunk: %s", g_strerror(errno));
+    }
+    if (close(c->fd) < 0) {
+        g_warning("pagefold agent: cannot close a pool chunk: %s", g_strerror(errno));
+    }
     g_free(c);
+}
+
+/*
+ * No page of this VM maps the chunk any more, says pagefoldd: its fd and
+ * its compare mapping go, and its id may come again in a later POOL (with
+ * other memory).  Only a chunk held, of the size it was sent with: any
+ * other DROP means pagefoldd's idea of this VM is wrong, and the link is
+ * given up.  A page that still mapped it (pagefoldd being wrong after
+ * all) would stay valid: its mapping holds the memory.
+ */
+static gboolean
+drop_chunk(PfAgent *a, const PfMsg *msg, GError **error)
+{
+    const PfWirePool *p = pf_msg_pool(msg);
+    Chunk *c = held_chunk(a, p->chunk);
+
+    if (c == NULL) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "DROP of pool chunk %u, which this agent does not hold", p->chunk);
+        return FALSE;
+    }
+    if (c->n_slots != p->n_slots) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "DROP of pool chunk %u of %u slots, which this agent holds with %u",
+                    p->chunk, p->n_slots, c->n_slots);
+        return FALSE;
+    }
+    g_ptr_array_index(a->chunks, p->chunk) = NULL;
+    chunk_free(c);
+    return TRUE;
 }
 
 /* ---- the connection ---- */
@@ -1022,6 +1143,9 @@ agent_thread(gpointer data)
         switch (msg->header.type) {
         case PF_MSG_POOL:
             ok = take_chunk(a, msg, &error);
+            break;
+        case PF_MSG_DROP:
+            ok = drop_chunk(a, msg, &error);
             break;
         case PF_MSG_REQUEST:
             ok = handle_request(a, msg, &error);

@@ -5,7 +5,8 @@
  *
  * For each item, under userfaultfd write protection of the guest page:
  *   merge   memcmp with the pool slot; if equal, map the slot MAP_PRIVATE
- *           over the page and punch the page out of the guest memfd
+ *           over the page and punch the page out of the guest memfd (a
+ *           page mapped from the pool already moves to the new slot)
  *   zero    check the page is zero; if so, map a pool slot that is never
  *           written (reads share one page, a write copies on write)
  *   unmerge copy the page back into the memfd and map the memfd again
@@ -15,11 +16,13 @@
  * propose.
  *
  * Owns: its connection to pagefoldd, one thread, a userfaultfd, the pool
- * chunk fds it was sent.  Never: writes guest RAM other than by unmerge's
- * copy-back of the page's own content, keeps a page write-protected past
- * the item, or accepts a pool chunk that pagefoldd could still write
- * through a new mapping (it must be sealed).  When pagefoldd goes away,
- * every merged page stays valid: the mappings hold the pool memory.
+ * chunk fds it was sent, until pagefoldd drops them.  Never: writes guest
+ * RAM other than by copying a page's own content back into the memfd (an
+ * unmerge, or a move whose new mapping failed after the old one went),
+ * keeps a page write-protected past the item, or accepts a pool chunk that
+ * pagefoldd could still write through a new mapping (it must be sealed).
+ * When pagefoldd goes away, every merged page stays valid: the mappings
+ * hold the pool memory.
  */
 #pragma once
 
@@ -41,7 +44,10 @@ typedef struct {
 } PfAgentRegion;
 
 typedef struct {
-    guint64 merged;    /* items done, since the start */
+    guint64 merged;    /* items done, since the start: pages from the
+                        * memfd to a pool slot */
+    guint64 moved;     /* merge or zero items done on a page mapped from
+                        * the pool already: from one slot to another */
     guint64 zeroed;
     guint64 unmerged;
     guint64 changed;   /* merges the last compare refused */

@@ -192,6 +192,8 @@ stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b)
     json_builder_add_int_value(b, (gint64)info.pool_slots);
     json_builder_set_member_name(b, "pool_bytes");
     json_builder_add_int_value(b, (gint64)info.pool_bytes);
+    json_builder_set_member_name(b, "pool_chunks");
+    json_builder_add_int_value(b, (gint64)info.pool_chunks);
     json_builder_set_member_name(b, "knobs");
     json_builder_begin_object(b);
     pf_knobs_to_json(pf_scanner_get_knobs(c->scanner), b);

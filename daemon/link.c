@@ -403,6 +403,16 @@ pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk)
 }
 
 void
+pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk)
+{
+    PfWirePool p = { chunk->id, chunk->n_slots };
+
+    /* Requests still queued may not name it: the pool drops a chunk only
+     * when no request holds a slot of it. */
+    link_send(l, PF_MSG_DROP, 0, &p, sizeof(p), -1);
+}
+
+void
 pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd)
 {
     g_array_append_vals(l->queue_items, item, 1);

@@ -35,5 +35,6 @@ gsize pf_link_in_flight(PfLink *l);
  * timeout_ms passed; a peer that reads nothing is given up sooner. */
 void pf_link_settle(PfLink *l, guint timeout_ms);
 void pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk);
+void pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk);
 /* Hands every request still in flight to func, then frees the link. */
 void pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpointer user);

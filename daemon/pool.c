@@ -2,9 +2,10 @@
  * pool.c - see pool.h.
  *
  * A freed slot cannot be punched out (the write seal forbids fallocate), so
- * it keeps its memory and is reused first: the pool's memory is the
- * high-water mark of slots in use.  It is zeroed when freed: agents map
- * whole chunks, and a page no guest shares any more is nobody's to read.
+ * it keeps its memory until its chunk goes; it is zeroed all the same, and
+ * reused first, within its chunk, for the same set of VMs.  Chunks are
+ * small (2 MiB) so that going whole is often enough, and sparse ones are
+ * emptied by the caller (pf_pool_evacuating()).
  */
 #include "pool.h"
 
@@ -14,45 +15,82 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "proto.h"
 #include "util.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010
 #endif
 
+#define SLOTS PF_POOL_CHUNK_SLOTS
+
+typedef struct _Set Set;
+
+typedef struct {
+    PfPoolChunk pub;
+    Set *set;        /* NULL for the zero chunk */
+    guint32 next;    /* slots handed out so far, from 0 up */
+    guint32 live;    /* slots in use */
+    GArray *free;    /* guint32 indexes freed, reused first */
+    gboolean evacuating;
+} Chunk;
+
+/* The chunks that belong to one set of VMs. */
+struct _Set {
+    char *key;      /* the serials, "1,4,9" */
+    GArray *vms;    /* guint32, ascending */
+    GPtrArray *chunks; /* Chunk*, not owned, oldest first */
+};
+
 struct _PfPool {
-    guint32 slots_per_chunk;
-    GPtrArray *chunks;  /* PfPoolChunk* */
+    GPtrArray *chunks;  /* Chunk* by id, NULL where none */
+    GArray *free_ids;   /* guint32 ids of chunks gone, reused first */
+    GHashTable *sets;   /* key -> Set* */
     GArray *refs;       /* guint32 per slot id (index 0 unused) */
-    GArray *free_slots; /* guint32, freed slots to reuse */
-    guint32 next;       /* next never-used slot id */
     gsize in_use;
-    PfPoolChunkFunc new_chunk;
+    gsize bytes;
+    guint n_evacuating;
+    PfPoolChunkFunc new_chunk, drop_chunk;
     gpointer user;
 };
 
 static void
+set_free(gpointer data)
+{
+    Set *set = data;
+
+    g_free(set->key);
+    g_array_unref(set->vms);
+    g_ptr_array_unref(set->chunks);
+    g_free(set);
+}
+
+static void
 chunk_free(gpointer data)
 {
-    PfPoolChunk *c = data;
+    Chunk *c = data;
 
-    munmap(c->map, (gsize)c->n_slots * PF_PAGE_SIZE);
-    close(c->fd);
+    if (c == NULL) {
+        return;
+    }
+    munmap(c->pub.map, (gsize)c->pub.n_slots * PF_PAGE_SIZE);
+    close(c->pub.fd);
+    g_array_unref(c->free);
     g_free(c);
 }
 
 PfPool *
-pf_pool_new(guint32 slots_per_chunk, PfPoolChunkFunc new_chunk, gpointer user)
+pf_pool_new(PfPoolChunkFunc new_chunk, PfPoolChunkFunc drop_chunk, gpointer user)
 {
     PfPool *p = g_new0(PfPool, 1);
 
-    p->slots_per_chunk = slots_per_chunk;
     p->chunks = g_ptr_array_new_with_free_func(chunk_free);
+    p->free_ids = g_array_new(FALSE, FALSE, sizeof(guint32));
+    p->sets = g_hash_table_new_full(g_str_hash, g_str_equal, NULL, set_free);
     p->refs = g_array_new(FALSE, TRUE, sizeof(guint32));
     g_array_set_size(p->refs, 1);
-    p->free_slots = g_array_new(FALSE, FALSE, sizeof(guint32));
-    p->next = 1 + PF_POOL_ZERO_SLOTS;
     p->new_chunk = new_chunk;
+    p->drop_chunk = drop_chunk;
     p->user = user;
     return p;
 }
@@ -64,20 +102,47 @@ pf_pool_free(PfPool *p)
         return;
     }
     g_ptr_array_unref(p->chunks);
+    g_array_unref(p->free_ids);
+    g_hash_table_unref(p->sets);
     g_array_unref(p->refs);
-    g_array_unref(p->free_slots);
     g_free(p);
 }
 
-static gboolean
-add_chunk(PfPool *p, GError **error)
+static Chunk *
+chunk_at(PfPool *p, guint32 id)
 {
-    g_autofree char *name = g_strdup_printf("pagefold-pool-%u", p->chunks->len);
-    gsize size = (gsize)p->slots_per_chunk * PF_PAGE_SIZE;
-    PfPoolChunk *c;
-    int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    return id < p->chunks->len ? g_ptr_array_index(p->chunks, id) : NULL;
+}
+
+static Chunk *
+chunk_of(PfPool *p, guint32 slot)
+{
+    Chunk *c = chunk_at(p, (slot - 1) / SLOTS);
+
+    g_assert(c != NULL);
+    return c;
+}
+
+/* A sealed memfd, mapped writable by us before the seal. */
+static Chunk *
+add_chunk(PfPool *p, Set *set, GError **error)
+{
+    gsize size = (gsize)SLOTS * PF_PAGE_SIZE;
+    guint32 id;
+    g_autofree char *name = NULL;
+    Chunk *c;
+    int fd;
     void *map;
 
+    if (p->free_ids->len > 0) {
+        id = g_array_index(p->free_ids, guint32, p->free_ids->len - 1);
+    } else if ((id = p->chunks->len) >= PF_PROTO_MAX_CHUNKS) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: all %u chunks in use",
+                    PF_PROTO_MAX_CHUNKS);
+        return NULL;
+    }
+    name = g_strdup_printf("pagefold-pool-%u", id);
+    fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0 || ftruncate(fd, (off_t)size) < 0) {
         int e = errno;
 
@@ -85,7 +150,7 @@ add_chunk(PfPool *p, GError **error)
             close(fd);
         }
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: %s", g_strerror(e));
-        return FALSE;
+        return NULL;
     }
     map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (map == MAP_FAILED ||
@@ -98,57 +163,131 @@ add_chunk(PfPool *p, GError **error)
         }
         close(fd);
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: %s", g_strerror(e));
-        return FALSE;
+        return NULL;
     }
-    c = g_new0(PfPoolChunk, 1);
-    c->id = p->chunks->len;
-    c->fd = fd;
-    c->map = map;
-    c->n_slots = p->slots_per_chunk;
-    g_ptr_array_add(p->chunks, c);
-    g_array_set_size(p->refs, p->refs->len + p->slots_per_chunk);
+    if (p->free_ids->len > 0) {
+        g_array_set_size(p->free_ids, p->free_ids->len - 1);
+    } else {
+        g_ptr_array_add(p->chunks, NULL);
+        g_array_set_size(p->refs, p->refs->len + SLOTS);
+    }
+    c = g_new0(Chunk, 1);
+    c->pub.id = id;
+    c->pub.fd = fd;
+    c->pub.map = map;
+    c->pub.n_slots = SLOTS;
+    c->free = g_array_new(FALSE, FALSE, sizeof(guint32));
+    c->set = set;
+    if (set != NULL) {
+        c->pub.vms = (const guint32 *)(gpointer)set->vms->data;
+        c->pub.n_vms = set->vms->len;
+        g_ptr_array_add(set->chunks, c);
+    }
+    g_ptr_array_index(p->chunks, id) = c;
     if (p->new_chunk != NULL) {
-        p->new_chunk(c, p->user);
+        p->new_chunk(&c->pub, p->user);
     }
-    return TRUE;
+    return c;
+}
+
+/* Its last slot is free: its VMs are told, and its memory goes with the
+ * last mapping of it. */
+static void
+drop_chunk(PfPool *p, Chunk *c)
+{
+    Set *set = c->set;
+
+    if (p->drop_chunk != NULL) {
+        p->drop_chunk(&c->pub, p->user);
+    }
+    if (c->evacuating) {
+        p->n_evacuating--;
+    }
+    p->bytes -= (gsize)c->next * PF_PAGE_SIZE;
+    g_ptr_array_remove(set->chunks, c);
+    if (set->chunks->len == 0) {
+        g_hash_table_remove(p->sets, set->key);
+    }
+    g_array_append_val(p->free_ids, c->pub.id);
+    g_ptr_array_index(p->chunks, c->pub.id) = NULL;
+    chunk_free(c);
 }
 
 void
 pf_pool_locate(PfPool *p, guint32 slot, guint32 *chunk, guint32 *index)
 {
-    *chunk = (slot - 1) / p->slots_per_chunk;
-    *index = (slot - 1) % p->slots_per_chunk;
+    *chunk = (slot - 1) / SLOTS;
+    *index = (slot - 1) % SLOTS;
 }
 
 static guint8 *
 slot_data(PfPool *p, guint32 slot)
 {
-    guint32 chunk, index;
+    return chunk_of(p, slot)->pub.map + (gsize)((slot - 1) % SLOTS) * PF_PAGE_SIZE;
+}
 
-    pf_pool_locate(p, slot, &chunk, &index);
-    return ((PfPoolChunk *)g_ptr_array_index(p->chunks, chunk))->map +
-           (gsize)index * PF_PAGE_SIZE;
+static Set *
+find_set(PfPool *p, const guint32 *vms, guint n_vms)
+{
+    g_autoptr(GString) key = g_string_new(NULL);
+    Set *set;
+
+    for (guint i = 0; i < n_vms; i++) {
+        g_assert(i == 0 || vms[i] > vms[i - 1]);
+        g_string_append_printf(key, i == 0 ? "%u" : ",%u", vms[i]);
+    }
+    set = g_hash_table_lookup(p->sets, key->str);
+    if (set == NULL) {
+        set = g_new0(Set, 1);
+        set->key = g_string_free(g_steal_pointer(&key), FALSE);
+        set->vms = g_array_sized_new(FALSE, FALSE, sizeof(guint32), n_vms);
+        g_array_append_vals(set->vms, vms, n_vms);
+        set->chunks = g_ptr_array_new();
+        g_hash_table_insert(p->sets, set->key, set);
+    }
+    return set;
 }
 
 guint32
-pf_pool_alloc(PfPool *p, const guint8 *content, GError **error)
+pf_pool_alloc(PfPool *p, const guint32 *vms, guint n_vms, const guint8 *content,
+              GError **error)
 {
-    guint32 slot;
+    Set *set;
+    Chunk *c = NULL;
+    guint32 index, slot;
 
-    /* Fresh slots in order keep runs contiguous; freed ones are reused
-     * first all the same, since they hold memory already. */
-    if (p->free_slots->len > 0) {
-        slot = g_array_index(p->free_slots, guint32, p->free_slots->len - 1);
-        g_array_set_size(p->free_slots, p->free_slots->len - 1);
-    } else {
-        if (p->next > (guint64)p->chunks->len * p->slots_per_chunk && !add_chunk(p, error)) {
-            return PF_POOL_SLOT_NONE;
-        }
-        slot = p->next++;
+    g_return_val_if_fail(n_vms > 0, PF_POOL_SLOT_NONE);
+    if (p->chunks->len == 0 && pf_pool_zero_slot(p, PF_POOL_SLOT_NONE, error) == 0) {
+        return PF_POOL_SLOT_NONE; /* chunk 0 is the zero chunk */
     }
+    set = find_set(p, vms, n_vms);
+    for (guint i = 0; i < set->chunks->len && c == NULL; i++) {
+        Chunk *k = g_ptr_array_index(set->chunks, i);
+
+        if (!k->evacuating && (k->free->len > 0 || k->next < SLOTS)) {
+            c = k;
+        }
+    }
+    if (c == NULL && (c = add_chunk(p, set, error)) == NULL) {
+        if (set->chunks->len == 0) {
+            g_hash_table_remove(p->sets, set->key);
+        }
+        return PF_POOL_SLOT_NONE;
+    }
+    /* Freed slots first, since they hold memory already; fresh ones in
+     * order keep runs contiguous. */
+    if (c->free->len > 0) {
+        index = g_array_index(c->free, guint32, c->free->len - 1);
+        g_array_set_size(c->free, c->free->len - 1);
+    } else {
+        index = c->next++;
+        p->bytes += PF_PAGE_SIZE;
+    }
+    slot = c->pub.id * SLOTS + index + 1;
     g_assert(g_array_index(p->refs, guint32, slot) == 0);
     memcpy(slot_data(p, slot), content, PF_PAGE_SIZE);
     g_array_index(p->refs, guint32, slot) = 1;
+    c->live++;
     p->in_use++;
     return slot;
 }
@@ -162,7 +301,7 @@ pf_pool_is_zero_slot(guint32 slot)
 guint32
 pf_pool_zero_slot(PfPool *p, guint32 prev, GError **error)
 {
-    if (p->chunks->len == 0 && !add_chunk(p, error)) {
+    if (p->chunks->len == 0 && add_chunk(p, NULL, error) == NULL) {
         return PF_POOL_SLOT_NONE;
     }
     return pf_pool_is_zero_slot(prev) && prev < PF_POOL_ZERO_SLOTS ? prev + 1 : 1;
@@ -181,7 +320,8 @@ pf_pool_ref(PfPool *p, guint32 slot)
 gboolean
 pf_pool_unref(PfPool *p, guint32 slot)
 {
-    guint32 *r;
+    guint32 *r, index;
+    Chunk *c;
 
     if (pf_pool_is_zero_slot(slot)) {
         return FALSE;
@@ -191,11 +331,21 @@ pf_pool_unref(PfPool *p, guint32 slot)
     if (--*r > 0) {
         return FALSE;
     }
-    /* No guest maps it any more; every agent still holds the chunk, so
-     * what the slot held must not stay readable there. */
-    memset(slot_data(p, slot), 0, PF_PAGE_SIZE);
-    g_array_append_val(p->free_slots, slot);
+    c = chunk_of(p, slot);
+    index = (slot - 1) % SLOTS;
     p->in_use--;
+    if (--c->live == 0) {
+        drop_chunk(p, c);
+        return TRUE;
+    }
+    /* The chunk's VMs all shared what the slot held, but whatever a slot
+     * held last is nobody's to read once no page maps it. */
+    memset(slot_data(p, slot), 0, PF_PAGE_SIZE);
+    g_array_append_val(c->free, index);
+    if (!c->evacuating && c->next == SLOTS && c->live * 4 <= SLOTS) {
+        c->evacuating = TRUE;
+        p->n_evacuating++;
+    }
     return TRUE;
 }
 
@@ -205,16 +355,53 @@ pf_pool_refs(PfPool *p, guint32 slot)
     return g_array_index(p->refs, guint32, slot);
 }
 
+gboolean
+pf_pool_readable(PfPool *p, guint32 slot, guint32 vm)
+{
+    const Chunk *c;
+
+    if (pf_pool_is_zero_slot(slot)) {
+        return TRUE;
+    }
+    c = chunk_of(p, slot);
+    for (guint i = 0; i < c->pub.n_vms; i++) {
+        if (c->pub.vms[i] == vm) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+gboolean
+pf_pool_evacuating(PfPool *p, guint32 slot)
+{
+    return !pf_pool_is_zero_slot(slot) && chunk_of(p, slot)->evacuating;
+}
+
+guint
+pf_pool_n_evacuating(PfPool *p)
+{
+    return p->n_evacuating;
+}
+
 const guint8 *
 pf_pool_data(PfPool *p, guint32 slot)
 {
     return slot_data(p, slot);
 }
 
-GPtrArray *
-pf_pool_chunks(PfPool *p)
+const PfPoolChunk *
+pf_pool_chunk(PfPool *p, guint32 id)
 {
-    return p->chunks;
+    Chunk *c = chunk_at(p, id);
+
+    return c != NULL ? &c->pub : NULL;
+}
+
+const PfPoolChunk *
+pf_pool_zero_chunk(PfPool *p)
+{
+    return pf_pool_chunk(p, 0);
 }
 
 gsize
@@ -224,7 +411,13 @@ pf_pool_slots_in_use(PfPool *p)
 }
 
 gsize
+pf_pool_n_chunks(PfPool *p)
+{
+    return p->chunks->len - p->free_ids->len;
+}
+
+gsize
 pf_pool_bytes(PfPool *p)
 {
-    return (gsize)(p->next - 1 - PF_POOL_ZERO_SLOTS) * PF_PAGE_SIZE;
+    return p->bytes;
 }

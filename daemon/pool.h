@@ -5,41 +5,61 @@
  * Each chunk is sealed F_SEAL_FUTURE_WRITE|GROW|SHRINK|SEAL as soon as it is
  * created: no one can map it writable or resize it any more, and agents
  * refuse chunks without those seals.  pagefoldd fills slots through the
- * writable mapping it made before sealing.  The rule that keeps guests
- * safe: a slot is written only while no guest page maps it (refs == 0).
+ * writable mapping it made before sealing.  The rules that keep guests
+ * safe and apart:
+ *   - a slot is written only while no guest page maps it (refs == 0);
+ *   - a chunk belongs to one set of VMs, fixed when it is made: only they
+ *     are sent it, and a slot is filled only for pages of exactly that set.
+ *     A VM reads nothing in the pool that its own pages do not share (an
+ *     agent holding a chunk can read all of it, whatever it was told);
+ *   - a chunk goes as soon as no slot of it is in use, the only way its
+ *     memory can come back (the write seal forbids punching a slot out).
  * Slots are handed out in ascending order so that a run of guest pages
  * merged together gets a run of slots, and their mappings coalesce into
- * one VMA per run.  Zero slots are not counted: they are never written.
+ * one VMA per run.  The zero slots are a chunk of their own, for every VM:
+ * they are never written.
+ *
+ * The pool knows VMs only as serial numbers the caller never reuses, and
+ * never decides who shares what: the caller names the set for each slot.
  */
 #pragma once
 
 #include <glib.h>
 
 #define PF_POOL_SLOT_NONE 0u
-/* The first slots of the first chunk are never written: they read as
- * zeros, and the zero pages of every VM map them.  (Mapping a private
- * anonymous page instead would rely on the kernel mapping its shared zero
- * page on a read fault; some kernels allocate a page there.) */
-#define PF_POOL_ZERO_SLOTS 512u
+/* 2 MiB: small enough to go whole often, few enough for one mapping each
+ * in pagefoldd (vm.max_map_count) and in the agents. */
+#define PF_POOL_CHUNK_SLOTS 512u
+/* Chunk 0 is never written: its slots read as zeros, and the zero pages
+ * of every VM map them.  (Mapping a private anonymous page instead would
+ * rely on the kernel mapping its shared zero page on a read fault; some
+ * kernels allocate a page there.) */
+#define PF_POOL_ZERO_SLOTS PF_POOL_CHUNK_SLOTS
 
 typedef struct {
     guint32 id;
     int fd;
-    guint8 *map; /* pagefoldd's own writable mapping, made before sealing */
+    guint8 *map;  /* pagefoldd's own writable mapping, made before sealing */
     guint32 n_slots;
+    const guint32 *vms; /* the serials of the VMs that may map it, ascending; */
+    guint n_vms;        /* none: every VM (the zero chunk) */
 } PfPoolChunk;
 
 typedef struct _PfPool PfPool;
 
-/* Called for every new chunk, so that agents learn of it before use. */
+/* Called for every new chunk, so that its VMs learn of it before use, and
+ * for every chunk that goes, after its last slot was freed. */
 typedef void (*PfPoolChunkFunc)(const PfPoolChunk *chunk, gpointer user);
 
-PfPool *pf_pool_new(guint32 slots_per_chunk, PfPoolChunkFunc new_chunk, gpointer user);
+PfPool *pf_pool_new(PfPoolChunkFunc new_chunk, PfPoolChunkFunc drop_chunk, gpointer user);
 void pf_pool_free(PfPool *p);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfPool, pf_pool_free)
 
-/* Slot ids are 1-based; PF_POOL_SLOT_NONE is never a slot. */
-guint32 pf_pool_alloc(PfPool *p, const guint8 *content, GError **error);
+/* A slot holding content, for the pages of exactly the VMs vms[0..n_vms)
+ * (ascending serials, n_vms > 0).  Slot ids are 1-based; PF_POOL_SLOT_NONE
+ * is never a slot. */
+guint32 pf_pool_alloc(PfPool *p, const guint32 *vms, guint n_vms, const guint8 *content,
+                      GError **error);
 void pf_pool_ref(PfPool *p, guint32 slot);
 /* Returns TRUE when that was the last reference and the slot is free. */
 gboolean pf_pool_unref(PfPool *p, guint32 slot);
@@ -47,10 +67,25 @@ guint32 pf_pool_refs(PfPool *p, guint32 slot);
 gboolean pf_pool_is_zero_slot(guint32 slot);
 /* The zero slot after `prev` (for a run of zero pages), or the first. */
 guint32 pf_pool_zero_slot(PfPool *p, guint32 prev, GError **error);
+/* Whether the VM of that serial may map the slot (holds its chunk). */
+gboolean pf_pool_readable(PfPool *p, guint32 slot, guint32 vm);
+/*
+ * Whether the slot's chunk is to be emptied: all its slots were handed out
+ * and at most a quarter are in use.  No slot is handed out there again;
+ * the caller moves the pages that map it elsewhere, and the chunk goes.
+ * That bounds the pool's memory: at most four times the slots in use, plus
+ * a chunk per set of VMs being filled.
+ */
+gboolean pf_pool_evacuating(PfPool *p, guint32 slot);
+guint pf_pool_n_evacuating(PfPool *p);
 
 const guint8 *pf_pool_data(PfPool *p, guint32 slot);
 void pf_pool_locate(PfPool *p, guint32 slot, guint32 *chunk, guint32 *index);
-GPtrArray *pf_pool_chunks(PfPool *p);
+const PfPoolChunk *pf_pool_chunk(PfPool *p, guint32 id);
+/* The zero chunk, or NULL before the first zero page. */
+const PfPoolChunk *pf_pool_zero_chunk(PfPool *p);
 gsize pf_pool_slots_in_use(PfPool *p);
-/* Bytes of pool memory allocated (slots ever filled). */
+gsize pf_pool_n_chunks(PfPool *p);
+/* Bytes of memory the pool's chunks hold: every slot ever filled in a
+ * chunk that is still there (a freed slot keeps its page). */
 gsize pf_pool_bytes(PfPool *p);

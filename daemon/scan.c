@@ -44,7 +44,6 @@ struct pf_page_region {
 #define PAGEMAP_PRESENT (1ull << 63)
 #define PAGEMAP_FILE (1ull << 61)
 #define PAGEMAP_EXCLUSIVE (1ull << 56)
-#define POOL_SLOTS_PER_CHUNK 65536u
 
 /* Pool slots a process still maps after its VM was detached. */
 typedef struct {
@@ -72,6 +71,7 @@ struct _PfScanner {
     PfStableTree stable;
     PfUnstableTree unstable;
     PfPool *pool;        /* created with the first merging VM */
+    guint32 next_serial; /* the last PfVm.serial given */
     GPtrArray *leftovers; /* Leftover* */
     guint64 max_map_count;
     gboolean pagemap_scan; /* the kernel has PAGEMAP_SCAN */
@@ -573,8 +573,8 @@ restore_huge(PfScanner *s, PfRegion *r, gsize idx)
     if (r->vm->link != NULL) {
         /* The agent collapses: only it can lift its write protection. */
         PfWireItem item = { 0 };
-        PfPending pd = { r->base + (guint32)(e * HUGE_PAGES), PF_POOL_SLOT_NONE, 0,
-                         PF_ITEM_COLLAPSE };
+        PfPending pd = { .page = r->base + (guint32)(e * HUGE_PAGES),
+                         .kind = PF_ITEM_COLLAPSE };
         guint k;
 
         g_ptr_array_find(r->vm->regions, r, &k);
@@ -591,13 +591,14 @@ restore_huge(PfScanner *s, PfRegion *r, gsize idx)
     }
 }
 
-/* Asks the page's agent to act; the page waits in PENDING. */
+/* Asks the page's agent to act; the page waits in PENDING.  from: see
+ * PfPending. */
 static void
 request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint32 slot,
-        guint32 node)
+        guint32 node, guint32 from)
 {
     PfWireItem item = { 0 };
-    PfPending pd = { id, slot, node, (guint8)kind };
+    PfPending pd = { .page = id, .slot = slot, .node = node, .from = from, .kind = (guint8)kind };
     guint k;
 
     if (!g_ptr_array_find(r->vm->regions, r, &k)) {
@@ -628,6 +629,164 @@ request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint
 }
 
 static void check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to);
+static void end_sharing(PfScanner *s, PfRegion *r, gsize idx);
+
+/* ---- who may read a slot ---- */
+
+/*
+ * A VM maps only slots of the chunks it was sent, each made for one set of
+ * VMs (pool.h).  A page that joins a node its VM holds no chunk of moves
+ * the node first: the content gets a slot for its members' VMs and the
+ * newcomer's, the members are merged over to it (the agent compares and
+ * remaps, as for any merge), and the old node is retired, going with its
+ * last member.  KSM has no such step: in one kernel every page is in
+ * every process's reach.
+ */
+static guint32 move_node(PfScanner *s, guint32 node, PfVm *joiner);
+static gboolean chunk_is_for(const PfPoolChunk *chunk, const PfVm *vm);
+
+/* Page id (unmerged, or merged on another node) is to share node `to`. */
+static void
+join_node(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 to)
+{
+    guint32 from = p->state == PF_PAGE_SHARED ? p->node : 0, slot;
+
+    if (!pf_pool_readable(s->pool, node_at(s, to)->slot, r->vm->serial) &&
+        (to = move_node(s, to, r->vm)) == 0) {
+        return;
+    }
+    slot = node_at(s, to)->slot;
+    if (from != 0) {
+        /* Its reference on the old slot goes when the agent answers. */
+        pf_stable_tree_remove(&s->stable, id);
+    }
+    pf_pool_ref(s->pool, slot);
+    request(s, r, p, id, PF_ITEM_MERGE, slot, to, from);
+}
+
+static int
+cmp_u32(gconstpointer a, gconstpointer b)
+{
+    guint32 x = *(const guint32 *)a, y = *(const guint32 *)b;
+
+    return x < y ? -1 : x > y;
+}
+
+/*
+ * Gives node id's content a new slot, for the VMs its slot was for (those
+ * of its members, and of pages on their way in) that are still here, and
+ * the joiner's, and moves its members there.  A member whose VM is at its
+ * mapping budget, or a page still on its way in, follows later
+ * (follow_move()).  Returns the new node, or 0 (the node as it was) if it
+ * cannot move now.
+ */
+static guint32
+move_node(PfScanner *s, guint32 id, PfVm *joiner)
+{
+    g_autoptr(GArray) vms = g_array_new(FALSE, FALSE, sizeof(guint32));
+    g_autoptr(GError) error = NULL;
+    g_autofree guint32 *members = NULL;
+    const PfStableNode *n = node_at(s, id);
+    guint32 n_members = n->n_members, slot, to, w = 0;
+    guint64 checksum = n->checksum;
+
+    const PfPoolChunk *chunk;
+    guint32 c, index;
+
+    pf_pool_locate(s->pool, n->slot, &c, &index);
+    chunk = pf_pool_chunk(s->pool, c);
+    if (joiner != NULL) {
+        g_array_append_val(vms, joiner->serial);
+    }
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (vm != joiner && pf_vm_merges(vm) && chunk_is_for(chunk, vm)) {
+            g_array_append_val(vms, vm->serial);
+        }
+    }
+    g_array_sort(vms, cmp_u32);
+    for (guint i = 0; i < vms->len; i++) {
+        if (w == 0 || g_array_index(vms, guint32, i) != g_array_index(vms, guint32, w - 1)) {
+            g_array_index(vms, guint32, w++) = g_array_index(vms, guint32, i);
+        }
+    }
+    slot = pf_pool_alloc(s->pool, (const guint32 *)(gpointer)vms->data, w,
+                         pf_pool_data(s->pool, n->slot), &error);
+    if (slot == PF_POOL_SLOT_NONE) {
+        g_warning("pool: %s", error->message);
+        return 0;
+    }
+    members = g_memdup2(n->members, n_members * sizeof(guint32));
+    to = pf_stable_tree_create(&s->stable, checksum, slot); /* n may move */
+    pf_stable_tree_retire(&s->stable, id, to);
+    for (guint32 i = 0; i < n_members; i++) {
+        PfRegion *mr = region_of(s, members[i]);
+
+        if (can_merge(mr->vm)) {
+            join_node(s, mr, &mr->pages[members[i] - mr->base], members[i], to);
+        }
+    }
+    if (joiner == NULL && node_at(s, to)->n_members == 0 && pf_pool_refs(s->pool, slot) == 1) {
+        /* Nobody could move: the old node stays as it was. */
+        node_maybe_drop(s, to);
+        pf_stable_tree_unretire(&s->stable, id);
+        return 0;
+    }
+    return to;
+}
+
+/*
+ * A merged page of a retired node (it could not move with the others, or
+ * came in while they moved) follows the node's successor.  With none left
+ * (every page that moved there has gone since), the node takes its place
+ * again.
+ */
+static void
+follow_move(PfScanner *s, PfRegion *r, gsize idx)
+{
+    guint32 node = r->pages[idx].node, to = node_at(s, node)->next;
+    const PfStableNode *n = node_at(s, node);
+
+    if (to == 0 || !can_merge(r->vm)) {
+        return;
+    }
+    for (guint hops = 0; to != 0 && hops < 8; hops++) {
+        const PfStableNode *t = node_at(s, to);
+
+        if (!t->live || t->slot == PF_POOL_SLOT_NONE || t->checksum != n->checksum ||
+            memcmp(pf_pool_data(s->pool, t->slot), pf_pool_data(s->pool, n->slot),
+                   PF_PAGE_SIZE) != 0) {
+            break;
+        }
+        if (t->next == 0) {
+            if (node_sharers(s, t) < s->knobs.max_page_sharing) {
+                join_node(s, r, &r->pages[idx], r->base + (guint32)idx, to);
+                return;
+            }
+            break;
+        }
+        to = t->next;
+    }
+    pf_stable_tree_unretire(&s->stable, node);
+}
+
+/* Nodes whose slot is in a chunk being emptied move to fuller ones. */
+static void
+evacuate(PfScanner *s)
+{
+    if (s->pool == NULL || pf_pool_n_evacuating(s->pool) == 0) {
+        return;
+    }
+    for (guint32 id = 1; id < s->stable.nodes->len; id++) {
+        const PfStableNode *n = node_at(s, id);
+
+        if (n->live && n->next == 0 && n->slot != PF_POOL_SLOT_NONE && n->n_members > 0 &&
+            pf_pool_evacuating(s->pool, n->slot)) {
+            move_node(s, id, NULL);
+        }
+    }
+}
 
 static void
 visit(PfScanner *s, PfRegion *r, gsize idx)
@@ -704,7 +863,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
                                               &error);
 
             if (zslot != PF_POOL_SLOT_NONE) {
-                request(s, r, p, id, PF_ITEM_ZERO, zslot, 0);
+                request(s, r, p, id, PF_ITEM_ZERO, zslot, 0, 0);
             } else {
                 g_warning("pool: %s", error->message);
             }
@@ -731,8 +890,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             continue;
         }
         if (merging) {
-            pf_pool_ref(s->pool, n->slot);
-            request(s, r, p, id, PF_ITEM_MERGE, n->slot, other);
+            join_node(s, r, p, id, other);
         } else {
             pf_stable_tree_add(&s->stable, other, id);
             merged(r, p, PF_PAGE_SHARED);
@@ -759,9 +917,13 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
         if (merging) {
             g_autoptr(GError) error = NULL;
 
+            /* The two VMs' own slot (pool.h). */
+            guint32 vms[2] = { MIN(r->vm->serial, orr->vm->serial),
+                               MAX(r->vm->serial, orr->vm->serial) };
+
             /* The canonical copy; checked against both pages again, since
              * either may have changed while it was copied. */
-            slot = pf_pool_alloc(s->pool, data, &error);
+            slot = pf_pool_alloc(s->pool, vms, vms[0] == vms[1] ? 1 : 2, data, &error);
             if (slot == PF_POOL_SLOT_NONE) {
                 g_warning("pool: %s", error->message);
                 break;
@@ -776,9 +938,9 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
         node = pf_stable_tree_create(&s->stable, c, slot);
         if (merging) {
             pf_pool_ref(s->pool, slot);
-            request(s, orr, o, other, PF_ITEM_MERGE, slot, node);
+            request(s, orr, o, other, PF_ITEM_MERGE, slot, node, 0);
             pf_pool_ref(s->pool, slot);
-            request(s, r, p, id, PF_ITEM_MERGE, slot, node);
+            request(s, r, p, id, PF_ITEM_MERGE, slot, node, 0);
         } else {
             pf_stable_tree_add(&s->stable, node, other);
             merged(orr, o, PF_PAGE_SHARED);
@@ -821,9 +983,31 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
         if (status == PF_RESULT_DONE) {
             pf_stable_tree_add(&s->stable, pd->node, pd->page);
             merged(r, p, PF_PAGE_SHARED);
+            if (pd->from != 0) {
+                put_slot(s, node_at(s, pd->from)->slot, pd->from);
+            }
+            /* Its node moved while it was on its way in: after it. */
+            follow_move(s, r, pd->page - r->base);
             return;
         }
         put_slot(s, pd->slot, pd->node);
+        if (pd->from != 0) {
+            /* A move that did not happen: still on the old slot, unless
+             * written meanwhile (the compare failed) or the agent had to
+             * fold it back (its mapping went with a failed remap).  Only
+             * a page in DMA is known to be as it was, and tries again
+             * later; the others are unmerged, which is right in each case
+             * and keeps the count true. */
+            pf_stable_tree_add(&s->stable, pd->from, pd->page);
+            merged(r, p, PF_PAGE_SHARED);
+            if (status == PF_RESULT_CHANGED) {
+                vm->cow++;
+            }
+            if (status != PF_RESULT_ERROR || err != EBUSY) {
+                end_sharing(s, r, pd->page - r->base);
+            }
+            return;
+        }
         break;
     case PF_ITEM_ZERO:
         if (status == PF_RESULT_DONE) {
@@ -931,7 +1115,7 @@ end_sharing(PfScanner *s, PfRegion *r, gsize idx)
         pf_stable_tree_remove(&s->stable, id);
     }
     if (pf_vm_merges(r->vm)) {
-        request(s, r, p, id, PF_ITEM_UNMERGE, slot, node);
+        request(s, r, p, id, PF_ITEM_UNMERGE, slot, node, 0);
         return;
     }
     if (node != 0) {
@@ -1045,8 +1229,10 @@ find_data(PfScanner *s, PfRegion *r)
     for (gsize i = s->cur_page; i < first; i++) {
         PfPageState st = r->pages[i].state;
 
-        if (st != PF_PAGE_ABSENT && st != PF_PAGE_PENDING &&
-            !(pf_vm_merges(r->vm) && (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO))) {
+        if (pf_vm_merges(r->vm) && st == PF_PAGE_SHARED) {
+            follow_move(s, r, i);
+        } else if (st != PF_PAGE_ABSENT && st != PF_PAGE_PENDING &&
+                   !(pf_vm_merges(r->vm) && st == PF_PAGE_ZERO)) {
             make_absent(s, r, i);
         }
     }
@@ -1093,6 +1279,7 @@ begin_pass(PfScanner *s)
     }
     pf_table_clear(&s->unstable.table);
     pf_table_reserve(&s->unstable.table, candidates);
+    evacuate(s);
     s->in_pass = TRUE;
     s->cur_vm = 0;
     s->cur_region = 0;
@@ -1225,21 +1412,35 @@ pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint6
     back_in_memfd(s, g_ptr_array_index(vm->regions, region), first, first + n);
 }
 
-/* Waits for the agents' answers to every request sent so far. */
+/* Waits for the agents' answers to every request sent so far.  An answer
+ * may call for more, to its VM or another (a page merged into a node that
+ * moved meanwhile follows it): those are waited for too, but an agent is
+ * waited for once at most if it does not answer. */
 static void
 settle(PfScanner *s)
 {
-    for (guint i = 0; i < s->vms->len;) {
-        PfVm *v = g_ptr_array_index(s->vms, i);
+    g_autoptr(GPtrArray) silent = g_ptr_array_new();
+    gboolean again = TRUE;
 
-        if (v->link != NULL && pf_link_in_flight(v->link) > 0) {
-            pf_link_settle(v->link, 10000);
-            /* settling may have detached it */
-            if (i < s->vms->len && g_ptr_array_index(s->vms, i) != v) {
-                continue;
+    for (guint round = 0; again && round < 16; round++) {
+        again = FALSE;
+        for (guint i = 0; i < s->vms->len;) {
+            PfVm *v = g_ptr_array_index(s->vms, i);
+
+            if (v->link != NULL && pf_link_in_flight(v->link) > 0 &&
+                !g_ptr_array_find(silent, v, NULL)) {
+                again = TRUE;
+                pf_link_settle(v->link, 10000);
+                /* settling may have detached it */
+                if (i < s->vms->len && g_ptr_array_index(s->vms, i) != v) {
+                    continue;
+                }
+                if (v->link != NULL && pf_link_in_flight(v->link) > 0) {
+                    g_ptr_array_add(silent, v);
+                }
             }
+            i++;
         }
-        i++;
     }
 }
 
@@ -1266,6 +1467,19 @@ vm_exited_cb(gint fd, GIOCondition cond, gpointer user)
     return G_SOURCE_REMOVE;
 }
 
+/* Is the VM one of the chunk's (pool.h)?  It was sent the chunk then. */
+static gboolean
+chunk_is_for(const PfPoolChunk *chunk, const PfVm *vm)
+{
+    if (vm->link == NULL) {
+        return FALSE;
+    }
+    if (chunk->n_vms == 0) {
+        return TRUE;
+    }
+    return bsearch(&vm->serial, chunk->vms, chunk->n_vms, sizeof(guint32), cmp_u32) != NULL;
+}
+
 static void
 new_chunk_cb(const PfPoolChunk *chunk, gpointer user)
 {
@@ -1274,8 +1488,24 @@ new_chunk_cb(const PfPoolChunk *chunk, gpointer user)
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (pf_vm_merges(vm)) {
+        if (pf_vm_merges(vm) && chunk_is_for(chunk, vm)) {
             pf_link_send_chunk(vm->link, chunk);
+        }
+    }
+}
+
+/* A VM that stepped back to advise mode still holds the chunk: it is told
+ * too.  One that is gone lets go of it with its process. */
+static void
+drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
+{
+    PfScanner *s = user;
+
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (chunk_is_for(chunk, vm)) {
+            pf_link_send_drop(vm->link, chunk);
         }
     }
 }
@@ -1284,7 +1514,7 @@ PfPool *
 pf_scanner_get_pool(PfScanner *s)
 {
     if (s->pool == NULL) {
-        s->pool = pf_pool_new(POOL_SLOTS_PER_CHUNK, new_chunk_cb, s);
+        s->pool = pf_pool_new(new_chunk_cb, drop_chunk_cb, s);
     }
     return s->pool;
 }
@@ -1293,6 +1523,7 @@ void
 pf_scanner_add_vm(PfScanner *s, PfVm *vm)
 {
     vm->scanner = s;
+    vm->serial = ++s->next_serial;
     for (guint k = 0; k < vm->regions->len;) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
 
@@ -1305,10 +1536,12 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
     }
     vm->watch_id = g_unix_fd_add(vm->pidfd, G_IO_IN, vm_exited_cb, vm);
     if (pf_vm_merges(vm)) {
-        GPtrArray *chunks = pf_pool_chunks(pf_scanner_get_pool(s));
+        const PfPoolChunk *zero = pf_pool_zero_chunk(pf_scanner_get_pool(s));
 
-        for (guint i = 0; i < chunks->len; i++) {
-            pf_link_send_chunk(vm->link, g_ptr_array_index(chunks, i));
+        /* The only chunk that is every VM's; the others it is sent as its
+         * pages come to share them. */
+        if (zero != NULL) {
+            pf_link_send_chunk(vm->link, zero);
         }
         vm->vmas = pf_vm_count_vmas(vm);
         vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
@@ -1359,9 +1592,13 @@ abandon_cb(const PfPending *pd, gpointer user)
     if (pd->kind == PF_ITEM_COLLAPSE) {
         return;
     }
-    /* The agent may have done it or not: its slot may be mapped. */
+    /* The agent may have done it or not: its slot may be mapped, and the
+     * one it was moving from. */
     if (pd->kind != PF_ITEM_ZERO) {
         hold_or_put(ab->s, ab->keep, pd->slot, pd->node);
+    }
+    if (pd->from != 0) {
+        hold_or_put(ab->s, ab->keep, node_at(ab->s, pd->from)->slot, pd->from);
     }
     reset_page(r, p, PF_PAGE_VOLATILE);
 }
@@ -1617,6 +1854,7 @@ pf_scanner_get_info(PfScanner *s, PfScanInfo *info)
     info->cow_detection = s->pagemap_scan ? "PAGEMAP_SCAN" : "pagemap";
     info->pool_slots = s->pool ? pf_pool_slots_in_use(s->pool) : 0;
     info->pool_bytes = s->pool ? pf_pool_bytes(s->pool) : 0;
+    info->pool_chunks = s->pool ? pf_pool_n_chunks(s->pool) : 0;
 }
 
 /* ---- life ---- */

@@ -103,6 +103,8 @@ typedef struct {
     guint32 page; /* page id */
     guint32 slot; /* pool slot referenced for it, or PF_POOL_SLOT_NONE */
     guint32 node; /* stable node, or 0 */
+    guint32 from; /* a merged page moving to node: the node it leaves,
+                   * whose slot it keeps a reference on until answered */
     guint8 kind;  /* PfItemKind */
 } PfPending;
 
@@ -129,6 +131,7 @@ typedef struct {
     guint64 stable_nodes;
     guint64 pool_slots; /* in use: by merged pages or requests in flight */
     guint64 pool_bytes; /* memory the pool holds */
+    guint64 pool_chunks; /* memfds it holds it in, the zero chunk included */
     const char *cow_detection; /* "PAGEMAP_SCAN" (6.7+), else "pagemap" */
 } PfScanInfo;
 void pf_scanner_get_info(PfScanner *s, PfScanInfo *info);

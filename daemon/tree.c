@@ -259,6 +259,7 @@ pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot)
     n->checksum = checksum;
     n->n_members = 0;
     n->slot = slot;
+    n->next = 0;
     n->live = TRUE;
     pf_table_insert(&t->table, checksum, id);
     t->n_nodes++;
@@ -312,13 +313,36 @@ pf_stable_tree_drop(PfStableTree *t, guint32 id)
     PfStableNode *n = node_at(t, id);
 
     g_assert(n->live && n->n_members == 0);
-    pf_table_remove(&t->table, n->checksum, id);
+    if (n->next == 0) {
+        pf_table_remove(&t->table, n->checksum, id);
+    }
+    n->next = 0;
     t->member_bytes -= n->capacity * sizeof(guint32);
     g_clear_pointer(&n->members, g_free);
     n->capacity = 0;
     n->live = FALSE;
     t->n_nodes--;
     g_array_append_val(t->free_ids, id);
+}
+
+void
+pf_stable_tree_retire(PfStableTree *t, guint32 id, guint32 next)
+{
+    PfStableNode *n = node_at(t, id);
+
+    g_assert(n->live && n->next == 0 && next != 0 && next != id);
+    pf_table_remove(&t->table, n->checksum, id);
+    n->next = next;
+}
+
+void
+pf_stable_tree_unretire(PfStableTree *t, guint32 id)
+{
+    PfStableNode *n = node_at(t, id);
+
+    g_assert(n->live && n->next != 0);
+    pf_table_insert(&t->table, n->checksum, id);
+    n->next = 0;
 }
 
 const PfStableNode *

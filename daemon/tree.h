@@ -79,6 +79,9 @@ typedef struct {
     guint32 capacity;
     guint32 slot;      /* pool slot holding the content, in merge mode;
                         * 0 in advise mode, where members[0] holds it */
+    guint32 next;      /* retired: the node its members move to (the
+                        * same content in a slot that more VMs, or a
+                        * fuller chunk, hold); it is out of the table */
     gboolean live;
 } PfStableNode;
 
@@ -102,5 +105,9 @@ void pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id);
  * their way in or out keep it. */
 gboolean pf_stable_tree_remove(PfStableTree *t, guint32 page_id);
 void pf_stable_tree_drop(PfStableTree *t, guint32 node_id);
+/* Takes the node out of the table, its members staying until they move
+ * to next; and back into it, should they have nowhere to go. */
+void pf_stable_tree_retire(PfStableTree *t, guint32 node_id, guint32 next);
+void pf_stable_tree_unretire(PfStableTree *t, guint32 node_id);
 const PfStableNode *pf_stable_tree_node(const PfStableTree *t, guint32 node_id);
 gsize pf_stable_tree_bytes(const PfStableTree *t);

@@ -69,6 +69,7 @@ struct _PfVm {
     guint8 run_kind;
     guint watch_id;      /* pidfd watch, owned by the scanner */
     gpointer scanner;    /* the PfScanner that owns this VM */
+    guint32 serial;      /* its name in the pool, never reused */
     guint stats_index;   /* scratch for the scanner's attribution */
 };
 

@@ -17,6 +17,7 @@
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -743,6 +744,432 @@ test_dma(Fixture *f, gconstpointer data)
     pf_agent_dma_unmap(f->agent, mem + 40 * PF_PAGE_SIZE, 8 * PF_PAGE_SIZE);
 }
 
+/* ---- pool chunks dropped and ids reused; pages moved between chunks ---- */
+
+static void
+send_drop(Fixture *f, guint32 chunk, guint32 n_slots)
+{
+    PfWirePool p = { chunk, n_slots };
+
+    g_assert_true(pf_proto_send(f->conn, PF_MSG_DROP, 0, &p, sizeof(p), NULL, 0, NULL));
+}
+
+/* Merges pages [first, first + n) with slots slot.. of chunk. */
+static const PfWireResult *
+merge_from(Fixture *f, guint first, guint n, guint32 chunk, guint32 slot, guint32 seq)
+{
+    PfWireItem items[PAGES];
+
+    for (guint i = 0; i < n; i++) {
+        items[i] = (PfWireItem){ .kind = PF_ITEM_MERGE, .region = 0, .page = first + i,
+                                 .chunk = chunk, .slot = slot + i };
+    }
+    return request(f, items, n, seq);
+}
+
+/* The agent serves messages in order: once this answer is in, every
+ * message sent before it (a DROP has no answer) has been dealt with.  An
+ * unmerge of a page never merged changes nothing. */
+static void
+barrier(Fixture *f, guint32 seq)
+{
+    g_assert_cmpuint(unmerge_page(f, PAGES - 1, seq)[0].status, ==, PF_RESULT_DONE);
+}
+
+/* The mappings of this process (the agent's, the test's, the guest's) of
+ * the file open as fd, with permissions perms ("r--s": the agent's compare
+ * mapping of a chunk; "rw-p": guest pages mapped from it). */
+static guint
+maps_of(int fd, const char *perms)
+{
+    g_autofree char *maps = NULL;
+    g_auto(GStrv) lines = NULL;
+    struct stat st;
+    guint n = 0;
+
+    g_assert_cmpint(fstat(fd, &st), ==, 0);
+    g_assert_true(g_file_get_contents("/proc/self/maps", &maps, NULL, NULL));
+    lines = g_strsplit(maps, "\n", -1);
+    for (guint i = 0; lines[i] != NULL; i++) {
+        char p[5];
+        unsigned int maj, min;
+        guint64 ino;
+
+        if (sscanf(lines[i], "%*x-%*x %4s %*x %x:%x %" G_GUINT64_FORMAT, p, &maj, &min, &ino) ==
+                4 &&
+            ino == (guint64)st.st_ino && maj == major(st.st_dev) && min == minor(st.st_dev) &&
+            g_str_equal(p, perms)) {
+            n++;
+        }
+    }
+    return n;
+}
+
+/* The descriptors of this process open on the file open as fd. */
+static guint
+fds_of(int fd)
+{
+    g_autoptr(GDir) dir = g_dir_open("/proc/self/fd", 0, NULL);
+    struct stat st, other;
+    const char *name;
+    guint n = 0;
+
+    g_assert_nonnull(dir);
+    g_assert_cmpint(fstat(fd, &st), ==, 0);
+    while ((name = g_dir_read_name(dir)) != NULL) {
+        g_autofree char *path = g_build_filename("/proc/self/fd", name, NULL);
+
+        if (stat(path, &other) == 0 && other.st_dev == st.st_dev && other.st_ino == st.st_ino) {
+            n++;
+        }
+    }
+    return n;
+}
+
+/* The page frame that backs addr, read first so that it is mapped in (the
+ * test runs as root: pagemap shows frames). */
+static guint64
+pfn_of(const void *addr)
+{
+    guint64 e;
+
+    (void)*(const volatile guint8 *)addr;
+    e = pagemap_entry(addr);
+
+    g_assert_true(e & (1ull << 63)); /* present */
+    return e & ((1ull << 55) - 1);
+}
+
+static PfAgentStats
+stats_of(Fixture *f)
+{
+    PfAgentStats st;
+
+    pf_agent_get_stats(f->agent, &st);
+    return st;
+}
+
+/*
+ * Once no page maps a chunk, pagefoldd drops it: the agent closes it and
+ * unmaps its compare mapping (the chunk's memory is freed once nobody
+ * maps it), and the same id may come again, with other memory.
+ */
+static void
+test_drop(Fixture *f, gconstpointer data)
+{
+    guint8 *mem = f->guest->mem, *map2;
+    g_autofree guint8 *before = g_memdup2(mem, PAGES * PF_PAGE_SIZE);
+    const PfWireResult *res;
+    int fd2;
+
+    send_identical_pool(f);
+    res = merge_pages(f, 0, 8, 1);
+    for (guint i = 0; i < 8; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+    }
+    /* Held: the test's fd and the agent's, its compare mapping, pages. */
+    g_assert_cmpuint(fds_of(f->pool_fd), ==, 2);
+    g_assert_cmpuint(maps_of(f->pool_fd, "r--s"), ==, 1);
+    g_assert_cmpuint(maps_of(f->pool_fd, "rw-p"), >, 0);
+    for (guint i = 0; i < 8; i++) {
+        g_assert_cmpuint(unmerge_page(f, i, 2 + i)[0].status, ==, PF_RESULT_DONE);
+    }
+    g_assert_cmpuint(maps_of(f->pool_fd, "rw-p"), ==, 0);
+
+    send_drop(f, 0, PAGES);
+    barrier(f, 10);
+    g_assert_cmpuint(fds_of(f->pool_fd), ==, 1);
+    g_assert_cmpuint(maps_of(f->pool_fd, "r--s"), ==, 0);
+    /* Dropped, it is unknown: an item of it is refused. */
+    res = merge_pages(f, 0, 1, 11);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_ERROR);
+    g_assert_cmpint(res[0].err, ==, EINVAL);
+
+    /* The same id, other memory: slots 5..8 hold pages 0..3 now. */
+    fd2 = make_pool(64, TRUE, &map2);
+    memcpy(map2 + 5 * PF_PAGE_SIZE, mem, 4 * PF_PAGE_SIZE);
+    send_pool(f, fd2, 0, 64);
+    res = merge_from(f, 0, 4, 0, 5, 12);
+    for (guint i = 0; i < 4; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+        g_assert_cmpuint(pfn_of(mem + i * PF_PAGE_SIZE), ==,
+                         pfn_of(map2 + (5 + i) * PF_PAGE_SIZE));
+    }
+    g_assert_cmpuint(fds_of(fd2), ==, 2);
+    g_assert_cmpuint(maps_of(fd2, "r--s"), ==, 1);
+    g_assert_cmpint(memcmp(mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    g_assert_true(pf_agent_is_connected(f->agent));
+    munmap(map2, 64 * PF_PAGE_SIZE);
+    close(fd2);
+}
+
+typedef enum { DROP_NEVER_SENT, DROP_TWICE, DROP_WRONG_SIZE } BadDrop;
+
+/*
+ * A DROP of a chunk the agent does not hold (never sent, dropped already)
+ * or of another size: pagefoldd's idea of this VM is wrong.  The agent
+ * says why and disconnects; merged pages stay valid.
+ */
+static void
+test_drop_bad(Fixture *f, gconstpointer data)
+{
+    BadDrop how = GPOINTER_TO_INT(data);
+    g_autofree guint8 *before = g_memdup2(f->guest->mem, PAGES * PF_PAGE_SIZE);
+    static const char *const want[] = {
+        "DROP of pool chunk 7, which this agent does not hold",
+        "DROP of pool chunk 0, which this agent does not hold",
+        "DROP of pool chunk 0 of 16 slots, which this agent holds with 256",
+    };
+    g_autofree char *said = NULL;
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    res = merge_pages(f, 0, 8, 1);
+    g_assert_cmpuint(res[7].status, ==, PF_RESULT_DONE);
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*DROP of pool chunk*disconnecting");
+    if (how == DROP_NEVER_SENT) {
+        send_drop(f, 7, 16);
+    } else if (how == DROP_TWICE) {
+        send_drop(f, 0, PAGES);
+        send_drop(f, 0, PAGES);
+    } else {
+        send_drop(f, 0, 16);
+    }
+    expect_msg(f, PF_MSG_ERROR);
+    said = g_strndup((const char *)f->msg.payload, f->msg.header.length);
+    g_assert_cmpstr(said, ==, want[how]);
+    for (int i = 0; i < 200 && pf_agent_is_connected(f->agent); i++) {
+        g_usleep(10000);
+    }
+    g_assert_false(pf_agent_is_connected(f->agent));
+    g_test_assert_expected_messages();
+    g_assert_cmpuint(remapped(f), ==, 8);
+    g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+}
+
+/* Chunk ids go up to the protocol's limit; an id held is not taken again
+ * without a DROP first. */
+static void
+test_pool_ids(Fixture *f, gconstpointer data)
+{
+    guint8 *map2;
+    int fd2 = make_pool(16, TRUE, &map2);
+    const PfWireResult *res;
+
+    memcpy(map2 + 3 * PF_PAGE_SIZE, f->guest->mem, PF_PAGE_SIZE);
+    send_pool(f, fd2, PF_PROTO_MAX_CHUNKS - 1, 16);
+    res = merge_from(f, 0, 1, PF_PROTO_MAX_CHUNKS - 1, 3, 1);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    g_assert_cmpuint(pfn_of(f->guest->mem), ==, pfn_of(map2 + 3 * PF_PAGE_SIZE));
+
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*sent again without a DROP*");
+    send_pool(f, fd2, PF_PROTO_MAX_CHUNKS - 1, 16);
+    expect_msg(f, PF_MSG_ERROR);
+    for (int i = 0; i < 200 && pf_agent_is_connected(f->agent); i++) {
+        g_usleep(10000);
+    }
+    g_assert_false(pf_agent_is_connected(f->agent));
+    g_test_assert_expected_messages();
+    /* Refused, the second copy of the fd was closed. */
+    g_assert_cmpuint(fds_of(fd2), ==, 2);
+    munmap(map2, 16 * PF_PAGE_SIZE);
+    close(fd2);
+}
+
+/* Chunk B (id 1) of the fixture's move tests: slots 10..33 hold pages
+ * 0..23 of guest RAM, which chunk A (id 0) holds in slots 0..23. */
+static int
+send_chunk_b(Fixture *f, guint8 **map)
+{
+    int fd = make_pool(PAGES, TRUE, map);
+
+    memcpy(*map + 10 * PF_PAGE_SIZE, f->guest->mem, 24 * PF_PAGE_SIZE);
+    send_pool(f, fd, 1, PAGES);
+    return fd;
+}
+
+/*
+ * pagefoldd moves merged pages to another slot of the same content (to
+ * empty a chunk it can then drop) with ordinary merge items: the pages
+ * map the new slot, the old one is no longer mapped, and they behave as
+ * any merged page after.  A run may mix moved pages and new merges.
+ */
+static void
+test_move(Fixture *f, gconstpointer data)
+{
+    guint8 *mem = f->guest->mem, *map_b;
+    g_autofree guint8 *before = g_memdup2(mem, PAGES * PF_PAGE_SIZE);
+    g_autofree guint8 *want = NULL;
+    const PfWireResult *res;
+    PfAgentStats st;
+    int fd_b;
+
+    send_identical_pool(f);
+    fd_b = send_chunk_b(f, &map_b);
+    res = merge_pages(f, 0, 16, 1);
+    for (guint i = 0; i < 16; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+    }
+    /* Pages 0..15 move from A to B, 16..19 are merged from the memfd. */
+    res = merge_from(f, 0, 20, 1, 10, 2);
+    for (guint i = 0; i < 20; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+        g_assert_cmpuint(pfn_of(mem + i * PF_PAGE_SIZE), ==,
+                         pfn_of(map_b + (10 + i) * PF_PAGE_SIZE));
+    }
+    g_assert_cmpint(memcmp(mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    g_assert_cmpuint(maps_of(f->pool_fd, "rw-p"), ==, 0);
+    st = stats_of(f);
+    g_assert_cmpuint(st.merged, ==, 20);
+    g_assert_cmpuint(st.moved, ==, 16);
+    g_assert_cmpuint(st.remapped, ==, 20);
+
+    /* A write after the move copies on write: B's slot stays as it was. */
+    mem[2 * PF_PAGE_SIZE + 5] ^= 0xff;
+    g_assert_false(pagemap_entry(mem + 2 * PF_PAGE_SIZE) & (1ull << 61));
+    g_assert_cmpuint(map_b[12 * PF_PAGE_SIZE + 5], ==, before[2 * PF_PAGE_SIZE + 5]);
+    want = g_memdup2(mem + 2 * PF_PAGE_SIZE, PF_PAGE_SIZE);
+
+    /* Folded back, each page has its content in the memfd. */
+    g_assert_cmpuint(unmerge_page(f, 2, 3)[0].status, ==, PF_RESULT_DONE);
+    g_assert_cmpuint(unmerge_page(f, 7, 4)[0].status, ==, PF_RESULT_DONE);
+    assert_memfd_page(f, 2, want);
+    assert_memfd_page(f, 7, before + 7 * PF_PAGE_SIZE);
+    g_assert_true(maps_memfd(f, 2));
+    g_assert_true(maps_memfd(f, 7));
+    g_assert_cmpuint(remapped(f), ==, 18);
+
+    /* A is mapped by no page now: it can go. */
+    send_drop(f, 0, PAGES);
+    barrier(f, 5);
+    g_assert_cmpuint(fds_of(f->pool_fd), ==, 1);
+    g_assert_true(pf_agent_is_connected(f->agent));
+    g_assert_cmpint(memcmp(mem + 3 * PF_PAGE_SIZE, before + 3 * PF_PAGE_SIZE,
+                           (PAGES - 3) * PF_PAGE_SIZE), ==, 0);
+    munmap(map_b, PAGES * PF_PAGE_SIZE);
+    close(fd_b);
+}
+
+/*
+ * A move whose MAP_FIXED fails.  The moved pages' memfd pages are holes:
+ * mapping the memfd there would show the guest zeros.  Early (the old
+ * mapping stays): nothing changes, the pages still map chunk A.  Late
+ * (the kernel unmapped the old pages first): the known content goes into
+ * the memfd, mapped again.  And when the advice fails after the move, the
+ * pages are folded back with their content.  Each time the move is
+ * reported as not done, and the guest's RAM is what it was.
+ */
+static void
+test_move_fails(Fixture *f, gconstpointer data)
+{
+    guint8 *mem = f->guest->mem, *map_b;
+    g_autofree guint8 *before = g_memdup2(mem, PAGES * PF_PAGE_SIZE);
+    const PfWireResult *res;
+    blkcnt_t blocks;
+    PfAgentStats st;
+    int fd_b;
+
+    send_identical_pool(f);
+    fd_b = send_chunk_b(f, &map_b);
+    res = merge_pages(f, 0, 16, 1);
+    g_assert_cmpuint(res[15].status, ==, PF_RESULT_DONE);
+    blocks = memfd_blocks(f->guest->fd);
+
+    /* Early: pages 0..15 still map A, 16..19 the memfd. */
+    pf_test_fault_set("mmap-private", 0, 1, ENOMEM, FALSE);
+    res = merge_from(f, 0, 20, 1, 10, 2);
+    g_assert_cmpint(pf_test_fault_hits(), ==, 1);
+    for (guint i = 0; i < 20; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
+        g_assert_cmpint(res[i].err, ==, ENOMEM);
+    }
+    g_assert_cmpint(memcmp(mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    for (guint i = 0; i < 16; i++) {
+        g_assert_cmpuint(pfn_of(mem + i * PF_PAGE_SIZE), ==,
+                         pfn_of(f->pool_map + i * PF_PAGE_SIZE));
+    }
+    g_assert_cmpint(memfd_blocks(f->guest->fd), ==, blocks);
+    g_assert_cmpuint(remapped(f), ==, 16);
+    for (guint i = 16; i < 20; i++) {
+        g_assert_true(maps_memfd(f, i));
+    }
+
+    /* Late: the content of all 20 pages is in the memfd, mapped again. */
+    pf_test_fault_set("mmap-private", 0, 1, ENOMEM, TRUE);
+    res = merge_from(f, 0, 20, 1, 10, 3);
+    g_assert_cmpint(pf_test_fault_hits(), ==, 1);
+    for (guint i = 0; i < 20; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
+        g_assert_cmpint(res[i].err, ==, ENOMEM);
+    }
+    g_assert_cmpint(memcmp(mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    g_assert_cmpuint(remapped(f), ==, 0);
+    for (guint i = 0; i < 20; i++) {
+        assert_memfd_page(f, i, before + i * PF_PAGE_SIZE);
+        g_assert_true(maps_memfd(f, i));
+    }
+
+    /* The advice after the move fails: folded back, content and all. */
+    res = merge_pages(f, 0, 16, 4);
+    g_assert_cmpuint(res[15].status, ==, PF_RESULT_DONE);
+    pf_test_fault_set("madvise", 0, 1, EPERM, FALSE);
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*after merging pc.ram*folding it back*");
+    res = merge_from(f, 0, 16, 1, 10, 5);
+    g_test_assert_expected_messages();
+    for (guint i = 0; i < 16; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
+        g_assert_cmpint(res[i].err, ==, EPERM);
+        assert_memfd_page(f, i, before + i * PF_PAGE_SIZE);
+        g_assert_true(maps_memfd(f, i));
+    }
+    g_assert_cmpint(memcmp(mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    st = stats_of(f);
+    g_assert_cmpuint(st.remapped, ==, 0);
+    g_assert_cmpuint(st.merged, ==, 32);
+    g_assert_cmpuint(st.moved, ==, 0);
+    g_assert_cmpuint(st.errors, ==, 56);
+
+    /* And once the kernel agrees, the move works. */
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+    g_assert_cmpuint(merge_pages(f, 0, 16, 6)[15].status, ==, PF_RESULT_DONE);
+    res = merge_from(f, 0, 16, 1, 10, 7);
+    for (guint i = 0; i < 16; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+        g_assert_cmpuint(pfn_of(mem + i * PF_PAGE_SIZE), ==,
+                         pfn_of(map_b + (10 + i) * PF_PAGE_SIZE));
+    }
+    g_assert_cmpuint(stats_of(f).moved, ==, 16);
+    g_assert_cmpint(memcmp(mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
+    munmap(map_b, PAGES * PF_PAGE_SIZE);
+    close(fd_b);
+}
+
+/*
+ * A move whose MAP_FIXED failed after unmapping the old pages, when the
+ * moved pages' content cannot be written into the memfd either: guest RAM
+ * would be lost, and the process ends saying so (as when the memfd cannot
+ * be mapped back).  Run in a child process.
+ */
+static void
+test_move_fails_copy(Fixture *f, gconstpointer data)
+{
+    guint8 *map_b;
+
+    if (!g_test_subprocess()) {
+        g_test_trap_subprocess(NULL, 0, G_TEST_SUBPROCESS_DEFAULT);
+        g_test_trap_assert_failed();
+        g_test_trap_assert_stderr("*cannot write merged pages of guest RAM pc.ram*into its "
+                                  "memfd*No space left on device*");
+        return;
+    }
+    send_identical_pool(f);
+    send_chunk_b(f, &map_b);
+    g_assert_cmpuint(merge_pages(f, 0, 4, 1)[3].status, ==, PF_RESULT_DONE);
+    pf_test_fault_set("mmap-private,pwrite", 0, -1, ENOSPC, TRUE);
+    merge_from(f, 0, 4, 1, 10, 2);
+    g_assert_not_reached();
+}
+
 /* The VmFlags of the mapping at addr, from /proc/self/smaps. */
 static char *
 vma_flags(const void *addr)
@@ -859,6 +1286,18 @@ main(int argc, char **argv)
     g_test_add("/agent-proto/fault/unprotect-unregister", Fixture, "wp-off,unregister", setup,
                test_fault_unprotect, teardown);
     g_test_add("/agent-proto/dma", Fixture, NULL, setup, test_dma, teardown);
+    g_test_add("/agent-proto/drop", Fixture, NULL, setup, test_drop, teardown);
+    g_test_add("/agent-proto/drop-unknown", Fixture, GINT_TO_POINTER(DROP_NEVER_SENT), setup,
+               test_drop_bad, teardown);
+    g_test_add("/agent-proto/drop-twice", Fixture, GINT_TO_POINTER(DROP_TWICE), setup,
+               test_drop_bad, teardown);
+    g_test_add("/agent-proto/drop-wrong-size", Fixture, GINT_TO_POINTER(DROP_WRONG_SIZE), setup,
+               test_drop_bad, teardown);
+    g_test_add("/agent-proto/pool-ids", Fixture, NULL, setup, test_pool_ids, teardown);
+    g_test_add("/agent-proto/move", Fixture, NULL, setup, test_move, teardown);
+    g_test_add("/agent-proto/move-fails", Fixture, NULL, setup, test_move_fails, teardown);
+    g_test_add("/agent-proto/move-fails-copy", Fixture, NULL, setup, test_move_fails_copy,
+               teardown);
     g_test_add_data_func("/agent-proto/advise/setup-fails", GINT_TO_POINTER(UNSAFE_SETUP_FAILS),
                          test_unsafe);
     g_test_add_data_func("/agent-proto/advise/locked", GINT_TO_POINTER(UNSAFE_LOCKED),

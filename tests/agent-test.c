@@ -7,6 +7,7 @@
 #include <glib.h>
 #include <glib/gstdio.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -64,6 +65,20 @@ vmm_cmd(Vmm *v, const char *cmd)
     g_assert_no_error(error);
     g_assert_nonnull(reply);
     return reply;
+}
+
+static char *vmm_cmdf(Vmm *v, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+
+static char *
+vmm_cmdf(Vmm *v, const char *fmt, ...)
+{
+    g_autofree char *cmd = NULL;
+    va_list ap;
+
+    va_start(ap, fmt);
+    cmd = g_strdup_vprintf(fmt, ap);
+    va_end(ap);
+    return vmm_cmd(v, cmd);
 }
 
 static void
@@ -195,7 +210,10 @@ test_merge_exact(void)
         pss_before += pf_test_smaps_sum(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE, "Pss");
     }
     pss_before += pf_test_rollup_kib(daemon_pid, "Pss_Shmem");
-    s = stats(d, "scan-now", "3");
+    /* Two passes to merge, the third VM's pages moving the others' to a
+     * slot of all three (pool.h) as the second ends; the mappings are
+     * counted as the next begins, the last to see the old chunks go. */
+    s = stats(d, "scan-now", "4");
     g_assert_cmpstr(json_object_get_string_member(s, "mode"), ==, "merge");
     g_assert_cmpint(total(s, "pages_shared"), ==, IDENTICAL);
     g_assert_cmpint(total(s, "pages_sharing"), ==, 2 * IDENTICAL);
@@ -337,6 +355,123 @@ test_unmerge_fails(void)
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 1);
     vmm_quit(v[0]);
     vmm_quit(v[1]);
+}
+
+/* A compromised VMM reads every pool chunk it holds a descriptor or a
+ * mapping of: it must find no page that other VMs share without it.  a and
+ * b are guests of one seed: they share their unique pages; c shares only
+ * the identical block with them (which moves to a slot of all three when
+ * c joins), and is sent nothing else. */
+static void
+test_pool_apart(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *v[3] = { vmm_start(d, "a", 1, 0, FALSE), vmm_start(d, "b", 1, 0, FALSE),
+                  vmm_start(d, "c", 2, 0, FALSE) };
+    g_autoptr(JsonObject) s = stats(d, "scan-now", "3");
+    g_autofree char *probe_c = NULL, *probe_a = NULL;
+    g_autofree char *want_a = g_strdup_printf("found %d", UNIQUE);
+
+    g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+    g_assert_cmpint(total(s, "pages_shared"), ==, IDENTICAL + UNIQUE);
+    g_assert_cmpint(total(s, "pages_sharing"), ==, 2 * IDENTICAL + UNIQUE);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL + UNIQUE);
+    /* Moved, the identical block's old slots went, and their chunks. */
+    g_assert_cmpint(json_object_get_int_member(s, "pool_bytes"), <=,
+                    (IDENTICAL + UNIQUE + 2 * 512) * PF_PAGE_SIZE);
+    g_assert_cmpint(pf_test_memfd_kib(v[2]->pid), ==, UNIQUE * 4);
+    probe_c = vmm_cmdf(v[2], "pool-probe 1 %d", UNIQUE);
+    probe_a = vmm_cmdf(v[0], "pool-probe 1 %d", UNIQUE);
+    g_test_message("c: %s; a: %s", probe_c, probe_a);
+    /* The probe sees what a holds: a and b's pages, once each. */
+    g_assert_true(g_str_has_suffix(probe_a, want_a));
+    /* c holds chunks (its identical pages are merged), none of theirs. */
+    g_assert_true(g_str_has_suffix(probe_c, " found 0"));
+    g_assert_false(g_str_has_prefix(probe_c, "probe files 0 "));
+    /* a and b rewrite their unique pages: once the slots are free, what
+     * they held is nowhere in the pool, not even for a. */
+    for (int i = 0; i < 2; i++) {
+        g_free(vmm_cmdf(v[i], "scribble %d %d 0", IDENTICAL, UNIQUE));
+    }
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "3");
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
+    g_clear_pointer(&probe_a, g_free);
+    probe_a = vmm_cmdf(v[0], "pool-probe 1 %d", UNIQUE);
+    g_assert_true(g_str_has_suffix(probe_a, " found 0"));
+    for (int i = 0; i < 3; i++) {
+        vmm_verify(v[i]);
+        vmm_quit(v[i]);
+    }
+}
+
+/* pagefoldd's pool memory, measured by the kernel (the blocks of every
+ * pool memfd it and the VMMs still hold), follows what is shared: chunks
+ * whose slots all went are let go by everyone, sparse ones are emptied
+ * into fuller ones, and nothing stays once nothing is shared. */
+static gint64
+pool_kib_after(PfTestDaemon *d, Vmm **v, JsonObject **s, guint *chunks)
+{
+    int daemon_pid = atoi(g_subprocess_get_identifier(d->proc));
+    gint64 kib;
+
+    /* Copy-on-write is found, folded back, slots freed, sparse chunks
+     * emptied (a pass each, at most). */
+    for (int pass = 0; pass < 4; pass++) {
+        g_clear_pointer(s, json_object_unref);
+        *s = stats(d, "scan-now", "1");
+    }
+    g_assert_cmpint(total(*s, "pages_pending"), ==, 0);
+    kib = pf_test_pool_kib(daemon_pid, chunks);
+    g_assert_cmpint(kib * 1024, ==, json_object_get_int_member(*s, "pool_bytes"));
+    for (int i = 0; i < 2; i++) {
+        guint n;
+
+        /* The VMMs hold no chunk pagefoldd let go. */
+        g_assert_cmpint(pf_test_pool_kib(v[i]->pid, &n), <=, kib);
+        g_assert_cmpuint(n, <=, *chunks);
+        vmm_verify(v[i]);
+    }
+    return kib;
+}
+
+static void
+test_pool_memory(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *v[2] = { vmm_start(d, "a", 1, 0, FALSE), vmm_start(d, "b", 1, 0, FALSE) };
+    JsonObject *s = NULL;
+    const gint64 shared = IDENTICAL + UNIQUE, kept = (shared + 7) / 8;
+    gint64 kib;
+    guint chunks;
+
+    kib = pool_kib_after(d, v, &s, &chunks);
+    g_test_message("all shared: %" G_GINT64_FORMAT " KiB in %u chunks", kib, chunks);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, shared);
+    g_assert_cmpint(kib, ==, shared * 4);
+    /* Seven pages in eight rewritten: what is left fits in two chunks
+     * (one was being filled, the rest are moved into it and one more). */
+    for (int i = 0; i < 2; i++) {
+        g_free(vmm_cmdf(v[i], "scribble 0 %d 8", IDENTICAL + UNIQUE));
+    }
+    kib = pool_kib_after(d, v, &s, &chunks);
+    g_test_message("one in eight shared: %" G_GINT64_FORMAT " KiB in %u chunks", kib, chunks);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, kept);
+    g_assert_cmpint(total(s, "pages_sharing"), ==, kept);
+    g_assert_cmpuint(chunks, <=, 2);
+    g_assert_cmpint(kib, <=, 2 * 512 * 4);
+    /* Nothing shared: nothing held. */
+    for (int i = 0; i < 2; i++) {
+        g_free(vmm_cmdf(v[i], "scribble 0 %d 0", IDENTICAL + UNIQUE));
+    }
+    kib = pool_kib_after(d, v, &s, &chunks);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, 0);
+    g_assert_cmpint(kib, ==, 0);
+    g_assert_cmpuint(chunks, ==, 0);
+    g_clear_pointer(&s, json_object_unref);
+    for (int i = 0; i < 2; i++) {
+        vmm_quit(v[i]);
+    }
 }
 
 /* KSM's run=2: every page back in its memfd, the mappings coalesced
@@ -696,6 +831,8 @@ main(int argc, char **argv)
                          test_cow_and_remerge);
     g_test_add_data_func("/agent/cow-and-remerge/pagemap", "pagemap", test_cow_and_remerge);
     g_test_add_func("/agent/unmerge-all", test_unmerge_all);
+    g_test_add_func("/agent/pool-apart", test_pool_apart);
+    g_test_add_func("/agent/pool-memory", test_pool_memory);
     g_test_add_func("/agent/unmerge-fails", test_unmerge_fails);
     g_test_add_func("/agent/vma-budget", test_vma_budget);
     g_test_add_func("/agent/step-back", test_step_back);

@@ -1,6 +1,7 @@
 /*
- * pool-test.c - the pool on its own: sealed chunks, slots handed out in
- * order so runs stay contiguous, references, and what a freed slot holds.
+ * pool-test.c - the pool on its own: sealed chunks, one set of VMs per
+ * chunk, slots handed out in order so runs stay contiguous, references,
+ * what a freed slot holds, and chunks that go.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -13,29 +14,52 @@
 #include "pool.h"
 #include "util.h"
 
+typedef struct {
+    guint made, dropped;
+    guint32 last_dropped;
+    guint last_n_vms;
+} Seen;
+
 static void
-count_chunk(const PfPoolChunk *chunk, gpointer user)
+made_cb(const PfPoolChunk *chunk, gpointer user)
 {
-    (*(guint *)user)++;
+    Seen *seen = user;
+
+    seen->made++;
+    seen->last_n_vms = chunk->n_vms;
 }
+
+static void
+dropped_cb(const PfPoolChunk *chunk, gpointer user)
+{
+    Seen *seen = user;
+
+    seen->dropped++;
+    seen->last_dropped = chunk->id;
+}
+
+static const guint32 vm12[] = { 1, 2 }, vm13[] = { 1, 3 };
 
 /* Chunks are sealed before anyone sees them; slots come in order. */
 static void
 test_alloc(void)
 {
-    guint chunks = 0;
-    g_autoptr(PfPool) p = pf_pool_new(PF_POOL_ZERO_SLOTS + 4, count_chunk, &chunks);
+    Seen seen = { 0 };
+    g_autoptr(PfPool) p = pf_pool_new(made_cb, dropped_cb, &seen);
     guint8 page[PF_PAGE_SIZE];
-    guint32 a, b;
+    guint32 a, b, chunk, index;
     const PfPoolChunk *c;
 
     pf_fill_page(page, 1);
-    a = pf_pool_alloc(p, page, NULL);
-    b = pf_pool_alloc(p, page, NULL);
+    a = pf_pool_alloc(p, vm12, 2, page, NULL);
+    b = pf_pool_alloc(p, vm12, 2, page, NULL);
     g_assert_cmpuint(b, ==, a + 1);
     g_assert_false(pf_pool_is_zero_slot(a));
-    g_assert_cmpuint(chunks, ==, 1);
-    c = g_ptr_array_index(pf_pool_chunks(p), 0);
+    /* The zero chunk, then the set's. */
+    g_assert_cmpuint(seen.made, ==, 2);
+    g_assert_cmpuint(seen.last_n_vms, ==, 2);
+    pf_pool_locate(p, a, &chunk, &index);
+    c = pf_pool_chunk(p, chunk);
     g_assert_cmpint(fcntl(c->fd, F_GET_SEALS) & (F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL), ==,
                     F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
     /* Nobody else can write it. */
@@ -43,6 +67,7 @@ test_alloc(void)
                   MAP_FAILED);
     g_assert_cmpint(memcmp(pf_pool_data(p, a), page, PF_PAGE_SIZE), ==, 0);
     g_assert_cmpuint(pf_pool_slots_in_use(p), ==, 2);
+    g_assert_cmpuint(pf_pool_bytes(p), ==, 2 * PF_PAGE_SIZE);
 }
 
 /* A freed slot reads as zeros to every agent that maps its chunk, before
@@ -50,18 +75,19 @@ test_alloc(void)
 static void
 test_freed_slot_is_zeroed(void)
 {
-    g_autoptr(PfPool) p = pf_pool_new(PF_POOL_ZERO_SLOTS + 4, NULL, NULL);
+    g_autoptr(PfPool) p = pf_pool_new(NULL, NULL, NULL);
     static const guint8 zero[PF_PAGE_SIZE];
     guint8 secret[PF_PAGE_SIZE];
-    guint32 slot, chunk, index;
+    guint32 slot, keep, chunk, index;
     const PfPoolChunk *c;
     guint8 *agent_view;
 
     pf_fill_page(secret, 42);
-    slot = pf_pool_alloc(p, secret, NULL);
+    keep = pf_pool_alloc(p, vm12, 2, secret, NULL);
+    slot = pf_pool_alloc(p, vm12, 2, secret, NULL);
     pf_pool_ref(p, slot);
     pf_pool_locate(p, slot, &chunk, &index);
-    c = g_ptr_array_index(pf_pool_chunks(p), chunk);
+    c = pf_pool_chunk(p, chunk);
     agent_view = mmap(NULL, (gsize)c->n_slots * PF_PAGE_SIZE, PROT_READ, MAP_SHARED, c->fd, 0);
     g_assert_true(agent_view != MAP_FAILED);
     g_assert_cmpint(memcmp(agent_view + (gsize)index * PF_PAGE_SIZE, secret, PF_PAGE_SIZE), ==, 0);
@@ -69,8 +95,104 @@ test_freed_slot_is_zeroed(void)
     g_assert_cmpint(memcmp(agent_view + (gsize)index * PF_PAGE_SIZE, secret, PF_PAGE_SIZE), ==, 0);
     g_assert_true(pf_pool_unref(p, slot));
     g_assert_cmpint(memcmp(agent_view + (gsize)index * PF_PAGE_SIZE, zero, PF_PAGE_SIZE), ==, 0);
-    g_assert_cmpuint(pf_pool_slots_in_use(p), ==, 0);
+    g_assert_cmpuint(pf_pool_slots_in_use(p), ==, 1);
     munmap(agent_view, (gsize)c->n_slots * PF_PAGE_SIZE);
+    g_assert_true(pf_pool_unref(p, keep));
+}
+
+/* Slots for different sets of VMs never share a chunk: a VM is sent only
+ * its sets' chunks, and reads nothing of the others. */
+static void
+test_sets_apart(void)
+{
+    Seen seen = { 0 };
+    g_autoptr(PfPool) p = pf_pool_new(made_cb, dropped_cb, &seen);
+    guint8 page[PF_PAGE_SIZE];
+    guint32 a, b, ca, cb, index;
+
+    pf_fill_page(page, 3);
+    a = pf_pool_alloc(p, vm12, 2, page, NULL);
+    b = pf_pool_alloc(p, vm13, 2, page, NULL);
+    pf_pool_locate(p, a, &ca, &index);
+    pf_pool_locate(p, b, &cb, &index);
+    g_assert_cmpuint(ca, !=, cb);
+    g_assert_true(pf_pool_readable(p, a, 2));
+    g_assert_false(pf_pool_readable(p, a, 3));
+    g_assert_true(pf_pool_readable(p, b, 3));
+    g_assert_false(pf_pool_readable(p, b, 2));
+    g_assert_true(pf_pool_readable(p, pf_pool_zero_slot(p, 0, NULL), 7));
+    g_assert_cmpuint(pf_pool_n_chunks(p), ==, 3);
+}
+
+/* A chunk goes with its last slot in use: its VMs are told, its memory can
+ * come back, and its id is used again. */
+static void
+test_chunk_goes(void)
+{
+    Seen seen = { 0 };
+    g_autoptr(PfPool) p = pf_pool_new(made_cb, dropped_cb, &seen);
+    guint32 slots[3 * PF_POOL_CHUNK_SLOTS / 2], chunk, index, again;
+    guint8 page[PF_PAGE_SIZE];
+
+    for (guint i = 0; i < G_N_ELEMENTS(slots); i++) {
+        pf_fill_page(page, i);
+        slots[i] = pf_pool_alloc(p, vm12, 2, page, NULL);
+    }
+    g_assert_cmpuint(pf_pool_n_chunks(p), ==, 3);
+    g_assert_cmpuint(pf_pool_bytes(p), ==, G_N_ELEMENTS(slots) * PF_PAGE_SIZE);
+    for (guint i = 0; i < PF_POOL_CHUNK_SLOTS; i++) {
+        pf_pool_unref(p, slots[i]);
+    }
+    pf_pool_locate(p, slots[0], &chunk, &index);
+    g_assert_cmpuint(seen.dropped, ==, 1);
+    g_assert_cmpuint(seen.last_dropped, ==, chunk);
+    g_assert_null(pf_pool_chunk(p, chunk));
+    g_assert_cmpuint(pf_pool_bytes(p), ==, PF_POOL_CHUNK_SLOTS / 2 * PF_PAGE_SIZE);
+    g_assert_cmpuint(pf_pool_slots_in_use(p), ==, PF_POOL_CHUNK_SLOTS / 2);
+    /* Another set gets the id back. */
+    again = pf_pool_alloc(p, vm13, 2, page, NULL);
+    g_assert_cmpuint(again, ==, slots[0]);
+    pf_pool_unref(p, again);
+    for (guint i = PF_POOL_CHUNK_SLOTS; i < G_N_ELEMENTS(slots); i++) {
+        pf_pool_unref(p, slots[i]);
+    }
+    g_assert_cmpuint(pf_pool_bytes(p), ==, 0);
+    g_assert_cmpuint(pf_pool_n_chunks(p), ==, 1); /* the zero chunk stays */
+}
+
+/* A full chunk that falls to a quarter in use is to be emptied: no slot is
+ * handed out there again. */
+static void
+test_evacuating(void)
+{
+    g_autoptr(PfPool) p = pf_pool_new(NULL, NULL, NULL);
+    guint32 slots[PF_POOL_CHUNK_SLOTS], other, c0, c1, index;
+    guint8 page[PF_PAGE_SIZE];
+
+    pf_fill_page(page, 5);
+    for (guint i = 0; i < G_N_ELEMENTS(slots); i++) {
+        slots[i] = pf_pool_alloc(p, vm12, 2, page, NULL);
+    }
+    for (guint i = 0; i < PF_POOL_CHUNK_SLOTS * 3 / 4 - 1; i++) {
+        pf_pool_unref(p, slots[i]);
+    }
+    g_assert_false(pf_pool_evacuating(p, slots[PF_POOL_CHUNK_SLOTS - 1]));
+    other = pf_pool_alloc(p, vm12, 2, page, NULL);
+    pf_pool_locate(p, other, &c0, &index);
+    pf_pool_locate(p, slots[0], &c1, &index);
+    g_assert_cmpuint(c0, ==, c1); /* a freed slot, reused */
+    pf_pool_unref(p, other);
+    pf_pool_unref(p, slots[PF_POOL_CHUNK_SLOTS * 3 / 4 - 1]);
+    g_assert_true(pf_pool_evacuating(p, slots[PF_POOL_CHUNK_SLOTS - 1]));
+    g_assert_cmpuint(pf_pool_n_evacuating(p), ==, 1);
+    other = pf_pool_alloc(p, vm12, 2, page, NULL);
+    pf_pool_locate(p, other, &c0, &index);
+    g_assert_cmpuint(c0, !=, c1);
+    for (guint i = PF_POOL_CHUNK_SLOTS * 3 / 4; i < G_N_ELEMENTS(slots); i++) {
+        pf_pool_unref(p, slots[i]);
+    }
+    g_assert_cmpuint(pf_pool_n_evacuating(p), ==, 0);
+    g_assert_null(pf_pool_chunk(p, c1));
 }
 
 int
@@ -79,5 +201,8 @@ main(int argc, char **argv)
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/pool/alloc", test_alloc);
     g_test_add_func("/pool/freed-slot-is-zeroed", test_freed_slot_is_zeroed);
+    g_test_add_func("/pool/sets-apart", test_sets_apart);
+    g_test_add_func("/pool/chunk-goes", test_chunk_goes);
+    g_test_add_func("/pool/evacuating", test_evacuating);
     return g_test_run();
 }

@@ -14,7 +14,7 @@
  *   restore PAGE    write the page's first content back  -> "ok"
  *   verify          compare all RAM with the shadow      -> "verify ok N" / "verify FAIL ..."
  *   nonzero         pages whose content is not all zero  -> "nonzero N"
- *   stats           the agent's counters                 -> "stats merged M zeroed Z ..."
+ *   stats           the agent's counters                 -> "stats merged M moved V ..."
  *   discard PAGE N  give N pages back as a balloon does: the agent first,
  *                   then punch and MADV_DONTNEED as QEMU's
  *                   ram_block_discard_range(); they read zero after -> "ok"
@@ -23,6 +23,14 @@
  *   fault CALLS SKIP TIMES ERRNO
  *                   make the agent's system calls fail (faultsys.h);
  *                   "fault none" stops it                     -> "ok"
+ *   scribble PAGE N EVERY
+ *                   write new content into pages PAGE..PAGE+N-1, but not
+ *                   into every EVERY-th (0: into all)            -> "ok"
+ *   pool-probe SEED N
+ *                   what a compromised VMM could read of the pool: every
+ *                   pool chunk it holds a descriptor or a mapping of, read
+ *                   whole, searched for the first N unique pages of a
+ *                   guest of seed SEED         -> "probe files F pages P found X"
  *   quit            stop writers, verify, exit 0 or 1
  * EOF on stdin is quit.  Prints "ready PID MODE" first.
  */
@@ -33,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "agent.h"
@@ -83,6 +92,91 @@ write_page(Vmm *v, gsize page, const guint8 *content, gboolean partial)
 
 /* What QEMU's ram_block_discard_range() does to a shared memfd block,
  * after asking the agent: the pages read zero from then on. */
+/* Reads a whole pool memfd once (by inode) and counts the secret pages in
+ * it. */
+static void
+probe_file(int fd, GHashTable *seen, GHashTable *secret, gsize *files, gsize *pages,
+           gsize *found)
+{
+    guint8 buf[PF_PAGE_SIZE];
+    struct stat st;
+
+    if (fstat(fd, &st) < 0 || g_hash_table_contains(seen, GSIZE_TO_POINTER(st.st_ino))) {
+        return;
+    }
+    g_hash_table_add(seen, GSIZE_TO_POINTER(st.st_ino));
+    (*files)++;
+    for (off_t off = 0; off + PF_PAGE_SIZE <= st.st_size; off += PF_PAGE_SIZE) {
+        guint64 key;
+        const guint8 *want;
+
+        if (pread(fd, buf, PF_PAGE_SIZE, off) != PF_PAGE_SIZE) {
+            g_error("pool-probe: pread: %s", g_strerror(errno));
+        }
+        (*pages)++;
+        memcpy(&key, buf, sizeof(key));
+        want = g_hash_table_lookup(secret, &key);
+        if (want != NULL && memcmp(want, buf, PF_PAGE_SIZE) == 0) {
+            (*found)++;
+        }
+    }
+}
+
+/* The agent's view of the pool does not matter: a compromised VMM reads
+ * every descriptor it holds and every file it maps (a mapping can be
+ * grown with mremap, or opened through map_files). */
+static void
+pool_probe(guint32 seed, gsize n)
+{
+    g_autoptr(GHashTable) secret = g_hash_table_new_full(g_int64_hash, g_int64_equal, NULL,
+                                                          g_free);
+    g_autoptr(GHashTable) seen = g_hash_table_new(NULL, NULL);
+    g_autoptr(GDir) dir = g_dir_open("/proc/self/fd", 0, NULL);
+    g_autofree char *maps = NULL;
+    g_auto(GStrv) lines = NULL;
+    gsize files = 0, pages = 0, found = 0;
+    const char *e;
+
+    for (gsize i = 0; i < n; i++) {
+        guint8 *page = g_malloc(PF_PAGE_SIZE);
+
+        pf_fill_page(page, pf_page_seed(3, seed, i, 0));
+        g_hash_table_insert(secret, page, page); /* keyed by its first 8 bytes */
+    }
+    while (dir != NULL && (e = g_dir_read_name(dir)) != NULL) {
+        g_autofree char *path = g_strdup_printf("/proc/self/fd/%s", e);
+        g_autofree char *target = g_file_read_link(path, NULL);
+        int fd;
+
+        if (target == NULL || !g_str_has_prefix(target, "/memfd:pagefold-pool") ||
+            (fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
+            continue;
+        }
+        probe_file(fd, seen, secret, &files, &pages, &found);
+        close(fd);
+    }
+    if (!g_file_get_contents("/proc/self/maps", &maps, NULL, NULL)) {
+        g_error("pool-probe: cannot read /proc/self/maps");
+    }
+    lines = g_strsplit(maps, "\n", -1);
+    for (guint i = 0; lines[i] != NULL; i++) {
+        g_autofree char *path = NULL;
+        char range[64];
+        int fd;
+
+        if (strstr(lines[i], "pagefold-pool") == NULL || sscanf(lines[i], "%63s", range) != 1) {
+            continue;
+        }
+        path = g_strdup_printf("/proc/self/map_files/%s", range);
+        if ((fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
+            g_error("pool-probe: %s: %s (run as root)", path, g_strerror(errno));
+        }
+        probe_file(fd, seen, secret, &files, &pages, &found);
+        close(fd);
+    }
+    printf("probe files %zu pages %zu found %zu\n", files, pages, found);
+}
+
 static void
 discard(Vmm *v, PfAgent *agent, gsize page, gsize n)
 {
@@ -274,6 +368,18 @@ main(int argc, char **argv)
                        2 && page < pages && n > 0 && n <= pages - page) {
             discard(&v, agent, page, n);
             printf("ok\n");
+        } else if (sscanf(line, "scribble %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT " %d",
+                          &page, &n, &skip) == 3 &&
+                   page < pages && n <= pages - page && skip >= 0) {
+            for (gsize q = page; q < page + n; q++) {
+                if (skip == 0 || q % (gsize)skip != 0) {
+                    pf_fill_page(buf, g_random_int() | 1);
+                    write_page(&v, q, buf, FALSE);
+                }
+            }
+            printf("ok\n");
+        } else if (sscanf(line, "pool-probe %d %" G_GUINT64_FORMAT, &skip, &n) == 2) {
+            pool_probe((guint32)skip, n);
         } else if (g_str_equal(line, "fault none")) {
             pf_test_fault_set(NULL, 0, 0, 0, FALSE);
             printf("ok\n");
@@ -307,12 +413,13 @@ main(int argc, char **argv)
             PfAgentStats st;
 
             pf_agent_get_stats(agent, &st);
-            printf("stats merged %" G_GUINT64_FORMAT " zeroed %" G_GUINT64_FORMAT
-                   " unmerged %" G_GUINT64_FORMAT " changed %" G_GUINT64_FORMAT
-                   " errors %" G_GUINT64_FORMAT " remapped %" G_GUINT64_FORMAT
-                   " discarded %" G_GUINT64_FORMAT " writes %" G_GUINT64_FORMAT " connected %d\n",
-                   st.merged, st.zeroed, st.unmerged, st.changed, st.errors, st.remapped,
-                   st.discarded, __atomic_load_n(&v.writes, __ATOMIC_RELAXED),
+            printf("stats merged %" G_GUINT64_FORMAT " moved %" G_GUINT64_FORMAT
+                   " zeroed %" G_GUINT64_FORMAT " unmerged %" G_GUINT64_FORMAT
+                   " changed %" G_GUINT64_FORMAT " errors %" G_GUINT64_FORMAT
+                   " remapped %" G_GUINT64_FORMAT " discarded %" G_GUINT64_FORMAT
+                   " writes %" G_GUINT64_FORMAT " connected %d\n",
+                   st.merged, st.moved, st.zeroed, st.unmerged, st.changed, st.errors,
+                   st.remapped, st.discarded, __atomic_load_n(&v.writes, __ATOMIC_RELAXED),
                    pf_agent_is_connected(agent));
         } else if (g_str_equal(line, "quit")) {
             break;

@@ -192,6 +192,7 @@ pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...)
     return json_node_copy(json_parser_get_root(parser));
 }
 
+#include <stdio.h>
 #include <fcntl.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -382,6 +383,64 @@ pf_test_rollup_kib(int pid, const char *which)
     p = strstr(text, key);
     g_assert_nonnull(p);
     return g_ascii_strtoll(p + strlen(key), NULL, 10);
+}
+
+/* A pool chunk other than the zero chunk, by the name pagefoldd gives. */
+static gboolean
+is_pool_chunk(const char *what)
+{
+    const char *id = strstr(what, "/memfd:pagefold-pool-");
+
+    return id != NULL && g_ascii_strtoull(id + strlen("/memfd:pagefold-pool-"), NULL, 10) != 0;
+}
+
+static void
+count_pool_file(const char *path, GHashTable *seen, gint64 *kib)
+{
+    struct stat st;
+
+    if (stat(path, &st) == 0 && !g_hash_table_contains(seen, GSIZE_TO_POINTER(st.st_ino))) {
+        g_hash_table_add(seen, GSIZE_TO_POINTER(st.st_ino));
+        *kib += st.st_blocks / 2;
+    }
+}
+
+gint64
+pf_test_pool_kib(int pid, guint *n_chunks)
+{
+    g_autofree char *dir = g_strdup_printf("/proc/%d/fd", pid);
+    g_autofree char *maps_path = g_strdup_printf("/proc/%d/maps", pid);
+    g_autofree char *maps = NULL;
+    g_autoptr(GDir) d = g_dir_open(dir, 0, NULL);
+    g_autoptr(GHashTable) seen = g_hash_table_new(NULL, NULL);
+    g_auto(GStrv) lines = NULL;
+    gint64 kib = 0;
+    const char *e;
+
+    g_assert_nonnull(d);
+    while ((e = g_dir_read_name(d)) != NULL) {
+        g_autofree char *path = g_build_filename(dir, e, NULL);
+        g_autofree char *target = g_file_read_link(path, NULL);
+
+        if (target != NULL && is_pool_chunk(target)) {
+            count_pool_file(path, seen, &kib);
+        }
+    }
+    g_assert_true(g_file_get_contents(maps_path, &maps, NULL, NULL));
+    lines = g_strsplit(maps, "\n", -1);
+    for (guint i = 0; lines[i] != NULL; i++) {
+        char range[64];
+
+        if (is_pool_chunk(lines[i]) && sscanf(lines[i], "%63s", range) == 1) {
+            g_autofree char *path = g_strdup_printf("/proc/%d/map_files/%s", pid, range);
+
+            count_pool_file(path, seen, &kib);
+        }
+    }
+    if (n_chunks != NULL) {
+        *n_chunks = g_hash_table_size(seen);
+    }
+    return kib;
 }
 
 gint64

@@ -89,3 +89,8 @@ gint64 pf_test_rollup_kib(int pid, const char *which);
 /* KiB allocated in a process's guest RAM memfd (memory-backend-memfd),
  * from its st_blocks; -1 if it has none. */
 gint64 pf_test_memfd_kib(int pid);
+/* KiB allocated in the pool chunks a process holds a descriptor or a
+ * mapping of, the zero chunk aside (reading it may allocate), each chunk
+ * counted once; *n_chunks gets how many.  What its references keep from
+ * being freed. */
+gint64 pf_test_pool_kib(int pid, guint *n_chunks);
