@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "proto.h"
@@ -130,6 +131,7 @@ add_chunk(PfPool *p, Set *set, GError **error)
     gsize size = (gsize)SLOTS * PF_PAGE_SIZE;
     guint32 id;
     g_autofree char *name = NULL;
+    struct stat st;
     Chunk *c;
     int fd;
     void *map;
@@ -153,7 +155,7 @@ add_chunk(PfPool *p, Set *set, GError **error)
         return NULL;
     }
     map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED ||
+    if (map == MAP_FAILED || fstat(fd, &st) < 0 ||
         fcntl(fd, F_ADD_SEALS,
               F_SEAL_FUTURE_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0) {
         int e = errno;
@@ -176,6 +178,7 @@ add_chunk(PfPool *p, Set *set, GError **error)
     c->pub.fd = fd;
     c->pub.map = map;
     c->pub.n_slots = SLOTS;
+    c->pub.ino = st.st_ino;
     c->free = g_array_new(FALSE, FALSE, sizeof(guint32));
     c->set = set;
     if (set != NULL) {

@@ -41,6 +41,7 @@ typedef struct {
     int fd;
     guint8 *map;  /* pagefoldd's own writable mapping, made before sealing */
     guint32 n_slots;
+    guint64 ino;        /* of the memfd: how processes that hold it show it */
     const guint32 *vms; /* the serials of the VMs that may map it, ascending; */
     guint n_vms;        /* none: every VM (the zero chunk) */
 } PfPoolChunk;

@@ -1240,6 +1240,43 @@ find_data(PfScanner *s, PfRegion *r)
     s->data_end = MAX(end, first + 1);
 }
 
+/*
+ * An agent is told to drop a chunk when no page of its VM maps it: its
+ * memory can only come back once every process lets go of it.  One that
+ * still holds it two passes later keeps memory pagefoldd freed, and could
+ * do so with every chunk it is sent: its VM is detached.  (A compromised
+ * VMM could hand the descriptor to another process first; it can keep at
+ * most the chunks its own pages shared, as any process can keep what it
+ * was given.)
+ */
+static gboolean
+check_dropped(PfScanner *s, PfVm *vm, GError **error)
+{
+    g_autoptr(GHashTable) held = NULL;
+    guint kept = 0;
+
+    if (vm->dropped == NULL || vm->dropped->len == 0) {
+        return TRUE;
+    }
+    held = pf_vm_held_pool(vm);
+    for (guint i = 0; i < vm->dropped->len;) {
+        const PfDropped *d = &g_array_index(vm->dropped, PfDropped, i);
+
+        if (!g_hash_table_contains(held, &d->ino)) {
+            g_array_remove_index_fast(vm->dropped, i);
+            continue;
+        }
+        kept += d->pass + 2 <= s->full_scans;
+        i++;
+    }
+    if (kept > 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "it keeps %u pool chunk(s) it was told to let go of", kept);
+        return FALSE;
+    }
+    return TRUE;
+}
+
 static gboolean
 begin_pass(PfScanner *s)
 {
@@ -1252,6 +1289,10 @@ begin_pass(PfScanner *s)
         g_autoptr(GError) error = NULL;
 
         if (!pf_vm_refresh(vm, gone, added, &error)) {
+            pf_scanner_detach(s, vm, error->message);
+            continue;
+        }
+        if (!check_dropped(s, vm, &error)) {
             pf_scanner_detach(s, vm, error->message);
             continue;
         }
@@ -1505,7 +1546,13 @@ drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
         if (chunk_is_for(chunk, vm)) {
+            PfDropped d = { chunk->ino, s->full_scans };
+
             pf_link_send_drop(vm->link, chunk);
+            if (vm->dropped == NULL) {
+                vm->dropped = g_array_new(FALSE, FALSE, sizeof(PfDropped));
+            }
+            g_array_append_val(vm->dropped, d);
         }
     }
 }

@@ -610,6 +610,44 @@ pf_vm_count_vmas(const PfVm *vm)
     return n;
 }
 
+GHashTable *
+pf_vm_held_pool(const PfVm *vm)
+{
+    static const char tag[] = "/memfd:pagefold-pool-";
+    g_autofree char *maps_path = g_strdup_printf("/proc/%d/maps", vm->pid);
+    g_autofree char *fd_path = g_strdup_printf("/proc/%d/fd", vm->pid);
+    g_autofree char *text = NULL;
+    g_autoptr(GDir) dir = NULL;
+    GHashTable *held = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
+    const char *e;
+
+    if (g_file_get_contents(maps_path, &text, NULL, NULL)) {
+        g_auto(GStrv) lines = g_strsplit(text, "\n", -1);
+
+        for (guint i = 0; lines[i] != NULL; i++) {
+            guint64 ino;
+
+            if (strstr(lines[i], tag) != NULL &&
+                sscanf(lines[i], "%*s %*s %*s %*s %" G_GUINT64_FORMAT, &ino) == 1) {
+                g_hash_table_add(held, g_memdup2(&ino, sizeof(ino)));
+            }
+        }
+    }
+    dir = g_dir_open(fd_path, 0, NULL);
+    while (dir != NULL && (e = g_dir_read_name(dir)) != NULL) {
+        g_autofree char *path = g_build_filename(fd_path, e, NULL);
+        g_autofree char *target = g_file_read_link(path, NULL);
+        struct stat st;
+
+        if (target != NULL && g_str_has_prefix(target, tag) && stat(path, &st) == 0) {
+            guint64 ino = st.st_ino;
+
+            g_hash_table_add(held, g_memdup2(&ino, sizeof(ino)));
+        }
+    }
+    return held;
+}
+
 PfVm *
 pf_vm_attach(int pid, const char *name, GError **error)
 {
@@ -656,6 +694,7 @@ pf_vm_free(PfVm *vm)
     if (vm->pagemap_fd >= 0) {
         close(vm->pagemap_fd);
     }
+    g_clear_pointer(&vm->dropped, g_array_unref);
     g_free(vm->mode_reason);
     g_free(vm->name);
     g_free(vm);

@@ -46,6 +46,11 @@ typedef struct {
     gboolean dead;       /* faulted (truncated under us): drop it */
 } PfRegion;
 
+typedef struct {
+    guint64 ino;  /* the chunk's memfd */
+    guint64 pass; /* the scanner's full_scans when told */
+} PfDropped;
+
 struct _PfVm {
     char *name;
     int pid;
@@ -70,6 +75,8 @@ struct _PfVm {
     guint watch_id;      /* pidfd watch, owned by the scanner */
     gpointer scanner;    /* the PfScanner that owns this VM */
     guint32 serial;      /* its name in the pool, never reused */
+    GArray *dropped;     /* PfDropped: chunks it was told to let go of,
+                          * until it is seen to have */
     guint stats_index;   /* scratch for the scanner's attribution */
 };
 
@@ -99,6 +106,9 @@ gboolean pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GErr
 PfRegion *pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset,
                         gsize size, GError **error);
 gboolean pf_vm_merges(const PfVm *vm);
+/* The inodes (guint64*) of the pool chunks the process maps or holds a
+ * descriptor of: what it keeps from being freed.  Empty if it is gone. */
+GHashTable *pf_vm_held_pool(const PfVm *vm);
 /* Lines of /proc/PID/maps: the mappings the process holds. */
 guint64 pf_vm_count_vmas(const PfVm *vm);
 void pf_vm_free(PfVm *vm);

@@ -474,6 +474,38 @@ test_pool_memory(void)
     }
 }
 
+/* A VMM that keeps the pool chunks pagefoldd told it to drop would keep
+ * their memory: it is detached, the others go on. */
+static void
+test_pool_kept(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *v[2] = { vmm_start(d, "a", 1, 0, FALSE), vmm_start(d, "b", 1, 0, FALSE) };
+    g_autoptr(JsonObject) s = stats(d, "scan-now", "3");
+    g_autofree char *held = NULL;
+
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL + UNIQUE);
+    held = vmm_cmd(v[1], "hold-pool");
+    g_assert_true(g_str_has_prefix(held, "ok ") && !g_str_equal(held, "ok 0"));
+    for (int i = 0; i < 2; i++) {
+        g_free(vmm_cmdf(v[i], "scribble 0 %d 0", IDENTICAL + UNIQUE));
+    }
+    for (int pass = 0; pass < 4; pass++) {
+        g_clear_pointer(&s, json_object_unref);
+        s = stats(d, "scan-now", "1");
+    }
+    g_assert_null(vm_of(s, "b"));
+    g_assert_nonnull(vm_of(s, "a"));
+    g_assert_cmpstr(json_object_get_string_member(vm_of(s, "a"), "mode"), ==, "merge");
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, 0);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_bytes"), ==, 0);
+    g_assert_cmpint(vmm_stat(v[1], "connected"), ==, 0);
+    for (int i = 0; i < 2; i++) {
+        vmm_verify(v[i]);
+        vmm_quit(v[i]);
+    }
+}
+
 /* KSM's run=2: every page back in its memfd, the mappings coalesced
  * again, the pool empty, scanning stopped. */
 static void
@@ -833,6 +865,7 @@ main(int argc, char **argv)
     g_test_add_func("/agent/unmerge-all", test_unmerge_all);
     g_test_add_func("/agent/pool-apart", test_pool_apart);
     g_test_add_func("/agent/pool-memory", test_pool_memory);
+    g_test_add_func("/agent/pool-kept", test_pool_kept);
     g_test_add_func("/agent/unmerge-fails", test_unmerge_fails);
     g_test_add_func("/agent/vma-budget", test_vma_budget);
     g_test_add_func("/agent/step-back", test_step_back);

@@ -31,6 +31,8 @@
  *                   pool chunk it holds a descriptor or a mapping of, read
  *                   whole, searched for the first N unique pages of a
  *                   guest of seed SEED         -> "probe files F pages P found X"
+ *   hold-pool       keep a descriptor of every pool chunk the agent holds
+ *                   now, as a misbehaving VMM could          -> "ok N"
  *   quit            stop writers, verify, exit 0 or 1
  * EOF on stdin is quit.  Prints "ready PID MODE" first.
  */
@@ -380,6 +382,24 @@ main(int argc, char **argv)
             printf("ok\n");
         } else if (sscanf(line, "pool-probe %d %" G_GUINT64_FORMAT, &skip, &n) == 2) {
             pool_probe((guint32)skip, n);
+        } else if (g_str_equal(line, "hold-pool")) {
+            g_autoptr(GDir) dir = g_dir_open("/proc/self/fd", 0, NULL);
+            g_autoptr(GPtrArray) fds = g_ptr_array_new();
+            const char *e;
+            guint kept = 0;
+
+            while (dir != NULL && (e = g_dir_read_name(dir)) != NULL) {
+                g_autofree char *path = g_strdup_printf("/proc/self/fd/%s", e);
+                g_autofree char *target = g_file_read_link(path, NULL);
+
+                if (target != NULL && g_str_has_prefix(target, "/memfd:pagefold-pool-")) {
+                    g_ptr_array_add(fds, GINT_TO_POINTER(atoi(e)));
+                }
+            }
+            for (guint i = 0; i < fds->len; i++) {
+                kept += fcntl(GPOINTER_TO_INT(g_ptr_array_index(fds, i)), F_DUPFD_CLOEXEC, 3) >= 0;
+            }
+            printf("ok %u\n", kept);
         } else if (g_str_equal(line, "fault none")) {
             pf_test_fault_set(NULL, 0, 0, 0, FALSE);
             printf("ok\n");
