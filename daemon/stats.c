@@ -185,10 +185,12 @@ pf_stats_format_table(JsonObject *stats)
     const char *mode = member_str(stats, "mode");
 
     g_string_append_printf(out, "pagefold mode: %s   hash: %s   copy-on-write seen by: %s   "
-                           "pool: %" G_GINT64_FORMAT " slots, %.1f MiB\n", mode,
+                           "pool: %" G_GINT64_FORMAT " slots, %.1f MiB in %" G_GINT64_FORMAT
+                           " chunks\n", mode,
                            member_str(stats, "hash"), member_str(stats, "cow_detection"),
                            member_int(stats, "pool_slots"),
-                           (double)member_int(stats, "pool_bytes") / 1048576.0);
+                           (double)member_int(stats, "pool_bytes") / 1048576.0,
+                           member_int(stats, "pool_chunks"));
     g_string_append_printf(out, "%-20s %7s %-7s %10s %10s %10s %10s %10s %6s %10s\n",
                            "VM", "PID", "MODE", "SHARED", "SHARING", "UNSHARED",
                            "VOLATILE", "ZERO", "SCANS", "SAVED_MIB");
