@@ -1249,6 +1249,8 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
         return FALSE;
     }
     strcpy(addr.sun_path, socket_path);
+    /* Every pool chunk this VM comes to share is a descriptor of ours. */
+    pf_raise_nofile_limit();
     a->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (a->sock < 0 || connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot connect to pagefoldd at %s: %s",

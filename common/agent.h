@@ -111,7 +111,9 @@ typedef struct {
 void pf_agent_set_syscalls(PfAgent *a, const PfAgentSyscalls *sys);
 
 /* Connects, announces the VM and its regions, settles the mode, and
- * starts serving on a thread of its own. */
+ * starts serving on a thread of its own.  Raises the process's soft limit
+ * on descriptors to its hard limit: every pool chunk the VM comes to share
+ * is one. */
 gboolean pf_agent_start(PfAgent *a, const char *socket_path, GError **error);
 /* Disconnects and stops the thread; merged pages stay as they are. */
 void pf_agent_free(PfAgent *a);

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -95,4 +96,22 @@ pf_unix_listen(const char *path, int type, GError **error)
         return -1;
     }
     return fd;
+}
+
+guint64
+pf_raise_nofile_limit(void)
+{
+    struct rlimit rl;
+
+    if (getrlimit(RLIMIT_NOFILE, &rl) < 0) {
+        return 0;
+    }
+    if (rl.rlim_cur < rl.rlim_max) {
+        struct rlimit want = { rl.rlim_max, rl.rlim_max };
+
+        if (setrlimit(RLIMIT_NOFILE, &want) == 0) {
+            rl = want;
+        }
+    }
+    return rl.rlim_cur;
 }

@@ -98,6 +98,7 @@ struct _PfLink {
     GPtrArray *regions; /* PfRegion*, during the handshake */
     PfVm *vm;
     guint32 next_seq;
+    guint32 answered_seq; /* of the last batch answered */
     GArray *queue_items;   /* PfWireItem */
     GArray *queue_pending; /* PfPending */
     GQueue in_flight;      /* Batch*, oldest first */
@@ -447,6 +448,18 @@ pf_link_in_flight(PfLink *l)
     return l->n_in_flight;
 }
 
+guint32
+pf_link_sent_seq(PfLink *l)
+{
+    return l->next_seq;
+}
+
+gboolean
+pf_link_answered_since(PfLink *l, guint32 seq)
+{
+    return l->answered_seq - seq - 1 < G_MAXUINT32 / 2;
+}
+
 /* ---- messages ---- */
 
 static gboolean
@@ -465,6 +478,7 @@ on_result(PfLink *l, const PfMsg *msg)
     }
     g_queue_pop_head(&l->in_flight);
     l->n_in_flight -= n;
+    l->answered_seq = b->seq;
     for (guint32 i = 0; i < n; i++) {
         pf_scanner_complete(s, vm, &g_array_index(b->pending, PfPending, i),
                             (PfResultStatus)res[i].status, res[i].err);

@@ -31,6 +31,11 @@ G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfLinkServer, pf_link_server_free)
 void pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd);
 void pf_link_flush(PfLink *l);
 gsize pf_link_in_flight(PfLink *l);
+/* The last request batch sent; whether one sent after that was answered
+ * (the agent reads its messages in order: it has dealt with everything
+ * sent before). */
+guint32 pf_link_sent_seq(PfLink *l);
+gboolean pf_link_answered_since(PfLink *l, guint32 seq);
 /* Reads answers (sending what still waits) until none is outstanding or
  * timeout_ms passed; a peer that reads nothing is given up sooner. */
 void pf_link_settle(PfLink *l, guint timeout_ms);

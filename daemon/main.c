@@ -85,6 +85,7 @@ main(int argc, char **argv)
         return 2;
     }
     scanner = pf_scanner_new(hash);
+    pf_raise_nofile_limit();
     for (char **s = sets; s && *s; s++) {
         g_auto(GStrv) kv = g_strsplit(*s, "=", 2);
         guint64 v;

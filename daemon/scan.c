@@ -44,6 +44,9 @@ struct pf_page_region {
 #define PAGEMAP_PRESENT (1ull << 63)
 #define PAGEMAP_FILE (1ull << 61)
 #define PAGEMAP_EXCLUSIVE (1ull << 56)
+/* How long an agent that was sent no request since may take to drop a
+ * chunk (check_dropped()). */
+#define DROP_GRACE_USEC (60 * G_USEC_PER_SEC)
 
 /* Pool slots a process still maps after its VM was detached. */
 typedef struct {
@@ -748,7 +751,7 @@ follow_move(PfScanner *s, PfRegion *r, gsize idx)
     guint32 node = r->pages[idx].node, to = node_at(s, node)->next;
     const PfStableNode *n = node_at(s, node);
 
-    if (to == 0 || !can_merge(r->vm)) {
+    if (to == 0 || !can_merge(r->vm) || s->knobs.run == 2) {
         return;
     }
     for (guint hops = 0; to != 0 && hops < 8; hops++) {
@@ -771,7 +774,21 @@ follow_move(PfScanner *s, PfRegion *r, gsize idx)
     pf_stable_tree_unretire(&s->stable, node);
 }
 
-/* Nodes whose slot is in a chunk being emptied move to fuller ones. */
+/* Could any member of the node be moved now? */
+static gboolean
+node_can_move(PfScanner *s, const PfStableNode *n)
+{
+    for (guint32 i = 0; i < n->n_members; i++) {
+        if (can_merge(region_of(s, n->members[i])->vm)) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+/* Nodes whose slot is in a chunk being emptied move to fuller ones (not
+ * while none of their pages could follow: that would only make and free
+ * a slot each pass). */
 static void
 evacuate(PfScanner *s)
 {
@@ -781,8 +798,8 @@ evacuate(PfScanner *s)
     for (guint32 id = 1; id < s->stable.nodes->len; id++) {
         const PfStableNode *n = node_at(s, id);
 
-        if (n->live && n->next == 0 && n->slot != PF_POOL_SLOT_NONE && n->n_members > 0 &&
-            pf_pool_evacuating(s->pool, n->slot)) {
+        if (n->live && n->next == 0 && n->slot != PF_POOL_SLOT_NONE &&
+            pf_pool_evacuating(s->pool, n->slot) && node_can_move(s, n)) {
             move_node(s, id, NULL);
         }
     }
@@ -968,6 +985,17 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
         return;
     }
     g_return_if_fail(r->vm == vm && p->state == PF_PAGE_PENDING);
+    if (!pf_vm_merges(vm)) {
+        /* It stepped back since (ADVISE): every page it had remapped is
+         * in its memfd again, whatever it answers now, and the slots it
+         * was merging to or from are let go. */
+        put_slot(s, pd->slot, pd->node);
+        if (pd->from != 0) {
+            put_slot(s, node_at(s, pd->from)->slot, pd->from);
+        }
+        reset_page(r, p, PF_PAGE_VOLATILE);
+        return;
+    }
     if (status == PF_RESULT_ERROR) {
         static const char *const verb[] = { "", "merge", "zero", "unmerge", "collapse" };
 
@@ -1243,11 +1271,11 @@ find_data(PfScanner *s, PfRegion *r)
 /*
  * An agent is told to drop a chunk when no page of its VM maps it: its
  * memory can only come back once every process lets go of it.  One that
- * still holds it two passes later keeps memory pagefoldd freed, and could
- * do so with every chunk it is sent: its VM is detached.  (A compromised
- * VMM could hand the descriptor to another process first; it can keep at
- * most the chunks its own pages shared, as any process can keep what it
- * was given.)
+ * still holds it once it has answered a request sent after the DROP (or a
+ * minute after, if none was) keeps memory pagefoldd freed, and could do
+ * so with every chunk it is sent: its VM is detached.  (A compromised VMM
+ * can hide a descriptor where /proc does not show it: see the README's
+ * trust boundary.)
  */
 static gboolean
 check_dropped(PfScanner *s, PfVm *vm, GError **error)
@@ -1255,7 +1283,7 @@ check_dropped(PfScanner *s, PfVm *vm, GError **error)
     g_autoptr(GHashTable) held = NULL;
     guint kept = 0;
 
-    if (vm->dropped == NULL || vm->dropped->len == 0) {
+    if (vm->dropped == NULL || vm->dropped->len == 0 || vm->link == NULL) {
         return TRUE;
     }
     held = pf_vm_held_pool(vm);
@@ -1266,7 +1294,8 @@ check_dropped(PfScanner *s, PfVm *vm, GError **error)
             g_array_remove_index_fast(vm->dropped, i);
             continue;
         }
-        kept += d->pass + 2 <= s->full_scans;
+        kept += pf_link_answered_since(vm->link, d->seq) ||
+                g_get_monotonic_time() - d->usec > DROP_GRACE_USEC;
         i++;
     }
     if (kept > 0) {
@@ -1394,30 +1423,40 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
 static void settle(PfScanner *s);
 
 /* KSM's run=2: every merged page back into its memfd.  Advise-mode VMs
- * just forget what they would share. */
+ * just forget what they would share.  A merge or move that was in flight
+ * may land meanwhile: it is unmerged in the next round. */
 void
 pf_scanner_unmerge(PfScanner *s, PfVm *only)
 {
-    for (guint v = 0; v < s->vms->len; v++) {
-        PfVm *vm = g_ptr_array_index(s->vms, v);
+    for (guint round = 0; round < 4; round++) {
+        gsize asked = 0;
 
-        if (only != NULL && vm != only) {
-            continue;
-        }
-        for (guint k = 0; k < vm->regions->len; k++) {
-            PfRegion *r = g_ptr_array_index(vm->regions, k);
+        for (guint v = 0; v < s->vms->len; v++) {
+            PfVm *vm = g_ptr_array_index(s->vms, v);
 
-            for (gsize i = 0; i < r->n_pages; i++) {
-                if (r->pages[i].state == PF_PAGE_SHARED || r->pages[i].state == PF_PAGE_ZERO) {
-                    end_sharing(s, r, i);
+            if (only != NULL && vm != only) {
+                continue;
+            }
+            for (guint k = 0; k < vm->regions->len; k++) {
+                PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+                for (gsize i = 0; i < r->n_pages; i++) {
+                    if (r->pages[i].state == PF_PAGE_SHARED ||
+                        r->pages[i].state == PF_PAGE_ZERO) {
+                        end_sharing(s, r, i);
+                        asked++;
+                    }
                 }
             }
+            if (vm->link != NULL) {
+                pf_link_flush(vm->link);
+            }
         }
-        if (vm->link != NULL) {
-            pf_link_flush(vm->link);
+        settle(s);
+        if (asked == 0) {
+            break;
         }
     }
-    settle(s);
 }
 
 /* Pages back in their memfd: what they shared is let go, and they are read
@@ -1546,7 +1585,7 @@ drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
         if (chunk_is_for(chunk, vm)) {
-            PfDropped d = { chunk->ino, s->full_scans };
+            PfDropped d = { chunk->ino, pf_link_sent_seq(vm->link), g_get_monotonic_time() };
 
             pf_link_send_drop(vm->link, chunk);
             if (vm->dropped == NULL) {

@@ -48,7 +48,8 @@ typedef struct {
 
 typedef struct {
     guint64 ino;  /* the chunk's memfd */
-    guint64 pass; /* the scanner's full_scans when told */
+    guint32 seq;  /* the link's last request batch when told */
+    gint64 usec;  /* monotonic time when told */
 } PfDropped;
 
 struct _PfVm {
