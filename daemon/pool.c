@@ -358,6 +358,40 @@ pf_pool_refs(PfPool *p, guint32 slot)
     return g_array_index(p->refs, guint32, slot);
 }
 
+guint32
+pf_pool_chunk_live(PfPool *p, guint32 chunk)
+{
+    Chunk *c = chunk_at(p, chunk);
+
+    return c != NULL ? c->live : 0;
+}
+
+void
+pf_pool_extend(PfPool *p, guint32 chunk, guint32 vm)
+{
+    Chunk *c = chunk_at(p, chunk);
+    Set *old;
+    g_autoptr(GArray) vms = NULL;
+    guint at = 0;
+
+    g_return_if_fail(c != NULL && c->set != NULL);
+    old = c->set;
+    vms = g_array_copy(old->vms);
+    while (at < vms->len && g_array_index(vms, guint32, at) < vm) {
+        at++;
+    }
+    g_return_if_fail(at == vms->len || g_array_index(vms, guint32, at) != vm);
+    g_array_insert_val(vms, at, vm);
+    c->set = find_set(p, (const guint32 *)(gpointer)vms->data, vms->len);
+    c->pub.vms = (const guint32 *)(gpointer)c->set->vms->data;
+    c->pub.n_vms = c->set->vms->len;
+    g_ptr_array_add(c->set->chunks, c);
+    g_ptr_array_remove(old->chunks, c);
+    if (old->chunks->len == 0) {
+        g_hash_table_remove(p->sets, old->key);
+    }
+}
+
 gboolean
 pf_pool_readable(PfPool *p, guint32 slot, guint32 vm)
 {

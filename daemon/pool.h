@@ -80,6 +80,15 @@ gboolean pf_pool_readable(PfPool *p, guint32 slot, guint32 vm);
 gboolean pf_pool_evacuating(PfPool *p, guint32 slot);
 guint pf_pool_n_evacuating(PfPool *p);
 
+/*
+ * The chunk belongs to one more VM from now on: the caller has seen that
+ * VM's pages share the content of every slot of it in use (freed slots
+ * read zero), and sends it the chunk.  Its free slots are for the new set.
+ * Not the zero chunk.
+ */
+void pf_pool_extend(PfPool *p, guint32 chunk, guint32 vm);
+guint32 pf_pool_chunk_live(PfPool *p, guint32 chunk);
+
 const guint8 *pf_pool_data(PfPool *p, guint32 slot);
 void pf_pool_locate(PfPool *p, guint32 slot, guint32 *chunk, guint32 *index);
 const PfPoolChunk *pf_pool_chunk(PfPool *p, guint32 id);

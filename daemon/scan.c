@@ -48,6 +48,24 @@ struct pf_page_region {
  * chunk (check_dropped()). */
 #define DROP_GRACE_USEC (60 * G_USEC_PER_SEC)
 
+/* A page found equal to root, a page in the unstable tree. */
+typedef struct {
+    guint32 root;
+    guint32 page;
+} Grouped;
+
+/* A page found equal to node, whose slot its VM may not read. */
+typedef struct {
+    guint32 chunk; /* the node's slot's, then: */
+    guint32 vm;    /* the page's VM's serial */
+    guint32 slot;
+    guint32 page;
+    guint32 node;
+} Joining;
+
+/* Past this many, groups are merged (joins made) before the pass ends. */
+#define MAX_GROUPED 65536u
+
 /* Pool slots a process still maps after its VM was detached. */
 typedef struct {
     guint32 slot;
@@ -73,6 +91,10 @@ struct _PfScanner {
 
     PfStableTree stable;
     PfUnstableTree unstable;
+    GArray *groups;      /* Grouped: pages of merging VMs found equal this
+                          * pass, merged when it ends (merge_groups()) */
+    GArray *joins;       /* Joining: pages found equal to nodes their VM may
+                          * not read, joined when it ends (make_joins()) */
     PfPool *pool;        /* created with the first merging VM */
     guint32 next_serial; /* the last PfVm.serial given */
     GPtrArray *leftovers; /* Leftover* */
@@ -408,6 +430,8 @@ release_region(PfScanner *s, PfRegion *r, GArray *keep)
     }
     r->vm->count[PF_PAGE_ABSENT] -= r->n_pages;
     pf_table_clear(&s->unstable.table);
+    g_array_set_size(s->groups, 0);
+    g_array_set_size(s->joins, 0);
     g_ptr_array_remove(s->regions, r);
     s->last_region = NULL;
 }
@@ -805,6 +829,175 @@ evacuate(PfScanner *s)
     }
 }
 
+static int
+cmp_grouped(gconstpointer a, gconstpointer b)
+{
+    const Grouped *x = a, *y = b;
+
+    if (x->root != y->root) {
+        return x->root < y->root ? -1 : 1;
+    }
+    return x->page < y->page ? -1 : x->page > y->page;
+}
+
+/* Keeps the pages of a group that still wait unshared, may merge, and
+ * hold content; their VMs' serials, ascending, in vms. */
+static void
+group_keep(PfScanner *s, GArray *pages, GArray *vms, const guint8 *content)
+{
+    guint w = 0;
+
+    g_array_set_size(vms, 0);
+    for (guint k = 0; k < pages->len; k++) {
+        guint32 id = g_array_index(pages, guint32, k);
+        PfRegion *r = region_of(s, id);
+
+        if (r->pages[id - r->base].state == PF_PAGE_UNSHARED && can_merge(r->vm) &&
+            (s->memcmp_calls++, memcmp(page_data(s, id), content, PF_PAGE_SIZE) == 0)) {
+            g_array_index(pages, guint32, w++) = id;
+            g_array_append_val(vms, r->vm->serial);
+        }
+    }
+    g_array_set_size(pages, w);
+    g_array_sort(vms, cmp_u32);
+    w = 0;
+    for (guint k = 0; k < vms->len; k++) {
+        if (w == 0 || g_array_index(vms, guint32, k) != g_array_index(vms, guint32, w - 1)) {
+            g_array_index(vms, guint32, w++) = g_array_index(vms, guint32, k);
+        }
+    }
+    g_array_set_size(vms, w);
+}
+
+/*
+ * The pages grouped this pass, each group around the unstable-tree page
+ * they matched: one slot for each group, for exactly the VMs of its pages
+ * that still hold the content (checked again against the copy: a page may
+ * change meanwhile), and their merges asked for, in page order so that
+ * runs get runs of slots.
+ */
+static void
+merge_groups(PfScanner *s)
+{
+    g_autoptr(GArray) pages = g_array_new(FALSE, FALSE, sizeof(guint32));
+    g_autoptr(GArray) vms = g_array_new(FALSE, FALSE, sizeof(guint32));
+
+    g_array_sort(s->groups, cmp_grouped);
+    for (guint i = 0; i < s->groups->len;) {
+        guint32 root = g_array_index(s->groups, Grouped, i).root, slot, node;
+        PfRegion *rr = region_of(s, root);
+        guint64 checksum = rr->pages[root - rr->base].checksum;
+        g_autoptr(GError) error = NULL;
+
+        g_array_set_size(pages, 0);
+        g_array_append_val(pages, root);
+        for (; i < s->groups->len && g_array_index(s->groups, Grouped, i).root == root; i++) {
+            g_array_append_val(pages, g_array_index(s->groups, Grouped, i).page);
+        }
+        group_keep(s, pages, vms, page_data(s, root));
+        if (pages->len < 2) {
+            continue;
+        }
+        slot = pf_pool_alloc(pf_scanner_get_pool(s), (const guint32 *)(gpointer)vms->data,
+                             vms->len, page_data(s, root), &error);
+        if (slot == PF_POOL_SLOT_NONE) {
+            g_warning("pool: %s", error->message);
+            continue;
+        }
+        group_keep(s, pages, vms, pf_pool_data(s->pool, slot));
+        if (pages->len < 2) {
+            pf_pool_unref(s->pool, slot);
+            continue;
+        }
+        if (g_array_index(pages, guint32, 0) == root) {
+            pf_table_remove(&s->unstable.table, checksum, root);
+        }
+        /* What the slot holds, should the root have changed since its
+         * visit. */
+        node = pf_stable_tree_create(&s->stable, s->hash(pf_pool_data(s->pool, slot)), slot);
+        for (guint k = 0; k < pages->len; k++) {
+            guint32 id = g_array_index(pages, guint32, k);
+            PfRegion *r = region_of(s, id);
+
+            pf_pool_ref(s->pool, slot);
+            request(s, r, &r->pages[id - r->base], id, PF_ITEM_MERGE, slot, node, 0);
+        }
+    }
+    g_array_set_size(s->groups, 0);
+}
+
+static int
+cmp_joining(gconstpointer a, gconstpointer b)
+{
+    const Joining *x = a, *y = b;
+
+    if (x->chunk != y->chunk) {
+        return x->chunk < y->chunk ? -1 : 1;
+    }
+    if (x->vm != y->vm) {
+        return x->vm < y->vm ? -1 : 1;
+    }
+    return x->slot < y->slot ? -1 : x->slot > y->slot;
+}
+
+/* Can this waiting page still join the node it was found equal to? */
+static gboolean
+join_still(PfScanner *s, const Joining *j)
+{
+    PfRegion *r = region_of(s, j->page);
+    const PfStableNode *n = node_at(s, j->node);
+
+    return r->pages[j->page - r->base].state == PF_PAGE_UNSHARED && can_merge(r->vm) &&
+           n->live && n->next == 0 && n->slot == j->slot &&
+           node_sharers(s, n) < s->knobs.max_page_sharing;
+}
+
+/*
+ * The pages of this pass that matched nodes their VM may not read.  Where
+ * a VM's pages match every slot in use of a chunk (a VM that came to share
+ * what others share: typically all of it), the chunk becomes its too (it
+ * reads nothing it does not share) and its pages just merge; elsewhere
+ * their nodes move (join_node()), which costs a remap of every page
+ * already sharing.
+ */
+static void
+make_joins(PfScanner *s)
+{
+    g_array_sort(s->joins, cmp_joining);
+    for (guint i = 0; i < s->joins->len;) {
+        const Joining *first = &g_array_index(s->joins, Joining, i);
+        guint e = i, distinct = 0;
+        guint32 last_slot = PF_POOL_SLOT_NONE;
+
+        while (e < s->joins->len && g_array_index(s->joins, Joining, e).chunk == first->chunk &&
+               g_array_index(s->joins, Joining, e).vm == first->vm) {
+            const Joining *j = &g_array_index(s->joins, Joining, e);
+
+            if (j->slot != last_slot && join_still(s, j)) {
+                distinct++;
+                last_slot = j->slot;
+            }
+            e++;
+        }
+        if (distinct > 0 && distinct == pf_pool_chunk_live(s->pool, first->chunk)) {
+            PfRegion *r = region_of(s, first->page);
+
+            pf_pool_extend(s->pool, first->chunk, first->vm);
+            pf_link_send_chunk(r->vm->link, pf_pool_chunk(s->pool, first->chunk));
+        }
+        for (; i < e; i++) {
+            const Joining *j = &g_array_index(s->joins, Joining, i);
+
+            if (join_still(s, j)) {
+                PfRegion *r = region_of(s, j->page);
+
+                join_node(s, r, &r->pages[j->page - r->base], j->page, j->node);
+            }
+        }
+    }
+    g_array_set_size(s->joins, 0);
+}
+
 static void
 visit(PfScanner *s, PfRegion *r, gsize idx)
 {
@@ -906,7 +1099,19 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             (s->memcmp_calls++, memcmp(data, node_data(s, n), PF_PAGE_SIZE) != 0)) {
             continue;
         }
-        if (merging) {
+        if (merging && !pf_pool_readable(s->pool, n->slot, r->vm->serial)) {
+            /* Joined when the pass ends, with every other page of this VM
+             * that joins the same chunk's content (make_joins()). */
+            Joining j = { 0, r->vm->serial, n->slot, id, other };
+            guint32 index;
+
+            pf_pool_locate(s->pool, n->slot, &j.chunk, &index);
+            g_array_append_val(s->joins, j);
+            set_state(r, p, PF_PAGE_UNSHARED);
+            if (s->joins->len >= MAX_GROUPED) {
+                make_joins(s);
+            }
+        } else if (merging) {
             join_node(s, r, p, id, other);
         } else {
             pf_stable_tree_add(&s->stable, other, id);
@@ -919,7 +1124,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
     while (merging || !merge_domain) {
         PfRegion *orr;
         PfPage *o;
-        guint32 node, slot = PF_POOL_SLOT_NONE;
+        guint32 node;
 
         if ((other = pf_table_iter_next(&it)) == 0) {
             break;
@@ -932,38 +1137,25 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             continue;
         }
         if (merging) {
-            g_autoptr(GError) error = NULL;
+            /* Merged when the pass ends, with every page of this content
+             * found by then: one slot for all their VMs, where merging
+             * now would make a slot for these two and move it for each
+             * VM found after (pool.h).  It waits out of the tree. */
+            Grouped g = { other, id };
 
-            /* The two VMs' own slot (pool.h). */
-            guint32 vms[2] = { MIN(r->vm->serial, orr->vm->serial),
-                               MAX(r->vm->serial, orr->vm->serial) };
-
-            /* The canonical copy; checked against both pages again, since
-             * either may have changed while it was copied. */
-            slot = pf_pool_alloc(s->pool, vms, vms[0] == vms[1] ? 1 : 2, data, &error);
-            if (slot == PF_POOL_SLOT_NONE) {
-                g_warning("pool: %s", error->message);
-                break;
+            g_array_append_val(s->groups, g);
+            set_state(r, p, PF_PAGE_UNSHARED);
+            if (s->groups->len >= MAX_GROUPED) {
+                merge_groups(s);
             }
-            if (memcmp(pf_pool_data(s->pool, slot), page_data(s, other), PF_PAGE_SIZE) != 0 ||
-                memcmp(pf_pool_data(s->pool, slot), data, PF_PAGE_SIZE) != 0) {
-                pf_pool_unref(s->pool, slot);
-                continue;
-            }
+            return;
         }
         pf_table_remove(&s->unstable.table, c, other);
-        node = pf_stable_tree_create(&s->stable, c, slot);
-        if (merging) {
-            pf_pool_ref(s->pool, slot);
-            request(s, orr, o, other, PF_ITEM_MERGE, slot, node, 0);
-            pf_pool_ref(s->pool, slot);
-            request(s, r, p, id, PF_ITEM_MERGE, slot, node, 0);
-        } else {
-            pf_stable_tree_add(&s->stable, node, other);
-            merged(orr, o, PF_PAGE_SHARED);
-            pf_stable_tree_add(&s->stable, node, id);
-            merged(r, p, PF_PAGE_SHARED);
-        }
+        node = pf_stable_tree_create(&s->stable, c, PF_POOL_SLOT_NONE);
+        pf_stable_tree_add(&s->stable, node, other);
+        merged(orr, o, PF_PAGE_SHARED);
+        pf_stable_tree_add(&s->stable, node, id);
+        merged(r, p, PF_PAGE_SHARED);
         return;
     }
 
@@ -1362,6 +1554,8 @@ begin_pass(PfScanner *s)
 static void
 end_pass(PfScanner *s)
 {
+    make_joins(s);
+    merge_groups(s);
     s->in_pass = FALSE;
     s->full_scans++;
     s->last_pass_usec = (guint64)(g_get_monotonic_time() - s->pass_start_usec);
@@ -1428,6 +1622,8 @@ static void settle(PfScanner *s);
 void
 pf_scanner_unmerge(PfScanner *s, PfVm *only)
 {
+    g_array_set_size(s->groups, 0);
+    g_array_set_size(s->joins, 0);
     for (guint round = 0; round < 4; round++) {
         gsize asked = 0;
 
@@ -1511,8 +1707,8 @@ settle(PfScanner *s)
                 !g_ptr_array_find(silent, v, NULL)) {
                 again = TRUE;
                 pf_link_settle(v->link, 10000);
-                /* settling may have detached it */
-                if (i < s->vms->len && g_ptr_array_index(s->vms, i) != v) {
+                /* settling may have detached (and freed) it */
+                if (i >= s->vms->len || g_ptr_array_index(s->vms, i) != v) {
                     continue;
                 }
                 if (v->link != NULL && pf_link_in_flight(v->link) > 0) {
@@ -1982,6 +2178,8 @@ pf_scanner_new(const PfHashAlgo *hash)
     }
     pf_stable_tree_init(&s->stable, page_of, s);
     pf_unstable_tree_init(&s->unstable, page_of, s);
+    s->groups = g_array_new(FALSE, FALSE, sizeof(Grouped));
+    s->joins = g_array_new(FALSE, FALSE, sizeof(Joining));
     pf_scanner_set_hash_func(s, s->algo->func);
     return s;
 }
@@ -2033,5 +2231,7 @@ pf_scanner_free(PfScanner *s)
     }
     pf_stable_tree_destroy(&s->stable);
     pf_unstable_tree_destroy(&s->unstable);
+    g_array_unref(s->groups);
+    g_array_unref(s->joins);
     g_free(s);
 }

@@ -124,6 +124,39 @@ test_sets_apart(void)
     g_assert_cmpuint(pf_pool_n_chunks(p), ==, 3);
 }
 
+/* A chunk extended to one more VM is that VM's to read, and its free
+ * slots are for the new set only. */
+static void
+test_extend(void)
+{
+    g_autoptr(PfPool) p = pf_pool_new(NULL, NULL, NULL);
+    static const guint32 vm123[] = { 1, 2, 3 };
+    guint8 page[PF_PAGE_SIZE];
+    guint32 a, b, c, ca, cb, cc, index;
+
+    pf_fill_page(page, 9);
+    a = pf_pool_alloc(p, vm13, 2, page, NULL);
+    b = pf_pool_alloc(p, vm13, 2, page, NULL);
+    pf_pool_locate(p, a, &ca, &index);
+    g_assert_false(pf_pool_readable(p, a, 2));
+    g_assert_cmpuint(pf_pool_chunk_live(p, ca), ==, 2);
+    pf_pool_extend(p, ca, 2);
+    g_assert_true(pf_pool_readable(p, a, 2));
+    g_assert_cmpuint(pf_pool_chunk(p, ca)->n_vms, ==, 3);
+    /* {1,3} gets a chunk of its own again; {1,2,3} the extended one. */
+    c = pf_pool_alloc(p, vm13, 2, page, NULL);
+    pf_pool_locate(p, c, &cc, &index);
+    g_assert_cmpuint(cc, !=, ca);
+    pf_pool_unref(p, c);
+    c = pf_pool_alloc(p, vm123, 3, page, NULL);
+    pf_pool_locate(p, c, &cb, &index);
+    g_assert_cmpuint(cb, ==, ca);
+    pf_pool_unref(p, a);
+    pf_pool_unref(p, b);
+    pf_pool_unref(p, c);
+    g_assert_null(pf_pool_chunk(p, ca));
+}
+
 /* A chunk goes with its last slot in use: its VMs are told, its memory can
  * come back, and its id is used again. */
 static void
@@ -203,6 +236,7 @@ main(int argc, char **argv)
     g_test_add_func("/pool/freed-slot-is-zeroed", test_freed_slot_is_zeroed);
     g_test_add_func("/pool/sets-apart", test_sets_apart);
     g_test_add_func("/pool/chunk-goes", test_chunk_goes);
+    g_test_add_func("/pool/extend", test_extend);
     g_test_add_func("/pool/evacuating", test_evacuating);
     return g_test_run();
 }
