@@ -93,6 +93,16 @@ send_pool(Fixture *f, int fd, guint32 chunk, guint32 n_slots)
     g_assert_true(pf_proto_send(f->conn, PF_MSG_POOL, 0, &p, sizeof(p), &fd, 1, NULL));
 }
 
+/* Every one of n results is an ERROR with errno err. */
+static void
+assert_all_failed(const PfWireResult *res, guint n, int err)
+{
+    for (guint i = 0; i < n; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
+        g_assert_cmpint(res[i].err, ==, err);
+    }
+}
+
 /* Sends items, returns the results (owned by f->msg). */
 static const PfWireResult *
 request(Fixture *f, const PfWireItem *items, guint32 n, guint32 seq)
@@ -226,10 +236,7 @@ test_bad_items(Fixture *f, gconstpointer data)
     memcpy(f->pool_map, f->guest->mem, PF_PAGE_SIZE);
     send_pool(f, f->pool_fd, 0, PAGES);
     res = request(f, items, G_N_ELEMENTS(items), 1);
-    for (guint i = 0; i < G_N_ELEMENTS(items); i++) {
-        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
-        g_assert_cmpint(res[i].err, ==, EINVAL);
-    }
+    assert_all_failed(res, G_N_ELEMENTS(items), EINVAL);
     g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
     g_assert_true(pf_agent_is_connected(f->agent));
 }
@@ -425,10 +432,7 @@ test_fault_merge_mmap(Fixture *f, gconstpointer late)
     send_identical_pool(f);
     pf_test_fault_set("mmap-private", 0, -1, ENOMEM, late != NULL);
     res = merge_pages(f, 0, 64, 1);
-    for (guint i = 0; i < 64; i++) {
-        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
-        g_assert_cmpint(res[i].err, ==, ENOMEM);
-    }
+    assert_all_failed(res, 64, ENOMEM);
     g_assert_cmpint(pf_test_fault_hits(), >, 0);
     g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
     g_assert_cmpuint(remapped(f), ==, 0);
@@ -459,10 +463,7 @@ test_fault_merge_punch(Fixture *f, gconstpointer call)
     g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*after merging pc.ram*folding it back*");
     res = merge_pages(f, 0, 16, 1);
     g_test_assert_expected_messages();
-    for (guint i = 0; i < 16; i++) {
-        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
-        g_assert_cmpint(res[i].err, ==, EPERM);
-    }
+    assert_all_failed(res, 16, EPERM);
     g_assert_cmpuint(remapped(f), ==, 0);
     g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
     for (guint i = 0; i < 16; i++) {
@@ -1079,10 +1080,7 @@ test_move_fails(Fixture *f, gconstpointer data)
     pf_test_fault_set("mmap-private", 0, 1, ENOMEM, FALSE);
     res = merge_from(f, 0, 20, 1, 10, 2);
     g_assert_cmpint(pf_test_fault_hits(), ==, 1);
-    for (guint i = 0; i < 20; i++) {
-        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
-        g_assert_cmpint(res[i].err, ==, ENOMEM);
-    }
+    assert_all_failed(res, 20, ENOMEM);
     g_assert_cmpint(memcmp(mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
     for (guint i = 0; i < 16; i++) {
         g_assert_cmpuint(pfn_of(mem + i * PF_PAGE_SIZE), ==,
@@ -1098,10 +1096,7 @@ test_move_fails(Fixture *f, gconstpointer data)
     pf_test_fault_set("mmap-private", 0, 1, ENOMEM, TRUE);
     res = merge_from(f, 0, 20, 1, 10, 3);
     g_assert_cmpint(pf_test_fault_hits(), ==, 1);
-    for (guint i = 0; i < 20; i++) {
-        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
-        g_assert_cmpint(res[i].err, ==, ENOMEM);
-    }
+    assert_all_failed(res, 20, ENOMEM);
     g_assert_cmpint(memcmp(mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
     g_assert_cmpuint(remapped(f), ==, 0);
     for (guint i = 0; i < 20; i++) {
