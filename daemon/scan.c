@@ -48,12 +48,6 @@ struct pf_page_region {
  * chunk (check_dropped()). */
 #define DROP_GRACE_USEC (60 * G_USEC_PER_SEC)
 
-/* A page found equal to root, a page in the unstable tree. */
-typedef struct {
-    guint32 root;
-    guint32 page;
-} Grouped;
-
 /* A page found equal to node, whose slot its VM may not read. */
 typedef struct {
     guint32 chunk; /* the node's slot's, then: */
@@ -63,7 +57,7 @@ typedef struct {
     guint32 node;
 } Joining;
 
-/* Past this many, groups are merged (joins made) before the pass ends. */
+/* Past this many, joins are made before the pass ends. */
 #define MAX_GROUPED 65536u
 
 /* Pool slots a process still maps after its VM was detached. */
@@ -91,10 +85,10 @@ struct _PfScanner {
 
     PfStableTree stable;
     PfUnstableTree unstable;
-    GArray *groups;      /* Grouped: pages of merging VMs found equal this
-                          * pass, merged when it ends (merge_groups()) */
     GArray *joins;       /* Joining: pages found equal to nodes their VM may
                           * not read, joined when it ends (make_joins()) */
+    GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
+                          * VM's pages matched part of the chunk */
     PfPool *pool;        /* created with the first merging VM */
     guint32 next_serial; /* the last PfVm.serial given */
     GPtrArray *leftovers; /* Leftover* */
@@ -430,7 +424,6 @@ release_region(PfScanner *s, PfRegion *r, GArray *keep)
     }
     r->vm->count[PF_PAGE_ABSENT] -= r->n_pages;
     pf_table_clear(&s->unstable.table);
-    g_array_set_size(s->groups, 0);
     g_array_set_size(s->joins, 0);
     g_ptr_array_remove(s->regions, r);
     s->last_region = NULL;
@@ -830,103 +823,6 @@ evacuate(PfScanner *s)
 }
 
 static int
-cmp_grouped(gconstpointer a, gconstpointer b)
-{
-    const Grouped *x = a, *y = b;
-
-    if (x->root != y->root) {
-        return x->root < y->root ? -1 : 1;
-    }
-    return x->page < y->page ? -1 : x->page > y->page;
-}
-
-/* Keeps the pages of a group that still wait unshared, may merge, and
- * hold content; their VMs' serials, ascending, in vms. */
-static void
-group_keep(PfScanner *s, GArray *pages, GArray *vms, const guint8 *content)
-{
-    guint w = 0;
-
-    g_array_set_size(vms, 0);
-    for (guint k = 0; k < pages->len; k++) {
-        guint32 id = g_array_index(pages, guint32, k);
-        PfRegion *r = region_of(s, id);
-
-        if (r->pages[id - r->base].state == PF_PAGE_UNSHARED && can_merge(r->vm) &&
-            (s->memcmp_calls++, memcmp(page_data(s, id), content, PF_PAGE_SIZE) == 0)) {
-            g_array_index(pages, guint32, w++) = id;
-            g_array_append_val(vms, r->vm->serial);
-        }
-    }
-    g_array_set_size(pages, w);
-    g_array_sort(vms, cmp_u32);
-    w = 0;
-    for (guint k = 0; k < vms->len; k++) {
-        if (w == 0 || g_array_index(vms, guint32, k) != g_array_index(vms, guint32, w - 1)) {
-            g_array_index(vms, guint32, w++) = g_array_index(vms, guint32, k);
-        }
-    }
-    g_array_set_size(vms, w);
-}
-
-/*
- * The pages grouped this pass, each group around the unstable-tree page
- * they matched: one slot for each group, for exactly the VMs of its pages
- * that still hold the content (checked again against the copy: a page may
- * change meanwhile), and their merges asked for, in page order so that
- * runs get runs of slots.
- */
-static void
-merge_groups(PfScanner *s)
-{
-    g_autoptr(GArray) pages = g_array_new(FALSE, FALSE, sizeof(guint32));
-    g_autoptr(GArray) vms = g_array_new(FALSE, FALSE, sizeof(guint32));
-
-    g_array_sort(s->groups, cmp_grouped);
-    for (guint i = 0; i < s->groups->len;) {
-        guint32 root = g_array_index(s->groups, Grouped, i).root, slot, node;
-        PfRegion *rr = region_of(s, root);
-        guint64 checksum = rr->pages[root - rr->base].checksum;
-        g_autoptr(GError) error = NULL;
-
-        g_array_set_size(pages, 0);
-        g_array_append_val(pages, root);
-        for (; i < s->groups->len && g_array_index(s->groups, Grouped, i).root == root; i++) {
-            g_array_append_val(pages, g_array_index(s->groups, Grouped, i).page);
-        }
-        group_keep(s, pages, vms, page_data(s, root));
-        if (pages->len < 2) {
-            continue;
-        }
-        slot = pf_pool_alloc(pf_scanner_get_pool(s), (const guint32 *)(gpointer)vms->data,
-                             vms->len, page_data(s, root), &error);
-        if (slot == PF_POOL_SLOT_NONE) {
-            g_warning("pool: %s", error->message);
-            continue;
-        }
-        group_keep(s, pages, vms, pf_pool_data(s->pool, slot));
-        if (pages->len < 2) {
-            pf_pool_unref(s->pool, slot);
-            continue;
-        }
-        if (g_array_index(pages, guint32, 0) == root) {
-            pf_table_remove(&s->unstable.table, checksum, root);
-        }
-        /* What the slot holds, should the root have changed since its
-         * visit. */
-        node = pf_stable_tree_create(&s->stable, s->hash(pf_pool_data(s->pool, slot)), slot);
-        for (guint k = 0; k < pages->len; k++) {
-            guint32 id = g_array_index(pages, guint32, k);
-            PfRegion *r = region_of(s, id);
-
-            pf_pool_ref(s->pool, slot);
-            request(s, r, &r->pages[id - r->base], id, PF_ITEM_MERGE, slot, node, 0);
-        }
-    }
-    g_array_set_size(s->groups, 0);
-}
-
-static int
 cmp_joining(gconstpointer a, gconstpointer b)
 {
     const Joining *x = a, *y = b;
@@ -984,6 +880,21 @@ make_joins(PfScanner *s)
 
             pf_pool_extend(s->pool, first->chunk, first->vm);
             pf_link_send_chunk(r->vm->link, pf_pool_chunk(s->pool, first->chunk));
+        } else if (distinct > 0) {
+            /* Part of it: the rest may be written by then (a guest that
+             * rewrites a block, caught halfway by a pass).  Moving costs
+             * every sharer a remap: only at the next pass that sees it. */
+            guint64 key = (guint64)first->chunk << 32 | first->vm;
+            gpointer seen;
+
+            if (!g_hash_table_lookup_extended(s->partial, &key, NULL, &seen) ||
+                GPOINTER_TO_SIZE(seen) >= s->full_scans) {
+                g_hash_table_insert(s->partial, g_memdup2(&key, sizeof(key)),
+                                    GSIZE_TO_POINTER(s->full_scans));
+                i = e;
+                continue;
+            }
+            g_hash_table_remove(s->partial, &key);
         }
         for (; i < e; i++) {
             const Joining *j = &g_array_index(s->joins, Joining, i);
@@ -996,6 +907,17 @@ make_joins(PfScanner *s)
         }
     }
     g_array_set_size(s->joins, 0);
+    {
+        GHashTableIter it;
+        gpointer seen;
+
+        g_hash_table_iter_init(&it, s->partial);
+        while (g_hash_table_iter_next(&it, NULL, &seen)) {
+            if (GPOINTER_TO_SIZE(seen) + 1 < s->full_scans) {
+                g_hash_table_iter_remove(&it);
+            }
+        }
+    }
 }
 
 static void
@@ -1124,7 +1046,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
     while (merging || !merge_domain) {
         PfRegion *orr;
         PfPage *o;
-        guint32 node;
+        guint32 node, slot = PF_POOL_SLOT_NONE;
 
         if ((other = pf_table_iter_next(&it)) == 0) {
             break;
@@ -1137,25 +1059,39 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             continue;
         }
         if (merging) {
-            /* Merged when the pass ends, with every page of this content
-             * found by then: one slot for all their VMs, where merging
-             * now would make a slot for these two and move it for each
-             * VM found after (pool.h).  It waits out of the tree. */
-            Grouped g = { other, id };
+            g_autoptr(GError) error = NULL;
 
-            g_array_append_val(s->groups, g);
-            set_state(r, p, PF_PAGE_UNSHARED);
-            if (s->groups->len >= MAX_GROUPED) {
-                merge_groups(s);
+            /* The two VMs' own slot (pool.h): a VM whose pages join it
+             * later is sent its chunk, or it moves (make_joins()). */
+            guint32 vms[2] = { MIN(r->vm->serial, orr->vm->serial),
+                               MAX(r->vm->serial, orr->vm->serial) };
+
+            /* The canonical copy; checked against both pages again, since
+             * either may have changed while it was copied. */
+            slot = pf_pool_alloc(s->pool, vms, vms[0] == vms[1] ? 1 : 2, data, &error);
+            if (slot == PF_POOL_SLOT_NONE) {
+                g_warning("pool: %s", error->message);
+                break;
             }
-            return;
+            if (memcmp(pf_pool_data(s->pool, slot), page_data(s, other), PF_PAGE_SIZE) != 0 ||
+                memcmp(pf_pool_data(s->pool, slot), data, PF_PAGE_SIZE) != 0) {
+                pf_pool_unref(s->pool, slot);
+                continue;
+            }
         }
         pf_table_remove(&s->unstable.table, c, other);
-        node = pf_stable_tree_create(&s->stable, c, PF_POOL_SLOT_NONE);
-        pf_stable_tree_add(&s->stable, node, other);
-        merged(orr, o, PF_PAGE_SHARED);
-        pf_stable_tree_add(&s->stable, node, id);
-        merged(r, p, PF_PAGE_SHARED);
+        node = pf_stable_tree_create(&s->stable, c, slot);
+        if (merging) {
+            pf_pool_ref(s->pool, slot);
+            request(s, orr, o, other, PF_ITEM_MERGE, slot, node, 0);
+            pf_pool_ref(s->pool, slot);
+            request(s, r, p, id, PF_ITEM_MERGE, slot, node, 0);
+        } else {
+            pf_stable_tree_add(&s->stable, node, other);
+            merged(orr, o, PF_PAGE_SHARED);
+            pf_stable_tree_add(&s->stable, node, id);
+            merged(r, p, PF_PAGE_SHARED);
+        }
         return;
     }
 
@@ -1555,7 +1491,6 @@ static void
 end_pass(PfScanner *s)
 {
     make_joins(s);
-    merge_groups(s);
     s->in_pass = FALSE;
     s->full_scans++;
     s->last_pass_usec = (guint64)(g_get_monotonic_time() - s->pass_start_usec);
@@ -1622,7 +1557,6 @@ static void settle(PfScanner *s);
 void
 pf_scanner_unmerge(PfScanner *s, PfVm *only)
 {
-    g_array_set_size(s->groups, 0);
     g_array_set_size(s->joins, 0);
     for (guint round = 0; round < 4; round++) {
         gsize asked = 0;
@@ -2178,8 +2112,8 @@ pf_scanner_new(const PfHashAlgo *hash)
     }
     pf_stable_tree_init(&s->stable, page_of, s);
     pf_unstable_tree_init(&s->unstable, page_of, s);
-    s->groups = g_array_new(FALSE, FALSE, sizeof(Grouped));
     s->joins = g_array_new(FALSE, FALSE, sizeof(Joining));
+    s->partial = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
     pf_scanner_set_hash_func(s, s->algo->func);
     return s;
 }
@@ -2231,7 +2165,7 @@ pf_scanner_free(PfScanner *s)
     }
     pf_stable_tree_destroy(&s->stable);
     pf_unstable_tree_destroy(&s->unstable);
-    g_array_unref(s->groups);
     g_array_unref(s->joins);
+    g_hash_table_unref(s->partial);
     g_free(s);
 }

@@ -175,9 +175,14 @@ pf_guest_hold(PfGuest *g)
                 munmap(o->mem, o->n_pages * PF_PAGE_SIZE);
             }
         }
+        /* Nor does it keep the descriptors of the test's process (pool
+         * chunks among them, when the test runs pagefoldd's code). */
+        if (dup2(ready[1], 3) < 0 || close_range(4, ~0u, 0) < 0) {
+            _exit(1);
+        }
         /* Only now does its memory look like one VM's. */
-        (void)!write(ready[1], &c, 1);
-        close(ready[1]);
+        (void)!write(3, &c, 1);
+        close(3);
         for (;;) {
             pause();
         }
