@@ -58,7 +58,7 @@ typedef struct {
 } Joining;
 
 /* Past this many, joins are made before the pass ends. */
-#define MAX_GROUPED 65536u
+#define MAX_JOINING 65536u
 
 /* Pool slots a process still maps after its VM was detached. */
 typedef struct {
@@ -707,31 +707,25 @@ move_node(PfScanner *s, guint32 id, PfVm *joiner)
     g_autoptr(GError) error = NULL;
     g_autofree guint32 *members = NULL;
     const PfStableNode *n = node_at(s, id);
-    guint32 n_members = n->n_members, slot, to, w = 0;
+    guint32 n_members = n->n_members, slot, to, c, index;
     guint64 checksum = n->checksum;
-
     const PfPoolChunk *chunk;
-    guint32 c, index;
 
     pf_pool_locate(s->pool, n->slot, &c, &index);
     chunk = pf_pool_chunk(s->pool, c);
     if (joiner != NULL) {
         g_array_append_val(vms, joiner->serial);
     }
+    /* Each VM once: the joiner holds no chunk of the node's. */
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (vm != joiner && pf_vm_merges(vm) && chunk_is_for(chunk, vm)) {
+        if (pf_vm_merges(vm) && chunk_is_for(chunk, vm)) {
             g_array_append_val(vms, vm->serial);
         }
     }
     g_array_sort(vms, cmp_u32);
-    for (guint i = 0; i < vms->len; i++) {
-        if (w == 0 || g_array_index(vms, guint32, i) != g_array_index(vms, guint32, w - 1)) {
-            g_array_index(vms, guint32, w++) = g_array_index(vms, guint32, i);
-        }
-    }
-    slot = pf_pool_alloc(s->pool, (const guint32 *)(gpointer)vms->data, w,
+    slot = pf_pool_alloc(s->pool, (const guint32 *)(gpointer)vms->data, vms->len,
                          pf_pool_data(s->pool, n->slot), &error);
     if (slot == PF_POOL_SLOT_NONE) {
         g_warning("pool: %s", error->message);
@@ -1030,7 +1024,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             pf_pool_locate(s->pool, n->slot, &j.chunk, &index);
             g_array_append_val(s->joins, j);
             set_state(r, p, PF_PAGE_UNSHARED);
-            if (s->joins->len >= MAX_GROUPED) {
+            if (s->joins->len >= MAX_JOINING) {
                 make_joins(s);
             }
         } else if (merging) {
