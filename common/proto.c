@@ -216,12 +216,14 @@ validate(const PfMsg *msg, GError **error)
         }
         break;
     }
-    case PF_MSG_DISCARD: {
+    case PF_MSG_DISCARD:
+    case PF_MSG_GONE: {
         const PfWireRange *p = (const void *)msg->payload;
+        const char *what = h->type == PF_MSG_DISCARD ? "DISCARD" : "GONE";
 
         if (h->length != sizeof(*p) || p->n_pages == 0 || p->page >= (1ull << 34) ||
-            p->n_pages > (1ull << 34)) {
-            return fail(error, "DISCARD of %u bytes, or of an empty or impossible range",
+            p->n_pages > (1ull << 34) || (h->type == PF_MSG_GONE && p->page != 0)) {
+            return fail(error, "%s of %u bytes, or of an empty or impossible range", what,
                         h->length);
         }
         break;
@@ -333,7 +335,8 @@ pf_msg_mode(const PfMsg *msg)
 const PfWireRange *
 pf_msg_range(const PfMsg *msg)
 {
-    g_return_val_if_fail(msg->header.type == PF_MSG_DISCARD, NULL);
+    g_return_val_if_fail(msg->header.type == PF_MSG_DISCARD || msg->header.type == PF_MSG_GONE,
+                         NULL);
     return (const void *)msg->payload;
 }
 

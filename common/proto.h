@@ -23,7 +23,10 @@
 
 typedef enum {
     PF_MSG_HELLO = 1,   /* agent -> daemon: who the VM is */
-    PF_MSG_REGION = 2,  /* agent -> daemon: one RAM region + its memfd */
+    PF_MSG_REGION = 2,  /* agent -> daemon: one RAM region + its memfd;
+                         * after READY too: RAM plugged in at run time
+                         * (index = regions announced so far, never
+                         * reused) */
     PF_MSG_WELCOME = 3, /* daemon -> agent: the mode it may use, maybe a
                          * /dev/userfaultfd fd to make a userfaultfd with */
     PF_MSG_READY = 4,   /* agent -> daemon: the mode it will use, and why */
@@ -39,7 +42,11 @@ typedef enum {
     PF_MSG_DROP = 11,    /* daemon -> agent: no page of this VM maps this
                           * pool chunk any more: let it go (its memory
                           * returns once nobody maps it) */
-    PF_MSG_LAST = PF_MSG_DROP,
+    PF_MSG_GONE = 12,    /* agent -> daemon: this region left the VM
+                          * (a DIMM unplugged, merge=off): none of its
+                          * pages is mapped from the pool any more, its
+                          * memfd is about to be freed; forget it */
+    PF_MSG_LAST = PF_MSG_GONE,
 } PfMsgType;
 
 typedef struct {
@@ -86,7 +93,8 @@ typedef struct {
     guint32 n_slots;
 } PfWirePool;
 
-/* DISCARD: pages [page, page + n_pages) of a region. */
+/* DISCARD: pages [page, page + n_pages) of a region.  GONE: the region,
+ * page 0 and n_pages all its pages. */
 typedef struct {
     guint32 region;
     guint32 reserved;
