@@ -69,6 +69,11 @@ typedef struct {
     guint64 offset;
     int advice[4];
     guint64 *remapped; /* bitmap: pages mapped from the pool */
+    char *refused;     /* why this region is not merged (its memfd cannot be
+                        * remapped here, or write protection refused it),
+                        * or NULL */
+    gboolean gone;     /* left the VM: no memfd, no bitmap; its index stays,
+                        * since pagefoldd never reuses one */
 } Region;
 
 typedef struct {
@@ -81,15 +86,24 @@ typedef struct {
     const guint8 *lo, *hi;
 } DmaRange;
 
+/* A message for pagefoldd, queued in the order things happened. */
+typedef struct {
+    PfMsgType type;
+    guint32 seq;
+    int fd; /* a dup, sent with it and closed; or -1 */
+    gsize length;
+    guint8 payload[];
+} Outgoing;
+
 struct _PfAgent {
     char *name;
     guint8 uuid[16];
-    GArray *regions; /* Region */
+    GArray *regions; /* Region; grows under work, never shrinks */
+    guint announced; /* regions pagefoldd has been told of */
+    gboolean ready;  /* READY is queued: new regions are told at once */
     char *advise_reason;
     PfAgentSyscalls sys;
 
-    PfMode mode;
-    char *reason;
     int sock;
     int uffd;
     gboolean uffd_lost; /* closed because protection could not be lifted */
@@ -97,14 +111,27 @@ struct _PfAgent {
 
     GThread *thread;
     int stop[2];
-    GMutex work; /* held while pages are remapped or folded back, and
-                  * while the answer is sent: what pagefoldd reads from
-                  * this socket is in the order it happened */
+    int wake[2]; /* something was queued for pagefoldd */
+    GMutex work; /* held while pages are remapped or folded back, and while
+                  * what pagefoldd must hear of it is queued: the outbox is
+                  * in the order it happened.  Never held while waiting for
+                  * pagefoldd: the VMM's threads take it (a discard under
+                  * QEMU's big lock), and pagefoldd may be stuck */
     GMutex dma;  /* the ranges in DMA; held across every change of a
                   * mapping, so that a new DMA waits for it (lock order:
                   * work, then dma) */
     GArray *dma_ranges; /* DmaRange, one per mapping the VMM made */
-    GMutex lock; /* stats, connected */
+    GMutex out;  /* outbox, posting */
+    GQueue outbox;      /* Outgoing*, sent by the agent thread alone */
+    gboolean posting;   /* the link takes messages: from the connect until
+                         * it ends, or an ERROR is queued */
+    gboolean hangup;    /* an ERROR is queued: shut the link after it */
+    GMutex lock; /* stats, connected, settled, mode, reason */
+    GCond settled_cond;
+    gboolean settled;   /* the handshake ended, one way or the other */
+    char *start_error;  /* why it failed, or NULL */
+    PfMode mode;        /* changes under work and lock */
+    char *reason;
     PfAgentStats stats;
     gboolean connected;
 };
@@ -367,9 +394,40 @@ memory_locked(void)
     return locked;
 }
 
-/* Makes the userfaultfd and registers all guest RAM for write protection;
- * on failure says why the VM must stay in advise mode, and holds nothing
- * registered (postcopy or a background snapshot may want it later). */
+/*
+ * Write-protects r for merging, or says in r->refused why it is not
+ * merged: one odd region (a memfd this process cannot punch, a NUMA
+ * binding, a file system without write protection) costs no other.
+ */
+static void
+region_protect(PfAgent *a, Region *r)
+{
+    int rc;
+
+    if ((r->refused = region_unsafe(r)) == NULL && (rc = uffd_register(a, r->host, r->size)) < 0) {
+        r->refused = g_strdup_printf("cannot write-protect region %s: %s%s", r->name,
+                                     g_strerror(-rc),
+                                     rc == -EBUSY ? " (postcopy or background snapshot already "
+                                                    "uses userfaultfd)" : "");
+    }
+}
+
+static void
+say_refused(PfAgent *a, const Region *r)
+{
+    g_message("pagefold agent: VM %s: %s; its other RAM merges", a->name, r->refused);
+}
+
+static gboolean
+region_merges(const Region *r)
+{
+    return !r->gone && r->refused == NULL;
+}
+
+/* Makes the userfaultfd and registers guest RAM for write protection; on
+ * failure says why the VM must stay in advise mode (the reason of the
+ * first region when none can merge), and holds nothing registered
+ * (postcopy or a background snapshot may want it later). */
 static gboolean
 uffd_setup(PfAgent *a, int dev_fd, char **why)
 {
@@ -381,11 +439,6 @@ uffd_setup(PfAgent *a, int dev_fd, char **why)
         *why = g_strdup("guest memory is locked (mlockall: -overcommit mem-lock=on, libvirt "
                         "<locked/>): every merged page would be copied back at once");
         return FALSE;
-    }
-    for (guint i = 0; i < a->regions->len; i++) {
-        if ((*why = region_unsafe(&g_array_index(a->regions, Region, i))) != NULL) {
-            return FALSE;
-        }
     }
     probe = uffd_create(dev_fd);
     if (probe < 0) {
@@ -412,21 +465,36 @@ uffd_setup(PfAgent *a, int dev_fd, char **why)
     }
     for (guint i = 0; i < a->regions->len && *why == NULL; i++) {
         Region *r = &g_array_index(a->regions, Region, i);
-        int rc = uffd_register(a, r->host, r->size);
 
-        if (rc < 0) {
-            *why = g_strdup_printf("cannot write-protect region %s: %s%s", r->name,
-                                   g_strerror(-rc),
-                                   rc == -EBUSY ? " (postcopy or background snapshot "
-                                                  "already uses userfaultfd)" : "");
+        if (!r->gone) {
+            region_protect(a, r);
         }
     }
-    if (*why != NULL && a->uffd >= 0) {
+    if (*why == NULL) {
+        const char *first = NULL;
+
+        for (guint i = 0; i < a->regions->len; i++) {
+            const Region *r = &g_array_index(a->regions, Region, i);
+
+            if (region_merges(r)) {
+                for (guint j = 0; j < a->regions->len; j++) {
+                    r = &g_array_index(a->regions, Region, j);
+                    if (!r->gone && r->refused != NULL) {
+                        say_refused(a, r);
+                    }
+                }
+                return TRUE;
+            }
+            first = first != NULL || r->gone ? first : r->refused;
+        }
+        *why = g_strdup(first != NULL ? first : "no guest RAM left to merge");
+    }
+    if (a->uffd >= 0) {
         /* Closing it unregisters whatever was registered. */
         close(a->uffd);
         a->uffd = -1;
     }
-    return *why == NULL;
+    return FALSE;
 }
 
 /* ---- mappings ---- */
@@ -623,6 +691,73 @@ fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsize *sto
     return rc;
 }
 
+/* ---- what pagefoldd hears ---- */
+
+static void
+outgoing_free(gpointer p)
+{
+    Outgoing *o = p;
+
+    if (o->fd >= 0) {
+        close(o->fd);
+    }
+    g_free(o);
+}
+
+/*
+ * Queues a message for pagefoldd; the agent thread sends it.  Called with
+ * a->work held (or before the agent thread runs), so that pagefoldd hears
+ * of things in the order they happened, and no thread of the VMM waits on
+ * pagefoldd's socket.  fd, if not -1, is duplicated.  Nothing is queued
+ * after an ERROR, nor once the link is gone.
+ */
+static void
+post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload, gsize length, int fd)
+{
+    Outgoing *o = g_malloc(sizeof(*o) + length);
+    int e = 0;
+
+    o->type = type;
+    o->seq = seq;
+    o->length = length;
+    memcpy(o->payload, payload, length);
+    o->fd = -1;
+    if (fd >= 0 && (o->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0) {
+        e = errno;
+    }
+    g_mutex_lock(&a->out);
+    if (!a->posting) {
+        g_mutex_unlock(&a->out);
+        outgoing_free(o);
+        return;
+    }
+    if (e != 0) {
+        /* The message cannot go, and what follows it would be wrong. */
+        g_autofree char *text = g_strdup_printf("cannot duplicate a descriptor to send: %s",
+                                                g_strerror(e));
+
+        g_warning("pagefold agent: %s; disconnecting", text);
+        o = g_realloc(o, sizeof(*o) + strlen(text));
+        o->type = type = PF_MSG_ERROR;
+        o->length = strlen(text);
+        memcpy(o->payload, text, o->length);
+    }
+    g_queue_push_tail(&a->outbox, o);
+    if (type == PF_MSG_ERROR) {
+        a->posting = FALSE;
+        a->hangup = TRUE;
+    }
+    g_mutex_unlock(&a->out);
+    /* A full pipe is readable already. */
+    (void)!write(a->wake[1], "x", 1);
+}
+
+static void
+post_error(PfAgent *a, const char *text)
+{
+    post(a, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), -1);
+}
+
 /* ---- items ---- */
 
 static gboolean
@@ -634,7 +769,10 @@ item_valid(PfAgent *a, const PfWireItem *it)
         return FALSE;
     }
     r = &g_array_index(a->regions, Region, it->region);
-    if (it->page >= r->n_pages) {
+    /* A region gone has no pages; one refused is not write-protected
+     * (an unmerge finds nothing remapped there and says so). */
+    if (r->gone || (r->refused != NULL && it->kind != PF_ITEM_UNMERGE) ||
+        it->page >= r->n_pages) {
         return FALSE;
     }
     if (it->kind == PF_ITEM_COLLAPSE) {
@@ -973,9 +1111,7 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
         i += k;
     }
     count_results(a, items, res, moved, n);
-    if (!pf_proto_send_results(a->sock, msg->header.seq, res, n, error)) {
-        return FALSE;
-    }
+    post(a, PF_MSG_RESULT, msg->header.seq, res, n * sizeof(*res), -1);
     if (a->uffd_lost) {
         /* Merged pages stay valid; pagefoldd keeps their slots taken. */
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
@@ -1099,12 +1235,6 @@ drop_chunk(PfAgent *a, const PfMsg *msg, GError **error)
 /* ---- the connection ---- */
 
 static void
-send_error(PfAgent *a, const char *text)
-{
-    pf_proto_send(a->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
-}
-
-static void
 set_connected(PfAgent *a, gboolean connected)
 {
     g_mutex_lock(&a->lock);
@@ -1112,32 +1242,242 @@ set_connected(PfAgent *a, gboolean connected)
     g_mutex_unlock(&a->lock);
 }
 
-static gpointer
-agent_thread(gpointer data)
+/* Mode and reason change under work and lock: readers take either. */
+static void
+set_mode(PfAgent *a, PfMode mode, const char *reason)
 {
-    PfAgent *a = data;
+    g_mutex_lock(&a->lock);
+    a->mode = mode;
+    g_free(a->reason);
+    a->reason = g_strdup(reason);
+    g_mutex_unlock(&a->lock);
+}
+
+/*
+ * Sends what was queued, on the agent thread.  FALSE when the link is to
+ * end: a send failed (error set), or an ERROR went out (error unset).
+ */
+static gboolean
+flush(PfAgent *a, GError **error)
+{
+    for (;;) {
+        Outgoing *o;
+        gboolean ok, hangup;
+
+        g_mutex_lock(&a->out);
+        o = g_queue_pop_head(&a->outbox);
+        hangup = a->hangup;
+        g_mutex_unlock(&a->out);
+        if (o == NULL) {
+            return !hangup;
+        }
+        if (o->type == PF_MSG_RESULT) {
+            ok = pf_proto_send_results(a->sock, o->seq, (const PfWireResult *)o->payload,
+                                       (guint32)(o->length / sizeof(PfWireResult)), error);
+        } else {
+            ok = pf_proto_send(a->sock, o->type, o->seq, o->payload, o->length, &o->fd,
+                               o->fd >= 0 ? 1 : 0, error);
+        }
+        outgoing_free(o);
+        if (!ok) {
+            return FALSE;
+        }
+    }
+}
+
+/* Tells pagefoldd of region i, write-protected first (protect) when this
+ * VM merges.  Every region is told, refused ones too: pagefoldd counts
+ * indexes. */
+static void
+region_join(PfAgent *a, guint i, gboolean protect)
+{
+    Region *r = &g_array_index(a->regions, Region, i);
+    PfWireRegion wr = { 0 };
+
+    if (protect && a->mode == PF_MODE_MERGE && !r->gone) {
+        region_protect(a, r);
+        if (r->refused != NULL) {
+            say_refused(a, r);
+        }
+    }
+    wr.index = i;
+    wr.page_size = PF_PAGE_SIZE;
+    wr.host_addr = (guint64)(guintptr)r->host;
+    wr.size = r->size;
+    wr.offset = r->offset;
+    pf_wire_set_string(wr.name, sizeof(wr.name), r->name);
+    if (!r->gone) {
+        post(a, PF_MSG_REGION, 0, &wr, sizeof(wr), r->fd);
+    }
+    a->announced = MAX(a->announced, i + 1);
+}
+
+static gboolean
+recv_expect(int sock, PfMsg *msg, PfMsgType type, GError **error)
+{
+    if (!pf_proto_recv(sock, msg, error)) {
+        return FALSE;
+    }
+    if (msg->header.type == PF_MSG_ERROR) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pagefoldd refused: %.*s",
+                    (int)msg->header.length, (const char *)msg->payload);
+        return FALSE;
+    }
+    if (msg->header.type != type) {
+        pf_msg_close_fds(msg);
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "expected message type %u, got %u", type, msg->header.type);
+        return FALSE;
+    }
+    return TRUE;
+}
+
+/* Chooses the mode and says it; regions plugged in meanwhile follow.
+ * Called with work held. */
+static void
+settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
+{
+    PfWireMode ready = { 0 };
+    g_autofree char *why = NULL;
+    guint told = a->announced;
+    PfMode mode = PF_MODE_ADVISE;
+
+    if (a->advise_reason != NULL) {
+        why = g_strdup(a->advise_reason);
+    } else if (welcome->mode != PF_MODE_MERGE) {
+        why = g_strdup(welcome->reason);
+    } else if (uffd_setup(a, dev_fd, &why)) {
+        mode = PF_MODE_MERGE;
+    }
+    set_mode(a, mode, why ? why : "");
+    ready.version = PF_PROTO_VERSION;
+    ready.mode = mode;
+    pf_wire_set_string(ready.reason, sizeof(ready.reason), a->reason);
+    post(a, PF_MSG_READY, 0, &ready, sizeof(ready), -1);
+    /* uffd_setup() protected them with the others. */
+    for (guint i = told; i < a->regions->len; i++) {
+        region_join(a, i, FALSE);
+    }
+    a->ready = TRUE;
+    if (mode != PF_MODE_MERGE) {
+        g_message("pagefold agent: VM %s stays in advise mode: %s", a->name, a->reason);
+    } else {
+        g_message("pagefold agent: VM %s merges", a->name);
+    }
+}
+
+/* Waits until the socket has something to read, the agent is stopped, or
+ * timeout_ms pass (-1: no limit).  The VMM's threads never wait here. */
+static gboolean
+wait_readable(PfAgent *a, int timeout_ms, GError **error)
+{
+    for (;;) {
+        struct pollfd pfd[3] = { { a->sock, POLLIN, 0 }, { a->stop[0], POLLIN, 0 },
+                                 { a->wake[0], POLLIN, 0 } };
+        int n = poll(pfd, 3, timeout_ms);
+
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n < 0) {
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "poll: %s", g_strerror(errno));
+            return FALSE;
+        }
+        if (n == 0) {
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                        "pagefoldd did not answer within %d s", timeout_ms / 1000);
+            return FALSE;
+        }
+        if (pfd[1].revents) {
+            g_set_error(error, PF_ERROR, PF_ERROR_CLOSED, "the agent is stopping");
+            return FALSE;
+        }
+        if (pfd[2].revents) {
+            char buf[64];
+
+            while (read(a->wake[0], buf, sizeof(buf)) > 0) {
+            }
+            if (!flush(a, error)) {
+                if (error != NULL && *error == NULL) {
+                    g_set_error(error, PF_ERROR, PF_ERROR_CLOSED, "the link was given up");
+                }
+                return FALSE;
+            }
+        }
+        if (pfd[0].revents) {
+            return TRUE;
+        }
+    }
+}
+
+#define HANDSHAKE_MS 10000
+
+/* Announces the VM and its regions and settles the mode.  Only the agent
+ * thread waits for pagefoldd meanwhile. */
+static gboolean
+handshake(PfAgent *a, GError **error)
+{
+    g_autofree PfMsg *msg = g_new0(PfMsg, 1);
+    PfWireHello hello = { 0 };
+    int dev_fd = -1;
+
+    g_mutex_lock(&a->work);
+    hello.version = PF_PROTO_VERSION;
+    hello.pid = (guint32)getpid();
+    memcpy(hello.uuid, a->uuid, 16);
+    pf_wire_set_string(hello.name, sizeof(hello.name), a->name);
+    hello.n_regions = a->regions->len;
+    post(a, PF_MSG_HELLO, 0, &hello, sizeof(hello), -1);
+    for (guint i = 0; i < hello.n_regions; i++) {
+        region_join(a, i, FALSE);
+    }
+    g_mutex_unlock(&a->work);
+    if (!flush(a, error) || !wait_readable(a, HANDSHAKE_MS, error) ||
+        !recv_expect(a->sock, msg, PF_MSG_WELCOME, error)) {
+        return FALSE;
+    }
+    if (msg->n_fds == 1) {
+        dev_fd = msg->fds[0];
+        msg->n_fds = 0;
+    }
+    g_mutex_lock(&a->work);
+    settle_mode(a, pf_msg_mode(msg), dev_fd);
+    g_mutex_unlock(&a->work);
+    if (dev_fd >= 0) {
+        close(dev_fd);
+    }
+    if (!flush(a, error)) {
+        return FALSE;
+    }
+    set_connected(a, TRUE);
+    return TRUE;
+}
+
+/* Serves requests until the link ends or the agent stops. */
+static void
+serve(PfAgent *a)
+{
     g_autofree PfMsg *msg = g_new0(PfMsg, 1);
 
     for (;;) {
-        struct pollfd pfd[2] = { { a->sock, POLLIN, 0 }, { a->stop[0], POLLIN, 0 } };
         g_autoptr(GError) error = NULL;
         gboolean ok = TRUE;
 
-        if (poll(pfd, 2, -1) < 0) {
-            if (errno == EINTR) {
-                continue;
+        if (!wait_readable(a, -1, &error)) {
+            if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED)) {
+                g_warning("pagefold agent: %s; disconnecting", error->message);
             }
-            break;
-        }
-        if (pfd[1].revents) {
-            break;
+            return;
         }
         if (!pf_proto_recv(a->sock, msg, &error)) {
             if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED)) {
                 g_warning("pagefold agent: %s; disconnecting", error->message);
-                send_error(a, error->message);
+                g_mutex_lock(&a->work);
+                post_error(a, error->message);
+                g_mutex_unlock(&a->work);
+                (void)flush(a, NULL);
             }
-            break;
+            return;
         }
         g_mutex_lock(&a->work);
         switch (msg->header.type) {
@@ -1163,142 +1503,132 @@ agent_thread(gpointer data)
         pf_msg_close_fds(msg);
         if (!ok && error != NULL) {
             g_warning("pagefold agent: %s; disconnecting", error->message);
-            send_error(a, error->message);
+            post_error(a, error->message);
         }
         if (!ok) {
-            /* Said under the work lock: nobody sends after the ERROR. */
+            /* Under the work lock: nothing is queued after the ERROR. */
             set_connected(a, FALSE);
         }
         g_mutex_unlock(&a->work);
-        if (!ok) {
-            break;
+        g_clear_error(&error);
+        if (!flush(a, &error) || !ok) {
+            if (error != NULL) {
+                g_warning("pagefold agent: %s; disconnecting", error->message);
+            }
+            return;
         }
     }
+}
+
+static gpointer
+agent_thread(gpointer data)
+{
+    PfAgent *a = data;
+    g_autoptr(GError) error = NULL;
+    gboolean ok = handshake(a, &error);
+
+    if (!ok) {
+        g_autofree char *why = g_strdup_printf("not attached to pagefoldd: %s", error->message);
+
+        g_warning("pagefold agent: VM %s runs unmerged: %s", a->name, error->message);
+        g_mutex_lock(&a->work);
+        set_mode(a, PF_MODE_ADVISE, why);
+        g_mutex_unlock(&a->work);
+    }
+    g_mutex_lock(&a->lock);
+    a->settled = TRUE;
+    a->start_error = ok ? NULL : g_strdup(error->message);
+    g_cond_broadcast(&a->settled_cond);
+    g_mutex_unlock(&a->lock);
+    if (ok) {
+        serve(a);
+    }
+    /* Under the work lock: nothing is queued once it ends. */
+    g_mutex_lock(&a->work);
+    g_mutex_lock(&a->out);
+    a->posting = FALSE;
+    g_mutex_unlock(&a->out);
     set_connected(a, FALSE);
+    g_mutex_unlock(&a->work);
+    if (a->sock >= 0) {
+        shutdown(a->sock, SHUT_RDWR);
+    }
     return NULL;
-}
-
-static gboolean
-recv_expect(int sock, PfMsg *msg, PfMsgType type, GError **error)
-{
-    if (!pf_proto_recv(sock, msg, error)) {
-        return FALSE;
-    }
-    if (msg->header.type == PF_MSG_ERROR) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pagefoldd refused: %.*s",
-                    (int)msg->header.length, (const char *)msg->payload);
-        return FALSE;
-    }
-    if (msg->header.type != type) {
-        pf_msg_close_fds(msg);
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "expected message type %u, got %u", type, msg->header.type);
-        return FALSE;
-    }
-    return TRUE;
-}
-
-/* Chooses the mode, says it, and starts serving. */
-static gboolean
-settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd, GError **error)
-{
-    PfWireMode ready = { 0 };
-    g_autofree char *why = NULL;
-
-    if (a->advise_reason != NULL) {
-        why = g_strdup(a->advise_reason);
-    } else if (welcome->mode != PF_MODE_MERGE) {
-        why = g_strdup(welcome->reason);
-    } else if (uffd_setup(a, dev_fd, &why)) {
-        a->mode = PF_MODE_MERGE;
-    }
-    g_free(a->reason);
-    a->reason = g_strdup(why ? why : "");
-    ready.version = PF_PROTO_VERSION;
-    ready.mode = a->mode;
-    pf_wire_set_string(ready.reason, sizeof(ready.reason), a->reason);
-    if (!pf_proto_send(a->sock, PF_MSG_READY, 0, &ready, sizeof(ready), NULL, 0, error)) {
-        return FALSE;
-    }
-    if (a->mode != PF_MODE_MERGE) {
-        g_message("pagefold agent: VM %s stays in advise mode: %s", a->name, a->reason);
-    }
-    set_connected(a, TRUE);
-    if (pipe2(a->stop, O_CLOEXEC) < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pipe: %s", g_strerror(errno));
-        return FALSE;
-    }
-    a->thread = g_thread_new("pagefold-agent", agent_thread, a);
-    return TRUE;
 }
 
 gboolean
 pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    g_autofree PfMsg *msg = g_new0(PfMsg, 1);
-    PfWireHello hello = { 0 };
-    int dev_fd = -1;
-    gboolean ok;
+    /* A pagefoldd that stops reading must not stall the agent thread for
+     * good: after this, the link is given up. */
+    struct timeval tv = { .tv_sec = 5 };
+    int e;
 
     g_return_val_if_fail(a->sock < 0, FALSE);
-    /* With no region to merge the VM is still listed, with the reason. */
-    g_return_val_if_fail(a->regions->len > 0 || a->advise_reason != NULL, FALSE);
     if (strlen(socket_path) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long");
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long: %s",
+                    socket_path);
         return FALSE;
     }
     strcpy(addr.sun_path, socket_path);
     /* Every pool chunk this VM comes to share is a descriptor of ours. */
     pf_raise_nofile_limit();
-    a->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    /* Not blocking: a pagefoldd that accepts nobody (its queue full) is
+     * said at once, not waited for. */
+    a->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (a->sock < 0 || connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot connect to pagefoldd at %s: %s",
-                    socket_path, g_strerror(errno));
-        return FALSE;
+        e = errno;
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot connect to pagefoldd at %s: %s%s",
+                    socket_path, g_strerror(e),
+                    e == EAGAIN ? " (it accepts no connection: stuck, or overloaded)" : "");
+        goto fail;
     }
-    {
-        /* A pagefoldd that stops reading must not stall the VM's threads
-         * that wait for the work lock: after this, the link is given up. */
-        struct timeval tv = { .tv_sec = 5 };
+    if (fcntl(a->sock, F_SETFL, 0) < 0 ||
+        setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
+        pipe2(a->stop, O_CLOEXEC) < 0 || pipe2(a->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot set up the link: %s",
+                    g_strerror(errno));
+        goto fail;
+    }
+    g_mutex_lock(&a->out);
+    a->posting = TRUE;
+    g_mutex_unlock(&a->out);
+    a->thread = g_thread_new("pagefold-agent", agent_thread, a);
+    return TRUE;
 
-        setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-    }
-    hello.version = PF_PROTO_VERSION;
-    hello.pid = (guint32)getpid();
-    memcpy(hello.uuid, a->uuid, 16);
-    pf_wire_set_string(hello.name, sizeof(hello.name), a->name);
-    hello.n_regions = a->regions->len;
-    if (!pf_proto_send(a->sock, PF_MSG_HELLO, 0, &hello, sizeof(hello), NULL, 0, error)) {
-        return FALSE;
-    }
-    for (guint i = 0; i < a->regions->len; i++) {
-        Region *r = &g_array_index(a->regions, Region, i);
-        PfWireRegion wr = { 0 };
-
-        wr.index = i;
-        wr.page_size = PF_PAGE_SIZE;
-        wr.host_addr = (guint64)(guintptr)r->host;
-        wr.size = r->size;
-        wr.offset = r->offset;
-        pf_wire_set_string(wr.name, sizeof(wr.name), r->name);
-        if (!pf_proto_send(a->sock, PF_MSG_REGION, 0, &wr, sizeof(wr), &r->fd, 1, error)) {
-            return FALSE;
+fail:
+    for (int i = 0; i < 2; i++) {
+        if (a->stop[i] >= 0) {
+            close(a->stop[i]);
         }
+        if (a->wake[i] >= 0) {
+            close(a->wake[i]);
+        }
+        a->stop[i] = a->wake[i] = -1;
     }
-    if (!recv_expect(a->sock, msg, PF_MSG_WELCOME, error)) {
-        return FALSE;
+    if (a->sock >= 0) {
+        close(a->sock);
+        a->sock = -1;
     }
-    if (msg->n_fds == 1) {
-        dev_fd = msg->fds[0];
-        msg->n_fds = 0;
+    return FALSE;
+}
+
+gboolean
+pf_agent_wait_settled(PfAgent *a, GError **error)
+{
+    gboolean ok;
+
+    g_mutex_lock(&a->lock);
+    while (a->thread != NULL && !a->settled) {
+        g_cond_wait(&a->settled_cond, &a->lock);
     }
-    g_mutex_lock(&a->work);
-    ok = settle_mode(a, pf_msg_mode(msg), dev_fd, error);
-    g_mutex_unlock(&a->work);
-    if (dev_fd >= 0) {
-        close(dev_fd);
+    ok = a->thread != NULL && a->start_error == NULL;
+    if (!ok) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "%s",
+                    a->start_error ? a->start_error : "the agent was not started");
     }
+    g_mutex_unlock(&a->lock);
     return ok;
 }
 
@@ -1316,38 +1646,97 @@ pf_agent_new(const char *vm_name, const guint8 *uuid)
     a->dma_ranges = g_array_new(FALSE, FALSE, sizeof(DmaRange));
     a->sys = real_syscalls;
     a->sock = a->uffd = -1;
-    a->stop[0] = a->stop[1] = -1;
+    a->stop[0] = a->stop[1] = a->wake[0] = a->wake[1] = -1;
     a->mode = PF_MODE_ADVISE;
     g_mutex_init(&a->lock);
     g_mutex_init(&a->work);
     g_mutex_init(&a->dma);
+    g_mutex_init(&a->out);
+    g_cond_init(&a->settled_cond);
+    g_queue_init(&a->outbox);
     return a;
 }
 
-void
-pf_agent_add_region(PfAgent *a, const PfAgentRegion *r)
+gboolean
+pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error)
 {
-    Region reg = {
-        g_strdup(r->name), r->host, r->size, r->size / PF_PAGE_SIZE,
-        fcntl(r->fd, F_DUPFD_CLOEXEC, 3), r->offset, { 0 },
-        g_new0(guint64, (r->size / PF_PAGE_SIZE + 63) / 64),
-    };
+    Region reg = { 0 };
 
+    reg.fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 3);
+    if (reg.fd < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "region %s: cannot keep its memfd: %s",
+                    r->name, g_strerror(errno));
+        return FALSE;
+    }
+    reg.host = r->host;
+    reg.size = r->size;
+    reg.n_pages = r->size / PF_PAGE_SIZE;
+    reg.offset = r->offset;
+    reg.remapped = g_new0(guint64, (reg.n_pages + 63) / 64);
     memcpy(reg.advice, r->advice, sizeof(reg.advice));
     reg.advice[G_N_ELEMENTS(reg.advice) - 1] = 0;
 
+    g_mutex_lock(&a->work);
+    /* pagefoldd wants a name to show; QEMU's spare backends have none. */
+    reg.name = r->name != NULL && *r->name ? g_strdup(r->name)
+                                           : g_strdup_printf("region%u", a->regions->len);
     g_array_append_val(a->regions, reg);
+    /* Before the handshake's HELLO it is in the HELLO; during the
+     * handshake it follows READY; after, it goes now. */
+    if (a->ready) {
+        region_join(a, a->regions->len - 1, TRUE);
+    }
+    g_mutex_unlock(&a->work);
+    return TRUE;
 }
 
-static void
-send_to_daemon(PfAgent *a, PfMsgType type, const void *payload, gsize length)
+gboolean
+pf_agent_remove_region(PfAgent *a, void *host, GError **error)
 {
-    g_autoptr(GError) error = NULL;
+    gboolean ok = TRUE;
 
-    if (pf_agent_is_connected(a) &&
-        !pf_proto_send(a->sock, type, 0, payload, length, NULL, 0, &error)) {
-        g_warning("pagefold agent: cannot tell pagefoldd: %s", error->message);
+    g_mutex_lock(&a->work);
+    for (guint i = 0; i < a->regions->len; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+        PfWireRange gone = { i, 0, 0, r->n_pages };
+        gsize stop;
+        int rc = 0;
+
+        if (r->gone || r->host != host) {
+            continue;
+        }
+        /* Its content stays its own: the memfd may be used again (the
+         * backend plugged in elsewhere, merge=on). */
+        if (find_remapped(r, 0, r->n_pages, TRUE) < r->n_pages) {
+            rc = a->uffd < 0 ? -EBADF : fold_back(a, r, 0, r->n_pages, TRUE, &stop, NULL);
+        }
+        if (rc < 0) {
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                        "pagefold: cannot fold merged pages of %s back into its memfd: %s",
+                        r->name, g_strerror(-rc));
+            ok = FALSE;
+            break;
+        }
+        if (a->uffd >= 0 && r->refused == NULL) {
+            struct uffdio_range range = { (guint64)(guintptr)r->host, r->size };
+
+            /* Left registered, it would refuse the next userfaultfd
+             * (postcopy) there; nothing there is protected any more. */
+            if ((rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range)) < 0) {
+                g_warning("pagefold agent: cannot unregister %s: %s", r->name, g_strerror(-rc));
+            }
+        }
+        if (i < a->announced) {
+            post(a, PF_MSG_GONE, 0, &gone, sizeof(gone), -1);
+        }
+        close(r->fd);
+        r->fd = -1;
+        g_clear_pointer(&r->remapped, g_free);
+        r->gone = TRUE;
+        break;
     }
+    g_mutex_unlock(&a->work);
+    return ok;
 }
 
 gboolean
@@ -1363,19 +1752,15 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
     }
     if (a->mode == PF_MODE_MERGE) {
         g_message("pagefold agent: VM %s steps back to advise mode: %s", a->name, reason);
-        a->mode = PF_MODE_ADVISE;
-        g_free(a->reason);
-        a->reason = g_strdup(reason);
-        if (pf_agent_is_connected(a)) {
-            pf_wire_set_string(m.reason, sizeof(m.reason), reason);
-        }
+        set_mode(a, PF_MODE_ADVISE, reason);
+        pf_wire_set_string(m.reason, sizeof(m.reason), reason);
     }
     /* Again after a failure, too: what is left is folded back now. */
     for (guint i = 0; i < a->regions->len && rc == 0; i++) {
         Region *r = &g_array_index(a->regions, Region, i);
         gsize stop;
 
-        if (find_remapped(r, 0, r->n_pages, TRUE) == r->n_pages) {
+        if (r->gone || find_remapped(r, 0, r->n_pages, TRUE) == r->n_pages) {
             continue;
         }
         if (a->uffd < 0) {
@@ -1393,19 +1778,19 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
         /* pagefoldd does not know which pages came back: it lets go of
          * this VM, and the slots it still maps stay taken till the end. */
         g_warning("%s", err->message);
-        if (pf_agent_is_connected(a)) {
-            send_error(a, err->message);
-            shutdown(a->sock, SHUT_RDWR);
-            set_connected(a, FALSE);
-        }
+        post_error(a, err->message);
+        set_connected(a, FALSE);
         g_propagate_error(error, g_steal_pointer(&err));
-    } else if (a->uffd >= 0) {
-        /* Nothing of this VM is remapped any more; closing the userfaultfd
-         * unregisters guest RAM, for whoever needs it next. */
-        close(a->uffd);
-        a->uffd = -1;
+    } else {
+        if (a->uffd >= 0) {
+            /* Nothing of this VM is remapped any more; closing the
+             * userfaultfd unregisters guest RAM, for whoever needs it
+             * next. */
+            close(a->uffd);
+            a->uffd = -1;
+        }
         if (m.reason[0] != '\0') {
-            send_to_daemon(a, PF_MSG_ADVISE, &m, sizeof(m));
+            post(a, PF_MSG_ADVISE, 0, &m, sizeof(m), -1);
         }
     }
     g_mutex_unlock(&a->work);
@@ -1424,7 +1809,7 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
         PfWireRange wr = { i, 0, 0, 0 };
         int rc;
 
-        if (hi <= r->host || lo >= r->host + r->size) {
+        if (r->gone || hi <= r->host || lo >= r->host + r->size) {
             continue;
         }
         first = (gsize)(MAX(lo, r->host) - r->host) / PF_PAGE_SIZE;
@@ -1446,7 +1831,7 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
         wr.page = first;
         wr.n_pages = stop - first;
         if (wr.n_pages > 0) {
-            send_to_daemon(a, PF_MSG_DISCARD, &wr, sizeof(wr));
+            post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);
         }
     }
     g_mutex_unlock(&a->work);
@@ -1466,6 +1851,9 @@ pf_agent_free(PfAgent *a)
         if (a->stop[i] >= 0) {
             close(a->stop[i]);
         }
+        if (a->wake[i] >= 0) {
+            close(a->wake[i]);
+        }
     }
     if (a->sock >= 0) {
         close(a->sock);
@@ -1478,14 +1866,21 @@ pf_agent_free(PfAgent *a)
 
         g_free(r->name);
         g_free(r->remapped);
-        close(r->fd);
+        g_free(r->refused);
+        if (r->fd >= 0) {
+            close(r->fd);
+        }
     }
+    g_queue_clear_full(&a->outbox, outgoing_free);
     g_array_unref(a->regions);
     g_ptr_array_unref(a->chunks);
     g_array_unref(a->dma_ranges);
     g_mutex_clear(&a->lock);
     g_mutex_clear(&a->work);
     g_mutex_clear(&a->dma);
+    g_mutex_clear(&a->out);
+    g_cond_clear(&a->settled_cond);
+    g_free(a->start_error);
     g_free(a->advise_reason);
     g_free(a->reason);
     g_free(a->name);
@@ -1495,13 +1890,23 @@ pf_agent_free(PfAgent *a)
 PfMode
 pf_agent_get_mode(PfAgent *a)
 {
-    return a->mode;
+    PfMode m;
+
+    g_mutex_lock(&a->lock);
+    m = a->mode;
+    g_mutex_unlock(&a->lock);
+    return m;
 }
 
-const char *
-pf_agent_get_reason(PfAgent *a)
+char *
+pf_agent_dup_reason(PfAgent *a)
 {
-    return a->reason ? a->reason : "";
+    char *r;
+
+    g_mutex_lock(&a->lock);
+    r = g_strdup(a->reason ? a->reason : "");
+    g_mutex_unlock(&a->lock);
+    return r;
 }
 
 gboolean
@@ -1521,4 +1926,38 @@ pf_agent_get_stats(PfAgent *a, PfAgentStats *stats)
     g_mutex_lock(&a->lock);
     *stats = a->stats;
     g_mutex_unlock(&a->lock);
+}
+
+GPtrArray *
+pf_agent_get_regions(PfAgent *a)
+{
+    GPtrArray *list = g_ptr_array_new_with_free_func(pf_agent_region_info_free);
+
+    g_mutex_lock(&a->work);
+    for (guint i = 0; i < a->regions->len; i++) {
+        const Region *r = &g_array_index(a->regions, Region, i);
+        PfAgentRegionInfo *info;
+
+        if (r->gone) {
+            continue;
+        }
+        info = g_new0(PfAgentRegionInfo, 1);
+        info->name = g_strdup(r->name);
+        info->host = r->host;
+        info->size = r->size;
+        info->refused = g_strdup(r->refused);
+        g_ptr_array_add(list, info);
+    }
+    g_mutex_unlock(&a->work);
+    return list;
+}
+
+void
+pf_agent_region_info_free(gpointer p)
+{
+    PfAgentRegionInfo *info = p;
+
+    g_free(info->name);
+    g_free(info->refused);
+    g_free(info);
 }

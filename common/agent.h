@@ -61,7 +61,26 @@ typedef struct {
 typedef struct _PfAgent PfAgent;
 
 PfAgent *pf_agent_new(const char *vm_name, const guint8 *uuid);
-void pf_agent_add_region(PfAgent *a, const PfAgentRegion *r);
+/*
+ * Guest RAM to merge, before pf_agent_start() or at any time after (RAM
+ * plugged in: pagefoldd is told at once, and the region is write-protected
+ * first when the VM merges).  A region that cannot be merged (its memfd
+ * cannot be punched, a NUMA binding, a file system without write
+ * protection) is refused on its own: the others merge, and
+ * pf_agent_get_regions() says why.  FALSE only when its memfd cannot be
+ * kept (no descriptor left).
+ */
+gboolean pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error);
+/*
+ * The region at host leaves the VM (a DIMM unplugged, merging turned off
+ * for it): its merged pages are folded back into the memfd (no write
+ * lost), its write protection is dropped, pagefoldd forgets it, and the
+ * agent's dup of its memfd is closed, so that the memory is freed with
+ * the VMM's.  Call it before the VMM unmaps or frees the region.  FALSE
+ * when a page could not be folded back: the region stays as it was
+ * (merged pages valid), and calling again tries again.
+ */
+gboolean pf_agent_remove_region(PfAgent *a, void *host, GError **error);
 /*
  * This VM's RAM must be plain memfd mappings from now on: a vhost-user
  * backend or a migration is about to use it, or a device pins it.  Every
@@ -110,18 +129,39 @@ typedef struct {
 
 void pf_agent_set_syscalls(PfAgent *a, const PfAgentSyscalls *sys);
 
-/* Connects, announces the VM and its regions, settles the mode, and
- * starts serving on a thread of its own.  Raises the process's soft limit
- * on descriptors to its hard limit: every pool chunk the VM comes to share
- * is one. */
+/*
+ * Connects to pagefoldd and starts the agent's thread, which announces the
+ * VM and its regions, settles the mode, and serves.  Never waits for
+ * pagefoldd: FALSE only when it cannot be reached at all (no socket, or it
+ * accepts nobody); a pagefoldd that does not answer within seconds leaves
+ * the VM running unmerged, in advise mode, saying so.  Nor does any other
+ * call here wait for pagefoldd: what it must hear is queued, and the
+ * agent's thread sends it.  Raises the process's soft limit on
+ * descriptors to its hard limit: every pool chunk the VM comes to share
+ * is one.
+ */
 gboolean pf_agent_start(PfAgent *a, const char *socket_path, GError **error);
+/* Waits until the handshake has ended; FALSE, with why, when it failed.
+ * For VMMs that may wait (tests, stand-ins): QEMU must not. */
+gboolean pf_agent_wait_settled(PfAgent *a, GError **error);
 /* Disconnects and stops the thread; merged pages stay as they are. */
 void pf_agent_free(PfAgent *a);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfAgent, pf_agent_free)
 
-/* Mode and reason change only in pf_agent_start() and
- * pf_agent_step_back(): read them on the thread that calls those. */
+/* Any thread.  The mode is settled by the handshake (advise until then,
+ * and for good if it fails) and by pf_agent_step_back(). */
 PfMode pf_agent_get_mode(PfAgent *a);
-const char *pf_agent_get_reason(PfAgent *a);
+char *pf_agent_dup_reason(PfAgent *a);
 gboolean pf_agent_is_connected(PfAgent *a);
 void pf_agent_get_stats(PfAgent *a, PfAgentStats *stats);
+
+typedef struct {
+    char *name;
+    void *host;
+    guint64 size;
+    char *refused; /* why it is not merged, or NULL */
+} PfAgentRegionInfo;
+
+/* The regions the VM has now (PfAgentRegionInfo*, freed with the array). */
+GPtrArray *pf_agent_get_regions(PfAgent *a);
+void pf_agent_region_info_free(gpointer info);

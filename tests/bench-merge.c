@@ -44,7 +44,7 @@ rig_new(const PfLayout *l)
     r->g = pf_guest_new("memory-backend-memfd", l, 1);
     r->agent = pf_agent_new("bench", NULL);
     reg = (PfAgentRegion){ "pc.ram", r->g->mem, PAGES * PF_PAGE_SIZE, r->g->fd, 0 };
-    pf_agent_add_region(r->agent, &reg);
+    g_assert_true(pf_agent_add_region(r->agent, &reg, NULL));
     g_assert_cmpint(pf_test_peer_accept(r->peer, r->agent), ==, PF_MODE_MERGE);
     /* The pool holds a copy of every page: any page can merge with its slot. */
     r->pool_fd = pf_test_pool_chunk(PAGES, FALSE, &r->pool);

@@ -337,10 +337,13 @@ main(int argc, char **argv)
     agent = pf_agent_new(g_str_has_prefix(name, "guest=") ? name + 6 : name, NULL);
     r = (PfAgentRegion){ "pc.ram", v.g->mem, pages * PF_PAGE_SIZE, v.g->fd, 0,
                          { huge ? MADV_HUGEPAGE : 0 } };
-    pf_agent_add_region(agent, &r);
+    if (!pf_agent_add_region(agent, &r, &error)) {
+        g_printerr("standin-vmm: %s\n", error->message);
+        return 1;
+    }
     /* They fail only when told to ("fault"). */
     pf_agent_set_syscalls(agent, &pf_test_faulty_syscalls);
-    if (!pf_agent_start(agent, socket_path, &error)) {
+    if (!pf_agent_start(agent, socket_path, &error) || !pf_agent_wait_settled(agent, &error)) {
         g_printerr("standin-vmm: %s\n", error->message);
         return 1;
     }

@@ -236,7 +236,8 @@ start_agent(gpointer data)
 {
     StartArgs *a = data;
     g_autoptr(GError) error = NULL;
-    gboolean ok = pf_agent_start(a->agent, a->path, &error);
+    gboolean ok = pf_agent_start(a->agent, a->path, &error) &&
+                  pf_agent_wait_settled(a->agent, &error);
 
     g_assert_no_error(error);
     return GINT_TO_POINTER(ok);
