@@ -27,6 +27,12 @@
  * reported to pagefoldd is what is true (a page still mapped from a pool
  * slot is never reported as not merged: pagefoldd would reuse its slot).
  */
+/* The library's messages, in the VMM's log too (QEMU routes this domain to
+ * its own). */
+#ifndef G_LOG_DOMAIN
+#define G_LOG_DOMAIN "pagefold"
+#endif
+
 #include "agent.h"
 
 #include <errno.h>
@@ -109,7 +115,8 @@ struct _PfAgent {
     gboolean uffd_lost; /* closed because protection could not be lifted */
     GPtrArray *chunks;  /* Chunk*, indexed by chunk id, NULL where unknown */
 
-    GThread *thread;
+    PfAgentThreads threads;
+    void *thread;
     int stop[2];
     int wake[2]; /* something was queued for pagefoldd */
     GMutex work; /* held while pages are remapped or folded back, and while
@@ -149,6 +156,26 @@ real_ioctl(int fd, unsigned long request, void *arg)
 static const PfAgentSyscalls real_syscalls = {
     mmap, fallocate, pwrite, real_ioctl, madvise,
 };
+
+static void *
+gthread_create(void *(*fn)(void *), void *arg, void *opaque)
+{
+    return g_thread_new("pagefold-agent", fn, arg);
+}
+
+static void
+gthread_join(void *thread, void *opaque)
+{
+    g_thread_join(thread);
+}
+
+static const PfAgentThreads gthreads = { gthread_create, gthread_join, NULL };
+
+void
+pf_agent_set_threads(PfAgent *a, const PfAgentThreads *threads)
+{
+    a->threads = threads != NULL ? *threads : gthreads;
+}
 
 void
 pf_agent_set_syscalls(PfAgent *a, const PfAgentSyscalls *sys)
@@ -1594,7 +1621,7 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
     g_mutex_lock(&a->out);
     a->posting = TRUE;
     g_mutex_unlock(&a->out);
-    a->thread = g_thread_new("pagefold-agent", agent_thread, a);
+    a->thread = a->threads.create(agent_thread, a, a->threads.opaque);
     return TRUE;
 
 fail:
@@ -1637,7 +1664,8 @@ pf_agent_new(const char *vm_name, const guint8 *uuid)
 {
     PfAgent *a = g_new0(PfAgent, 1);
 
-    a->name = g_strdup(vm_name);
+    /* A label: pagefoldd tells VMs apart by their pids. */
+    a->name = g_strdup(vm_name != NULL && *vm_name ? vm_name : "qemu");
     if (uuid != NULL) {
         memcpy(a->uuid, uuid, 16);
     }
@@ -1645,6 +1673,7 @@ pf_agent_new(const char *vm_name, const guint8 *uuid)
     a->chunks = g_ptr_array_new_with_free_func(chunk_free);
     a->dma_ranges = g_array_new(FALSE, FALSE, sizeof(DmaRange));
     a->sys = real_syscalls;
+    a->threads = gthreads;
     a->sock = a->uffd = -1;
     a->stop[0] = a->stop[1] = a->wake[0] = a->wake[1] = -1;
     a->mode = PF_MODE_ADVISE;
@@ -1691,7 +1720,7 @@ pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error)
 }
 
 gboolean
-pf_agent_remove_region(PfAgent *a, void *host, GError **error)
+pf_agent_remove_region(PfAgent *a, void *host, gboolean keep, GError **error)
 {
     gboolean ok = TRUE;
 
@@ -1705,10 +1734,12 @@ pf_agent_remove_region(PfAgent *a, void *host, GError **error)
         if (r->gone || r->host != host) {
             continue;
         }
-        /* Its content stays its own: the memfd may be used again (the
-         * backend plugged in elsewhere, merge=on). */
+        /* Kept, its content stays its own: the memfd may be used again
+         * (the backend plugged in elsewhere, merge=on).  Else the memory
+         * is being freed, and only its pool slots matter. */
         if (find_remapped(r, 0, r->n_pages, TRUE) < r->n_pages) {
-            rc = a->uffd < 0 ? -EBADF : fold_back(a, r, 0, r->n_pages, TRUE, &stop, NULL);
+            rc = keep && a->uffd < 0 ? -EBADF
+                                     : fold_back(a, r, 0, r->n_pages, keep, &stop, NULL);
         }
         if (rc < 0) {
             g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
@@ -1838,6 +1869,25 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
 }
 
 void
+pf_agent_set_advice(PfAgent *a, void *host, const int *advice)
+{
+    g_mutex_lock(&a->work);
+    for (guint i = 0; i < a->regions->len; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+        guint n = 0;
+
+        if (r->gone || r->host != host) {
+            continue;
+        }
+        for (; advice[n] != 0 && n + 1 < G_N_ELEMENTS(r->advice); n++) {
+            r->advice[n] = advice[n];
+        }
+        r->advice[n] = 0;
+    }
+    g_mutex_unlock(&a->work);
+}
+
+void
 pf_agent_free(PfAgent *a)
 {
     if (a == NULL) {
@@ -1845,7 +1895,7 @@ pf_agent_free(PfAgent *a)
     }
     if (a->thread != NULL) {
         (void)!write(a->stop[1], "x", 1);
-        g_thread_join(a->thread);
+        a->threads.join(a->thread, a->threads.opaque);
     }
     for (int i = 0; i < 2; i++) {
         if (a->stop[i] >= 0) {

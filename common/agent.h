@@ -73,14 +73,19 @@ PfAgent *pf_agent_new(const char *vm_name, const guint8 *uuid);
 gboolean pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error);
 /*
  * The region at host leaves the VM (a DIMM unplugged, merging turned off
- * for it): its merged pages are folded back into the memfd (no write
- * lost), its write protection is dropped, pagefoldd forgets it, and the
- * agent's dup of its memfd is closed, so that the memory is freed with
- * the VMM's.  Call it before the VMM unmaps or frees the region.  FALSE
- * when a page could not be folded back: the region stays as it was
- * (merged pages valid), and calling again tries again.
+ * for it): its merged pages get their memfd mapping back (with keep, and
+ * their content, no write lost; without, the memory is about to be freed),
+ * its write protection is dropped, pagefoldd forgets it, and the agent's
+ * dup of its memfd is closed, so that the memory is freed with the VMM's.
+ * Call it before the VMM unmaps or frees the region.  FALSE when a page
+ * could not be folded back with keep: the region stays as it was (merged
+ * pages valid), and calling again tries again.
  */
-gboolean pf_agent_remove_region(PfAgent *a, void *host, GError **error);
+gboolean pf_agent_remove_region(PfAgent *a, void *host, gboolean keep, GError **error);
+/* The region at host has new madvise() advice (0-terminated), for the pages
+ * the agent remaps from now on; the VMM gives it to what is mapped now, as
+ * QEMU's qom-set of a backend's dump does. */
+void pf_agent_set_advice(PfAgent *a, void *host, const int *advice);
 /*
  * This VM's RAM must be plain memfd mappings from now on: a vhost-user
  * backend or a migration is about to use it, or a device pins it.  Every
@@ -128,6 +133,17 @@ typedef struct {
 } PfAgentSyscalls;
 
 void pf_agent_set_syscalls(PfAgent *a, const PfAgentSyscalls *sys);
+
+/* How the agent's one thread is made and joined: GLib's by default; a VMM
+ * with its own conventions (QEMU blocks signals in its threads) gives its
+ * own, before pf_agent_start(). */
+typedef struct {
+    void *(*create)(void *(*fn)(void *), void *arg, void *opaque);
+    void (*join)(void *thread, void *opaque);
+    void *opaque;
+} PfAgentThreads;
+
+void pf_agent_set_threads(PfAgent *a, const PfAgentThreads *threads);
 
 /*
  * Connects to pagefoldd and starts the agent's thread, which announces the

@@ -1,6 +1,12 @@
 /*
  * proto.c - see proto.h.
  */
+/* The library's messages, in the VMM's log too (QEMU routes this domain to
+ * its own). */
+#ifndef G_LOG_DOMAIN
+#define G_LOG_DOMAIN "pagefold"
+#endif
+
 #include "proto.h"
 
 #include <errno.h>

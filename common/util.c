@@ -2,6 +2,12 @@
  * util.c - see util.h.  Parsing here is strict on purpose: a knob or a pid
  * given as "12abc", " 12" or "-1" is an error, never a silent 12 or 0.
  */
+/* The library's messages, in the VMM's log too (QEMU routes this domain to
+ * its own). */
+#ifndef G_LOG_DOMAIN
+#define G_LOG_DOMAIN "pagefold"
+#endif
+
 #include "util.h"
 
 #include <errno.h>

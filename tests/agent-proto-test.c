@@ -1313,7 +1313,7 @@ test_plug_unplug(Fixture *f, gconstpointer data)
     g_assert_cmpuint(remapped(f), ==, 4);
     g_assert_cmpuint(maps_of(f->pool_fd, "rw-p"), >=, 1);
 
-    g_assert_true(pf_agent_remove_region(f->agent, dimm->mem, NULL));
+    g_assert_true(pf_agent_remove_region(f->agent, dimm->mem, TRUE, NULL));
     expect_msg(f, PF_MSG_GONE);
     gone = pf_msg_range(&f->msg);
     g_assert_cmpuint(gone->region, ==, 1);
@@ -1336,7 +1336,7 @@ test_plug_unplug(Fixture *f, gconstpointer data)
     res = request(f, items, 1, 2);
     assert_all_failed(res, 1, EINVAL);
     /* Unplugged twice: nothing more happens, nothing is said. */
-    g_assert_true(pf_agent_remove_region(f->agent, dimm->mem, NULL));
+    g_assert_true(pf_agent_remove_region(f->agent, dimm->mem, TRUE, NULL));
     barrier(f, 3);
 }
 

@@ -351,54 +351,124 @@ test_advise_vhost_user(void)
     g_rmdir(dir);
 }
 
-/* Merged guests, then a migration capability that needs plain RAM: each
- * guest steps back, every page folded back into its memfd, and checks
- * every byte it wrote. */
+/* Waits for the migration to reach status want ("completed"). */
+static void
+wait_migration(Guest *g, const char *want)
+{
+    for (int i = 0; i < 1200; i++) {
+        JsonNode *n = pf_test_guest_qmp(g, "query-migrate", NULL);
+        JsonObject *o = json_node_get_object(n);
+        g_autofree char *status = g_strdup(json_object_has_member(o, "status")
+                                               ? json_object_get_string_member(o, "status")
+                                               : "none");
+
+        json_node_unref(n);
+        if (g_str_equal(status, want)) {
+            return;
+        }
+        if (g_str_equal(status, "failed") || g_str_equal(status, "cancelled")) {
+            g_error("%s: migration %s", g->name, status);
+        }
+        g_usleep(100000);
+    }
+    g_error("%s: migration not %s within 2 minutes", g->name, want);
+}
+
+static void
+set_capability(Guest *g, const char *cap, gboolean on)
+{
+    g_autofree char *args = g_strdup_printf(
+        "{\"capabilities\": [{\"capability\": \"%s\", \"state\": %s}]}", cap,
+        on ? "true" : "false");
+
+    json_node_unref(pf_test_guest_qmp(g, "migrate-set-capabilities", args));
+}
+
+/* Merging, with most of its fill remapped. */
+static void
+assert_merging(Guest *g)
+{
+    g_autoptr(JsonObject) agent = agent_info(g);
+
+    g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
+    g_assert_cmpint(json_object_get_int_member(agent, "remapped"), >, FILL_PAGES / 2);
+}
+
+/*
+ * Migrations that need guest RAM to be plain memfd mappings: a background
+ * snapshot (its own userfaultfd write-protects guest RAM) and x-ignore-shared
+ * (the destination takes guest RAM from the memfd).  Setting the capability
+ * changes nothing, nor does a combination QEMU refuses, nor postcopy-ram (the
+ * source needs nothing of it); the migration's start makes the agent fold
+ * every page back (in the migration thread, the guest running) and step
+ * back, and the migration completes.  The agent cannot be deleted meanwhile
+ * (nobody would be left to fold its pages back).  Each guest checks every
+ * byte it wrote.
+ */
 static void
 test_advise_migration(void)
 {
-    static const char *const caps[] = { "postcopy-ram", "background-snapshot",
-                                        "x-ignore-shared" };
-    static const char *const why[] = { "postcopy", "background snapshot", "x-ignore-shared" };
+    static const char *const caps[] = { "background-snapshot", "x-ignore-shared" };
+    static const char *const why[] = { "background snapshot", "x-ignore-shared" };
     g_autoptr(PfTestDaemon) d = NULL;
-    Guest *g[3];
+    Guest *g[2];
     JsonNode *s;
 
     if (!have_qemu()) {
         return;
     }
     d = pf_test_daemon_start("--set", "run=0", NULL);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 2; i++) {
         g_autofree char *name = g_strdup_printf("mig%d", i);
 
-        g[i] = guest_start(d->agent_sock, name, i + 1, 40, FALSE);
+        g[i] = guest_start(d->agent_sock, name, i + 1, 50, FALSE);
     }
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 2; i++) {
         g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 180));
     }
     s = pf_test_ctl_json(d, "scan-now", "3", NULL);
-    g_assert_cmpint(total(s, "pages_sharing"), >=, FILL_PAGES * 9 / 10);
+    g_assert_cmpint(total(s, "pages_sharing"), >=, FILL_PAGES * 9 / 10 / 2);
     json_node_unref(s);
-    for (int i = 0; i < 3; i++) {
-        g_autofree char *args = g_strdup_printf(
-            "{\"capabilities\": [{\"capability\": \"%s\", \"state\": true}]}", caps[i]);
-        JsonNode *r;
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *err = NULL;
 
-        g_assert_cmpint(agent_stat(g[i], "remapped"), >, FILL_PAGES / 2);
-        /* Background snapshot's own check registers guest RAM with a
-         * userfaultfd of its own: it passes only if the agent let go. */
-        r = pf_test_guest_qmp(g[i], "migrate-set-capabilities", args);
-        json_node_unref(r);
+        assert_merging(g[i]);
+        err = pf_test_guest_qmp_error(g[i], "object-del", "{\"id\": \"pf0\"}");
+        g_test_message("%s: object-del pf0: %s", g[i]->name, err);
+        g_assert_nonnull(strstr(err, "pf0"));
+        g_clear_pointer(&err, g_free);
+        err = pf_test_guest_qmp_error(
+            g[i], "migrate-set-capabilities",
+            "{\"capabilities\": [{\"capability\": \"postcopy-ram\", \"state\": true},"
+            " {\"capability\": \"background-snapshot\", \"state\": true}]}");
+        g_test_message("%s: refused: %s", g[i]->name, err);
+        assert_merging(g[i]);
+        set_capability(g[i], "postcopy-ram", TRUE);
+        assert_merging(g[i]);
+        set_capability(g[i], "postcopy-ram", FALSE);
+        set_capability(g[i], caps[i], TRUE);
+        assert_merging(g[i]);
+
+        json_node_unref(pf_test_guest_qmp(g[i], "migrate",
+                                          "{\"uri\": \"exec:cat > /dev/null\"}"));
+        wait_migration(g[i], "completed");
+        if (g_str_equal(caps[i], "x-ignore-shared")) {
+            /* A migration that completed leaves the source paused. */
+            json_node_unref(pf_test_guest_qmp(g[i], "cont", NULL));
+        }
         s = pf_test_ctl_json(d, "scan-now", "1", NULL);
         json_node_unref(s);
         assert_advise(d, g[i], why[i]);
         g_assert_cmpint(agent_stat(g[i], "connected"), ==, 1);
+        /* Nothing is registered for userfaultfd any more: postcopy on a
+         * destination, or another snapshot, may have it. */
+        g_assert_cmpint(pf_test_count_vmas_flag(g[i]->pid, 0, 0, "uw"), ==, 0);
     }
     /* The pool keeps only what no guest maps any more: nothing. */
     s = pf_test_ctl_json(d, "scan-now", "1", NULL);
     g_assert_cmpint(json_object_get_int_member(json_node_get_object(s), "pool_slots"), ==, 0);
     json_node_unref(s);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 2; i++) {
         g_free(pf_test_guest_expect(g[i], "PFGUEST CHECK ok", 60));
         g_free(pf_test_guest_expect(g[i], "PFGUEST PASS", 120));
         pf_test_guest_free(g[i]);
@@ -485,7 +555,7 @@ test_advise_private_ram(void)
     spec.agent_sock = d->agent_sock;
     g = pf_test_guest_start(&spec);
     g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
-    assert_advise(d, g, "no shared memfd RAM");
+    assert_advise(d, g, "not shared memfd RAM");
     g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
     pf_test_guest_free(g);
 }
@@ -530,7 +600,7 @@ test_ivshmem(void)
                     ==, 128 << 20);
     json_node_unref(list);
     agent = agent_info(g);
-    g_assert_cmpint(json_object_get_int_member(agent, "regions"), ==, 1);
+    g_assert_cmpint(json_array_get_length(json_object_get_array_member(agent, "regions")), ==, 1);
     g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
 
     /* Guest RAM merges: its zero pages, at the least. */
@@ -721,6 +791,417 @@ test_odirect(gconstpointer data)
     odirect_image_free(g_steal_pointer(&image));
 }
 
+/* ---- a VM's whole life ---- */
+
+/* The live regions pagefoldd lists for VM name (refused and gone ones
+ * aside). */
+static guint
+live_regions(PfTestDaemon *d, const char *name, guint64 *addr_of, const char *region)
+{
+    JsonNode *list = pf_test_ctl_json(d, "list", NULL);
+    JsonArray *regions = json_object_get_array_member(attached_vm(json_node_get_array(list), name),
+                                                      "regions");
+    guint n = 0;
+
+    for (guint i = 0; i < json_array_get_length(regions); i++) {
+        JsonObject *r = json_array_get_object_element(regions, i);
+
+        if (json_object_has_member(r, "refused") || json_object_has_member(r, "gone")) {
+            continue;
+        }
+        n++;
+        if (region != NULL && g_str_equal(json_object_get_string_member(r, "name"), region)) {
+            *addr_of = (guint64)json_object_get_int_member(r, "host_addr");
+        }
+    }
+    json_node_unref(list);
+    return n;
+}
+
+/* The agent's view of one region: merging, or why not (NULL: absent). */
+static JsonObject *
+agent_region(Guest *g, const char *name)
+{
+    g_autoptr(JsonObject) agent = agent_info(g);
+    JsonArray *regions = json_object_get_array_member(agent, "regions");
+
+    for (guint i = 0; i < json_array_get_length(regions); i++) {
+        JsonObject *r = json_array_get_object_element(regions, i);
+
+        if (g_str_equal(json_object_get_string_member(r, "name"), name)) {
+            return json_object_ref(r);
+        }
+    }
+    return NULL;
+}
+
+static void
+assert_region_refused(Guest *g, const char *name, const char *why)
+{
+    g_autoptr(JsonObject) r = agent_region(g, name);
+
+    if (r == NULL) {
+        g_error("%s: region %s is not listed", g->name, name);
+    }
+    g_assert_false(json_object_get_boolean_member(r, "merging"));
+    if (strstr(json_object_get_string_member(r, "reason"), why) == NULL) {
+        g_error("%s: region %s: reason '%s' does not say '%s'", g->name, name,
+                json_object_get_string_member(r, "reason"), why);
+    }
+}
+
+/* The inode of what pid maps at addr. */
+static guint64
+mapped_inode(int pid, guint64 addr)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
+    g_autofree char *text = NULL;
+    g_auto(GStrv) lines = NULL;
+
+    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
+    lines = g_strsplit(text, "\n", -1);
+    for (char **l = lines; *l && **l; l++) {
+        guint64 lo, hi, ino;
+
+        if (sscanf(*l, "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x %*s %*s %*s %" G_GUINT64_FORMAT,
+                   &lo, &hi, &ino) == 3 && addr >= lo && addr < hi) {
+            return ino;
+        }
+    }
+    g_error("nothing mapped at 0x%" G_GINT64_MODIFIER "x in %d", addr, pid);
+}
+
+/* Does pid hold inode (a shmem file) open or mapped? */
+static gboolean
+holds_inode(int pid, guint64 ino)
+{
+    g_autofree char *fds = g_strdup_printf("/proc/%d/fd", pid);
+    g_autofree char *maps = g_strdup_printf("/proc/%d/maps", pid);
+    g_autofree char *text = NULL;
+    g_autofree char *needle = g_strdup_printf(" %" G_GUINT64_FORMAT " ", ino);
+    g_autoptr(GDir) dir = g_dir_open(fds, 0, NULL);
+    const char *e;
+
+    while (dir != NULL && (e = g_dir_read_name(dir)) != NULL) {
+        g_autofree char *fd = g_build_filename(fds, e, NULL);
+        struct stat st;
+
+        if (stat(fd, &st) == 0 && (guint64)st.st_ino == ino && S_ISREG(st.st_mode) &&
+            st.st_nlink == 0) {
+            return TRUE;
+        }
+    }
+    g_assert_true(g_file_get_contents(maps, &text, NULL, NULL));
+    return strstr(text, needle) != NULL;
+}
+
+static int
+daemon_pid(PfTestDaemon *d)
+{
+    return atoi(g_subprocess_get_identifier(d->proc));
+}
+
+/*
+ * Memory hotplug: a memfd DIMM plugged into a merging VM is handed to the
+ * agent and merges (the guest fills part of it, and checks it); unplugged
+ * (the guest gives it back), its merged pages are folded back and
+ * pagefoldd forgets it; its backend deleted, no process holds its memory
+ * any more.  A spare backend (not plugged) is no guest RAM.
+ */
+static void
+test_hotplug(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    PfGuestSpec spec = { "dimm0", NULL, 256, 16, 1, 150, 4, FALSE, FALSE, NULL,
+                         "memhp_default_state=online_movable pfguest.late_mib=48", 1024 };
+    guint64 dimm = 0, ino;
+    gint64 zeroed;
+    JsonNode *s, *n;
+    Guest *g;
+
+    if (!have_qemu()) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    spec.agent_sock = d->agent_sock;
+    g = pf_test_guest_start(&spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    json_node_unref(pf_test_guest_qmp(g, "object-add",
+                                      "{\"qom-type\": \"memory-backend-memfd\", \"id\": \"mem1\","
+                                      " \"size\": 134217728, \"share\": true}"));
+    g_assert_cmpuint(live_regions(d, g->name, NULL, NULL), ==, 1);
+    json_node_unref(pf_test_guest_qmp(g, "device_add",
+                                      "{\"driver\": \"pc-dimm\", \"id\": \"dimm1\","
+                                      " \"memdev\": \"mem1\"}"));
+    g_free(pf_test_guest_expect(g, "PFGUEST LATE filled", 120));
+    g_assert_cmpuint(live_regions(d, g->name, &dimm, "mem1"), ==, 2);
+    g_assert_cmpuint(dimm, !=, 0);
+
+    /* Half the late memory is zero pages, in the DIMM. */
+    zeroed = agent_stat(g, "zeroed");
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    json_node_unref(s);
+    g_assert_cmpint(agent_stat(g, "zeroed") - zeroed, >=, 48 * 256 / 2 * 9 / 10);
+    g_assert_cmpint(pf_test_count_vmas(g->pid, dimm, 128 << 20), >, 1);
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+
+    /* Unplugged: the guest moves its late memory out and gives it back. */
+    ino = mapped_inode(g->pid, dimm);
+    json_node_unref(pf_test_guest_qmp(g, "device_del", "{\"id\": \"dimm1\"}"));
+    for (int i = 0; i < 1200; i++) {
+        n = pf_test_guest_qmp(g, "query-memory-devices", NULL);
+        if (json_array_get_length(json_node_get_array(n)) == 0) {
+            json_node_unref(n);
+            break;
+        }
+        json_node_unref(n);
+        g_assert_cmpint(i, <, 1199);
+        g_usleep(100000);
+    }
+    g_assert_cmpuint(live_regions(d, g->name, NULL, NULL), ==, 1);
+    json_node_unref(pf_test_guest_qmp(g, "object-del", "{\"id\": \"mem1\"}"));
+    s = pf_test_ctl_json(d, "scan-now", "1", NULL);
+    json_node_unref(s);
+    g_assert_false(holds_inode(g->pid, ino));
+    g_assert_false(holds_inode(daemon_pid(d), ino));
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 180));
+    pf_test_guest_free(g);
+}
+
+/*
+ * Guest RAM of every kind in one VM, one NUMA node each: a memfd with
+ * dump=off (merged, and its remapped pages not dumped either), a file on a
+ * disk file system (not a memfd: skipped), a preallocated memfd (kept
+ * allocated by default), a memfd with merge=off, a memfd bound to a host
+ * node (pool pages would not follow the binding: refused), and a spare
+ * backend (no guest RAM).  The odd ones cost the first nothing.  Then
+ * qom-set merge=off folds the first back and forgets it, merge=on hands it
+ * over again.
+ */
+static void
+test_regions(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    g_autofree char *dir = g_dir_make_tmp("pagefold-file-XXXXXX", NULL);
+    g_autofree char *file = g_strdup_printf(
+        "memory-backend-file,id=m1,size=32M,share=on,mem-path=%s/m1", dir);
+    const char *extra[] = {
+        "-object", "memory-backend-memfd,id=m0,size=192M,share=on,dump=off",
+        "-object", file,
+        "-object", "memory-backend-memfd,id=m2,size=32M,share=on,prealloc=on",
+        "-object", "memory-backend-memfd,id=m3,size=32M,share=on,merge=off",
+        "-object", "memory-backend-memfd,id=m4,size=32M,share=on,host-nodes=0,policy=bind",
+        "-object", "memory-backend-memfd,id=spare,size=32M,share=on",
+        "-numa", "node,nodeid=0,memdev=m0", "-numa", "node,nodeid=1,memdev=m1",
+        "-numa", "node,nodeid=2,memdev=m2", "-numa", "node,nodeid=3,memdev=m3",
+        "-numa", "node,nodeid=4,memdev=m4", NULL,
+    };
+    PfGuestSpec spec = { "kinds0", NULL, 320, 32, 1, 90, 4, FALSE, FALSE, extra, NULL, 0, TRUE };
+    g_autoptr(JsonObject) m0 = NULL;
+    guint64 m0_addr = 0;
+    gint64 vmas;
+    Guest *g;
+    JsonNode *s;
+
+    if (!have_qemu()) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    spec.agent_sock = d->agent_sock;
+    g = pf_test_guest_start(&spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    {
+        g_autoptr(JsonObject) agent = agent_info(g);
+
+        g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
+        g_assert_false(json_object_get_boolean_member(agent, "merge-prealloc"));
+    }
+    m0 = agent_region(g, "m0");
+    g_assert_nonnull(m0);
+    g_assert_true(json_object_get_boolean_member(m0, "merging"));
+    assert_region_refused(g, "m1", "not a memfd");
+    assert_region_refused(g, "m2", "prealloc");
+    assert_region_refused(g, "m3", "merge=off");
+    assert_region_refused(g, "m4", "NUMA");
+    g_assert_null(agent_region(g, "spare"));
+    g_assert_cmpuint(live_regions(d, g->name, &m0_addr, "m0"), ==, 1);
+
+    /* m0 merges; its remapped pages carry its dump=off, nothing else is
+     * write-protected. */
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 32 * 256 / 5 * 9 / 10);
+    json_node_unref(s);
+    vmas = pf_test_count_vmas(g->pid, m0_addr, 192 << 20);
+    g_assert_cmpint(vmas, >, 1);
+    g_assert_cmpint(pf_test_count_vmas_flag(g->pid, m0_addr, 192 << 20, "dd"), ==, vmas);
+    g_assert_cmpint(pf_test_count_vmas_flag(g->pid, 0, 0, "uw"), ==,
+                    pf_test_count_vmas_flag(g->pid, m0_addr, 192 << 20, "uw"));
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+
+    /* merge=off: m0's pages come back, pagefoldd forgets it. */
+    json_node_unref(pf_test_guest_qmp(g, "qom-set",
+                                      "{\"path\": \"/objects/m0\", \"property\": \"merge\","
+                                      " \"value\": false}"));
+    g_assert_cmpint(agent_stat(g, "remapped"), ==, 0);
+    g_assert_cmpint(pf_test_count_vmas(g->pid, m0_addr, 192 << 20), ==, 1);
+    g_assert_cmpint(pf_test_count_vmas_flag(g->pid, 0, 0, "uw"), ==, 0);
+    g_assert_cmpuint(live_regions(d, g->name, NULL, NULL), ==, 0);
+    assert_region_refused(g, "m0", "merge=off");
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+
+    /* merge=on: merged again. */
+    json_node_unref(pf_test_guest_qmp(g, "qom-set",
+                                      "{\"path\": \"/objects/m0\", \"property\": \"merge\","
+                                      " \"value\": true}"));
+    g_assert_cmpuint(live_regions(d, g->name, NULL, NULL), ==, 1);
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 32 * 256 / 5 * 9 / 10);
+    json_node_unref(s);
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 180));
+    pf_test_guest_free(g);
+    {
+        g_autofree char *m1 = g_build_filename(dir, "m1", NULL);
+
+        g_unlink(m1);
+        g_rmdir(dir);
+    }
+}
+
+/*
+ * pagefoldd accepts the connection and never answers: QEMU starts, QMP
+ * answers, the guest runs and checks its memory, unmerged; the agent says
+ * it is not connected, and why.  A second agent is refused, and the agent
+ * cannot be deleted.
+ */
+static void
+test_silent_pagefoldd(void)
+{
+    g_autofree char *dir = g_dir_make_tmp("pagefold-silent-XXXXXX", NULL);
+    g_autofree char *path = g_build_filename(dir, "agent.sock", NULL);
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    int listen_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    PfGuestSpec spec = { "silent0", path, 128, 16, 1, 30, 4, FALSE };
+    g_autoptr(JsonObject) agent = NULL;
+    g_autofree char *err = NULL;
+    const char *reason = "";
+    Guest *g;
+
+    if (!have_qemu()) {
+        return;
+    }
+    g_strlcpy(addr.sun_path, path, sizeof(addr.sun_path));
+    g_assert_cmpint(bind(listen_fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
+    g_assert_cmpint(listen(listen_fd, 4), ==, 0); /* and never accept */
+    g = pf_test_guest_start(&spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    for (int i = 0; i < 300; i++) {
+        g_clear_pointer(&agent, json_object_unref);
+        agent = agent_info(g);
+        g_assert_false(json_object_get_boolean_member(agent, "connected"));
+        g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "advise");
+        reason = json_object_has_member(agent, "reason")
+                     ? json_object_get_string_member(agent, "reason") : "";
+        if (strstr(reason, "did not answer") != NULL) {
+            break;
+        }
+        g_usleep(100000);
+    }
+    g_test_message("silent0: %s", reason);
+    g_assert_nonnull(strstr(reason, "did not answer"));
+    err = pf_test_guest_qmp_error(g, "object-add",
+                                  "{\"qom-type\": \"x-pagefold-agent\", \"id\": \"pf1\","
+                                  " \"socket\": \"/nonexistent\"}");
+    g_test_message("silent0: second agent: %s", err);
+    g_assert_nonnull(strstr(err, "one agent"));
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
+    pf_test_guest_free(g);
+    close(listen_fd);
+    unlink(path);
+    g_rmdir(dir);
+}
+
+/* VMs without -name: QEMU calls them all "qemu"; both attach and merge,
+ * told apart by their pids, and QMP says they are connected. */
+static void
+test_no_name(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    Guest *g[2];
+    JsonNode *list;
+    JsonArray *vms;
+
+    if (!have_qemu()) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    for (int i = 0; i < 2; i++) {
+        PfGuestSpec spec = { "noname", d->agent_sock, 128, 16, i + 1, 20, 4, FALSE, FALSE, NULL,
+                             NULL, 0, FALSE, TRUE };
+
+        g[i] = pf_test_guest_start(&spec);
+    }
+    for (int i = 0; i < 2; i++) {
+        g_autoptr(JsonObject) agent = NULL;
+
+        g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
+        for (int k = 0; k < 100; k++) {
+            g_clear_pointer(&agent, json_object_unref);
+            agent = agent_info(g[i]);
+            if (json_object_get_boolean_member(agent, "connected")) {
+                break;
+            }
+            g_usleep(100000);
+        }
+        g_assert_true(json_object_get_boolean_member(agent, "connected"));
+        g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
+    }
+    list = pf_test_ctl_json(d, "list", NULL);
+    vms = json_node_get_array(list);
+    g_assert_cmpuint(json_array_get_length(vms), ==, 2);
+    for (guint i = 0; i < 2; i++) {
+        JsonObject *vm = json_array_get_object_element(vms, i);
+
+        g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
+    }
+    json_node_unref(list);
+    for (int i = 0; i < 2; i++) {
+        g_free(pf_test_guest_expect(g[i], "PFGUEST PASS", 120));
+        pf_test_guest_free(g[i]);
+    }
+}
+
+/*
+ * virtio-gpu with blob resources makes udmabufs of guest RAM's memfd:
+ * merged pages would be holes there, so the VM steps back.  It needs
+ * /dev/udmabuf on the host (Debian's kernels are built without it).
+ */
+static void
+test_advise_virtio_gpu_blob(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    const char *extra[] = { "-device", "virtio-gpu-pci,blob=true", NULL };
+    PfGuestSpec spec = { "gpu0", NULL, 256, FILL_MIB, 1, 10, 4, FALSE, FALSE, extra };
+    Guest *g;
+
+    if (!have_qemu()) {
+        return;
+    }
+    if (!g_file_test("/dev/udmabuf", G_FILE_TEST_EXISTS)) {
+        g_test_skip("no /dev/udmabuf on this host: QEMU refuses virtio-gpu blob=true");
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    spec.agent_sock = d->agent_sock;
+    g = pf_test_guest_start(&spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    assert_advise(d, g, "virtio-gpu blob");
+    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
+    pf_test_guest_free(g);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -734,5 +1215,10 @@ main(int argc, char **argv)
     g_test_add_func("/qemu/ivshmem", test_ivshmem);
     g_test_add_data_func("/qemu/odirect/native", "native", test_odirect);
     g_test_add_data_func("/qemu/odirect/io_uring", "io_uring", test_odirect);
+    g_test_add_func("/qemu/life/hotplug", test_hotplug);
+    g_test_add_func("/qemu/life/regions", test_regions);
+    g_test_add_func("/qemu/life/silent-pagefoldd", test_silent_pagefoldd);
+    g_test_add_func("/qemu/life/no-name", test_no_name);
+    g_test_add_func("/qemu/advise/virtio-gpu-blob", test_advise_virtio_gpu_blob);
     return g_test_run();
 }

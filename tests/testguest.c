@@ -55,10 +55,13 @@ pf_test_guest_start(const PfGuestSpec *spec)
         "pfguest.check_s=%d pfguest.reboot=%d %s", spec->fill_mib, spec->seed, spec->seconds,
         spec->check_s, spec->reboot, spec->cmdline ? spec->cmdline : "");
     g_autofree char *guestname = g_strdup_printf("guest=%s", spec->name);
-    g_autofree char *m = g_strdup_printf("%dM", spec->ram_mib);
+    g_autofree char *m = spec->maxmem_mib > 0
+                             ? g_strdup_printf("%dM,slots=2,maxmem=%dM", spec->ram_mib,
+                                               spec->maxmem_mib)
+                             : g_strdup_printf("%dM", spec->ram_mib);
     g_autoptr(GPtrArray) argv = g_ptr_array_new();
     const char *args[] = {
-        pf_test_bin("QEMU_BINARY"), "-m", m, "-name", guestname,
+        pf_test_bin("QEMU_BINARY"), "-m", m,
         "-kernel", pf_test_bin("GUEST_KERNEL"), "-initrd", pf_test_bin("GUEST_INITRD"),
         "-append", append, "-nographic", "-nic", "none",
         "-L", "/usr/share/seabios", "-L", "/usr/share/qemu",
@@ -66,6 +69,10 @@ pf_test_guest_start(const PfGuestSpec *spec)
 
     for (gsize i = 0; i < G_N_ELEMENTS(args); i++) {
         g_ptr_array_add(argv, (char *)args[i]);
+    }
+    if (!spec->no_name) {
+        g_ptr_array_add(argv, (char *)"-name");
+        g_ptr_array_add(argv, guestname);
     }
     g->dir = g_dir_make_tmp("pagefold-guest-XXXXXX", &error);
     g_assert_no_error(error);
@@ -76,7 +83,12 @@ pf_test_guest_start(const PfGuestSpec *spec)
     for (gsize i = 0; spec->extra != NULL && spec->extra[i] != NULL; i++) {
         g_ptr_array_add(argv, (char *)spec->extra[i]);
     }
-    if (spec->agent_sock != NULL) {
+    if (spec->agent_sock != NULL && spec->own_ram) {
+        g_ptr_array_add(argv, (char *)"-machine");
+        g_ptr_array_add(argv, (char *)"pc,accel=tcg");
+        g_ptr_array_add(argv, (char *)"-object");
+        g_ptr_array_add(argv, agent);
+    } else if (spec->agent_sock != NULL) {
         g_ptr_array_add(argv, (char *)"-machine");
         g_ptr_array_add(argv, (char *)"pc,accel=tcg,memory-backend=ram");
         g_ptr_array_add(argv, (char *)"-object");
@@ -156,9 +168,10 @@ pf_test_guest_free(Guest *g)
     g_free(g);
 }
 
-/* The next reply on a QMP connection, events skipped. */
+/* The next reply on a QMP connection, events skipped: its "return", or
+ * with error set, the text of its "error" (which fails the test else). */
 static JsonNode *
-qmp_reply(GDataInputStream *in, const char *command)
+qmp_reply(GDataInputStream *in, const char *command, char **error_text)
 {
     for (;;) {
         g_autoptr(GError) error = NULL;
@@ -172,8 +185,16 @@ qmp_reply(GDataInputStream *in, const char *command)
         }
         g_assert_true(json_parser_load_from_data(p, line, -1, &error));
         o = json_node_get_object(json_parser_get_root(p));
+        if (json_object_has_member(o, "error") && error_text != NULL) {
+            *error_text = g_strdup(json_object_get_string_member(
+                json_object_get_object_member(o, "error"), "desc"));
+            return NULL;
+        }
         if (json_object_has_member(o, "error")) {
             g_error("QMP %s: %s", command, line);
+        }
+        if (json_object_has_member(o, "return") && error_text != NULL) {
+            g_error("QMP %s did not fail: %s", command, line);
         }
         if (json_object_has_member(o, "return")) {
             return json_node_copy(json_object_get_member(o, "return"));
@@ -181,8 +202,8 @@ qmp_reply(GDataInputStream *in, const char *command)
     }
 }
 
-JsonNode *
-pf_test_guest_qmp(Guest *g, const char *command, const char *arguments)
+static JsonNode *
+guest_qmp(Guest *g, const char *command, const char *arguments, char **error_text)
 {
     g_autoptr(GError) error = NULL;
     g_autoptr(GSocketClient) client = g_socket_client_new();
@@ -208,10 +229,25 @@ pf_test_guest_qmp(Guest *g, const char *command, const char *arguments)
     g_assert_no_error(error);
     g_assert_nonnull(greeting);
     g_assert_true(g_output_stream_write_all(out, caps, strlen(caps), NULL, NULL, &error));
-    json_node_unref(qmp_reply(in, "qmp_capabilities"));
+    json_node_unref(qmp_reply(in, "qmp_capabilities", NULL));
     line = g_strdup_printf("{\"execute\": \"%s\"%s%s}\n", command,
                            arguments ? ", \"arguments\": " : "", arguments ? arguments : "");
     g_assert_true(g_output_stream_write_all(out, line, strlen(line), NULL, NULL, &error));
-    return qmp_reply(in, command);
+    return qmp_reply(in, command, error_text);
+}
+
+JsonNode *
+pf_test_guest_qmp(Guest *g, const char *command, const char *arguments)
+{
+    return guest_qmp(g, command, arguments, NULL);
+}
+
+char *
+pf_test_guest_qmp_error(Guest *g, const char *command, const char *arguments)
+{
+    char *text = NULL;
+
+    guest_qmp(g, command, arguments, &text);
+    return text;
 }
 

@@ -21,6 +21,9 @@ typedef struct {
     gboolean private_ram;   /* with the agent, memfd RAM without share=on */
     const char *const *extra; /* more QEMU arguments, NULL-terminated */
     const char *cmdline;    /* more of the guest kernel's command line */
+    int maxmem_mib;         /* room for memory hotplug (2 slots), or 0 */
+    gboolean own_ram;       /* guest RAM comes from extra (NUMA nodes) */
+    gboolean no_name;       /* no -name: QEMU's default */
 } PfGuestSpec;
 
 typedef struct {
@@ -45,3 +48,5 @@ void pf_test_guest_free(Guest *g);
 /* Runs one QMP command (arguments as a JSON object text, or NULL) on a
  * connection of its own; returns its "return", fails on an "error". */
 JsonNode *pf_test_guest_qmp(Guest *g, const char *command, const char *arguments);
+/* The same, for a command that must fail: returns its error's text. */
+char *pf_test_guest_qmp_error(Guest *g, const char *command, const char *arguments);

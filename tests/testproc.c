@@ -321,7 +321,9 @@ walk_mappings(int pid, const char *file, guint64 start, guint64 size, const char
 {
     g_autofree char *path = g_strdup_printf("/proc/%d/%s", pid, file);
     g_autofree char *text = NULL;
-    g_autofree char *key = field ? g_strdup_printf("%s:", field) : NULL;
+    g_autofree char *key = field == NULL ? NULL
+                           : g_str_has_prefix(field, "VmFlags ") ? g_strdup("VmFlags:")
+                                                                  : g_strdup_printf("%s:", field);
     g_auto(GStrv) lines = NULL;
     gboolean inside = FALSE;
     gint64 sum = 0;
@@ -338,6 +340,11 @@ walk_mappings(int pid, const char *file, guint64 start, guint64 size, const char
 
             inside = size == 0 || (a < start + size && b > start);
             sum += key == NULL && inside;
+        } else if (key != NULL && inside && g_str_has_prefix(*l, key) &&
+                   g_str_equal(key, "VmFlags:")) {
+            g_autofree char *want = g_strdup_printf(" %s", field + strlen("VmFlags "));
+
+            sum += strstr(*l, want) != NULL;
         } else if (key != NULL && inside && g_str_has_prefix(*l, key)) {
             sum += g_ascii_strtoll(*l + strlen(key), NULL, 10);
         }
@@ -354,6 +361,14 @@ pf_test_count_vmas(int pid, guint64 start, guint64 size)
 gint64
 pf_test_smaps_sum(int pid, guint64 start, guint64 size, const char *field)
 {
+    return walk_mappings(pid, "smaps", start, size, field);
+}
+
+gint64
+pf_test_count_vmas_flag(int pid, guint64 start, guint64 size, const char *flag)
+{
+    g_autofree char *field = g_strdup_printf("VmFlags %s", flag);
+
     return walk_mappings(pid, "smaps", start, size, field);
 }
 

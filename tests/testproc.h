@@ -82,6 +82,9 @@ gint64 pf_test_count_vmas(int pid, guint64 start, guint64 size);
 /* The sum of one smaps field ("Pss", "ShmemPmdMapped", ...) in KiB over the
  * mappings that overlap [start, start + size). */
 gint64 pf_test_smaps_sum(int pid, guint64 start, guint64 size, const char *field);
+/* How many mappings of the range (size 0: all) have flag in their VmFlags
+ * ("uw": registered for userfaultfd write protection, "dd": not dumped). */
+gint64 pf_test_count_vmas_flag(int pid, guint64 start, guint64 size, const char *flag);
 /* One field of /proc/PID/smaps_rollup in KiB ("Pss", "Pss_Shmem", ...):
  * the whole process, far cheaper than summing smaps. */
 gint64 pf_test_rollup_kib(int pid, const char *which);

@@ -14,6 +14,11 @@
  * pfguest.scratch_mib= (0) and pfguest.scratch_s= (10): memory filled
  * right after READY (half zero, half one content repeated) and given back
  * to the guest kernel after scratch_s seconds, for a balloon to take.
+ * pfguest.late_mib= (0): once the guest has that much more RAM than at
+ * the start (memory plugged in and onlined), fill that much more the same
+ * way as scratch, keep it and check it with the rest: it lands in the new
+ * memory (ZONE_MOVABLE, memhp_default_state=online_movable), and moves
+ * back when that memory is unplugged.
  * pfguest.odirect= (0) buffer pages: instead of sleeping between rewrites
  * of the volatile pages, read /dev/vda with O_DIRECT into those buffers,
  * up to 16 pages a read, at random, and check each page read; a buffer
@@ -26,7 +31,7 @@
  * device writes it behind the page tables: a page the host remaps
  * meanwhile shows up here as stale data.
  * It prints on the console, one line each: "PFGUEST READY", "PFGUEST
- * SCRATCH filled|freed", "PFGUEST CHECK
+ * SCRATCH filled|freed", "PFGUEST LATE filled", "PFGUEST CHECK
  * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=..." with each
  * check (a bad page also prints "PFGUEST ODIRECT FAIL ..." at once), and
  * at the end "PFGUEST PASS" or "PFGUEST FAIL", then powers the guest off.
@@ -44,6 +49,7 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
+#include <sys/sysinfo.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -224,14 +230,35 @@ odirect_check(Odirect *o)
     return bad;
 }
 
+/* RAM the guest kernel has now, in bytes. */
+static unsigned long long
+total_ram(void)
+{
+    struct sysinfo si;
+
+    return sysinfo(&si) == 0 ? (unsigned long long)si.totalram * si.mem_unit : 0;
+}
+
+/* Late memory: zero pages and pages identical in every guest, by turns. */
+static void
+late_page(uint8_t *p, size_t i)
+{
+    if (i % 2) {
+        fill(p, mix(6, 0, i, 0));
+    } else {
+        memset(p, 0, PAGE);
+    }
+}
+
 int
 main(void)
 {
     char cmdline[4096] = "";
     FILE *f;
     unsigned long mib, seed, vol_pct, period_ms, check_s, seconds, reboot_after;
-    unsigned long scratch_mib, scratch_s, odirect_bufs;
-    uint8_t *scratch = NULL;
+    unsigned long scratch_mib, scratch_s, odirect_bufs, late_mib;
+    uint8_t *scratch = NULL, *late = NULL;
+    unsigned long long ram_at_start = 0;
     Odirect od = { .fd = -1 };
     size_t pages, identical, zero, vol, unique;
     uint8_t *mem, want[PAGE];
@@ -256,6 +283,8 @@ main(void)
     scratch_mib = param(cmdline, "pfguest.scratch_mib=", 0);
     scratch_s = param(cmdline, "pfguest.scratch_s=", 10);
     odirect_bufs = param(cmdline, "pfguest.odirect=", 0);
+    late_mib = param(cmdline, "pfguest.late_mib=", 0);
+    ram_at_start = total_ram();
 
     pages = mib * 256;
     identical = pages / 2;
@@ -321,6 +350,20 @@ main(void)
             fflush(stdout);
         }
 
+        if (late_mib > 0 && late == NULL && total_ram() >= ram_at_start + (late_mib << 20)) {
+            late = mmap(NULL, late_mib << 20, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (late == MAP_FAILED) {
+                printf("PFGUEST FAIL cannot allocate %lu MiB late\n", late_mib);
+                return 1;
+            }
+            for (size_t i = 0; i < late_mib * 256; i++) {
+                late_page(late + i * PAGE, i);
+            }
+            printf("PFGUEST LATE filled %lu MiB\n", late_mib);
+            fflush(stdout);
+        }
+
         /* The guest keeps writing: volatile pages get new content. */
         for (size_t k = 0; k < vol; k++) {
             size_t i = identical + zero + unique + k;
@@ -348,6 +391,10 @@ main(void)
                 fill(want, mix(3, seed, i, gen[i - identical - zero - unique]));
             }
             bad += memcmp(mem + i * PAGE, want, PAGE) != 0;
+        }
+        for (size_t i = 0; late != NULL && i < late_mib * 256; i++) {
+            late_page(want, i);
+            bad += memcmp(late + i * PAGE, want, PAGE) != 0;
         }
         /* How long the check took: the guest's view of any slowdown. */
         printf("PFGUEST CHECK %s %zu pages, %zu differ, %.0f ms\n", bad ? "FAIL" : "ok", pages,
