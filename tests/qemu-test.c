@@ -1123,6 +1123,75 @@ test_silent_pagefoldd(void)
     g_rmdir(dir);
 }
 
+/*
+ * The agent created at run time (object-add): an unreachable socket is an
+ * error, nothing created; with pagefoldd's socket the VM merges from then
+ * on; a second agent is refused, and the socket cannot change.
+ */
+static void
+test_object_add(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    const char *extra[] = { "-object", "memory-backend-memfd,id=ram,size=128M,share=on",
+                            "-machine", "memory-backend=ram", NULL };
+    PfGuestSpec spec = { "late0", NULL, 128, 16, 1, 40, 4, FALSE, FALSE, extra, NULL, 0,
+                         TRUE };
+    g_autofree char *err = NULL, *args = NULL, *json = NULL;
+    g_autoptr(JsonObject) agent = NULL;
+    JsonNode *s, *n;
+    Guest *g;
+
+    if (!have_qemu()) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    g = pf_test_guest_start(&spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    n = pf_test_guest_qmp(g, "x-query-pagefold", NULL);
+    g_assert_cmpuint(json_array_get_length(json_node_get_array(n)), ==, 0);
+    json_node_unref(n);
+
+    err = pf_test_guest_qmp_error(g, "object-add",
+                                  "{\"qom-type\": \"x-pagefold-agent\", \"id\": \"pf0\","
+                                  " \"socket\": \"/nonexistent/agent.sock\"}");
+    g_test_message("late0: %s", err);
+    g_assert_nonnull(strstr(err, "cannot connect"));
+    n = pf_test_guest_qmp(g, "x-query-pagefold", NULL);
+    g_assert_cmpuint(json_array_get_length(json_node_get_array(n)), ==, 0);
+    json_node_unref(n);
+
+    args = g_strdup_printf("{\"qom-type\": \"x-pagefold-agent\", \"id\": \"pf0\","
+                           " \"socket\": \"%s\"}", d->agent_sock);
+    json_node_unref(pf_test_guest_qmp(g, "object-add", args));
+    for (int i = 0; i < 100; i++) {
+        g_clear_pointer(&agent, json_object_unref);
+        agent = agent_info(g);
+        if (json_object_get_boolean_member(agent, "connected")) {
+            break;
+        }
+        g_usleep(100000);
+    }
+    g_assert_true(json_object_get_boolean_member(agent, "connected"));
+    g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 16 * 256 / 5 * 9 / 10);
+    json_node_unref(s);
+
+    g_clear_pointer(&err, g_free);
+    err = pf_test_guest_qmp_error(g, "object-add",
+                                  "{\"qom-type\": \"x-pagefold-agent\", \"id\": \"pf1\","
+                                  " \"socket\": \"/nonexistent/agent.sock\"}");
+    g_assert_nonnull(strstr(err, "one agent"));
+    g_clear_pointer(&err, g_free);
+    err = pf_test_guest_qmp_error(g, "qom-set",
+                                  "{\"path\": \"/objects/pf0\", \"property\": \"socket\","
+                                  " \"value\": \"/elsewhere\"}");
+    g_assert_nonnull(strstr(err, "cannot change"));
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
+    pf_test_guest_free(g);
+}
+
 /* VMs without -name: QEMU calls them all "qemu"; both attach and merge,
  * told apart by their pids, and QMP says they are connected. */
 static void
@@ -1219,6 +1288,7 @@ main(int argc, char **argv)
     g_test_add_func("/qemu/life/regions", test_regions);
     g_test_add_func("/qemu/life/silent-pagefoldd", test_silent_pagefoldd);
     g_test_add_func("/qemu/life/no-name", test_no_name);
+    g_test_add_func("/qemu/life/object-add", test_object_add);
     g_test_add_func("/qemu/advise/virtio-gpu-blob", test_advise_virtio_gpu_blob);
     return g_test_run();
 }

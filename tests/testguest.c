@@ -83,11 +83,13 @@ pf_test_guest_start(const PfGuestSpec *spec)
     for (gsize i = 0; spec->extra != NULL && spec->extra[i] != NULL; i++) {
         g_ptr_array_add(argv, (char *)spec->extra[i]);
     }
-    if (spec->agent_sock != NULL && spec->own_ram) {
+    if (spec->own_ram) {
         g_ptr_array_add(argv, (char *)"-machine");
         g_ptr_array_add(argv, (char *)"pc,accel=tcg");
-        g_ptr_array_add(argv, (char *)"-object");
-        g_ptr_array_add(argv, agent);
+        if (spec->agent_sock != NULL) {
+            g_ptr_array_add(argv, (char *)"-object");
+            g_ptr_array_add(argv, agent);
+        }
     } else if (spec->agent_sock != NULL) {
         g_ptr_array_add(argv, (char *)"-machine");
         g_ptr_array_add(argv, (char *)"pc,accel=tcg,memory-backend=ram");

@@ -22,7 +22,8 @@ typedef struct {
     const char *const *extra; /* more QEMU arguments, NULL-terminated */
     const char *cmdline;    /* more of the guest kernel's command line */
     int maxmem_mib;         /* room for memory hotplug (2 slots), or 0 */
-    gboolean own_ram;       /* guest RAM comes from extra (NUMA nodes) */
+    gboolean own_ram;       /* guest RAM comes from extra (NUMA nodes);
+                             * without agent_sock, no agent either */
     gboolean no_name;       /* no -name: QEMU's default */
 } PfGuestSpec;
 
