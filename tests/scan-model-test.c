@@ -239,7 +239,9 @@ answer_batches(PfLink *l, guint max)
     }
 }
 
-/* Whether any request queued or in flight names the chunk. */
+/* Whether any request queued or in flight names the chunk (and holds a
+ * slot of it: not one settled when its region went, which the agent
+ * refuses). */
 static gboolean
 link_names_chunk(PfLink *l, guint32 chunk)
 {
@@ -249,6 +251,9 @@ link_names_chunk(PfLink *l, guint32 chunk)
         for (guint i = 0; i < b->items->len; i++) {
             const PfWireItem *it = &g_array_index(b->items, PfWireItem, i);
 
+            if (g_array_index(b->pending, PfPending, i).kind == PF_PENDING_SETTLED) {
+                continue;
+            }
             if ((it->kind == PF_ITEM_MERGE || it->kind == PF_ITEM_ZERO) && it->chunk == chunk) {
                 return TRUE;
             }
@@ -360,6 +365,31 @@ pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk)
 }
 
 void
+pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpointer user)
+{
+    guint kept = 0;
+
+    for (GList *e = l->in_flight.head; e != NULL; e = e->next) {
+        ModelBatch *b = e->data;
+
+        for (guint i = 0; i < b->pending->len; i++) {
+            func(&g_array_index(b->pending, PfPending, i), user);
+        }
+    }
+    for (guint i = 0; i < l->queue_pending->len; i++) {
+        if (!func(&g_array_index(l->queue_pending, PfPending, i), user)) {
+            g_array_index(l->queue_pending, PfPending, kept) =
+                g_array_index(l->queue_pending, PfPending, i);
+            g_array_index(l->queue_items, PfWireItem, kept) =
+                g_array_index(l->queue_items, PfWireItem, i);
+            kept++;
+        }
+    }
+    g_array_set_size(l->queue_pending, kept);
+    g_array_set_size(l->queue_items, kept);
+}
+
+void
 pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpointer user)
 {
     ModelBatch *b;
@@ -427,7 +457,7 @@ account_requests(PfScanner *s, PfVm *vm, GHashTable *want)
         const PfPending *pd = g_ptr_array_index(all, i);
         PfRegion *r;
 
-        if (pd->kind == PF_ITEM_COLLAPSE) {
+        if (pd->kind == PF_ITEM_COLLAPSE || pd->kind == PF_PENDING_SETTLED) {
             continue;
         }
         if (pd->kind == PF_ITEM_MERGE || pd->kind == PF_ITEM_UNMERGE) {
