@@ -103,15 +103,11 @@ arg_str(JsonObject *args, const char *name)
                ? json_object_get_string_member(args, name) : NULL;
 }
 
+/* A VM by pid, UUID or name (pf_scanner_lookup_vm()). */
 static PfVm *
-find_vm(PfControl *c, const char *name, GError **error)
+find_vm(PfControl *c, const char *key, GError **error)
 {
-    PfVm *vm = pf_scanner_find_vm(c->scanner, name);
-
-    if (vm == NULL) {
-        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no VM '%s' is attached", name);
-    }
-    return vm;
+    return pf_scanner_lookup_vm(c->scanner, key, error);
 }
 
 /* ---- commands ---- */
@@ -120,10 +116,18 @@ find_vm(PfControl *c, const char *name, GError **error)
 static void
 vm_identity_to_json(PfVm *vm, JsonBuilder *b)
 {
+    char uuid[37];
+
     json_builder_set_member_name(b, "name");
     json_builder_add_string_value(b, vm->name);
     json_builder_set_member_name(b, "pid");
     json_builder_add_int_value(b, vm->pid);
+    json_builder_set_member_name(b, "uuid");
+    if (pf_vm_uuid_string(vm, uuid) != NULL) {
+        json_builder_add_string_value(b, uuid);
+    } else {
+        json_builder_add_null_value(b);
+    }
     json_builder_set_member_name(b, "mode");
     json_builder_add_string_value(b, vm->mode);
     if (vm->mode_reason != NULL) {
@@ -151,6 +155,15 @@ vm_to_json(PfVm *vm, JsonBuilder *b)
         json_builder_add_int_value(b, (gint64)r->host_addr);
         json_builder_set_member_name(b, "size");
         json_builder_add_int_value(b, (gint64)r->size);
+        /* A placeholder keeps the agent's index: say why it is not
+         * scanned. */
+        if (r->refused != NULL) {
+            json_builder_set_member_name(b, "refused");
+            json_builder_add_string_value(b, r->refused);
+        } else if (r->gone) {
+            json_builder_set_member_name(b, "gone");
+            json_builder_add_boolean_value(b, TRUE);
+        }
         json_builder_end_object(b);
     }
     json_builder_end_array(b);
@@ -264,13 +277,10 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
             return FALSE;
         }
     }
+    /* A name is a label, which another VM may have too: only the process
+     * must not be attached twice. */
     vm = pf_vm_attach((int)pid, name, error);
     if (vm == NULL) {
-        return FALSE;
-    }
-    if (pf_scanner_find_vm(c->scanner, vm->name) != NULL) {
-        g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
-                    "a VM named '%s' is already attached", vm->name);
         return FALSE;
     }
     g_message("VM %s (pid %d) attached in mode %s: %u region(s), %zu pages",

@@ -2,16 +2,23 @@
  * link.c - see link.h.
  *
  * A connection goes HELLO -> REGION x n -> WELCOME -> READY, then carries
- * REQUESTs and RESULTs.  The peer is trusted with nothing it has not shown:
+ * REQUESTs and RESULTs, and REGION (RAM plugged in) and GONE (RAM that
+ * left) whenever the VM's RAM changes.  An agent names regions by index,
+ * in the order announced, never reused: a region refused, or gone, keeps
+ * its index as a placeholder (vm.h).  The peer is trusted with nothing it
+ * has not shown:
  *  - its process is pinned at accept: a pidfd (SO_PEERPIDFD where the
  *    kernel has it, else pidfd_open() of SO_PEERCRED's pid) and its
  *    /proc/PID, opened while that pidfd showed it alive, through which
  *    every later look at its mappings goes (invariant 8);
  *  - the pid HELLO announces must be that process's, and each REGION must
  *    be what that process really maps (vm.c), within a cap, before
- *    anything is allocated for it;
+ *    anything is allocated for it; one that is not is refused alone (a
+ *    placeholder), the link and the VM's other regions stay;
+ *  - a REGION after READY passes the same checks, and in a merging VM
+ *    must already be write-protected, as READY's regions were;
  *  - WELCOME, and /dev/userfaultfd with it, comes only after the last
- *    REGION passed, and only to a peer with a region to merge: with
+ *    REGION was checked, and only to a peer with a region to merge: with
  *    /dev/userfaultfd an unprivileged process can trap faults the kernel
  *    takes for it, which vm.unprivileged_userfaultfd=0 exists to forbid;
  *  - READY may say merge only where WELCOME offered it, and only if the
@@ -93,7 +100,8 @@ struct _PfLink {
     int proc_dir;         /* its /proc/PID */
     guint handshake_timer;
     gboolean offered_merge; /* WELCOME said merge */
-    guint64 announced_bytes; /* of all its regions */
+    guint64 announced_bytes; /* of its live regions */
+    guint n_refused;         /* regions refused (placeholders) */
     PfWireHello hello;
     GPtrArray *regions; /* PfRegion*, during the handshake */
     PfVm *vm;
@@ -169,6 +177,31 @@ static void
 link_send_error(PfLink *l, const char *text)
 {
     pf_proto_send(l->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
+}
+
+void
+pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpointer user)
+{
+    guint kept = 0;
+
+    for (GList *e = l->in_flight.head; e != NULL; e = e->next) {
+        Batch *b = e->data;
+
+        for (guint i = 0; i < b->pending->len; i++) {
+            func(&g_array_index(b->pending, PfPending, i), user);
+        }
+    }
+    for (guint i = 0; i < l->queue_pending->len; i++) {
+        if (!func(&g_array_index(l->queue_pending, PfPending, i), user)) {
+            g_array_index(l->queue_pending, PfPending, kept) =
+                g_array_index(l->queue_pending, PfPending, i);
+            g_array_index(l->queue_items, PfWireItem, kept) =
+                g_array_index(l->queue_items, PfWireItem, i);
+            kept++;
+        }
+    }
+    g_array_set_size(l->queue_pending, kept);
+    g_array_set_size(l->queue_items, kept);
 }
 
 void
@@ -506,7 +539,6 @@ on_ready(PfLink *l, const PfMsg *msg)
     g_autoptr(GError) error = NULL;
     g_autoptr(PfVm) vm = NULL;
     PfVm *old;
-    g_autofree char *pidstr = g_strdup_printf("%d", l->peer_pid);
     guint idx;
 
     if (m->mode == PF_MODE_MERGE && !l->offered_merge) {
@@ -514,7 +546,8 @@ on_ready(PfLink *l, const PfMsg *msg)
                               "offered advise mode");
     }
     /* What an agent does before it says merge, checked: what it does
-     * after is its own VM's business. */
+     * after is its own VM's business.  Refused regions are never merged,
+     * so never checked. */
     if (m->mode == PF_MODE_MERGE &&
         !pf_regions_check_write_protected(l->proc_dir, l->regions, &error)) {
         return link_refuse(l, "READY says merge, but %s", error->message);
@@ -522,21 +555,18 @@ on_ready(PfLink *l, const PfMsg *msg)
     if (!peer_alive(l)) {
         return link_refuse(l, "process %d exited during its handshake", l->peer_pid);
     }
-    if (pf_scanner_find_vm(s, l->hello.name) != NULL &&
-        pf_scanner_find_vm(s, l->hello.name)->pid != l->peer_pid) {
-        return link_refuse(l, "a VM named '%s' is already attached", l->hello.name);
-    }
-    /* The agent knows this VM better than /proc did: it replaces a VM
+    /* A VM is its process: its name is a label that others may share.
+     * The agent knows this VM better than /proc did: it replaces a VM
      * attached by pid. */
-    old = pf_scanner_find_vm(s, pidstr);
-    if (old != NULL && old->pid == l->peer_pid) {
+    old = pf_scanner_find_vm_by_pid(s, l->peer_pid);
+    if (old != NULL) {
         if (old->link != NULL) {
             return link_refuse(l, "process %d already has an agent connected", l->peer_pid);
         }
         pf_scanner_remove_vm(s, old);
     }
-    vm = pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name, l->regions,
-                              &error);
+    vm = pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name, l->hello.uuid,
+                              l->regions, &error);
     if (vm == NULL) {
         return link_refuse(l, "%s", error->message);
     }
@@ -552,9 +582,11 @@ on_ready(PfLink *l, const PfMsg *msg)
     if (g_ptr_array_find(l->srv->handshakes, l, &idx)) {
         g_ptr_array_steal_index(l->srv->handshakes, idx);
     }
-    g_message("VM %s (pid %d) attached by its agent in mode %s%s%s: %u region(s), %zu pages",
+    g_message("VM %s (pid %d) attached by its agent in mode %s%s%s: %u region(s) (%u "
+              "refused), %zu pages",
               vm->name, vm->pid, vm->mode, vm->mode_reason ? " because " : "",
-              vm->mode_reason ? vm->mode_reason : "", vm->regions->len, pf_vm_n_pages(vm));
+              vm->mode_reason ? vm->mode_reason : "", vm->regions->len, l->n_refused,
+              pf_vm_n_pages(vm));
     pf_scanner_add_vm(s, g_steal_pointer(&vm));
     return TRUE;
 }
@@ -572,6 +604,14 @@ link_welcome(PfLink *l)
         w.mode = PF_MODE_ADVISE;
         pf_wire_set_string(w.reason, sizeof(w.reason), "no guest RAM to merge was announced");
         fd = -1;
+    } else if (l->n_refused == l->regions->len) {
+        g_autofree char *why = g_strdup_printf(
+            "every region was refused; the first: %s",
+            ((PfRegion *)g_ptr_array_index(l->regions, 0))->refused);
+
+        w.mode = PF_MODE_ADVISE;
+        pf_wire_set_string(w.reason, sizeof(w.reason), why);
+        fd = -1;
     }
     l->offered_merge = w.mode == PF_MODE_MERGE;
     link_send(l, PF_MSG_WELCOME, 0, &w, sizeof(w), fd);
@@ -586,17 +626,22 @@ link_welcome(PfLink *l)
 }
 
 /* A REGION passes if the peer's process maps it as announced (vm.c), it
- * overlaps no region before it, and the VM stays within its cap. */
+ * overlaps no live region of the VM's (regions: those announced before),
+ * and the VM stays within its cap. */
 static gboolean
-region_acceptable(PfLink *l, const PfWireRegion *wr, int fd, GError **error)
+region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, int fd,
+                  GError **error)
 {
     if (!pf_region_check_mapping(l->proc_dir, fd, wr->name, wr->host_addr, wr->offset,
                                  wr->size, error)) {
         return FALSE;
     }
-    for (guint i = 0; i < l->regions->len; i++) {
-        const PfRegion *r = g_ptr_array_index(l->regions, i);
+    for (guint i = 0; i < regions->len; i++) {
+        const PfRegion *r = g_ptr_array_index(regions, i);
 
+        if (!pf_region_live(r)) {
+            continue;
+        }
         if (wr->host_addr < r->host_addr + r->size && r->host_addr < wr->host_addr + wr->size) {
             g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                         "region %s overlaps region %u (%s)", wr->name, i, r->name);
@@ -609,6 +654,96 @@ region_acceptable(PfLink *l, const PfWireRegion *wr, int fd, GError **error)
                     wr->name, PF_MAX_VM_BYTES >> 30);
         return FALSE;
     }
+    return TRUE;
+}
+
+/*
+ * Checks a REGION and makes it a region, or a refused placeholder: one odd
+ * region (a memfd the VMM could not seal, RAM the process does not map as
+ * said) costs its VM that region only.  Its memfd is taken either way
+ * (closed when refused).  running: announced after READY, when a merging
+ * VM's new region must be write-protected as READY's were.
+ */
+static PfRegion *
+take_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg, gboolean running)
+{
+    g_autoptr(GError) error = NULL;
+    PfRegion *r = NULL;
+
+    if (region_acceptable(l, regions, wr, msg->fds[0], &error)) {
+        r = pf_region_new(wr->name, msg->fds[0], wr->host_addr, wr->offset, wr->size, &error);
+        msg->n_fds = 0; /* taken, or closed on error */
+    }
+    if (r != NULL && running && pf_vm_merges(l->vm)) {
+        g_autoptr(GPtrArray) one = g_ptr_array_new();
+
+        g_ptr_array_add(one, r);
+        if (!pf_regions_check_write_protected(l->proc_dir, one, &error)) {
+            g_clear_pointer(&r, pf_region_free);
+        }
+    }
+    if (r == NULL) {
+        g_message("agent of process %d: region %u refused: %s", l->peer_pid, wr->index,
+                  error->message);
+        l->n_refused++;
+        return pf_region_new_refused(wr->name, wr->host_addr, wr->size, error->message);
+    }
+    l->announced_bytes += r->size;
+    return r;
+}
+
+/* RAM plugged into a running VM: announced as at the handshake, with the
+ * next index. */
+static gboolean
+on_region(PfLink *l, PfMsg *msg)
+{
+    const PfWireRegion *wr = pf_msg_region(msg);
+    PfVm *vm = l->vm;
+    PfRegion *r;
+
+    if (wr->index != vm->regions->len) {
+        return link_refuse(l, "REGION %u arrived as region %u", wr->index, vm->regions->len);
+    }
+    if (wr->index >= PF_MAX_VM_REGIONS) {
+        return link_refuse(l, "REGION %u: a VM may announce %u regions in its life", wr->index,
+                           PF_MAX_VM_REGIONS);
+    }
+    r = take_region(l, vm->regions, wr, msg, TRUE);
+    if (!pf_region_live(r)) {
+        r->vm = vm;
+        g_ptr_array_add(vm->regions, r);
+        return TRUE;
+    }
+    if (pf_scanner_add_region(l->srv->scanner, vm, r)) {
+        g_message("VM %s (pid %d): region %u (%s, %zu pages) joined", vm->name, vm->pid,
+                  wr->index, r->name, r->n_pages);
+    } else {
+        l->announced_bytes -= wr->size;
+        l->n_refused++;
+    }
+    return TRUE;
+}
+
+/* RAM unplugged (or set merge=off): the agent mapped all of it from its
+ * memfd again, so nothing of it maps the pool. */
+static gboolean
+on_gone(PfLink *l, const PfMsg *msg)
+{
+    const PfWireRange *wr = pf_msg_range(msg);
+    const PfRegion *r = wr->region < l->vm->regions->len
+                            ? g_ptr_array_index(l->vm->regions, wr->region)
+                            : NULL;
+
+    if (r == NULL || !pf_region_live(r) || wr->n_pages != r->n_pages) {
+        return link_refuse(l, "GONE of region %u (%" G_GUINT64_FORMAT " pages): %s",
+                           wr->region, wr->n_pages,
+                           r == NULL                ? "no such region"
+                           : r->refused != NULL     ? "it was refused"
+                           : r->gone                ? "it is gone already"
+                                                    : "not all of its pages");
+    }
+    l->announced_bytes -= r->size;
+    pf_scanner_region_gone(l->srv->scanner, l->vm, wr->region);
     return TRUE;
 }
 
@@ -630,10 +765,13 @@ on_discard(PfLink *l, const PfMsg *msg)
                             ? g_ptr_array_index(l->vm->regions, wr->region)
                             : NULL;
 
-    if (r == NULL || wr->page + wr->n_pages > r->n_pages) {
+    if (r == NULL || !pf_region_live(r) || wr->page + wr->n_pages > r->n_pages) {
         return link_refuse(l, "DISCARD of pages %" G_GUINT64_FORMAT "+%" G_GUINT64_FORMAT
-                              " of region %u: no such pages",
-                           wr->page, wr->n_pages, wr->region);
+                              " of region %u: no such pages%s",
+                           wr->page, wr->n_pages, wr->region,
+                           r == NULL || pf_region_live(r) ? ""
+                           : r->gone                      ? " (the region is gone)"
+                                                          : " (the region was refused)");
     }
     pf_scanner_discarded(l->srv->scanner, l->vm, wr->region, wr->page, wr->n_pages);
     return TRUE;
@@ -659,8 +797,6 @@ on_message(PfLink *l, PfMsg *msg)
     }
     case LINK_REGIONS: {
         const PfWireRegion *wr;
-        g_autoptr(GError) error = NULL;
-        PfRegion *r;
 
         if (msg->header.type != PF_MSG_REGION) {
             return link_refuse(l, "expected REGION, got message type %u", msg->header.type);
@@ -669,17 +805,7 @@ on_message(PfLink *l, PfMsg *msg)
         if (wr->index != l->regions->len) {
             return link_refuse(l, "REGION %u arrived as region %u", wr->index, l->regions->len);
         }
-        /* Refused, its memfd is closed with the message. */
-        if (!region_acceptable(l, wr, msg->fds[0], &error)) {
-            return link_refuse(l, "%s", error->message);
-        }
-        r = pf_region_new(wr->name, msg->fds[0], wr->host_addr, wr->offset, wr->size, &error);
-        msg->n_fds = 0; /* taken, or closed on error */
-        if (r == NULL) {
-            return link_refuse(l, "%s", error->message);
-        }
-        g_ptr_array_add(l->regions, r);
-        l->announced_bytes += r->size;
+        g_ptr_array_add(l->regions, take_region(l, l->regions, wr, msg, FALSE));
         return l->regions->len < l->hello.n_regions || link_welcome(l);
     }
     case LINK_READY:
@@ -696,6 +822,12 @@ on_message(PfLink *l, PfMsg *msg)
         }
         if (msg->header.type == PF_MSG_DISCARD) {
             return on_discard(l, msg);
+        }
+        if (msg->header.type == PF_MSG_REGION) {
+            return on_region(l, msg);
+        }
+        if (msg->header.type == PF_MSG_GONE) {
+            return on_gone(l, msg);
         }
         if (msg->header.type == PF_MSG_ERROR) {
             g_autofree char *text = g_strdup_printf("its agent gave up: %.*s",

@@ -5,9 +5,12 @@
  * Owns the agent connections.  A peer is believed only as far as its
  * process shows: its regions must be what that process maps, merge mode
  * must be backed by write protection, and /dev/userfaultfd goes only to a
- * peer whose regions passed.  A link that misbehaves (bad message, wrong
- * pid, a region it does not map, a result for no request, a handshake it
- * does not finish, a socket it does not read) is told why and closed, with
+ * peer with a region that passed.  A region that fails those checks, at the
+ * handshake or plugged in later, costs its VM that region only: it stays a
+ * refused placeholder at its index, never scanned.  A link that misbehaves
+ * (bad message, wrong pid, a region index out of turn, GONE or DISCARD of
+ * a region that is not live, a result for no request, a handshake it does
+ * not finish, a socket it does not read) is told why and closed, with
  * every descriptor it passed, and its VM is detached; the daemon and the
  * other VMs carry on.  Never waits for a peer on the main loop, and never
  * decides a merge: it carries the scanner's requests and the agents'
@@ -41,5 +44,11 @@ gboolean pf_link_answered_since(PfLink *l, guint32 seq);
 void pf_link_settle(PfLink *l, guint timeout_ms);
 void pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk);
 void pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk);
+/* Hands func every request not answered yet, queued or in flight.  One
+ * func returns TRUE for is settled: if queued, it is never sent; if in
+ * flight, its answer is still awaited (the agent answers every item) and
+ * handed to the scanner as usual (func marks it). */
+void pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user),
+                      gpointer user);
 /* Hands every request still in flight to func, then frees the link. */
 void pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpointer user);

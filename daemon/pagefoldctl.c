@@ -21,7 +21,8 @@
 static const char usage_text[] =
     "Commands:\n"
     "  attach PID [--name NAME]   start scanning a QEMU process's memfd RAM\n"
-    "  detach VM                  stop; VM is a name or a pid\n"
+    "  detach VM                  stop; VM is a pid, a UUID or a name (names may be\n"
+    "                             shared: a name two VMs have is refused)\n"
     "  list                       the attached VMs\n"
     "  stats [VM]                 KSM's counters, per VM and in total\n"
     "  knobs                      the knobs and their values\n"
@@ -132,16 +133,32 @@ print_json(JsonNode *node)
 static void
 print_list(JsonArray *vms)
 {
-    g_print("%-20s %7s %-7s %8s %10s\n", "VM", "PID", "MODE", "REGIONS", "RAM_MIB");
+    g_print("%-20s %7s %-7s %8s %10s %-36s\n", "VM", "PID", "MODE", "REGIONS", "RAM_MIB",
+            "UUID");
     for (guint i = 0; i < json_array_get_length(vms); i++) {
         JsonObject *vm = json_array_get_object_element(vms, i);
+        JsonArray *regions = json_object_get_array_member(vm, "regions");
+        const char *uuid = json_object_get_string_member_with_default(vm, "uuid", NULL);
 
-        g_print("%-20s %7" G_GINT64_FORMAT " %-7s %8u %10.1f\n",
+        g_print("%-20s %7" G_GINT64_FORMAT " %-7s %8u %10.1f %-36s\n",
                 json_object_get_string_member(vm, "name"),
                 json_object_get_int_member(vm, "pid"),
                 json_object_get_string_member(vm, "mode"),
-                json_array_get_length(json_object_get_array_member(vm, "regions")),
-                (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0);
+                json_array_get_length(regions),
+                (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0,
+                uuid != NULL ? uuid : "-");
+        /* Regions that are not scanned, and why. */
+        for (guint k = 0; k < json_array_get_length(regions); k++) {
+            JsonObject *r = json_array_get_object_element(regions, k);
+            const char *why = json_object_get_string_member_with_default(r, "refused", NULL);
+
+            if (why != NULL) {
+                g_print("  region %u (%s) refused: %s\n", k,
+                        json_object_get_string_member(r, "name"), why);
+            } else if (json_object_get_boolean_member_with_default(r, "gone", FALSE)) {
+                g_print("  region %u (%s) gone\n", k, json_object_get_string_member(r, "name"));
+            }
+        }
     }
 }
 

@@ -429,6 +429,9 @@ release_region(PfScanner *s, PfRegion *r, GArray *keep)
     s->last_region = NULL;
 }
 
+/* Takes the region out of the scanner and out of its VM.  An agent's
+ * region keeps its index, as a placeholder (the agent names regions by
+ * index); a placeholder holds nothing to release. */
 static void
 drop_region(PfScanner *s, PfRegion *r, GArray *keep)
 {
@@ -438,7 +441,13 @@ drop_region(PfScanner *s, PfRegion *r, GArray *keep)
     if (!g_ptr_array_find(vm->regions, r, &k)) {
         g_return_if_reached();
     }
-    release_region(s, r, keep);
+    if (pf_region_live(r)) {
+        release_region(s, r, keep);
+    }
+    if (vm->link != NULL) {
+        pf_region_refuse(r, "it faulted when read (truncated under us?)");
+        return; /* n_pages 0 now: the cursor steps over it */
+    }
     if (s->cur_vm < s->vms->len && g_ptr_array_index(s->vms, s->cur_vm) == vm) {
         if (k < s->cur_region) {
             s->cur_region--;
@@ -1096,9 +1105,14 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
 void
 pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus status, int err)
 {
-    PfRegion *r = region_of(s, pd->page);
-    PfPage *p = &r->pages[pd->page - r->base];
+    PfRegion *r;
+    PfPage *p;
 
+    if (pd->kind == PF_PENDING_SETTLED) {
+        return; /* its region left the VM: all it held is let go */
+    }
+    r = region_of(s, pd->page);
+    p = &r->pages[pd->page - r->base];
     if (pd->kind == PF_ITEM_COLLAPSE) {
         if (status != PF_RESULT_DONE) {
             g_debug("VM %s: no huge page again at page %u: %s", vm->name, pd->page - r->base,
@@ -1737,7 +1751,12 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
     for (guint k = 0; k < vm->regions->len;) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
 
-        if (place_region(s, r)) {
+        if (!pf_region_live(r) || place_region(s, r)) {
+            k++;
+        } else if (vm->link != NULL) {
+            /* The agent names its regions by index: this one stays. */
+            g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
+            pf_region_refuse(r, "no page ids left for it");
             k++;
         } else {
             g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
@@ -1796,12 +1815,14 @@ static void
 abandon_cb(const PfPending *pd, gpointer user)
 {
     Abandon *ab = user;
-    PfRegion *r = region_of(ab->s, pd->page);
-    PfPage *p = &r->pages[pd->page - r->base];
+    PfRegion *r;
+    PfPage *p;
 
-    if (pd->kind == PF_ITEM_COLLAPSE) {
+    if (pd->kind == PF_ITEM_COLLAPSE || pd->kind == PF_PENDING_SETTLED) {
         return;
     }
+    r = region_of(ab->s, pd->page);
+    p = &r->pages[pd->page - r->base];
     /* The agent may have done it or not: its slot may be mapped, and the
      * one it was moving from. */
     if (pd->kind != PF_ITEM_ZERO) {
@@ -1831,8 +1852,12 @@ pf_scanner_remove_vm(PfScanner *s, PfVm *vm)
         pf_link_free(vm->link, abandon_cb, &ab);
         vm->link = NULL;
     }
-    while (vm->regions->len > 0) {
-        drop_region(s, g_ptr_array_index(vm->regions, vm->regions->len - 1), ab.keep);
+    for (guint k = 0; k < vm->regions->len; k++) {
+        PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+        if (pf_region_live(r)) {
+            release_region(s, r, ab.keep);
+        }
     }
     if (ab.keep != NULL && ab.keep->len > 0) {
         Leftover *l = g_new0(Leftover, 1);
@@ -1856,6 +1881,72 @@ pf_scanner_remove_vm(PfScanner *s, PfVm *vm)
     g_ptr_array_remove_index(s->vms, idx);
 }
 
+gboolean
+pf_scanner_add_region(PfScanner *s, PfVm *vm, PfRegion *r)
+{
+    r->vm = vm;
+    g_ptr_array_add(vm->regions, r);
+    if (!place_region(s, r)) {
+        g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
+        pf_region_refuse(r, "no page ids left for it");
+        return FALSE;
+    }
+    return TRUE;
+}
+
+typedef struct {
+    PfScanner *s;
+    guint32 first, n_pages; /* the page ids of the region that went */
+} GoneRange;
+
+/* A request for a page of a region that left the VM: whatever the agent
+ * did with it, the page maps no pool slot now (the agent mapped all of the
+ * region from its memfd before it said GONE), so what the request held
+ * (pf_scanner_complete()'s references) is let go now, once, and its answer,
+ * if it comes, changes nothing. */
+static gboolean
+settle_gone_cb(PfPending *pd, gpointer user)
+{
+    GoneRange *g = user;
+
+    if (pd->kind == PF_PENDING_SETTLED || pd->page - g->first >= g->n_pages) {
+        return FALSE;
+    }
+    if (pd->kind != PF_ITEM_COLLAPSE) {
+        put_slot(g->s, pd->slot, pd->node);
+        if (pd->from != 0) {
+            put_slot(g->s, node_at(g->s, pd->from)->slot, pd->from);
+        }
+    }
+    pd->kind = PF_PENDING_SETTLED;
+    return TRUE;
+}
+
+void
+pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index)
+{
+    PfRegion *r = index < vm->regions->len ? g_ptr_array_index(vm->regions, index) : NULL;
+    GoneRange g;
+
+    g_return_if_fail(r != NULL && pf_region_live(r));
+    g.s = s;
+    g.first = r->base;
+    g.n_pages = (guint32)r->n_pages;
+    if (vm->link != NULL) {
+        pf_link_withdraw(vm->link, settle_gone_cb, &g);
+    }
+    /* Its merged pages' references go with their records: none maps its
+     * slot any more. */
+    release_region(s, r, NULL);
+    pf_region_retire(r);
+    if (s->cur_vm < s->vms->len && g_ptr_array_index(s->vms, s->cur_vm) == vm &&
+        s->cur_region == index) {
+        s->cur_page = 0;
+        s->data_end = 0;
+    }
+    g_message("VM %s (pid %d): region %u (%s) left the VM", vm->name, vm->pid, index, r->name);
+}
+
 void
 pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 {
@@ -1873,26 +1964,81 @@ pf_scanner_get_vms(PfScanner *s)
 }
 
 PfVm *
-pf_scanner_find_vm(PfScanner *s, const char *name_or_pid)
+pf_scanner_find_vm_by_pid(PfScanner *s, int pid)
 {
-    guint64 pid = 0;
-    gboolean numeric = pf_parse_u64(name_or_pid, 1, G_MAXINT, &pid, NULL);
-
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (g_strcmp0(vm->name, name_or_pid) == 0) {
-            return vm;
-        }
-    }
-    for (guint i = 0; numeric && i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
-
-        if ((guint64)vm->pid == pid) {
+        if (vm->pid == pid) {
             return vm;
         }
     }
     return NULL;
+}
+
+/*
+ * Names and UUIDs are labels (VMs started without -name are all "qemu",
+ * and an agent may claim any UUID): a key that more than one VM answers to
+ * names none of them.  Only the pid is an identity.  A key of digits is a
+ * pid and a UUID-shaped one a UUID, never a name, so that no VM can name
+ * itself after another's pid or UUID and be taken for it.
+ */
+PfVm *
+pf_scanner_lookup_vm(PfScanner *s, const char *key, GError **error)
+{
+    g_autoptr(GPtrArray) found = g_ptr_array_new();
+    guint64 pid = 0;
+    guint8 uuid[16];
+    gboolean by_pid = key != NULL && *key != '\0' && strspn(key, "0123456789") == strlen(key);
+    gboolean by_uuid = !by_pid && key != NULL && pf_uuid_parse(key, uuid);
+    const char *what = by_pid ? "pid" : by_uuid ? "UUID" : "name";
+
+    if (key == NULL || *key == '\0') {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "a VM is named by its pid, its UUID or its name");
+        return NULL;
+    }
+    if (by_pid) {
+        PfVm *vm = pf_parse_u64(key, 1, G_MAXINT, &pid, NULL)
+                       ? pf_scanner_find_vm_by_pid(s, (int)pid) : NULL;
+
+        if (vm == NULL) {
+            g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no VM of pid %s is attached",
+                        key);
+        }
+        return vm;
+    }
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (by_uuid ? memcmp(vm->uuid, uuid, sizeof(uuid)) == 0
+                    : g_strcmp0(vm->name, key) == 0) {
+            g_ptr_array_add(found, vm);
+        }
+    }
+    if (found->len == 1) {
+        return g_ptr_array_index(found, 0);
+    }
+    if (found->len == 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no VM '%s' is attached", key);
+    } else {
+        g_autoptr(GString) pids = g_string_new(NULL);
+
+        for (guint i = 0; i < found->len; i++) {
+            g_string_append_printf(pids, "%s%d", i ? ", " : "",
+                                   ((PfVm *)g_ptr_array_index(found, i))->pid);
+        }
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "%u VMs have the %s '%s' (pids %s): name one by its pid", found->len,
+                    what, key, pids->str);
+    }
+    return NULL;
+}
+
+PfVm *
+pf_scanner_find_vm(PfScanner *s, const char *key)
+{
+    return pf_scanner_lookup_vm(s, key, NULL);
 }
 
 /* ---- pacing ---- */

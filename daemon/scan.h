@@ -81,7 +81,13 @@ void pf_scanner_add_vm(PfScanner *s, PfVm *vm);
 /* Releases everything the VM holds in the trees, then frees it. */
 void pf_scanner_remove_vm(PfScanner *s, PfVm *vm);
 GPtrArray *pf_scanner_get_vms(PfScanner *s);
-PfVm *pf_scanner_find_vm(PfScanner *s, const char *name_or_pid);
+PfVm *pf_scanner_find_vm_by_pid(PfScanner *s, int pid);
+/* The VM a user means by key: a pid (digits), a UUID, or a name that only
+ * one VM has.  Names and UUIDs are labels, not identities: a key that two
+ * VMs answer to is an error that lists their pids. */
+PfVm *pf_scanner_lookup_vm(PfScanner *s, const char *key, GError **error);
+/* pf_scanner_lookup_vm() without the error. */
+PfVm *pf_scanner_find_vm(PfScanner *s, const char *key);
 
 /* Visits up to max_pages pages; stops early at the end of a pass.
  * Returns the pages visited, holes of the memfd stepped over included. */
@@ -99,6 +105,10 @@ void pf_scanner_kick(PfScanner *s);
 void pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm);
 
 /* What pagefoldd asked an agent to do with one page, kept until it answers. */
+/* PfPending.kind of a request settled before its answer (its region left
+ * the VM): the answer, when it comes, changes nothing. */
+#define PF_PENDING_SETTLED 0u
+
 typedef struct {
     guint32 page; /* page id */
     guint32 slot; /* pool slot referenced for it, or PF_POOL_SLOT_NONE */
@@ -119,6 +129,15 @@ PfPool *pf_scanner_get_pool(PfScanner *s);
 /* The VM's agent stepped back to advise mode (a vhost-user device, a
  * migration, ...): every page it had remapped is back in its memfd. */
 void pf_scanner_step_back(PfScanner *s, PfVm *vm, const char *reason);
+/* A region an agent announced after READY, checked: appended to the VM's
+ * regions (its index is the next), scanned from then on.  FALSE when it
+ * could not be placed: it stays as a refused placeholder.  Takes r. */
+gboolean pf_scanner_add_region(PfScanner *s, PfVm *vm, PfRegion *r);
+/* A live region of an agent's VM left it (GONE): its agent mapped all of it
+ * from its memfd first.  What its pages and the requests for them hold is
+ * let go, requests not sent yet are never sent, answers still to come for
+ * it change nothing, and it stays a placeholder at its index. */
+void pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index);
 /* Pages of a VM's region were mapped from the memfd again and discarded. */
 void pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n);
 /* Unmerges every page of one VM, or of all (KSM's run=2), and waits for

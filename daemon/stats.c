@@ -245,9 +245,12 @@ pf_stats_format_prometheus(JsonObject *stats)
         for (guint v = 0; v < n_vms; v++) {
             JsonObject *vm = json_array_get_object_element(vms, v);
 
+            /* Names are labels two VMs may share: the pid tells them
+             * apart. */
             g_string_append_printf(out, "%s{vm=\"", metric);
             prom_escape(out, member_str(vm, "name"));
-            g_string_append(out, "\",mode=\"");
+            g_string_append_printf(out, "\",pid=\"%" G_GINT64_FORMAT "\",mode=\"",
+                                   member_int(vm, "pid"));
             prom_escape(out, member_str(vm, "mode"));
             g_string_append_printf(out, "\"} %" G_GINT64_FORMAT "\n",
                                    member_int(vm, ci->name));

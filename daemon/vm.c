@@ -317,11 +317,13 @@ pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GError **erro
     for (guint i = 0; i < regions->len; i++) {
         const PfRegion *r = g_ptr_array_index(regions, i);
 
-        lo = MIN(lo, r->host_addr);
-        hi = MAX(hi, r->host_addr + r->size);
+        if (pf_region_live(r)) {
+            lo = MIN(lo, r->host_addr);
+            hi = MAX(hi, r->host_addr + r->size);
+        }
     }
-    if (regions->len == 0) {
-        return TRUE;
+    if (lo >= hi) {
+        return TRUE; /* no region to look at */
     }
     vmas = read_vmas(proc_dir, "smaps", lo, hi, error);
     if (vmas == NULL) {
@@ -331,6 +333,9 @@ pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GError **erro
         const PfRegion *r = g_ptr_array_index(regions, i);
         guint64 at = r->host_addr, end = r->host_addr + r->size;
 
+        if (!pf_region_live(r)) {
+            continue;
+        }
         for (guint k = 0; k < vmas->len && at < end; k++) {
             const Vma *v = &g_array_index(vmas, Vma, k);
 
@@ -388,21 +393,60 @@ region_open(PfVm *vm, const MapsRange *m, GError **error)
     return r;
 }
 
+PfRegion *
+pf_region_new_refused(const char *name, guint64 host_addr, guint64 size, const char *why)
+{
+    PfRegion *r = g_new0(PfRegion, 1);
+
+    r->fd = -1;
+    r->name = g_strdup(name);
+    r->host_addr = host_addr;
+    r->size = size;
+    r->refused = g_strdup(why);
+    return r;
+}
+
+/* What a region holds, freed; what it was announced as stays. */
+static void
+region_clear(PfRegion *r)
+{
+    if (r->map != NULL) {
+        munmap((void *)r->map, r->size);
+        r->map = NULL;
+    }
+    if (r->fd >= 0) {
+        close(r->fd);
+        r->fd = -1;
+    }
+    g_clear_pointer(&r->pages, g_free);
+    g_clear_pointer(&r->huge_seen, g_free);
+    g_clear_pointer(&r->huge_was, g_free);
+    r->n_pages = 0;
+}
+
+void
+pf_region_retire(PfRegion *r)
+{
+    region_clear(r);
+    r->gone = TRUE;
+}
+
+void
+pf_region_refuse(PfRegion *r, const char *why)
+{
+    region_clear(r);
+    g_free(r->refused);
+    r->refused = g_strdup(why);
+}
+
 void
 pf_region_free(PfRegion *r)
 {
     if (r == NULL) {
         return;
     }
-    if (r->map != NULL) {
-        munmap((void *)r->map, r->size);
-    }
-    if (r->fd >= 0) {
-        close(r->fd);
-    }
-    g_free(r->pages);
-    g_free(r->huge_seen);
-    g_free(r->huge_was);
+    region_clear(r);
+    g_free(r->refused);
     g_free(r->name);
     g_free(r);
 }
@@ -477,9 +521,46 @@ pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
     return TRUE;
 }
 
-/* QEMU's -name guest=NAME,... or -name NAME, if the process has one. */
+gboolean
+pf_uuid_parse(const char *text, guint8 uuid[16])
+{
+    guint n = 0;
+
+    for (const char *p = text; *p != '\0'; p++) {
+        int hi, lo;
+
+        if (*p == '-' && (n == 4 || n == 6 || n == 8 || n == 10) && p[1] != '-') {
+            continue;
+        }
+        if (n == 16 || (hi = g_ascii_xdigit_value(p[0])) < 0 ||
+            (lo = g_ascii_xdigit_value(p[1])) < 0) {
+            return FALSE;
+        }
+        uuid[n++] = (guint8)(hi << 4 | lo);
+        p++;
+    }
+    return n == 16;
+}
+
+const char *
+pf_vm_uuid_string(const PfVm *vm, char buf[37])
+{
+    static const guint8 none[16];
+    const guint8 *u = vm->uuid;
+
+    if (memcmp(u, none, sizeof(none)) == 0) {
+        return NULL;
+    }
+    g_snprintf(buf, 37,
+               "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+               u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+               u[12], u[13], u[14], u[15]);
+    return buf;
+}
+
+/* The value of QEMU's option opt (e.g. "-name"), if the process has it. */
 static char *
-name_from_cmdline(int pid)
+cmdline_option(int pid, const char *opt)
 {
     g_autofree char *path = g_strdup_printf("/proc/%d/cmdline", pid);
     g_autofree char *buf = NULL;
@@ -493,19 +574,32 @@ name_from_cmdline(int pid)
         gsize alen = strnlen(arg, len - off);
         gsize next = off + alen + 1;
 
-        if (strcmp(arg, "-name") == 0 && next < len) {
-            g_auto(GStrv) parts = g_strsplit(buf + next, ",", -1);
-
-            for (char **p = parts; *p != NULL; p++) {
-                if (g_str_has_prefix(*p, "guest=")) {
-                    return g_strdup(*p + strlen("guest="));
-                }
-                if (p == parts && strchr(*p, '=') == NULL && **p != '\0') {
-                    return g_strdup(*p);
-                }
-            }
+        if (strcmp(arg, opt) == 0 && next < len) {
+            return g_strndup(buf + next, strnlen(buf + next, len - next));
         }
         off = next;
+    }
+    return NULL;
+}
+
+/* QEMU's -name guest=NAME,... or -name NAME, if the process has one. */
+static char *
+name_from_cmdline(int pid)
+{
+    g_autofree char *value = cmdline_option(pid, "-name");
+    g_auto(GStrv) parts = NULL;
+
+    if (value == NULL) {
+        return NULL;
+    }
+    parts = g_strsplit(value, ",", -1);
+    for (char **p = parts; *p != NULL; p++) {
+        if (g_str_has_prefix(*p, "guest=")) {
+            return g_strdup(*p + strlen("guest="));
+        }
+        if (p == parts && strchr(*p, '=') == NULL && **p != '\0') {
+            return g_strdup(*p);
+        }
     }
     return NULL;
 }
@@ -559,8 +653,8 @@ vm_new(int pid, int pidfd, GError **error)
 }
 
 PfVm *
-pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, GPtrArray *regions,
-                     GError **error)
+pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const guint8 uuid[16],
+                     GPtrArray *regions, GError **error)
 {
     g_autoptr(PfVm) vm = vm_new(pid, pidfd, error);
     g_autofree char *pagemap = g_strdup_printf("/proc/%d/pagemap", pid);
@@ -583,6 +677,7 @@ pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, GPtrArr
         return NULL;
     }
     vm->name = g_strdup(name);
+    memcpy(vm->uuid, uuid, sizeof(vm->uuid));
     g_clear_pointer(&vm->mode_reason, g_free);
     return g_steal_pointer(&vm);
 }
@@ -675,6 +770,13 @@ pf_vm_attach(int pid, const char *name, GError **error)
         return NULL;
     }
     vm->name = name && *name ? g_strdup(name) : default_name(pid);
+    {
+        g_autofree char *uuid = cmdline_option(pid, "-uuid");
+
+        if (uuid == NULL || !pf_uuid_parse(uuid, vm->uuid)) {
+            memset(vm->uuid, 0, sizeof(vm->uuid));
+        }
+    }
     return g_steal_pointer(&vm);
 }
 

@@ -24,10 +24,22 @@
  * a 16-byte record, so one VM's claim must not use up everyone's. */
 #define PF_MAX_REGION_BYTES (G_GUINT64_CONSTANT(1) << 40)
 #define PF_MAX_VM_BYTES (G_GUINT64_CONSTANT(1) << 40)
+/* Regions an agent may announce in its VM's life, refused and gone ones
+ * included (indexes are never reused): HELLO's bound (proto.c), kept at run
+ * time, so that a VMM that plugs and unplugs RAM forever cannot grow a
+ * VM's records without end. */
+#define PF_MAX_VM_REGIONS 256u
 
 typedef struct _PfVm PfVm;
 typedef struct _PfLink PfLink;
 
+/*
+ * A region of guest RAM.  An agent's regions keep the index it gave them
+ * (vm->regions[i] is its region i), so a region it announced that was
+ * refused, or that left the VM since, stays as a placeholder: no memfd, no
+ * mapping, no page (n_pages 0, so nothing ever scans or names it), only
+ * what it was announced as and why it is not scanned.
+ */
 typedef struct {
     PfVm *vm;
     char *name;          /* memfd name, e.g. "memory-backend-memfd" */
@@ -44,6 +56,8 @@ typedef struct {
     guint8 *huge_was;    /* ... and it was a transparent huge page then */
     guint32 base;        /* page id of pages[0] */
     gboolean dead;       /* faulted (truncated under us): drop it */
+    char *refused;       /* a placeholder: why the region was refused */
+    gboolean gone;       /* a placeholder: the region left the VM */
 } PfRegion;
 
 typedef struct {
@@ -53,8 +67,10 @@ typedef struct {
 } PfDropped;
 
 struct _PfVm {
-    char *name;
+    char *name;          /* a label: VMs may share one (the pid is who) */
     int pid;
+    guint8 uuid[16];     /* as the agent or QEMU's -uuid says; all zero:
+                          * none.  A label too: a peer may claim any */
     int pidfd;
     GPtrArray *regions;  /* PfRegion*, owned */
     const char *mode;    /* "merge" with a merging agent, else "advise" */
@@ -88,7 +104,12 @@ PfVm *pf_vm_attach(int pid, const char *name, GError **error);
  * process the agent's socket came from; pidfd is duplicated.  Its regions
  * never change behind the agent's back. */
 PfVm *pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name,
-                           GPtrArray *regions, GError **error);
+                           const guint8 uuid[16], GPtrArray *regions, GError **error);
+/* The VM's UUID as text (36 characters and a NUL into buf), or NULL if it
+ * has none. */
+const char *pf_vm_uuid_string(const PfVm *vm, char buf[37]);
+/* Parses a UUID written as 32 hex digits, in 8-4-4-4-12 groups or not. */
+gboolean pf_uuid_parse(const char *text, guint8 uuid[16]);
 /*
  * Whether fd may be taken as guest RAM that the process of proc_dir maps at
  * host_addr..host_addr + size from offset: a memfd (shmem, 4 KiB pages)
@@ -101,8 +122,23 @@ gboolean pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64
                                  guint64 offset, guint64 size, GError **error);
 /* Whether every page of the regions is registered for userfaultfd write
  * protection in the process of proc_dir ("uw" in smaps' VmFlags), as an
- * agent's are before it may merge. */
+ * agent's are before it may merge.  Placeholders are skipped. */
 gboolean pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GError **error);
+/* A placeholder for a region refused as announced (see PfRegion); holds
+ * nothing. */
+PfRegion *pf_region_new_refused(const char *name, guint64 host_addr, guint64 size,
+                                const char *why);
+/* Turns a region the scanner has let go of into a placeholder for one that
+ * left the VM: its mapping, memfd and page records are freed now. */
+void pf_region_retire(PfRegion *r);
+/* Turns a region nothing was placed for yet into a refused placeholder. */
+void pf_region_refuse(PfRegion *r, const char *why);
+/* Neither refused nor gone: a region that is scanned. */
+static inline gboolean
+pf_region_live(const PfRegion *r)
+{
+    return r->refused == NULL && !r->gone;
+}
 /* Maps one memfd read-only; takes fd. */
 PfRegion *pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset,
                         gsize size, GError **error);

@@ -55,8 +55,9 @@ ctl_json(Fixture *f, const char *cmd, const char *arg)
     return json_node_dup_object(json_parser_get_root(p));
 }
 
+/* uuid: QEMU's -uuid, or NULL for none. */
 static GSubprocess *
-start_guest(const char *name, int seed, int *pid)
+start_guest_uuid(const char *name, const char *uuid, int seed, int *pid)
 {
     g_autoptr(GError) error = NULL;
     g_autofree char *guestarg = g_strdup_printf("guest=%s", name);
@@ -64,7 +65,7 @@ start_guest(const char *name, int seed, int *pid)
     const char *argv[] = {
         pf_test_bin("STANDIN_GUEST"), "-name", guestarg, "--mib", "16", "--identical", "50",
         "--zero", "20", "--volatile", "0", "--churn-ms", "0", "--seed", seedarg, "--stdin",
-        NULL
+        uuid != NULL ? "-uuid" : NULL, uuid, NULL
     };
     GSubprocess *p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDIN_PIPE,
                             argv, &error);
@@ -78,6 +79,12 @@ start_guest(const char *name, int seed, int *pid)
     g_assert_true(g_str_has_prefix(line, "ready "));
     *pid = atoi(line + 6);
     return p;
+}
+
+static GSubprocess *
+start_guest(const char *name, int seed, int *pid)
+{
+    return start_guest_uuid(name, NULL, seed, pid);
 }
 
 static void
@@ -107,6 +114,7 @@ test_user_session(Fixture *f, gconstpointer data)
     g_autofree char *pid0 = g_strdup_printf("%d", f->pid[0]);
     g_autofree char *pid1 = g_strdup_printf("%d", f->pid[1]);
     g_autofree char *out = NULL, *err = NULL;
+    g_autofree char *line = NULL;
     g_autoptr(JsonObject) stats = NULL;
     JsonObject *total;
 
@@ -129,7 +137,9 @@ test_user_session(Fixture *f, gconstpointer data)
     g_assert_cmpint(json_object_get_int_member(total, "pages_unshared"), ==, 2 * 1229);
 
     g_assert_cmpint(ctl(f, &out, &err, "stats", "alpha", "--prometheus", NULL), ==, 0);
-    g_assert_nonnull(strstr(out, "pagefold_pages_sharing{vm=\"alpha\",mode=\"advise\"} 1024\n"));
+    g_free(line);
+    line = g_strdup_printf("pagefold_pages_sharing{vm=\"alpha\",pid=\"%d\",mode=\"advise\"} 1024\n", f->pid[0]);
+    g_assert_nonnull(strstr(out, line));
     g_assert_null(strstr(out, "beta-vm"));
 
     g_assert_cmpint(ctl(f, &out, &err, "set", "pages_to_scan", "1000", NULL), ==, 0);
@@ -225,6 +235,109 @@ test_bad_command_lines(Fixture *f, gconstpointer data)
     }
 }
 
+/* The object of the pid in a list of VM objects, or NULL. */
+static JsonObject *
+vm_of_pid(JsonArray *vms, int pid)
+{
+    for (guint i = 0; i < json_array_get_length(vms); i++) {
+        JsonObject *vm = json_array_get_object_element(vms, i);
+
+        if (json_object_get_int_member(vm, "pid") == pid) {
+            return vm;
+        }
+    }
+    return NULL;
+}
+
+/*
+ * A VM is its process; its name is a label.  Two QEMUs of one name (all
+ * are "qemu" without -name) both attach; a command that names one by that
+ * name is refused with their pids, and the pid or the UUID names each.
+ * Prometheus tells their series apart by pid.
+ */
+static void
+test_same_name(Fixture *f, gconstpointer data)
+{
+    static const char *const uuids[2] = { "6f2a8c1e-0d4b-4e59-9a3c-2b7d1e5f8a90",
+                                          "0123456789ABCDEF0123456789abcdef" };
+    g_autoptr(GSubprocess) twin0 = NULL;
+    g_autoptr(GSubprocess) twin1 = NULL;
+    g_autofree char *out = NULL, *err = NULL;
+    g_autofree char *want = NULL;
+    g_autofree char *pid0 = NULL, *pid1 = NULL;
+    g_autoptr(JsonObject) s = NULL;
+    int pid[2];
+    JsonArray *vms;
+
+    twin0 = start_guest_uuid("twin", uuids[0], 1, &pid[0]);
+    twin1 = start_guest_uuid("twin", uuids[1], 2, &pid[1]);
+    pid0 = g_strdup_printf("%d", pid[0]);
+    pid1 = g_strdup_printf("%d", pid[1]);
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid0, NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid1, NULL), ==, 0);
+    g_assert_nonnull(strstr(out, "attached VM twin"));
+
+    /* Both listed, each with its pid and UUID (as written canonically). */
+    g_assert_cmpint(ctl(f, &out, &err, "list", "--json", NULL), ==, 0);
+    {
+        g_autoptr(JsonParser) p = json_parser_new();
+
+        g_assert_true(json_parser_load_from_data(p, out, -1, NULL));
+        vms = json_node_get_array(json_parser_get_root(p));
+        g_assert_cmpuint(json_array_get_length(vms), ==, 2);
+        g_assert_cmpstr(json_object_get_string_member(vm_of_pid(vms, pid[0]), "name"), ==,
+                        "twin");
+        g_assert_cmpstr(json_object_get_string_member(vm_of_pid(vms, pid[0]), "uuid"), ==,
+                        uuids[0]);
+        g_assert_cmpstr(json_object_get_string_member(vm_of_pid(vms, pid[1]), "uuid"), ==,
+                        "01234567-89ab-cdef-0123-456789abcdef");
+    }
+
+    /* The name is ambiguous: refused, with the pids to choose from. */
+    g_assert_cmpint(ctl(f, &out, &err, "stats", "twin", NULL), ==, 1);
+    want = g_strdup_printf("2 VMs have the name 'twin' (pids %d, %d)", pid[0], pid[1]);
+    if (strstr(err, want) == NULL) {
+        g_error("stats twin said '%s', wanted '%s'", err, want);
+    }
+    g_assert_cmpint(ctl(f, &out, &err, "detach", "twin", NULL), ==, 1);
+    g_assert_nonnull(strstr(err, "name one by its pid"));
+
+    /* By pid, and by UUID in either spelling: one VM each. */
+    s = ctl_json(f, "stats", pid1);
+    vms = json_object_get_array_member(s, "vms");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 1);
+    g_assert_nonnull(vm_of_pid(vms, pid[1]));
+    g_clear_pointer(&s, json_object_unref);
+    s = ctl_json(f, "stats", "6F2A8C1E0D4B4E599A3C2B7D1E5F8A90");
+    vms = json_object_get_array_member(s, "vms");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 1);
+    g_assert_nonnull(vm_of_pid(vms, pid[0]));
+    g_assert_cmpint(ctl(f, &out, &err, "stats", "00000000-0000-0000-0000-000000000001", NULL),
+                    ==, 1);
+    g_assert_nonnull(strstr(err, "no VM"));
+
+    /* Prometheus: one series each, told apart by pid. */
+    g_assert_cmpint(ctl(f, &out, &err, "scan-now", "--prometheus", NULL), ==, 0);
+    g_free(want);
+    want = g_strdup_printf("pagefold_pages_scanned_total{vm=\"twin\",pid=\"%d\",", pid[0]);
+    g_assert_nonnull(strstr(out, want));
+    g_free(want);
+    want = g_strdup_printf("pagefold_pages_scanned_total{vm=\"twin\",pid=\"%d\",", pid[1]);
+    g_assert_nonnull(strstr(out, want));
+
+    /* Detached by UUID, the other one is the only twin left. */
+    g_assert_cmpint(ctl(f, &out, &err, "detach", uuids[1], NULL), ==, 0);
+    g_clear_pointer(&s, json_object_unref);
+    s = ctl_json(f, "stats", "twin");
+    vms = json_object_get_array_member(s, "vms");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 1);
+    g_assert_nonnull(vm_of_pid(vms, pid[0]));
+    g_subprocess_force_exit(twin0);
+    g_subprocess_force_exit(twin1);
+    g_subprocess_wait(twin0, NULL, NULL);
+    g_subprocess_wait(twin1, NULL, NULL);
+}
+
 /* With run=1 and a pass-time target, sharing rises on its own. */
 static void
 test_background_scan(Fixture *f, gconstpointer data)
@@ -255,5 +368,6 @@ main(int argc, char **argv)
     g_test_add("/cli/user-session", Fixture, NULL, setup, test_user_session, teardown);
     g_test_add("/cli/bad-command-lines", Fixture, NULL, setup, test_bad_command_lines, teardown);
     g_test_add("/cli/background-scan", Fixture, NULL, setup, test_background_scan, teardown);
+    g_test_add("/cli/same-name", Fixture, NULL, setup, test_same_name, teardown);
     return g_test_run();
 }

@@ -366,13 +366,92 @@ sparse_memfd(guint64 size, gboolean sealed)
     return fd;
 }
 
+/* The regions of the VM of that name in `list`, as a new reference. */
+static JsonArray *
+listed_regions(PfTestDaemon *d, const char *name)
+{
+    g_autoptr(JsonObject) vm = find_vm(d, name);
+
+    g_assert_nonnull(vm);
+    return json_array_ref(json_object_get_array_member(vm, "regions"));
+}
+
+/* Region index of the VM "fake" in `list`: refused, saying want, or (want
+ * NULL) not refused. */
+static void
+assert_region_refused(PfTestDaemon *d, guint index, const char *want)
+{
+    g_autoptr(JsonArray) regions = listed_regions(d, "fake");
+    JsonObject *r;
+    const char *why;
+
+    g_assert_cmpuint(index, <, json_array_get_length(regions));
+    r = json_array_get_object_element(regions, index);
+    why = json_object_get_string_member_with_default(r, "refused", NULL);
+    if (want == NULL) {
+        g_assert_null(why);
+        return;
+    }
+    if (why == NULL || strstr(why, want) == NULL) {
+        g_error("region %u refused because '%s', wanted '%s'", index, why ? why : "(not refused)",
+                want);
+    }
+    g_test_message("region %u refused: %s", index, why);
+}
+
+/*
+ * A handshake whose regions are all refused (one, or n): the peer is
+ * offered advise mode, no userfaultfd, with a reason that says so and
+ * quotes the first; it attaches all the same, `list` shows region 0 refused
+ * saying want; then the peer goes.  Once, a bad region refused the whole
+ * link.
+ */
+static void
+expect_all_refused(PfTestDaemon *d, int fd, const char *want)
+{
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    const char *reason;
+
+    expect_welcome(fd, m);
+    reason = pf_msg_mode(m)->reason;
+    g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_ADVISE);
+    g_assert_cmpuint(m->n_fds, ==, 0);
+    g_assert_true(g_str_has_prefix(reason, "every region was refused; the first: "));
+    pf_msg_close_fds(m);
+    send_ready(fd, PF_MODE_ADVISE, reason);
+    wait_listed(d, "fake", TRUE);
+    assert_region_refused(d, 0, want);
+    close(fd);
+    wait_listed(d, "fake", FALSE);
+}
+
+/* As expect_all_refused(), where region 0 passes and region 1 is refused:
+ * merge is offered for the one that passed. */
+static void
+expect_second_refused(PfTestDaemon *d, int fd, const char *want)
+{
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+
+    expect_welcome(fd, m);
+    g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_MERGE);
+    pf_msg_close_fds(m);
+    send_ready(fd, PF_MODE_ADVISE, "just looking");
+    wait_listed(d, "fake", TRUE);
+    assert_region_refused(d, 0, NULL);
+    assert_region_refused(d, 1, want);
+    close(fd);
+    wait_listed(d, "fake", FALSE);
+}
+
 /*
  * Every REGION is checked against what the peer's process maps before
  * anything is allocated for it: the memfd it passes must be the file it
  * maps shared at that address, at that offset, all the way, sealed against
- * shrinking, and not too large.  Each lie is refused with the reason and
- * costs pagefoldd nothing: it is alive after, with every descriptor the
- * peers passed closed.
+ * shrinking, and not too large.  A region that fails is refused, with the
+ * reason, and costs pagefoldd nothing: its memfd is closed at once, it
+ * stays a placeholder at its index (shown refused in `list`), and the
+ * others of its VM are kept.  pagefoldd is alive after, with every
+ * descriptor the peers passed closed.
  */
 static void
 test_regions(void)
@@ -400,7 +479,7 @@ test_regions(void)
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, pipefd[0], g->mem, 0, size);
-    expect_refusal(fd, "not a memfd");
+    expect_all_refused(d, fd, "not a memfd");
     close(pipefd[0]);
     close(pipefd[1]);
 
@@ -408,41 +487,52 @@ test_regions(void)
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, g->fd, g->mem, 0, 1024 * PF_PAGE_SIZE);
-    expect_refusal(fd, "beyond the end of its memfd");
+    expect_all_refused(d, fd, "beyond the end of its memfd");
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, g->fd, g->mem, G_MAXUINT64 - PF_PAGE_SIZE + 1, size);
-    expect_refusal(fd, "beyond the end of its memfd");
+    expect_all_refused(d, fd, "beyond the end of its memfd");
 
     /* A memfd that can shrink: a read of pagefoldd's would fault. */
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region(fd, unsealed);
-    expect_refusal(fd, "F_SEAL_SHRINK");
+    expect_all_refused(d, fd, "F_SEAL_SHRINK");
     /* The same as the first of two regions sent at once, as an agent
-     * sends them: the ERROR still reaches the peer, not a reset for the
-     * region left unread.  pagefoldd is stopped meanwhile, so that both
-     * are sent before it reads the first. */
+     * sends them (pagefoldd is stopped meanwhile, so that both are sent
+     * before it reads the first): the second is kept. */
     g_assert_cmpint(kill(daemon_pid(d), SIGSTOP), ==, 0);
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 2);
     send_region(fd, unsealed);
     send_region_full(fd, 1, g->fd, g->mem, 0, size);
     g_assert_cmpint(kill(daemon_pid(d), SIGCONT), ==, 0);
-    expect_refusal(fd, "F_SEAL_SHRINK");
+    {
+        g_autofree PfMsg *m = g_new0(PfMsg, 1);
+
+        expect_welcome(fd, m);
+        g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_MERGE);
+        pf_msg_close_fds(m);
+        send_ready(fd, PF_MODE_ADVISE, "just looking");
+        wait_listed(d, "fake", TRUE);
+        assert_region_refused(d, 0, "F_SEAL_SHRINK");
+        assert_region_refused(d, 1, NULL);
+        close(fd);
+        wait_listed(d, "fake", FALSE);
+    }
 
     /* A memfd the peer does not map at all. */
     big = sparse_memfd(size, TRUE);
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, big, g->mem, 0, size);
-    expect_refusal(fd, "maps another file");
+    expect_all_refused(d, fd, "maps another file");
 
     /* Its memfd, at an address where the peer maps another one. */
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, g->fd, other->mem, 0, size);
-    expect_refusal(fd, "maps another file");
+    expect_all_refused(d, fd, "maps another file");
 
     /* At an address where nothing is mapped. */
     map = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -451,13 +541,13 @@ test_regions(void)
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, big, map, 0, size);
-    expect_refusal(fd, "not mapped");
+    expect_all_refused(d, fd, "not mapped");
 
     /* The right file, but not at the offset announced. */
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, g->fd, g->mem, PF_PAGE_SIZE, size - PF_PAGE_SIZE);
-    expect_refusal(fd, "offset");
+    expect_all_refused(d, fd, "offset");
 
     /* Mapped private: the peer's pages are not the memfd's. */
     map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, big, 0);
@@ -465,7 +555,7 @@ test_regions(void)
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, big, map, 0, size);
-    expect_refusal(fd, "not shared");
+    expect_all_refused(d, fd, "not shared");
     /* Shared, but one page in the middle is another file's. */
     g_assert(mmap(map, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, big, 0) == map);
     g_assert(mmap(map + 8 * PF_PAGE_SIZE, PF_PAGE_SIZE, PROT_READ | PROT_WRITE,
@@ -473,22 +563,22 @@ test_regions(void)
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, big, map, 0, size);
-    expect_refusal(fd, "maps another file");
+    expect_all_refused(d, fd, "maps another file");
     /* ... or a hole in the middle. */
     g_assert_cmpint(munmap(map + 8 * PF_PAGE_SIZE, PF_PAGE_SIZE), ==, 0);
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, big, map, 0, size);
-    expect_refusal(fd, "not mapped");
+    expect_all_refused(d, fd, "not mapped");
     g_assert_cmpint(munmap(map, size), ==, 0);
     close(big);
 
-    /* Two regions over the same pages. */
+    /* Two regions over the same pages: the second is refused. */
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 2);
     send_region(fd, g);
     send_region_full(fd, 1, g->fd, g->mem + PF_PAGE_SIZE, PF_PAGE_SIZE, PF_PAGE_SIZE);
-    expect_refusal(fd, "overlaps");
+    expect_second_refused(d, fd, "overlaps");
 
     /* A region of 2^46 bytes, really mapped: once it aborted pagefoldd on
      * the allocation of its page records. */
@@ -498,7 +588,7 @@ test_regions(void)
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 1);
     send_region_full(fd, 0, big, map, 0, 1ull << 46);
-    expect_refusal(fd, "larger than");
+    expect_all_refused(d, fd, "larger than");
     g_assert_cmpint(munmap(map, 1ull << 46), ==, 0);
     close(big);
 
@@ -510,11 +600,12 @@ test_regions(void)
     send_hello(fd, (guint32)getpid(), 2);
     send_region(fd, g);
     send_region_full(fd, 1, tib, map, 0, 1ull << 40);
-    expect_refusal(fd, "more than");
+    expect_second_refused(d, fd, "more than");
     g_assert_cmpint(munmap(map, 1ull << 40), ==, 0);
     close(tib);
 
-    /* Each refusal closed every descriptor that peer passed or got. */
+    /* Each refusal closed the descriptor that peer passed for it, and each
+     * peer's going all the rest. */
     assert_fds_back_to(d, fds_before);
     g_assert_cmpuint(count_vms(d), ==, 0);
 }
@@ -818,6 +909,343 @@ test_not_reading(void)
     g_assert_cmpint(vm_counter(d, "served", "pages_scanned"), >, scanned);
 }
 
+/* ---- RAM that joins or leaves a running VM ---- */
+
+/* As expect_refusal(), past what pagefoldd sent before the ERROR (pool
+ * chunks, requests). */
+static void
+expect_refusal_later(int fd, const char *want)
+{
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    g_autoptr(GError) error = NULL;
+
+    for (;;) {
+        if (!pf_proto_recv(fd, m, &error)) {
+            g_error("expected a refusal saying '%s', got: %s", want, error->message);
+        }
+        pf_msg_close_fds(m);
+        if (m->header.type == PF_MSG_ERROR) {
+            break;
+        }
+        g_assert_true(m->header.type == PF_MSG_POOL || m->header.type == PF_MSG_REQUEST ||
+                      m->header.type == PF_MSG_DROP);
+    }
+    if (g_strstr_len((const char *)m->payload, m->header.length, want) == NULL) {
+        g_error("refusal '%.*s' does not say '%s'", (int)m->header.length,
+                (const char *)m->payload, want);
+    }
+    g_test_message("refused: %.*s", (int)m->header.length, (const char *)m->payload);
+    g_assert_false(pf_proto_recv(fd, m, &error));
+    close(fd);
+}
+
+/* The regions named by a REQUEST's items, as a bit mask (regions < 32). */
+static guint32
+request_regions(const PfMsg *m)
+{
+    guint32 n, mask = 0;
+    const PfWireItem *items = pf_msg_items(m, &n);
+
+    for (guint32 i = 0; i < n; i++) {
+        mask |= 1u << MIN(items[i].region, 31u);
+    }
+    return mask;
+}
+
+static void
+answer(int fd, const PfMsg *m, PfResultStatus status)
+{
+    guint32 n;
+    g_autofree PfWireResult *res = NULL;
+
+    pf_msg_items(m, &n);
+    res = g_new0(PfWireResult, n);
+    for (guint32 i = 0; i < n; i++) {
+        res[i].status = (guint8)status;
+    }
+    g_assert_true(pf_proto_send_results(fd, m->header.seq, res, n, NULL));
+}
+
+/* The next message within ms (a pool chunk's descriptor closed); FALSE if
+ * none came. */
+static gboolean
+next_msg(int fd, PfMsg *m, int ms)
+{
+    struct pollfd p = { fd, POLLIN, 0 };
+    g_autoptr(GError) error = NULL;
+
+    if (poll(&p, 1, ms) != 1) {
+        return FALSE;
+    }
+    if (!pf_proto_recv(fd, m, &error)) {
+        g_error("reading pagefoldd's messages: %s", error->message);
+    }
+    pf_msg_close_fds(m);
+    if (m->header.type == PF_MSG_ERROR) {
+        g_error("pagefoldd gave up the link: %.*s", (int)m->header.length,
+                (const char *)m->payload);
+    }
+    return TRUE;
+}
+
+/* Serves requests for ms, answering each with status; returns the regions
+ * they named (request_regions()). */
+static guint32
+serve(int fd, int ms, PfResultStatus status)
+{
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    gint64 end = g_get_monotonic_time() + ms * 1000;
+    guint32 mask = 0;
+
+    for (gint64 left; (left = end - g_get_monotonic_time()) > 0;) {
+        if (next_msg(fd, m, (int)(left / 1000) + 1) && m->header.type == PF_MSG_REQUEST) {
+            mask |= request_regions(m);
+            answer(fd, m, status);
+        }
+    }
+    return mask;
+}
+
+/* Waits for a REQUEST naming region, answering those before it (with
+ * CHANGED: nothing done); that one is left in m, unanswered. */
+static void
+wait_request(int fd, PfMsg *m, guint32 region)
+{
+    gint64 end = g_get_monotonic_time() + 20 * G_USEC_PER_SEC;
+
+    while (g_get_monotonic_time() < end) {
+        if (!next_msg(fd, m, 1000) || m->header.type != PF_MSG_REQUEST) {
+            continue;
+        }
+        if (request_regions(m) & (1u << region)) {
+            return;
+        }
+        answer(fd, m, PF_RESULT_CHANGED);
+    }
+    g_error("no request for region %u came", region);
+}
+
+static guint
+n_listed_regions(PfTestDaemon *d)
+{
+    g_autoptr(JsonArray) regions = listed_regions(d, "fake");
+
+    return json_array_get_length(regions);
+}
+
+/* Waits until the VM "fake" lists n regions. */
+static void
+wait_regions(PfTestDaemon *d, guint n)
+{
+    for (int i = 0; i < 500 && n_listed_regions(d) != n; i++) {
+        g_usleep(10000);
+    }
+    g_assert_cmpuint(n_listed_regions(d), ==, n);
+}
+
+static gboolean
+region_is_gone(PfTestDaemon *d, guint index)
+{
+    g_autoptr(JsonArray) regions = listed_regions(d, "fake");
+    JsonObject *r = json_array_get_object_element(regions, index);
+
+    return json_object_get_boolean_member_with_default(r, "gone", FALSE);
+}
+
+static void
+send_gone(int fd, guint32 region, guint64 n_pages)
+{
+    PfWireRange r = { region, 0, 0, n_pages };
+
+    g_assert_true(pf_proto_send(fd, PF_MSG_GONE, 0, &r, sizeof(r), NULL, 0, NULL));
+}
+
+/*
+ * One bad region in a handshake costs that region only: here the first is
+ * a memfd that can shrink.  The VM attaches in merge mode with the other,
+ * which is scanned and merged (its zero pages requested, answered, counted),
+ * and no request ever names the refused one.
+ */
+static void
+test_bad_region_kept(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "pages_to_scan=100000", NULL);
+    PfLayout l = { .identical = 256 };
+    g_autoptr(PfGuest) unsealed = pf_guest_new("memory-backend-memfd", &l, 2);
+    g_autoptr(PfGuest) z = sealed_guest(256, 256);
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    g_autoptr(JsonObject) vm = NULL;
+    int uffd = register_wp(z);
+    int fd = connect_agent(d);
+    guint32 mask;
+
+    send_hello(fd, (guint32)getpid(), 2);
+    send_region(fd, unsealed);
+    send_region_full(fd, 1, z->fd, z->mem, 0, z->n_pages * PF_PAGE_SIZE);
+    expect_welcome(fd, m);
+    g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_MERGE);
+    pf_msg_close_fds(m);
+    send_ready(fd, PF_MODE_MERGE, "");
+    wait_listed(d, "fake", TRUE);
+    vm = find_vm(d, "fake");
+    g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
+    g_assert_cmpint(json_object_get_int_member(vm, "pages"), ==, 256);
+    assert_region_refused(d, 0, "F_SEAL_SHRINK");
+    assert_region_refused(d, 1, NULL);
+
+    wait_request(fd, m, 1);
+    mask = request_regions(m);
+    answer(fd, m, PF_RESULT_DONE);
+    mask |= serve(fd, 300, PF_RESULT_DONE);
+    g_assert_cmpuint(mask, ==, 1u << 1);
+    for (int i = 0; i < 200 && vm_counter(d, "fake", "zero_pages") < 256; i++) {
+        serve(fd, 20, PF_RESULT_DONE);
+    }
+    g_assert_cmpint(vm_counter(d, "fake", "zero_pages"), ==, 256);
+    close(fd);
+    close(uffd);
+}
+
+/*
+ * RAM plugged into a running VM: a REGION after READY, with the next
+ * index, checked as at the handshake and, the VM merging, write-protected
+ * by its agent.  One that fails is a placeholder and the link stays; one
+ * that passes is scanned (its zero pages are requested); an index out of
+ * turn ends the link.
+ */
+static void
+test_region_join(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "pages_to_scan=100000", NULL);
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    g_autoptr(PfGuest) z = sealed_guest(256, 256);
+    PfLayout l = { .identical = 256 };
+    g_autoptr(PfGuest) unsealed = pf_guest_new("memory-backend-memfd", &l, 2);
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    gsize size = 256 * PF_PAGE_SIZE;
+    g_autoptr(JsonObject) vm = NULL;
+    int uffd = register_wp(g), uffd2, fd;
+
+    fd = handshake(d, g, PF_MODE_MERGE, "");
+    wait_listed(d, "fake", TRUE);
+
+    /* Not write-protected, while the VM merges: refused. */
+    send_region_full(fd, 1, z->fd, z->mem, 0, size);
+    wait_regions(d, 2);
+    assert_region_refused(d, 1, "write protection");
+    /* Can shrink: refused. */
+    send_region_full(fd, 2, unsealed->fd, unsealed->mem, 0, size);
+    wait_regions(d, 3);
+    assert_region_refused(d, 2, "F_SEAL_SHRINK");
+    /* Over a live region: refused (a placeholder is no region to overlap). */
+    send_region_full(fd, 3, g->fd, g->mem, 0, size);
+    wait_regions(d, 4);
+    assert_region_refused(d, 3, "overlaps");
+    /* The same RAM as region 1, write-protected now: taken, and scanned. */
+    uffd2 = register_wp(z);
+    send_region_full(fd, 4, z->fd, z->mem, 0, size);
+    wait_regions(d, 5);
+    assert_region_refused(d, 4, NULL);
+    vm = find_vm(d, "fake");
+    g_assert_cmpint(json_object_get_int_member(vm, "pages"), ==, 512);
+    g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
+    wait_request(fd, m, 4);
+    g_assert_cmpuint(request_regions(m), ==, 1u << 4);
+    answer(fd, m, PF_RESULT_CHANGED);
+    g_assert_cmpuint(serve(fd, 200, PF_RESULT_CHANGED) & ~(1u << 4), ==, 0);
+
+    /* Out of turn. */
+    send_region_full(fd, 7, z->fd, z->mem, 0, size);
+    expect_refusal_later(fd, "REGION 7 arrived as region 5");
+    wait_listed(d, "fake", FALSE);
+    close(uffd);
+    close(uffd2);
+}
+
+/*
+ * RAM unplugged from a running VM: GONE of a live region, all its pages.
+ * Here with requests for it in flight, answered after GONE (DONE, as if
+ * the pages had been zeroed): pagefoldd counts nothing of them, the link
+ * stays, and no request names the region again.  GONE of a region twice,
+ * of a refused one, of part of one, or of none, and a DISCARD of a gone
+ * one, end the link.
+ */
+static void
+test_region_gone(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "pages_to_scan=100000", NULL);
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    g_autoptr(PfGuest) z = sealed_guest(256, 256);
+    PfLayout l = { .identical = 256 };
+    g_autoptr(PfGuest) unsealed = pf_guest_new("memory-backend-memfd", &l, 2);
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    g_autoptr(JsonObject) vm = NULL;
+    int uffd = register_wp(g), uffd2 = register_wp(z), fd;
+
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 2);
+    send_region(fd, g);
+    send_region_full(fd, 1, z->fd, z->mem, 0, z->n_pages * PF_PAGE_SIZE);
+    expect_welcome(fd, m);
+    pf_msg_close_fds(m);
+    send_ready(fd, PF_MODE_MERGE, "");
+    wait_listed(d, "fake", TRUE);
+
+    wait_request(fd, m, 1);
+    send_gone(fd, 1, 256);
+    answer(fd, m, PF_RESULT_DONE);
+    for (int i = 0; i < 500 && !region_is_gone(d, 1); i++) {
+        serve(fd, 10, PF_RESULT_DONE);
+    }
+    g_assert_true(region_is_gone(d, 1));
+    /* What was sent before pagefoldd read GONE may name it; nothing
+     * after. */
+    serve(fd, 100, PF_RESULT_DONE);
+    g_assert_cmpuint(serve(fd, 500, PF_RESULT_DONE), ==, 0);
+    vm = find_vm(d, "fake");
+    g_assert_cmpint(json_object_get_int_member(vm, "pages"), ==, 256);
+    g_assert_cmpint(vm_counter(d, "fake", "zero_pages"), ==, 0);
+    g_assert_cmpint(vm_counter(d, "fake", "pages_pending"), ==, 0);
+    /* Twice. */
+    send_gone(fd, 1, 256);
+    expect_refusal_later(fd, "gone already");
+    wait_listed(d, "fake", FALSE);
+
+    /* A DISCARD of a gone region. */
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 2);
+    send_region(fd, g);
+    send_region_full(fd, 1, z->fd, z->mem, 0, z->n_pages * PF_PAGE_SIZE);
+    expect_welcome(fd, m);
+    pf_msg_close_fds(m);
+    send_ready(fd, PF_MODE_ADVISE, "just looking");
+    send_gone(fd, 0, 256);
+    send_discard(fd, 0, 0, 1);
+    expect_refusal_later(fd, "the region is gone");
+
+    /* Of a refused region. */
+    fd = connect_agent(d);
+    send_hello(fd, (guint32)getpid(), 2);
+    send_region(fd, unsealed);
+    send_region_full(fd, 1, g->fd, g->mem, 0, g->n_pages * PF_PAGE_SIZE);
+    expect_welcome(fd, m);
+    pf_msg_close_fds(m);
+    send_ready(fd, PF_MODE_ADVISE, "just looking");
+    send_gone(fd, 0, 256);
+    expect_refusal_later(fd, "it was refused");
+
+    /* Of part of a region, and of no region. */
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
+    send_gone(fd, 0, 255);
+    expect_refusal_later(fd, "not all of its pages");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
+    send_gone(fd, 1, 256);
+    expect_refusal_later(fd, "no such region");
+    g_assert_cmpuint(count_vms(d), ==, 0);
+    close(uffd);
+    close(uffd2);
+}
+
 /* RAM that cannot be merged (private, not memfd): the VM is listed all
  * the same, in advise mode, with the reason, and no page. */
 static void
@@ -850,5 +1278,8 @@ main(int argc, char **argv)
     g_test_add_func("/link/many-idle", test_many_idle);
     g_test_add_func("/link/not-reading", test_not_reading);
     g_test_add_func("/link/no-region", test_no_region);
+    g_test_add_func("/link/bad-region-kept", test_bad_region_kept);
+    g_test_add_func("/link/region-join", test_region_join);
+    g_test_add_func("/link/region-gone", test_region_gone);
     return g_test_run();
 }

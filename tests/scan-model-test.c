@@ -44,12 +44,21 @@ typedef struct {
     GArray *pending; /* PfPending, one per item */
 } ModelBatch;
 
+/* One RAM region of a guest: a memfd its agent announced. */
 typedef struct {
     PfGuest *guest;
-    int pid;          /* the process holding its RAM; 0 once it exited */
-    PfVm *vm;         /* NULL while not attached */
     guint8 *content;  /* what the guest sees in each page */
     gboolean *merged; /* pages its agent punched out of the memfd */
+    gboolean gone;    /* it left the VM (GONE): the agent does nothing with
+                       * it any more, and refuses items that name it */
+} ModelRegion;
+
+typedef struct {
+    int pid;          /* the process holding region 0; 0 once it exited */
+    PfVm *vm;         /* NULL while not attached */
+    GPtrArray *regions; /* ModelRegion*, by the agent's index: [0] the RAM its
+                         * process holds, then RAM plugged in since */
+    GPtrArray *old;   /* ModelRegion* plugged in under an earlier agent */
 } ModelVm;
 
 struct _PfLink {
@@ -87,6 +96,7 @@ typedef struct {
     guint stepped_back;
     guint moves;             /* requests that move a merged page */
     guint evacuating;        /* fuzz: scans that left a chunk to empty */
+    guint joined, gone;      /* fuzz: regions plugged in, and gone */
     guint n_made;
     char context[64];        /* where we are, for failure messages */
 } Model;
@@ -115,14 +125,21 @@ model_vm_of(PfVm *vm)
     return NULL;
 }
 
+static ModelRegion *
+model_region(ModelVm *mv, guint index)
+{
+    g_assert_cmpuint(index, <, mv->regions->len);
+    return g_ptr_array_index(mv->regions, index);
+}
+
 /* The agent folds the page back into its memfd: the guest's content. */
 static void
-fold_back(ModelVm *mv, gsize idx)
+fold_back(ModelRegion *mr, gsize idx)
 {
-    if (mv->merged[idx]) {
-        memcpy(mv->guest->mem + idx * PF_PAGE_SIZE, mv->content + idx * PF_PAGE_SIZE,
+    if (mr->merged[idx]) {
+        memcpy(mr->guest->mem + idx * PF_PAGE_SIZE, mr->content + idx * PF_PAGE_SIZE,
                PF_PAGE_SIZE);
-        mv->merged[idx] = FALSE;
+        mr->merged[idx] = FALSE;
     }
 }
 
@@ -135,7 +152,7 @@ agent_compare(PfLink *l, const PfWireItem *item)
 
     g_assert_nonnull(c);
     g_assert_cmpuint(item->slot, <, c->n_slots);
-    return memcmp(l->mv->content + item->page * PF_PAGE_SIZE,
+    return memcmp(model_region(l->mv, item->region)->content + item->page * PF_PAGE_SIZE,
                   c->map + (gsize)item->slot * PF_PAGE_SIZE, PF_PAGE_SIZE) == 0;
 }
 
@@ -144,14 +161,18 @@ static void
 agent_answer(PfLink *l, const PfWireItem *item, const PfPending *pd, PfResultStatus *status,
              int *err)
 {
+    ModelRegion *mr = model_region(l->mv, item->region);
+
     *status = PF_RESULT_DONE;
     *err = 0;
-    g_assert_cmpuint(item->region, ==, 0);
-    g_assert_cmpuint(item->page, <, l->mv->guest->n_pages);
-    if (item->kind == PF_ITEM_COLLAPSE) {
+    g_assert_cmpuint(item->page, <, mr->guest->n_pages);
+    if (mr->gone) {
+        /* Sent before pagefoldd read GONE: the agent forgot the region. */
+        *status = PF_RESULT_ERROR;
+        *err = ENOENT;
+    } else if (item->kind == PF_ITEM_COLLAPSE) {
         return;
-    }
-    if (!pf_vm_merges(l->vm)) {
+    } else if (!pf_vm_merges(l->vm)) {
         /* Stepped back: its pages are all in the memfd already. */
         if (item->kind != PF_ITEM_UNMERGE) {
             *status = PF_RESULT_ERROR;
@@ -167,10 +188,10 @@ agent_answer(PfLink *l, const PfWireItem *item, const PfPending *pd, PfResultSta
 
 /* Pages [first, end) leave the memfd: mapped from the pool now. */
 static void
-punch(ModelVm *mv, gsize first, gsize end)
+punch(ModelRegion *mr, gsize first, gsize end)
 {
     if (first < end) {
-        g_assert_cmpint(fallocate(mv->guest->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+        g_assert_cmpint(fallocate(mr->guest->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                                   (off_t)(first * PF_PAGE_SIZE),
                                   (off_t)((end - first) * PF_PAGE_SIZE)), ==, 0);
     }
@@ -182,27 +203,34 @@ punch(ModelVm *mv, gsize first, gsize end)
 static void
 agent_does(PfLink *l, const ModelBatch *b, const PfResultStatus *status)
 {
-    ModelVm *mv = l->mv;
+    ModelRegion *run = NULL;
     gsize first = 0, end = 0;
 
     for (guint i = 0; i < b->items->len && !model->lying; i++) {
         const PfWireItem *item = &g_array_index(b->items, PfWireItem, i);
+        ModelRegion *mr = model_region(l->mv, item->region);
 
-        if (status[i] != PF_RESULT_DONE || item->kind == PF_ITEM_COLLAPSE) {
+        /* A gone region is not the agent's any more, whatever it says. */
+        if (status[i] != PF_RESULT_DONE || item->kind == PF_ITEM_COLLAPSE || mr->gone) {
             continue;
         }
         if (item->kind == PF_ITEM_UNMERGE) {
-            fold_back(mv, item->page);
+            fold_back(mr, item->page);
             continue;
         }
-        if (item->page != end) {
-            punch(mv, first, end);
+        if (item->page != end || mr != run) {
+            if (run != NULL) {
+                punch(run, first, end);
+            }
+            run = mr;
             first = item->page;
         }
         end = item->page + 1;
-        mv->merged[item->page] = TRUE;
+        mr->merged[item->page] = TRUE;
     }
-    punch(mv, first, end);
+    if (run != NULL) {
+        punch(run, first, end);
+    }
 }
 
 /* The agent answers up to max of the batches it was sent, in order. */
@@ -239,7 +267,9 @@ answer_batches(PfLink *l, guint max)
     }
 }
 
-/* Whether any request queued or in flight names the chunk. */
+/* Whether any request queued or in flight names the chunk (and holds a
+ * slot of it: not one settled when its region went, which the agent
+ * refuses). */
 static gboolean
 link_names_chunk(PfLink *l, guint32 chunk)
 {
@@ -249,6 +279,9 @@ link_names_chunk(PfLink *l, guint32 chunk)
         for (guint i = 0; i < b->items->len; i++) {
             const PfWireItem *it = &g_array_index(b->items, PfWireItem, i);
 
+            if (g_array_index(b->pending, PfPending, i).kind == PF_PENDING_SETTLED) {
+                continue;
+            }
             if ((it->kind == PF_ITEM_MERGE || it->kind == PF_ITEM_ZERO) && it->chunk == chunk) {
                 return TRUE;
             }
@@ -283,6 +316,9 @@ link_new(PfVm *vm, ModelVm *mv)
 void
 pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd)
 {
+    /* Never a request for a region that is not the VM's any more. */
+    g_assert_false(model_region(l->mv, item->region)->gone);
+    g_assert_true(pf_region_live(g_ptr_array_index(l->vm->regions, item->region)));
     /* An agent is sent a chunk before any request that names it. */
     if (item->kind == PF_ITEM_MERGE || item->kind == PF_ITEM_ZERO) {
         g_assert_true(g_hash_table_contains(l->held, GUINT_TO_POINTER(item->chunk)));
@@ -360,6 +396,31 @@ pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk)
 }
 
 void
+pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpointer user)
+{
+    guint kept = 0;
+
+    for (GList *e = l->in_flight.head; e != NULL; e = e->next) {
+        ModelBatch *b = e->data;
+
+        for (guint i = 0; i < b->pending->len; i++) {
+            func(&g_array_index(b->pending, PfPending, i), user);
+        }
+    }
+    for (guint i = 0; i < l->queue_pending->len; i++) {
+        if (!func(&g_array_index(l->queue_pending, PfPending, i), user)) {
+            g_array_index(l->queue_pending, PfPending, kept) =
+                g_array_index(l->queue_pending, PfPending, i);
+            g_array_index(l->queue_items, PfWireItem, kept) =
+                g_array_index(l->queue_items, PfWireItem, i);
+            kept++;
+        }
+    }
+    g_array_set_size(l->queue_pending, kept);
+    g_array_set_size(l->queue_items, kept);
+}
+
+void
 pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpointer user)
 {
     ModelBatch *b;
@@ -417,17 +478,26 @@ account_requests(PfScanner *s, PfVm *vm, GHashTable *want)
         ModelBatch *b = e->data;
 
         for (guint i = 0; i < b->pending->len; i++) {
+            const PfWireItem *item = &g_array_index(b->items, PfWireItem, i);
+
+            /* A request for a region that went holds nothing since. */
+            if (model_region(l->mv, item->region)->gone) {
+                g_assert_cmpuint(g_array_index(b->pending, PfPending, i).kind, ==,
+                                 PF_PENDING_SETTLED);
+            }
             g_ptr_array_add(all, &g_array_index(b->pending, PfPending, i));
         }
     }
     for (guint i = 0; i < l->queue_pending->len; i++) {
+        g_assert_false(
+            model_region(l->mv, g_array_index(l->queue_items, PfWireItem, i).region)->gone);
         g_ptr_array_add(all, &g_array_index(l->queue_pending, PfPending, i));
     }
     for (guint i = 0; i < all->len; i++) {
         const PfPending *pd = g_ptr_array_index(all, i);
         PfRegion *r;
 
-        if (pd->kind == PF_ITEM_COLLAPSE) {
+        if (pd->kind == PF_ITEM_COLLAPSE || pd->kind == PF_PENDING_SETTLED) {
             continue;
         }
         if (pd->kind == PF_ITEM_MERGE || pd->kind == PF_ITEM_UNMERGE) {
@@ -490,7 +560,23 @@ check_model(Model *m, const char *when)
     }
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
+        ModelVm *mv = model_vm_of(vm);
+        gsize counted = 0;
 
+        /* Every page of the VM's live regions is in one state, and a
+         * region that went is a placeholder that holds none. */
+        for (guint k = 0; k < PF_PAGE_N_STATES; k++) {
+            counted += vm->count[k];
+        }
+        g_assert_cmpuint(counted, ==, pf_vm_n_pages(vm));
+        g_assert_cmpuint(vm->regions->len, ==, mv->regions->len);
+        for (guint k = 0; k < vm->regions->len; k++) {
+            const PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+            g_assert_cmpint(pf_region_live(r), ==, !model_region(mv, k)->gone);
+            g_assert_true(pf_region_live(r) || (r->n_pages == 0 && r->map == NULL &&
+                                                r->fd < 0 && r->pages == NULL));
+        }
         shared += vm->count[PF_PAGE_SHARED];
         if (vm->link != NULL) {
             account_requests(s, vm, want);
@@ -614,6 +700,12 @@ model_attach(Model *m, ModelVm *mv)
     mv->vm = pf_vm_attach(mv->pid, name, &error);
     g_assert_no_error(error);
     g_assert_cmpuint(mv->vm->regions->len, ==, 1);
+    /* Its agent announces the RAM its process holds (the model's region
+     * 0); RAM plugged in under an earlier agent is of no VM any more. */
+    while (mv->regions->len > 1) {
+        g_ptr_array_add(mv->old, g_ptr_array_steal_index(mv->regions, mv->regions->len - 1));
+    }
+    model_region(mv, 0)->gone = FALSE;
     mv->vm->link = link_new(mv->vm, mv);
     mv->vm->mode = "merge";
     pf_scanner_add_vm(m->s, mv->vm);
@@ -643,23 +735,79 @@ keep_pool_from_children(Model *m)
     }
 }
 
+static ModelRegion *
+model_region_new(const PfLayout *layout, guint32 seed)
+{
+    ModelRegion *mr = g_new0(ModelRegion, 1);
+    gsize written;
+
+    mr->guest = pf_guest_new("memory-backend-memfd", layout, seed);
+    /* Reading the layout's holes through the mapping would allocate them. */
+    written = mr->guest->n_pages - layout->holes;
+    mr->content = g_malloc0(mr->guest->n_pages * PF_PAGE_SIZE);
+    memcpy(mr->content, mr->guest->mem, written * PF_PAGE_SIZE);
+    mr->merged = g_new0(gboolean, mr->guest->n_pages);
+    return mr;
+}
+
+static void
+model_region_free(gpointer data)
+{
+    ModelRegion *mr = data;
+
+    pf_guest_free(mr->guest);
+    g_free(mr->content);
+    g_free(mr->merged);
+    g_free(mr);
+}
+
 static ModelVm *
 model_add_vm(Model *m, const PfLayout *layout, guint32 seed)
 {
     ModelVm *mv = g_new0(ModelVm, 1);
-    gsize written;
 
-    mv->guest = pf_guest_new("memory-backend-memfd", layout, seed);
+    mv->regions = g_ptr_array_new_with_free_func(model_region_free);
+    mv->old = g_ptr_array_new_with_free_func(model_region_free);
+    g_ptr_array_add(mv->regions, model_region_new(layout, seed));
     keep_pool_from_children(m);
-    mv->pid = pf_guest_hold(mv->guest);
-    /* Reading the layout's holes through the mapping would allocate them. */
-    written = mv->guest->n_pages - layout->holes;
-    mv->content = g_malloc0(mv->guest->n_pages * PF_PAGE_SIZE);
-    memcpy(mv->content, mv->guest->mem, written * PF_PAGE_SIZE);
-    mv->merged = g_new0(gboolean, mv->guest->n_pages);
+    mv->pid = pf_guest_hold(model_region(mv, 0)->guest);
     g_ptr_array_add(m->vms, mv);
     model_attach(m, mv);
     return mv;
+}
+
+/* RAM plugged into the VM: its agent announces it with the next index,
+ * after READY; link.c has checked it (here it is this process's own
+ * mapping: the scanner reads the memfd, not the VM's process). */
+static guint
+model_region_join(Model *m, ModelVm *mv, const PfLayout *layout, guint32 seed)
+{
+    g_autoptr(GError) error = NULL;
+    ModelRegion *mr = model_region_new(layout, seed);
+    int fd = fcntl(mr->guest->fd, F_DUPFD_CLOEXEC, 3);
+    PfRegion *r = pf_region_new("memory-backend-memfd", fd, (guint64)(guintptr)mr->guest->mem,
+                                0, mr->guest->n_pages * PF_PAGE_SIZE, &error);
+
+    g_assert_no_error(error);
+    g_ptr_array_add(mv->regions, mr);
+    g_assert_true(pf_scanner_add_region(m->s, mv->vm, r));
+    g_assert_cmpuint(mv->vm->regions->len, ==, mv->regions->len);
+    return mv->regions->len - 1;
+}
+
+/* RAM unplugged: its agent maps every page of it from its memfd again,
+ * forgets it, then says GONE (link.c has checked the index and size). */
+static void
+model_region_gone(Model *m, ModelVm *mv, guint index)
+{
+    ModelRegion *mr = model_region(mv, index);
+
+    g_assert_false(mr->gone);
+    for (gsize i = 0; i < mr->guest->n_pages; i++) {
+        fold_back(mr, i);
+    }
+    mr->gone = TRUE;
+    pf_scanner_region_gone(m->s, mv->vm, index);
 }
 
 static void
@@ -673,8 +821,12 @@ model_exit(ModelVm *mv)
 static void
 model_step_back(Model *m, ModelVm *mv, const char *why)
 {
-    for (gsize i = 0; i < mv->guest->n_pages; i++) {
-        fold_back(mv, i);
+    for (guint k = 0; k < mv->regions->len; k++) {
+        ModelRegion *mr = model_region(mv, k);
+
+        for (gsize i = 0; i < mr->guest->n_pages && !mr->gone; i++) {
+            fold_back(mr, i);
+        }
     }
     pf_scanner_step_back(m->s, mv->vm, why);
     m->stepped_back++;
@@ -694,26 +846,31 @@ agent_ends(Model *m, ModelVm *mv, gboolean exits)
 /* The guest writes a page.  A merged page copies on write, which
  * pagefoldd finds in pagemap at its next look: here, at once. */
 static void
-guest_writes(Model *m, ModelVm *mv, gsize idx, const guint8 *data)
+guest_writes(Model *m, ModelVm *mv, guint region, gsize idx, const guint8 *data)
 {
-    memcpy(mv->content + idx * PF_PAGE_SIZE, data, PF_PAGE_SIZE);
-    memcpy(mv->guest->mem + idx * PF_PAGE_SIZE, data, PF_PAGE_SIZE);
-    mv->merged[idx] = FALSE;
+    ModelRegion *mr = model_region(mv, region);
+
+    g_assert_false(mr->gone);
+    memcpy(mr->content + idx * PF_PAGE_SIZE, data, PF_PAGE_SIZE);
+    memcpy(mr->guest->mem + idx * PF_PAGE_SIZE, data, PF_PAGE_SIZE);
+    mr->merged[idx] = FALSE;
     if (mv->vm != NULL && pf_vm_merges(mv->vm)) {
-        cow_found(m->s, g_ptr_array_index(mv->vm->regions, 0), idx);
+        cow_found(m->s, g_ptr_array_index(mv->vm->regions, region), idx);
     }
 }
 
 /* The guest gives pages back (a balloon): holes of its memfd, which read
  * as zeros; its agent tells pagefoldd. */
 static void
-guest_discards(Model *m, ModelVm *mv, gsize first, gsize n)
+guest_discards(Model *m, ModelVm *mv, guint region, gsize first, gsize n)
 {
-    g_assert_cmpint(fallocate(mv->guest->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+    ModelRegion *mr = model_region(mv, region);
+
+    g_assert_cmpint(fallocate(mr->guest->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                               (off_t)(first * PF_PAGE_SIZE), (off_t)(n * PF_PAGE_SIZE)), ==, 0);
-    memset(mv->content + first * PF_PAGE_SIZE, 0, n * PF_PAGE_SIZE);
-    memset(mv->merged + first, 0, n * sizeof(gboolean));
-    pf_scanner_discarded(m->s, mv->vm, 0, first, n);
+    memset(mr->content + first * PF_PAGE_SIZE, 0, n * PF_PAGE_SIZE);
+    memset(mr->merged + first, 0, n * sizeof(gboolean));
+    pf_scanner_discarded(m->s, mv->vm, region, first, n);
 }
 
 static void
@@ -781,9 +938,8 @@ model_free(Model *m)
         if (mv->pid != 0) {
             model_exit(mv);
         }
-        pf_guest_free(mv->guest);
-        g_free(mv->content);
-        g_free(mv->merged);
+        g_ptr_array_unref(mv->regions);
+        g_ptr_array_unref(mv->old);
         g_free(mv);
     }
     g_ptr_array_unref(m->vms);
@@ -1018,7 +1174,7 @@ test_detached_pins_chunk(void)
 
     for (gsize i = 1; i < PF_POOL_CHUNK_SLOTS; i++) {
         pf_fill_page(page, pf_page_seed(7, 1, i, 1));
-        guest_writes(m, a, i, page);
+        guest_writes(m, a, 0, i, page);
     }
     run_passes(m, 3, "a wrote its pages");
     model_detach(m, a, "test: its agent hung up");
@@ -1026,7 +1182,7 @@ test_detached_pins_chunk(void)
     g_assert_cmpuint(m->s->leftovers->len, ==, 1);
     for (gsize i = 0; i < PF_POOL_CHUNK_SLOTS; i++) {
         pf_fill_page(page, pf_page_seed(7, 2, i, 1));
-        guest_writes(m, b, i, page);
+        guest_writes(m, b, 0, i, page);
     }
     run_passes(m, 5, "b wrote its pages");
     pf_scanner_get_info(m->s, &info);
@@ -1067,7 +1223,7 @@ test_evacuate(void)
     for (guint k = 0; k < 2; k++) {
         for (gsize i = 0; i < written; i++) {
             pf_fill_page(page, pf_page_seed(7, k, i, 1));
-            guest_writes(m, vm[k], i, page);
+            guest_writes(m, vm[k], 0, i, page);
         }
     }
     /* The pages go now; their slots with the agents' answers. */
@@ -1084,6 +1240,183 @@ test_evacuate(void)
     g_assert_cmpuint(info.pool_slots, ==, left);
     g_assert_cmpuint(info.pool_bytes, ==, left * PF_PAGE_SIZE);
     g_assert_cmpuint(totals(m).pages_sharing, ==, left);
+    model_end(m);
+    model_free(m);
+}
+
+/* ---- RAM that joins and leaves ---- */
+
+/* Pages of a seed's own, and some zero pages: two regions of one seed
+ * share all their pages. */
+static const PfLayout own_pages = { .unique = N_IDENTICAL, .zero = 16 };
+
+/*
+ * A region goes (GONE) while its pages are merged: every reference they
+ * held is put back at once (its agent mapped them all from the memfd
+ * first), the counters forget its pages as if unmerged, and its slots
+ * are freed where no page is left to share them.  a and b share their
+ * first regions; then each gets a second, the two sharing all of it.
+ */
+static void
+test_region_gone_merged(void)
+{
+    Model *m = model_new();
+    ModelVm *a = model_add_vm(m, &identical_only, 1);
+    ModelVm *b = model_add_vm(m, &identical_only, 2);
+    PfCounters t;
+
+    run_passes(m, 3, "a and b sharing");
+    g_assert_cmpuint(model_region_join(m, a, &own_pages, 77), ==, 1);
+    g_assert_cmpuint(model_region_join(m, b, &own_pages, 77), ==, 1);
+    run_passes(m, 3, "their second regions sharing too");
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, 2 * N_IDENTICAL);
+    g_assert_cmpuint(t.pages_sharing, ==, 2 * N_IDENTICAL);
+    g_assert_cmpuint(t.zero_pages, ==, 2 * 16);
+    g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, 2 * N_IDENTICAL);
+
+    /* a's goes: b's pages are each alone on their node (KSM keeps it). */
+    model_region_gone(m, a, 1);
+    check_model(m, "a's second region gone");
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, 2 * N_IDENTICAL);
+    g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL);
+    g_assert_cmpuint(t.zero_pages, ==, 16);
+    g_assert_cmpuint(t.pages_pending, ==, 0);
+    g_assert_cmpuint(pf_vm_n_pages(a->vm), ==, N_IDENTICAL);
+    g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, 2 * N_IDENTICAL);
+
+    /* b's goes: their slots are free. */
+    model_region_gone(m, b, 1);
+    check_model(m, "b's second region gone");
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
+    g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL);
+    g_assert_cmpuint(t.zero_pages, ==, 0);
+    g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, N_IDENTICAL);
+
+    /* Passes go on over the regions left; never a request for those gone
+     * (the stand-in link asserts it). */
+    run_passes(m, 3, "after");
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
+    g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL);
+    g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, N_IDENTICAL);
+    model_end(m);
+    model_free(m);
+}
+
+/* Requests in flight for region 1 of the chosen VM that GONE settled. */
+static guint settled_by_gone;
+
+/* Before the chosen VM's agent answers the first batch that names region
+ * 1, that region goes: the batch's items for it are settled by then. */
+static gboolean
+gone_before_answer(PfLink *l, const ModelBatch *b)
+{
+    gboolean names = FALSE;
+
+    for (guint i = 0; i < b->items->len; i++) {
+        names |= g_array_index(b->items, PfWireItem, i).region == 1;
+    }
+    if (l->vm != model->chosen || !names || model_region(l->mv, 1)->gone) {
+        return TRUE;
+    }
+    model_region_gone(model, l->mv, 1);
+    for (guint i = 0; i < b->items->len; i++) {
+        if (g_array_index(b->items, PfWireItem, i).region == 1) {
+            g_assert_cmpuint(g_array_index(b->pending, PfPending, i).kind, ==,
+                             PF_PENDING_SETTLED);
+            settled_by_gone++;
+        }
+    }
+    check_model(model, "region 1 gone with requests in flight");
+    return TRUE;
+}
+
+/* A lying agent: whatever it was asked of a region gone, done. */
+static void
+done_for_gone(PfLink *l, const PfWireItem *item, const PfPending *pd, PfResultStatus *status,
+              int *err)
+{
+    if (model_region(l->mv, item->region)->gone) {
+        *status = PF_RESULT_DONE;
+        *err = 0;
+    }
+}
+
+/*
+ * A region goes with requests for it in flight: their answers come after
+ * GONE (the agent refuses them, having forgotten the region, or -- data --
+ * lies that it did them).  What each held (its slot, its node) was let go
+ * once, at GONE; the answers change nothing, and the pool comes back to
+ * what the regions left share.
+ */
+static void
+test_region_gone_in_flight(gconstpointer data)
+{
+    Model *m = model_new();
+    ModelVm *a = model_add_vm(m, &identical_only, 1);
+    ModelVm *b = model_add_vm(m, &identical_only, 2);
+    PfCounters t;
+
+    settled_by_gone = 0;
+    run_passes(m, 3, "a and b sharing");
+    m->chosen = a->vm;
+    m->before_answer = gone_before_answer;
+    m->answer = GPOINTER_TO_INT(data) ? done_for_gone : NULL;
+    model_region_join(m, a, &own_pages, 77);
+    model_region_join(m, b, &own_pages, 77);
+    run_passes(m, 4, "a's second region went mid-merge");
+    g_assert_true(model_region(a, 1)->gone);
+    g_assert_cmpuint(settled_by_gone, >, 0);
+    g_test_message("%u requests in flight settled by GONE", settled_by_gone);
+    /* b's second region merged, each page alone on its node. */
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, 2 * N_IDENTICAL);
+    g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL);
+    g_assert_cmpuint(t.zero_pages, ==, 16);
+    g_assert_cmpuint(t.pages_pending, ==, 0);
+    g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, 2 * N_IDENTICAL);
+    model_end(m);
+    model_free(m);
+}
+
+/* The chosen VM's RAM (region 0) goes as its first batch that moves pages
+ * is about to be answered. */
+static gboolean
+gone_on_move(PfLink *l, const ModelBatch *b)
+{
+    if (l->vm == model->chosen && !model_region(l->mv, 0)->gone && batch_moves(b)) {
+        model_region_gone(model, l->mv, 0);
+        check_model(model, "a's RAM gone mid-move");
+    }
+    return TRUE;
+}
+
+/*
+ * A region goes while its merged pages move to a new node (share_then_move:
+ * c's arrival moves half of a's and b's): each move held a reference on
+ * the slot it went to and on the one it left, both put back at GONE.  b
+ * and c then share half the pages, b keeps the other half merged alone,
+ * and a is attached with no RAM left to scan.
+ */
+static void
+test_region_gone_during_move(void)
+{
+    Model *m = model_new();
+    ModelVm *a = share_then_move(m, gone_on_move, "a's RAM went mid-move");
+    PfCounters t;
+
+    g_assert_true(model_region(a, 0)->gone);
+    g_assert_nonnull(a->vm);
+    g_assert_cmpuint(pf_vm_n_pages(a->vm), ==, 0);
+    g_assert_cmpuint(m->moves, >=, N_IDENTICAL / 2);
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
+    g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL / 2);
+    g_assert_cmpuint(t.pages_pending, ==, 0);
+    g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, N_IDENTICAL);
     model_end(m);
     model_free(m);
 }
@@ -1172,6 +1505,22 @@ n_attached(Model *m)
     return m->s->vms->len;
 }
 
+/* A region of the VM that has not gone, at random, or -1 if none. */
+static gint
+pick_live_region(Model *m, ModelVm *mv)
+{
+    g_autoptr(GArray) live = g_array_new(FALSE, FALSE, sizeof(guint));
+
+    for (guint k = 0; k < mv->regions->len; k++) {
+        if (!model_region(mv, k)->gone) {
+            g_array_append_val(live, k);
+        }
+    }
+    return live->len == 0
+               ? -1
+               : (gint)g_array_index(live, guint, g_rand_int_range(m->rand, 0, (gint32)live->len));
+}
+
 /* What can happen between two batches of the scanner. */
 static void
 fuzz_events(Model *m, const PfLayout *layout)
@@ -1208,6 +1557,21 @@ fuzz_events(Model *m, const PfLayout *layout)
     } else if (ev < 31 && m->step_back && (mv = pick_vm(m, TRUE, TRUE)) != NULL &&
                pf_vm_merges(mv->vm)) {
         model_step_back(m, mv, "fuzz: migration");
+    } else if (ev < 37 && (mv = pick_vm(m, TRUE, TRUE)) != NULL && mv->regions->len < 6) {
+        /* A DIMM plugged in: RAM like the VM's own, its pages to be shared
+         * with those already merged, and with requests for them still in
+         * flight when (below) it goes. */
+        model_region_join(m, mv, layout, (guint32)g_rand_int_range(m->rand, 1, 4));
+        m->joined++;
+    } else if (ev < 43 && (mv = pick_vm(m, TRUE, TRUE)) != NULL) {
+        gint region = pick_live_region(m, mv);
+
+        /* A DIMM (or the RAM it started with) unplugged, whatever is in
+         * flight for it. */
+        if (region >= 0) {
+            model_region_gone(m, mv, (guint)region);
+            m->gone++;
+        }
     }
 }
 
@@ -1217,27 +1581,37 @@ static void
 fuzz_writes(Model *m, ModelVm *mv)
 {
     guint8 page[PF_PAGE_SIZE];
+    gint region;
+    ModelRegion *mr;
 
     for (guint k = 0; k < 16; k++) {
-        gsize idx = (gsize)g_rand_int_range(m->rand, 0, (gint32)mv->guest->n_pages);
+        gsize idx;
         guint x = g_rand_int_range(m->rand, 0, 10);
 
+        if ((region = pick_live_region(m, mv)) < 0) {
+            return;
+        }
+        mr = model_region(mv, (guint)region);
+        idx = (gsize)g_rand_int_range(m->rand, 0, (gint32)mr->guest->n_pages);
         if (x < 6) {
             ModelVm *o = g_ptr_array_index(m->vms, g_rand_int_range(m->rand, 0, (gint32)m->vms->len));
-            gsize j = (gsize)g_rand_int_range(m->rand, 0, (gint32)o->guest->n_pages);
+            ModelRegion *or = model_region(o, 0);
+            gsize j = (gsize)g_rand_int_range(m->rand, 0, (gint32)or->guest->n_pages);
 
-            memcpy(page, o->content + j * PF_PAGE_SIZE, PF_PAGE_SIZE);
+            memcpy(page, or->content + j * PF_PAGE_SIZE, PF_PAGE_SIZE);
         } else if (x < 7) {
             memset(page, 0, sizeof(page));
         } else {
             pf_fill_page(page, pf_page_seed(9, g_rand_int(m->rand), idx, 0));
         }
-        guest_writes(m, mv, idx, page);
+        guest_writes(m, mv, (guint)region, idx, page);
     }
-    if (g_rand_int_range(m->rand, 0, 100) < 4) {
-        gsize first = (gsize)g_rand_int_range(m->rand, 0, (gint32)mv->guest->n_pages - 8);
+    if (g_rand_int_range(m->rand, 0, 100) < 4 && (region = pick_live_region(m, mv)) >= 0) {
+        gsize first;
 
-        guest_discards(m, mv, first, 8);
+        mr = model_region(mv, (guint)region);
+        first = (gsize)g_rand_int_range(m->rand, 0, (gint32)mr->guest->n_pages - 8);
+        guest_discards(m, mv, (guint)region, first, 8);
     }
 }
 
@@ -1304,8 +1678,10 @@ fuzz_one(const FuzzMode *mode, guint32 seed)
         }
         check_model(m, "after events");
     }
-    g_test_message("%s: %u VMs, %u moves, %u step-backs, %u scans left a chunk to empty",
-                   m->context, m->n_made, m->moves, m->stepped_back, m->evacuating);
+    g_test_message("%s: %u VMs, %u moves, %u step-backs, %u scans left a chunk to empty, "
+                   "%u regions joined, %u gone",
+                   m->context, m->n_made, m->moves, m->stepped_back, m->evacuating, m->joined,
+                   m->gone);
     model_end(m);
     model_free(m);
 }
@@ -1343,6 +1719,12 @@ main(int argc, char **argv)
     g_test_add_func("/scan-model/moves-per-arrival", test_moves_per_arrival);
     g_test_add_func("/scan-model/detached-pins-chunk", test_detached_pins_chunk);
     g_test_add_func("/scan-model/evacuate", test_evacuate);
+    g_test_add_func("/scan-model/region-gone-merged", test_region_gone_merged);
+    g_test_add_data_func("/scan-model/region-gone-in-flight/refused", GINT_TO_POINTER(FALSE),
+                         test_region_gone_in_flight);
+    g_test_add_data_func("/scan-model/region-gone-in-flight/lying", GINT_TO_POINTER(TRUE),
+                         test_region_gone_in_flight);
+    g_test_add_func("/scan-model/region-gone-during-move", test_region_gone_during_move);
     for (gsize i = 0; i < G_N_ELEMENTS(fuzz_modes); i++) {
         g_autofree char *path = g_strdup_printf("/scan-model/fuzz/%s", fuzz_modes[i].name);
 

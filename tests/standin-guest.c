@@ -6,7 +6,7 @@
  * volatile pages.  It carries "-name guest=NAME" on its command line, as
  * QEMU does, so pagefoldd names it the same way.
  *
- *   standin-guest -name guest=NAME [--mib N] [--identical PCT] [--zero PCT]
+ *   standin-guest -name guest=NAME [-uuid UUID] [--mib N] [--identical PCT] [--zero PCT]
  *                 [--volatile PCT] [--seed N] [--churn-ms MS]
  *
  * Prints "ready PID" once filled, runs until SIGTERM/SIGINT or stdin EOF
@@ -51,6 +51,7 @@ int
 main(int argc, char **argv)
 {
     g_autofree char *name = NULL;
+    g_autofree char *uuid = NULL;
     gint mib = 64, identical = 50, zero = 20, vol = 1, seed = 1, churn_ms = 500;
     gboolean use_stdin = FALSE;
     GOptionEntry entries[] = {
@@ -64,6 +65,8 @@ main(int argc, char **argv)
         { "churn-ms", 0, 0, G_OPTION_ARG_INT, &churn_ms,
           "milliseconds between rewrites, 0: never (500)", "MS" },
         { "stdin", 0, 0, G_OPTION_ARG_NONE, &use_stdin, "exit when stdin closes", NULL },
+        /* Only read from /proc/PID/cmdline, by pagefoldd, as QEMU's. */
+        { "uuid", 0, 0, G_OPTION_ARG_STRING, &uuid, "the VM's UUID, as QEMU's -uuid", "UUID" },
         { NULL }
     };
     g_autoptr(GOptionContext) ctx = g_option_context_new("- stand-in QEMU process");
@@ -73,10 +76,12 @@ main(int argc, char **argv)
     PfLayout l = { 0 };
     gsize pages;
 
-    /* QEMU spells it -name; GOption wants --name. */
+    /* QEMU spells them -name and -uuid; GOption wants --name. */
     for (int i = 1; i < argc; i++) {
         if (g_str_equal(argv[i], "-name")) {
             argv[i] = (char *)"--name";
+        } else if (g_str_equal(argv[i], "-uuid")) {
+            argv[i] = (char *)"--uuid";
         }
     }
     g_option_context_add_main_entries(ctx, entries, NULL);

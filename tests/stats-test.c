@@ -65,11 +65,11 @@ test_prometheus(void)
 
     g_assert_nonnull(strstr(text, "pagefold_info{mode=\"advise\",hash=\"xxh3\"} 1\n"));
     g_assert_nonnull(strstr(text, "# TYPE pagefold_pages_sharing gauge\n"));
-    g_assert_nonnull(strstr(text, "pagefold_pages_sharing{vm=\"a \\\"q\\\"\",mode=\"advise\"} 1\n"));
-    g_assert_nonnull(strstr(text, "pagefold_pages_sharing{vm=\"b\",mode=\"advise\"} 4\n"));
+    g_assert_nonnull(strstr(text, "pagefold_pages_sharing{vm=\"a \\\"q\\\"\",pid=\"10\",mode=\"advise\"} 1\n"));
+    g_assert_nonnull(strstr(text, "pagefold_pages_sharing{vm=\"b\",pid=\"11\",mode=\"advise\"} 4\n"));
     g_assert_nonnull(strstr(text, "pagefold_pages_sharing 5\n"));
     g_assert_nonnull(strstr(text, "# TYPE pagefold_full_scans_total counter\n"));
-    g_assert_nonnull(strstr(text, "pagefold_pages_scanned_total{vm=\"b\",mode=\"advise\"} 49\n"));
+    g_assert_nonnull(strstr(text, "pagefold_pages_scanned_total{vm=\"b\",pid=\"11\",mode=\"advise\"} 49\n"));
     g_assert_null(strstr(text, "pagefold_pages_shared_total"));
 }
 
