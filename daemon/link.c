@@ -546,11 +546,22 @@ on_ready(PfLink *l, const PfMsg *msg)
                               "offered advise mode");
     }
     /* What an agent does before it says merge, checked: what it does
-     * after is its own VM's business.  Refused regions are never merged,
-     * so never checked. */
-    if (m->mode == PF_MODE_MERGE &&
-        !pf_regions_check_write_protected(l->proc_dir, l->regions, &error)) {
-        return link_refuse(l, "READY says merge, but %s", error->message);
+     * after is its own VM's business.  A region it did not write-protect
+     * (it refused it: a NUMA binding, a file system without protection)
+     * is refused here too, alone; refused regions are never merged, so
+     * never checked. */
+    for (guint i = 0; m->mode == PF_MODE_MERGE && i < l->regions->len; i++) {
+        PfRegion *r = g_ptr_array_index(l->regions, i);
+        g_autoptr(GPtrArray) one = g_ptr_array_new();
+
+        g_ptr_array_add(one, r);
+        if (pf_region_live(r) &&
+            !pf_regions_check_write_protected(l->proc_dir, one, &error)) {
+            g_message("agent of process %d: region %u refused at READY: %s", l->peer_pid, i,
+                      error->message);
+            pf_region_refuse(r, error->message);
+            g_clear_error(&error);
+        }
     }
     if (!peer_alive(l)) {
         return link_refuse(l, "process %d exited during its handshake", l->peer_pid);
@@ -734,13 +745,17 @@ on_gone(PfLink *l, const PfMsg *msg)
                             ? g_ptr_array_index(l->vm->regions, wr->region)
                             : NULL;
 
+    /* The agent is not told which regions were refused: GONE of one is
+     * its honest goodbye, and nothing is left to forget. */
+    if (r != NULL && r->refused != NULL && !r->gone) {
+        return TRUE;
+    }
     if (r == NULL || !pf_region_live(r) || wr->n_pages != r->n_pages) {
         return link_refuse(l, "GONE of region %u (%" G_GUINT64_FORMAT " pages): %s",
                            wr->region, wr->n_pages,
-                           r == NULL                ? "no such region"
-                           : r->refused != NULL     ? "it was refused"
-                           : r->gone                ? "it is gone already"
-                                                    : "not all of its pages");
+                           r == NULL    ? "no such region"
+                           : r->gone    ? "it is gone already"
+                                        : "not all of its pages");
     }
     l->announced_bytes -= r->size;
     pf_scanner_region_gone(l->srv->scanner, l->vm, wr->region);

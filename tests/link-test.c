@@ -685,8 +685,9 @@ test_welcome(void)
 
 /*
  * READY's mode is checked: merge only where WELCOME offered it, and only
- * when the peer's regions are registered for userfaultfd write protection
- * (VmFlags "uw"), which the agent does before it says merge.
+ * in the regions the peer registered for userfaultfd write protection
+ * (VmFlags "uw"), which the agent does before it says merge: a region it
+ * did not (it refused it) is refused alone, and never merged.
  */
 static void
 test_ready(void)
@@ -698,7 +699,13 @@ test_ready(void)
 
     /* Merge mode claimed without write protection. */
     fd = handshake(d, g, PF_MODE_MERGE, "");
-    expect_refusal(fd, "write protection");
+    wait_listed(d, "fake", TRUE);
+    assert_region_refused(d, 0, "write protection");
+    vm = find_vm(d, "fake");
+    g_assert_cmpint(json_object_get_int_member(vm, "pages"), ==, 0);
+    g_clear_pointer(&vm, json_object_unref);
+    close(fd);
+    wait_listed(d, "fake", FALSE);
 
     /* Merge mode where WELCOME offered advise. */
     fd = handshake(d, NULL, PF_MODE_MERGE, "");
@@ -1167,8 +1174,8 @@ test_region_join(void)
  * Here with requests for it in flight, answered after GONE (DONE, as if
  * the pages had been zeroed): pagefoldd counts nothing of them, the link
  * stays, and no request names the region again.  GONE of a region twice,
- * of a refused one, of part of one, or of none, and a DISCARD of a gone
- * one, end the link.
+ * of part of one, or of none, and a DISCARD of a gone or refused one, end
+ * the link; GONE of a refused one is taken (the agent cannot know).
  */
 static void
 test_region_gone(void)
@@ -1231,8 +1238,11 @@ test_region_gone(void)
     expect_welcome(fd, m);
     pf_msg_close_fds(m);
     send_ready(fd, PF_MODE_ADVISE, "just looking");
+    /* The agent is not told a region was refused: its GONE is taken,
+     * and the link stays (the DISCARD after it is what ends it). */
     send_gone(fd, 0, 256);
-    expect_refusal_later(fd, "it was refused");
+    send_discard(fd, 0, 0, 1);
+    expect_refusal_later(fd, "the region was refused");
 
     /* Of part of a region, and of no region. */
     fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
