@@ -27,8 +27,10 @@
  * reported to pagefoldd is what is true (a page still mapped from a pool
  * slot is never reported as not merged: pagefoldd would reuse its slot).
  */
-/* The library's messages, in the VMM's log too (QEMU routes this domain to
- * its own). */
+/*
+ * The library's messages, in the VMM's log too (QEMU routes this domain to
+ * its own).
+ */
 #ifndef G_LOG_DOMAIN
 #define G_LOG_DOMAIN "pagefold"
 #endif
@@ -75,11 +77,16 @@ typedef struct {
     guint64 offset;
     int advice[4];
     guint64 *remapped; /* bitmap: pages mapped from the pool */
-    char *refused;     /* why this region is not merged (its memfd cannot be
-                        * remapped here, or write protection refused it),
-                        * or NULL */
-    gboolean gone;     /* left the VM: no memfd, no bitmap; its index stays,
-                        * since pagefoldd never reuses one */
+    /*
+     * why this region is not merged (its memfd cannot be remapped here, or
+     * write protection refused it), or NULL
+     */
+    char *refused;
+    /*
+     * left the VM: no memfd, no bitmap; its index stays, since pagefoldd never
+     * reuses one
+     */
+    gboolean gone;
 } Region;
 
 typedef struct {
@@ -119,19 +126,26 @@ struct _PfAgent {
     void *thread;
     int stop[2];
     int wake[2]; /* something was queued for pagefoldd */
-    GMutex work; /* held while pages are remapped or folded back, and while
-                  * what pagefoldd must hear of it is queued: the outbox is
-                  * in the order it happened.  Never held while waiting for
-                  * pagefoldd: the VMM's threads take it (a discard under
-                  * QEMU's big lock), and pagefoldd may be stuck */
-    GMutex dma;  /* the ranges in DMA; held across every change of a
-                  * mapping, so that a new DMA waits for it (lock order:
-                  * work, then dma) */
+    /*
+     * held while pages are remapped or folded back, and while what pagefoldd
+     * must hear of it is queued: the outbox is in the order it happened.
+     * Never held while waiting for pagefoldd: the VMM's threads take it (a
+     * discard under QEMU's big lock), and pagefoldd may be stuck
+     */
+    GMutex work;
+    /*
+     * the ranges in DMA; held across every change of a mapping, so that a new
+     * DMA waits for it (lock order: work, then dma)
+     */
+    GMutex dma;
     GArray *dma_ranges; /* DmaRange, one per mapping the VMM made */
     GMutex out;  /* outbox, posting */
     GQueue outbox;      /* Outgoing*, sent by the agent thread alone */
-    gboolean posting;   /* the link takes messages: from the connect until
-                         * it ends, or an ERROR is queued */
+    /*
+     * the link takes messages: from the connect until it ends, or an ERROR is
+     * queued
+     */
+    gboolean posting;
     gboolean hangup;    /* an ERROR is queued: shut the link after it */
     GMutex lock; /* stats, connected, settled, mode, reason */
     GCond settled_cond;
@@ -218,7 +232,8 @@ static gsize
 find_remapped(const Region *r, gsize from, gsize to, gboolean want)
 {
     while (from < to && is_remapped(r, from) != want) {
-        if (from % 64 == 0 && to - from >= 64 && r->remapped[from / 64] == (want ? 0 : ~0ull)) {
+        if (from % 64 == 0 && to - from >= 64 &&
+            r->remapped[from / 64] == (want ? 0 : ~0ull)) {
             from += 64;
         } else {
             from++;
@@ -343,8 +358,9 @@ uffd_protect(PfAgent *a, guint8 *addr, gsize len, gboolean on)
  * Lifts the protection of [addr, addr + len).  It must not fail: a page
  * left protected blocks its writer (a vCPU, an I/O thread) for good.  If
  * the kernel refuses, the range is unregistered, which lifts it too
- * (Linux 6.0+), and its writers woken; if even that fails, the userfaultfd is closed, which lets
- * every writer go, and this VM merges nothing more.
+ * (Linux 6.0+), and its writers woken; if even that fails, the
+ * userfaultfd is closed, which lets every writer go, and this VM merges
+ * nothing more.
  */
 static void
 uffd_release(PfAgent *a, guint8 *addr, gsize len)
@@ -355,15 +371,18 @@ uffd_release(PfAgent *a, guint8 *addr, gsize len)
     if (rc == 0 || a->uffd < 0) {
         return;
     }
-    g_warning("pagefold agent: cannot lift write protection at %p+%zu: %s; unregistering it",
-              addr, len, g_strerror(-rc));
+    g_warning("pagefold agent: cannot lift write protection at %p+%zu: %s; "
+              "unregistering it", addr, len, g_strerror(-rc));
     /* Unregistering does not wake a writer blocked on protection. */
-    if ((rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range)) == 0 &&
-        (rc = uffd_ioctl(a, UFFDIO_WAKE, &range)) == 0) {
-        return;
+    rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range);
+    if (rc == 0) {
+        rc = uffd_ioctl(a, UFFDIO_WAKE, &range);
+        if (rc == 0) {
+            return;
+        }
     }
-    g_warning("pagefold agent: cannot unregister and wake %p+%zu: %s; closing the userfaultfd",
-              addr, len, g_strerror(-rc));
+    g_warning("pagefold agent: cannot unregister and wake %p+%zu: %s; "
+              "closing the userfaultfd", addr, len, g_strerror(-rc));
     close(a->uffd);
     a->uffd = -1;
     a->uffd_lost = TRUE;
@@ -379,10 +398,12 @@ region_unsafe(const Region *r)
 
     /* The punch after each merge must work, or memory is never freed. */
     if (fl < 0 || (fl & O_ACCMODE) != O_RDWR) {
-        return g_strdup_printf("region %s: its memfd is not open for writing", r->name);
+        return g_strdup_printf("region %s: its memfd is not open for writing",
+                               r->name);
     }
     if (seals > 0 && (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE))) {
-        return g_strdup_printf("region %s: its memfd is sealed against writing", r->name);
+        return g_strdup_printf("region %s: its memfd is sealed against writing",
+                               r->name);
     }
     /*
      * A page mapped from the pool lives where pagefoldd wrote it, and its
@@ -392,8 +413,9 @@ region_unsafe(const Region *r)
      */
     if (syscall(SYS_get_mempolicy, &mode, NULL, 0, r->host, MPOL_F_ADDR) == 0 &&
         mode != MPOL_DEFAULT) {
-        return g_strdup_printf("region %s has a NUMA memory policy (host-nodes, policy): "
-                               "pages mapped from pagefold's pool would not follow it",
+        return g_strdup_printf("region %s has a NUMA memory policy "
+                               "(host-nodes, policy): pages mapped from "
+                               "pagefold's pool would not follow it",
                                r->name);
     }
     return NULL;
@@ -409,8 +431,8 @@ static gboolean
 memory_locked(void)
 {
     unsigned char vec = 0;
-    void *probe = mmap(NULL, PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                       -1, 0);
+    void *probe = mmap(NULL, PF_PAGE_SIZE, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     gboolean locked;
 
     if (probe == MAP_FAILED) {
@@ -431,18 +453,24 @@ region_protect(PfAgent *a, Region *r)
 {
     int rc;
 
-    if ((r->refused = region_unsafe(r)) == NULL && (rc = uffd_register(a, r->host, r->size)) < 0) {
-        r->refused = g_strdup_printf("cannot write-protect region %s: %s%s", r->name,
-                                     g_strerror(-rc),
-                                     rc == -EBUSY ? " (postcopy or background snapshot already "
-                                                    "uses userfaultfd)" : "");
+    r->refused = region_unsafe(r);
+    if (r->refused == NULL) {
+        rc = uffd_register(a, r->host, r->size);
+        if (rc < 0) {
+            r->refused = g_strdup_printf(
+                "cannot write-protect region %s: %s%s", r->name,
+                g_strerror(-rc),
+                rc == -EBUSY ? " (postcopy or background snapshot already "
+                               "uses userfaultfd)" : "");
+        }
     }
 }
 
 static void
 say_refused(PfAgent *a, const Region *r)
 {
-    g_message("pagefold agent: VM %s: %s; its other RAM merges", a->name, r->refused);
+    g_message("pagefold agent: VM %s: %s; its other RAM merges", a->name,
+              r->refused);
 }
 
 static gboolean
@@ -451,10 +479,12 @@ region_merges(const Region *r)
     return !r->gone && r->refused == NULL;
 }
 
-/* Makes the userfaultfd and registers guest RAM for write protection; on
+/*
+ * Makes the userfaultfd and registers guest RAM for write protection; on
  * failure says why the VM must stay in advise mode (the reason of the
  * first region when none can merge), and holds nothing registered
- * (postcopy or a background snapshot may want it later). */
+ * (postcopy or a background snapshot may want it later).
+ */
 static gboolean
 uffd_setup(PfAgent *a, int dev_fd, char **why)
 {
@@ -463,14 +493,16 @@ uffd_setup(PfAgent *a, int dev_fd, char **why)
     guint64 supported;
 
     if (memory_locked()) {
-        *why = g_strdup("guest memory is locked (mlockall: -overcommit mem-lock=on, libvirt "
-                        "<locked/>): every merged page would be copied back at once");
+        *why = g_strdup("guest memory is locked (mlockall: -overcommit "
+                        "mem-lock=on, libvirt <locked/>): every merged page "
+                        "would be copied back at once");
         return FALSE;
     }
     probe = uffd_create(dev_fd);
     if (probe < 0) {
-        *why = g_strdup_printf("cannot create a userfaultfd: %s (QEMU needs root, or "
-                               "/dev/userfaultfd from pagefoldd)", g_strerror(errno));
+        *why = g_strdup_printf("cannot create a userfaultfd: %s (QEMU needs "
+                               "root, or /dev/userfaultfd from pagefoldd)",
+                               g_strerror(errno));
         return FALSE;
     }
     if (ioctl(probe, UFFDIO_API, &api) < 0) {
@@ -481,7 +513,8 @@ uffd_setup(PfAgent *a, int dev_fd, char **why)
     supported = api.features;
     close(probe);
     if (!(supported & UFFD_FEATURE_WP_HUGETLBFS_SHMEM)) {
-        *why = g_strdup("this kernel has no userfaultfd write protection for shmem (Linux 5.19+)");
+        *why = g_strdup("this kernel has no userfaultfd write protection for "
+                        "shmem (Linux 5.19+)");
         return FALSE;
     }
     a->uffd = uffd_create(dev_fd);
@@ -549,7 +582,8 @@ range_mapped(const guint8 *addr, gsize len)
     unsigned char vec[64];
 
     for (gsize off = 0; off < len; off += sizeof(vec) * PF_PAGE_SIZE) {
-        if (mincore((void *)(addr + off), MIN(len - off, sizeof(vec) * PF_PAGE_SIZE), vec) < 0 &&
+        if (mincore((void *)(addr + off),
+                    MIN(len - off, sizeof(vec) * PF_PAGE_SIZE), vec) < 0 &&
             errno == ENOMEM) {
             return FALSE;
         }
@@ -574,13 +608,15 @@ map_memfd(PfAgent *a, Region *r, gsize from, gsize to)
     int rc = 0;
 
     for (int attempt = 0; attempt < 2; attempt++) {
-        if (a->sys.mmap(addr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd,
-                        (off_t)(r->offset + from * PF_PAGE_SIZE)) != MAP_FAILED) {
+        if (a->sys.mmap(addr, len, PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_FIXED, r->fd,
+                        (off_t)(r->offset + from * PF_PAGE_SIZE)) !=
+            MAP_FAILED) {
             rc = readvise(a, r, addr, len);
             if (rc < 0) {
                 /* The page is right, only its advice is missing. */
-                g_warning("pagefold agent: advice for %s at %p+%zu: %s", r->name, addr, len,
-                          g_strerror(-rc));
+                g_warning("pagefold agent: advice for %s at %p+%zu: %s",
+                          r->name, addr, len, g_strerror(-rc));
             }
             return 0;
         }
@@ -589,8 +625,8 @@ map_memfd(PfAgent *a, Region *r, gsize from, gsize to)
             return rc; /* still mapped as before */
         }
     }
-    g_error("pagefold agent: cannot map guest RAM %s at %p+%zu back from its memfd: %s", r->name,
-            addr, len, g_strerror(-rc));
+    g_error("pagefold agent: cannot map guest RAM %s at %p+%zu back from its "
+            "memfd: %s", r->name, addr, len, g_strerror(-rc));
 }
 
 /*
@@ -609,8 +645,8 @@ copy_back(PfAgent *a, Region *r, gsize from, gsize to, const guint8 *src)
         off_t off = (off_t)(r->offset + v * PF_PAGE_SIZE);
 
         if (memcmp(page, zero_page, PF_PAGE_SIZE) == 0 &&
-            a->sys.fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off,
-                             PF_PAGE_SIZE) == 0) {
+            a->sys.fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                             off, PF_PAGE_SIZE) == 0) {
             continue;
         }
         errno = 0;
@@ -628,15 +664,16 @@ copy_back(PfAgent *a, Region *r, gsize from, gsize to, const guint8 *src)
  * run of remapped pages in DMA is not touched (the device's write would
  * land in the copy left behind), the others are, and -EBUSY says so.  Only
  * the merged pages count: QEMU keeps some guest RAM mapped for writing
- * for as long as a device runs (AHCI's receive areas, vhost's used rings).  Without copy, the pages are about to be
- * discarded and their content does not matter (nor is any page busy).
- * Stops at the first failure: pages before *stop are in the memfd, the others as they were
+ * for as long as a device runs (AHCI's receive areas, vhost's used
+ * rings).  Without copy, the pages are about to be discarded and their
+ * content does not matter (nor is any page busy).  Stops at the first
+ * failure: pages before *stop are in the memfd, the others as they were
  * (remapped and valid).  Returns 0 or -errno; adds the pages folded back
  * to *folded, if given.  The caller holds a->dma.
  */
 static int
-fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsize *stop,
-                 gsize *folded)
+fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy,
+                 gsize *stop, gsize *folded)
 {
     guint8 *hva = r->host + first * PF_PAGE_SIZE;
     gsize len = n * PF_PAGE_SIZE;
@@ -650,33 +687,47 @@ fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsi
         return 0;
     }
     /* Remapped pages are VMAs of their own, not registered yet. */
-    if (copy && ((rc = uffd_register(a, hva, len)) < 0 ||
-                 (rc = uffd_protect(a, hva, len, TRUE)) < 0)) {
-        if (a->uffd >= 0) {
-            uffd_release(a, hva, len);
+    if (copy) {
+        rc = uffd_register(a, hva, len);
+        if (rc >= 0) {
+            rc = uffd_protect(a, hva, len, TRUE);
         }
-        return rc;
+        if (rc < 0) {
+            if (a->uffd >= 0) {
+                uffd_release(a, hva, len);
+            }
+            return rc;
+        }
     }
     while (t < first + n) {
         gsize u = find_remapped(r, t, first + n, FALSE);
 
         *stop = t;
-        if (copy && in_dma(a, r->host + t * PF_PAGE_SIZE, r->host + u * PF_PAGE_SIZE)) {
+        if (copy && in_dma(a, r->host + t * PF_PAGE_SIZE,
+                           r->host + u * PF_PAGE_SIZE)) {
             /* Left as it is; the others are folded back all the same. */
             busy = TRUE;
             t = find_remapped(r, u, first + n, TRUE);
             continue;
         }
-        if (copy && (rc = copy_back(a, r, t, u, NULL)) < 0) {
-            break;
+        if (copy) {
+            rc = copy_back(a, r, t, u, NULL);
+            if (rc < 0) {
+                break;
+            }
         }
-        if ((rc = map_memfd(a, r, t, u)) < 0) {
-            /* Still remapped: its memfd pages are holes again, where
+        rc = map_memfd(a, r, t, u);
+        if (rc < 0) {
+            /*
+             * Still remapped: its memfd pages are holes again, where
              * pagefoldd looks for copy-on-write (it looks among data too,
-             * should this punch fail). */
-            if (copy && a->sys.fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                                         (off_t)(r->offset + t * PF_PAGE_SIZE),
-                                         (off_t)((u - t) * PF_PAGE_SIZE)) < 0) {
+             * should this punch fail).
+             */
+            if (copy &&
+                a->sys.fallocate(r->fd,
+                                 FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                 (off_t)(r->offset + t * PF_PAGE_SIZE),
+                                 (off_t)((u - t) * PF_PAGE_SIZE)) < 0) {
                 g_warning("pagefold agent: cannot punch %s again: %s", r->name,
                           g_strerror(errno));
             }
@@ -695,9 +746,11 @@ fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsi
     } else if (rc == 0) {
         *stop = first + n;
     }
-    /* Registered again, the range coalesces with its neighbours (if that
+    /*
+     * Registered again, the range coalesces with its neighbours (if that
      * fails, the next fold-back registers it); lifting the protection
-     * wakes any writer that blocked meanwhile. */
+     * wakes any writer that blocked meanwhile.
+     */
     (void)uffd_register(a, hva, len);
     if (copy) {
         uffd_release(a, hva, len);
@@ -707,8 +760,8 @@ fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsi
 
 /* fold_back_locked(), for callers that do not hold a->dma. */
 static int
-fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy, gsize *stop,
-          gsize *folded)
+fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy,
+          gsize *stop, gsize *folded)
 {
     int rc;
 
@@ -739,7 +792,8 @@ outgoing_free(gpointer p)
  * after an ERROR, nor once the link is gone.
  */
 static void
-post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload, gsize length, int fd)
+post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload, gsize length,
+     int fd)
 {
     Outgoing *o = g_malloc(sizeof(*o) + length);
     int e = 0;
@@ -749,8 +803,11 @@ post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload, gsize length,
     o->length = length;
     memcpy(o->payload, payload, length);
     o->fd = -1;
-    if (fd >= 0 && (o->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0) {
-        e = errno;
+    if (fd >= 0) {
+        o->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+        if (o->fd < 0) {
+            e = errno;
+        }
     }
     g_mutex_lock(&a->out);
     if (!a->posting) {
@@ -760,8 +817,9 @@ post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload, gsize length,
     }
     if (e != 0) {
         /* The message cannot go, and what follows it would be wrong. */
-        g_autofree char *text = g_strdup_printf("cannot duplicate a descriptor to send: %s",
-                                                g_strerror(e));
+        g_autofree char *text =
+            g_strdup_printf("cannot duplicate a descriptor to send: %s",
+                            g_strerror(e));
 
         g_warning("pagefold agent: %s; disconnecting", text);
         o = g_realloc(o, sizeof(*o) + strlen(text));
@@ -796,19 +854,23 @@ item_valid(PfAgent *a, const PfWireItem *it)
         return FALSE;
     }
     r = &g_array_index(a->regions, Region, it->region);
-    /* A region gone has no pages; one refused is not write-protected
-     * (an unmerge finds nothing remapped there and says so). */
+    /*
+     * A region gone has no pages; one refused is not write-protected
+     * (an unmerge finds nothing remapped there and says so).
+     */
     if (r->gone || (r->refused != NULL && it->kind != PF_ITEM_UNMERGE) ||
         it->page >= r->n_pages) {
         return FALSE;
     }
     if (it->kind == PF_ITEM_COLLAPSE) {
-        return it->page % HUGE_PAGES == 0 && it->page + HUGE_PAGES <= r->n_pages &&
-               (guintptr)(r->host + it->page * PF_PAGE_SIZE) % (HUGE_PAGES * PF_PAGE_SIZE) == 0;
+        return it->page % HUGE_PAGES == 0 &&
+               it->page + HUGE_PAGES <= r->n_pages &&
+               (guintptr)(r->host + it->page * PF_PAGE_SIZE) %
+               (HUGE_PAGES * PF_PAGE_SIZE) == 0;
     }
     if (it->kind == PF_ITEM_MERGE || it->kind == PF_ITEM_ZERO) {
-        const Chunk *c = it->chunk < a->chunks->len ? g_ptr_array_index(a->chunks, it->chunk)
-                                                    : NULL;
+        const Chunk *c = it->chunk < a->chunks->len
+                         ? g_ptr_array_index(a->chunks, it->chunk) : NULL;
 
         return c != NULL && it->slot < c->n_slots;
     }
@@ -830,7 +892,8 @@ continues(const PfWireItem *first, guint32 k, const PfWireItem *it)
 static guint64
 extent_of_page(const Region *r, guint64 page)
 {
-    return ((guintptr)r->host + page * PF_PAGE_SIZE) / (HUGE_PAGES * PF_PAGE_SIZE);
+    return ((guintptr)r->host + page * PF_PAGE_SIZE) /
+           (HUGE_PAGES * PF_PAGE_SIZE);
 }
 
 /*
@@ -840,8 +903,8 @@ extent_of_page(const Region *r, guint64 page)
  * where it merges, but must not do where it does not.
  */
 static gboolean
-is_window_item(PfAgent *a, const PfWireItem *first, const PfWireItem *it, guint64 lo,
-               guint64 hi)
+is_window_item(PfAgent *a, const PfWireItem *first, const PfWireItem *it,
+               guint64 lo, guint64 hi)
 {
     const Region *r;
     guint64 e;
@@ -876,21 +939,26 @@ set_result(PfWireResult *res, PfResultStatus status, int err)
  * guest's next access there would).
  */
 static void
-restore_unmapped(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 slot)
+restore_unmapped(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c,
+                 guint32 slot)
 {
     for (gsize t = find_remapped(r, from, to, TRUE); t < to;) {
         gsize u = find_remapped(r, t, to, FALSE);
-        int rc = copy_back(a, r, t, u, c->map + (gsize)(slot + (t - from)) * PF_PAGE_SIZE);
+        int rc = copy_back(a, r, t, u,
+                           c->map + (gsize)(slot + (t - from)) * PF_PAGE_SIZE);
 
         if (rc < 0) {
-            g_error("pagefold agent: cannot write merged pages of guest RAM %s at %p+%zu into "
-                    "its memfd, after mapping them from the pool failed: %s", r->name,
-                    r->host + t * PF_PAGE_SIZE, (u - t) * PF_PAGE_SIZE, g_strerror(-rc));
+            g_error("pagefold agent: cannot write merged pages of guest RAM "
+                    "%s at %p+%zu into its memfd, after mapping them from the "
+                    "pool failed: %s", r->name, r->host + t * PF_PAGE_SIZE,
+                    (u - t) * PF_PAGE_SIZE, g_strerror(-rc));
         }
         t = find_remapped(r, u, to, TRUE);
     }
-    /* The old pages are gone, so this maps the memfd (or ends the
-     * process): a failure that leaves the range mapped cannot happen. */
+    /*
+     * The old pages are gone, so this maps the memfd (or ends the
+     * process): a failure that leaves the range mapped cannot happen.
+     */
     if (map_memfd(a, r, from, to) == 0) {
         mark_remapped(a, r, from, to, FALSE);
     }
@@ -909,19 +977,22 @@ restore_unmapped(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, gu
  * memfd with its content.  The caller holds a->dma.
  */
 static int
-remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 slot)
+remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c,
+          guint32 slot)
 {
     guint8 *addr = r->host + from * PF_PAGE_SIZE;
     gsize len = (to - from) * PF_PAGE_SIZE, stop;
     const char *what;
     int rc;
 
-    if (a->sys.mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, c->fd,
-                    (off_t)slot * PF_PAGE_SIZE) == MAP_FAILED) {
+    if (a->sys.mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED,
+                    c->fd, (off_t)slot * PF_PAGE_SIZE) == MAP_FAILED) {
         rc = -errno;
-        /* Still mapped, the pages are as they were: the memfd, or their
+        /*
+         * Still mapped, the pages are as they were: the memfd, or their
          * old slots (whose memfd pages are holes: mapping the memfd over
-         * them would lose them). */
+         * them would lose them).
+         */
         if (!range_mapped(addr, len)) {
             restore_unmapped(a, r, from, to, c, slot);
         }
@@ -929,17 +1000,20 @@ remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 s
     }
     mark_remapped(a, r, from, to, TRUE);
     /* Only now is the old page unreachable: drop it from the memfd. */
-    if ((rc = readvise(a, r, addr, len)) < 0) {
+    rc = readvise(a, r, addr, len);
+    if (rc < 0) {
         what = "advice";
-    } else if (a->sys.fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                                (off_t)(r->offset + from * PF_PAGE_SIZE), (off_t)len) < 0) {
+    } else if (a->sys.fallocate(r->fd,
+                                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                (off_t)(r->offset + from * PF_PAGE_SIZE),
+                                (off_t)len) < 0) {
         rc = -errno;
         what = "punch";
     } else {
         return 0;
     }
-    g_warning("pagefold agent: %s after merging %s at %p+%zu: %s; folding it back", what,
-              r->name, addr, len, g_strerror(-rc));
+    g_warning("pagefold agent: %s after merging %s at %p+%zu: %s; "
+              "folding it back", what, r->name, addr, len, g_strerror(-rc));
     if (fold_back_locked(a, r, from, to - from, TRUE, &stop, NULL) < 0) {
         /* Still merged, and valid: that is what pagefoldd must hear. */
         return 0;
@@ -947,13 +1021,16 @@ remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c, guint32 s
     return rc;
 }
 
-/* k consecutive pages to k consecutive pool slots: the slots' content
+/*
+ * k consecutive pages to k consecutive pool slots: the slots' content
  * (merge), or zero slots when the pages are zero (zero).  The pages are
  * write-protected already (exec_window): what is compared is what stays.
  * A page in DMA is refused: a device may write it behind the protection.
- * moved[t] says whether page t, if done, came from another slot. */
+ * moved[t] says whether page t, if done, came from another slot.
+ */
 static void
-exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res, gboolean *moved)
+exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res,
+         gboolean *moved)
 {
     Region *r = &g_array_index(a->regions, Region, first->region);
     const Chunk *c = g_ptr_array_index(a->chunks, first->chunk);
@@ -986,7 +1063,8 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res, gboo
         while (u < k && done[u]) {
             u++;
         }
-        rc = remap_run(a, r, first->page + t, first->page + u, c, first->slot + t);
+        rc = remap_run(a, r, first->page + t, first->page + u, c,
+                       first->slot + t);
         for (guint32 v = t; rc < 0 && v < u; v++) {
             set_result(&res[v], PF_RESULT_ERROR, -rc);
         }
@@ -1004,8 +1082,8 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res, gboo
  * until the window is done.
  */
 static void
-exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 hi,
-            PfWireResult *res, gboolean *moved)
+exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
+            guint64 hi, PfWireResult *res, gboolean *moved)
 {
     Region *r = &g_array_index(a->regions, Region, items[0].region);
     guint8 *hva = r->host + lo * PF_PAGE_SIZE;
@@ -1013,7 +1091,11 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 
     int rc;
 
     g_mutex_lock(&a->dma);
-    if ((rc = uffd_register(a, hva, len)) < 0 || (rc = uffd_protect(a, hva, len, TRUE)) < 0) {
+    rc = uffd_register(a, hva, len);
+    if (rc >= 0) {
+        rc = uffd_protect(a, hva, len, TRUE);
+    }
+    if (rc < 0) {
         for (guint32 t = 0; t < n; t++) {
             set_result(&res[t], PF_RESULT_ERROR, -rc);
         }
@@ -1026,7 +1108,8 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo, guint64 
     for (guint32 i = 0; i < n;) {
         guint32 k = 1;
 
-        while (i + k < n && k < MAX_RUN && continues(&items[i], k, &items[i + k])) {
+        while (i + k < n && k < MAX_RUN &&
+               continues(&items[i], k, &items[i + k])) {
             k++;
         }
         exec_run(a, &items[i], k, &res[i], &moved[i]);
@@ -1043,15 +1126,17 @@ static void
 exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
 {
     gsize stop;
-    int rc = fold_back(a, &g_array_index(a->regions, Region, it->region), it->page, 1, TRUE,
-                       &stop, NULL);
+    int rc = fold_back(a, &g_array_index(a->regions, Region, it->region),
+                       it->page, 1, TRUE, &stop, NULL);
 
     set_result(res, rc < 0 ? PF_RESULT_ERROR : PF_RESULT_DONE, -rc);
 }
 
-/* Back to a huge page, once every page of the extent is unmerged.  The
+/*
+ * Back to a huge page, once every page of the extent is unmerged.  The
  * kernel will not collapse a range registered for write protection, so it
- * is unregistered for the collapse: no page of it is protected then. */
+ * is unregistered for the collapse: no page of it is protected then.
+ */
 static void
 exec_collapse(PfAgent *a, const PfWireItem *it, PfWireResult *res)
 {
@@ -1061,24 +1146,30 @@ exec_collapse(PfAgent *a, const PfWireItem *it, PfWireResult *res)
     struct uffdio_range range = { (guint64)(guintptr)hva, len };
     int err = 0, rc;
 
-    if ((rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range)) < 0) {
+    rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range);
+    if (rc < 0) {
         set_result(res, PF_RESULT_ERROR, -rc);
         return;
     }
     if (a->sys.madvise(hva, len, MADV_COLLAPSE) < 0) {
         err = errno;
     }
-    if ((rc = uffd_register(a, hva, len)) < 0) {
-        /* Unregistered, these pages cannot be merged: say so, it is
-         * tried again at the next merge there. */
+    rc = uffd_register(a, hva, len);
+    if (rc < 0) {
+        /*
+         * Unregistered, these pages cannot be merged: say so, it is
+         * tried again at the next merge there.
+         */
         err = -rc;
     }
     set_result(res, err ? PF_RESULT_ERROR : PF_RESULT_DONE, err);
 }
 
-/* A merge or zero item done on a page that was remapped already moved it
+/*
+ * A merge or zero item done on a page that was remapped already moved it
  * from one slot to another: counted apart, so that merged and zeroed stay
- * pages that left the memfd. */
+ * pages that left the memfd.
+ */
 static void
 count_results(PfAgent *a, const PfWireItem *items, const PfWireResult *res,
               const gboolean *moved, guint32 n)
@@ -1118,8 +1209,10 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
             /* Out of range: refused, nothing touched. */
             set_result(&res[i], PF_RESULT_ERROR, EINVAL);
         } else if (items[i].kind == PF_ITEM_UNMERGE) {
-            /* After a step back to advise mode nothing is remapped: an
-             * unmerge finds its page in the memfd already and says so. */
+            /*
+             * After a step back to advise mode nothing is remapped: an
+             * unmerge finds its page in the memfd already and says so.
+             */
             exec_unmerge(a, &items[i], &res[i]);
         } else if (a->mode != PF_MODE_MERGE) {
             set_result(&res[i], PF_RESULT_ERROR, EPERM);
@@ -1128,7 +1221,8 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
         } else {
             guint64 lo = items[i].page, hi = lo + 1;
 
-            while (i + k < n && is_window_item(a, &items[i], &items[i + k], lo, hi)) {
+            while (i + k < n &&
+                   is_window_item(a, &items[i], &items[i + k], lo, hi)) {
                 lo = MIN(lo, items[i + k].page);
                 hi = MAX(hi, items[i + k].page + 1);
                 k++;
@@ -1142,7 +1236,8 @@ handle_request(PfAgent *a, const PfMsg *msg, GError **error)
     if (a->uffd_lost) {
         /* Merged pages stay valid; pagefoldd keeps their slots taken. */
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                    "the userfaultfd had to be closed: this VM cannot merge any more");
+                    "the userfaultfd had to be closed: this VM cannot merge "
+                    "any more");
         return FALSE;
     }
     return TRUE;
@@ -1171,31 +1266,37 @@ take_chunk(PfAgent *a, PfMsg *msg, GError **error)
     if (seals < 0 || (seals & POOL_SEALS) != POOL_SEALS) {
         close(fd);
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "pool chunk %u is not sealed against writing and resizing (seals 0x%x)",
-                    p->chunk, seals < 0 ? 0 : seals);
+                    "pool chunk %u is not sealed against writing and resizing "
+                    "(seals 0x%x)", p->chunk, seals < 0 ? 0 : seals);
         return FALSE;
     }
-    /* pf_proto_recv() refused larger ids already: the array of chunks
-     * stays within what the protocol allows. */
+    /*
+     * pf_proto_recv() refused larger ids already: the array of chunks
+     * stays within what the protocol allows.
+     */
     if (p->chunk >= PF_PROTO_MAX_CHUNKS || held_chunk(a, p->chunk) != NULL) {
         close(fd);
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "pool chunk %u is out of range, or sent again without a DROP", p->chunk);
+                    "pool chunk %u is out of range, or sent again without a "
+                    "DROP", p->chunk);
         return FALSE;
     }
-    if (fstat(fd, &st) < 0 || (guint64)st.st_size < (guint64)p->n_slots * PF_PAGE_SIZE) {
+    if (fstat(fd, &st) < 0 ||
+        (guint64)st.st_size < (guint64)p->n_slots * PF_PAGE_SIZE) {
         close(fd);
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "pool chunk %u is smaller than its %u slots", p->chunk, p->n_slots);
+                    "pool chunk %u is smaller than its %u slots", p->chunk,
+                    p->n_slots);
         return FALSE;
     }
-    map = mmap(NULL, (gsize)p->n_slots * PF_PAGE_SIZE, PROT_READ, MAP_SHARED, fd, 0);
+    map = mmap(NULL, (gsize)p->n_slots * PF_PAGE_SIZE, PROT_READ, MAP_SHARED,
+               fd, 0);
     if (map == MAP_FAILED) {
         int e = errno;
 
         close(fd);
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot map pool chunk %u: %s", p->chunk,
-                    g_strerror(e));
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot map pool chunk %u: %s", p->chunk, g_strerror(e));
         return FALSE;
     }
     c = g_new0(Chunk, 1);
@@ -1217,14 +1318,18 @@ chunk_free(gpointer p)
     if (c == NULL) {
         return;
     }
-    /* Merged pages keep their own references to the memory.  Neither
+    /*
+     * Merged pages keep their own references to the memory.  Neither
      * call can fail on what take_chunk() made; if one did, the chunk's
-     * memory would only stay taken. */
+     * memory would only stay taken.
+     */
     if (munmap((void *)c->map, (gsize)c->n_slots * PF_PAGE_SIZE) < 0) {
-        g_warning("pagefold agent: cannot unmap a pool chunk: %s", g_strerror(errno));
+        g_warning("pagefold agent: cannot unmap a pool chunk: %s",
+                  g_strerror(errno));
     }
     if (close(c->fd) < 0) {
-        g_warning("pagefold agent: cannot close a pool chunk: %s", g_strerror(errno));
+        g_warning("pagefold agent: cannot close a pool chunk: %s",
+                  g_strerror(errno));
     }
     g_free(c);
 }
@@ -1245,13 +1350,14 @@ drop_chunk(PfAgent *a, const PfMsg *msg, GError **error)
 
     if (c == NULL) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "DROP of pool chunk %u, which this agent does not hold", p->chunk);
+                    "DROP of pool chunk %u, which this agent does not hold",
+                    p->chunk);
         return FALSE;
     }
     if (c->n_slots != p->n_slots) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "DROP of pool chunk %u of %u slots, which this agent holds with %u",
-                    p->chunk, p->n_slots, c->n_slots);
+                    "DROP of pool chunk %u of %u slots, which this agent "
+                    "holds with %u", p->chunk, p->n_slots, c->n_slots);
         return FALSE;
     }
     g_ptr_array_index(a->chunks, p->chunk) = NULL;
@@ -1299,11 +1405,12 @@ flush(PfAgent *a, GError **error)
             return !hangup;
         }
         if (o->type == PF_MSG_RESULT) {
-            ok = pf_proto_send_results(a->sock, o->seq, (const PfWireResult *)o->payload,
-                                       (guint32)(o->length / sizeof(PfWireResult)), error);
+            ok = pf_proto_send_results(
+                a->sock, o->seq, (const PfWireResult *)o->payload,
+                (guint32)(o->length / sizeof(PfWireResult)), error);
         } else {
-            ok = pf_proto_send(a->sock, o->type, o->seq, o->payload, o->length, &o->fd,
-                               o->fd >= 0 ? 1 : 0, error);
+            ok = pf_proto_send(a->sock, o->type, o->seq, o->payload,
+                               o->length, &o->fd, o->fd >= 0 ? 1 : 0, error);
         }
         outgoing_free(o);
         if (!ok) {
@@ -1312,9 +1419,11 @@ flush(PfAgent *a, GError **error)
     }
 }
 
-/* Tells pagefoldd of region i, write-protected first (protect) when this
+/*
+ * Tells pagefoldd of region i, write-protected first (protect) when this
  * VM merges.  Every region is told, refused ones too: pagefoldd counts
- * indexes. */
+ * indexes.
+ */
 static void
 region_join(PfAgent *a, guint i, gboolean protect)
 {
@@ -1359,8 +1468,10 @@ recv_expect(int sock, PfMsg *msg, PfMsgType type, GError **error)
     return TRUE;
 }
 
-/* Chooses the mode and says it; regions plugged in meanwhile follow.
- * Called with work held. */
+/*
+ * Chooses the mode and says it; regions plugged in meanwhile follow.
+ * Called with work held.
+ */
 static void
 settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
 {
@@ -1387,19 +1498,23 @@ settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
     }
     a->ready = TRUE;
     if (mode != PF_MODE_MERGE) {
-        g_message("pagefold agent: VM %s stays in advise mode: %s", a->name, a->reason);
+        g_message("pagefold agent: VM %s stays in advise mode: %s", a->name,
+                  a->reason);
     } else {
         g_message("pagefold agent: VM %s merges", a->name);
     }
 }
 
-/* Waits until the socket has something to read, the agent is stopped, or
- * timeout_ms pass (-1: no limit).  The VMM's threads never wait here. */
+/*
+ * Waits until the socket has something to read, the agent is stopped, or
+ * timeout_ms pass (-1: no limit).  The VMM's threads never wait here.
+ */
 static gboolean
 wait_readable(PfAgent *a, int timeout_ms, GError **error)
 {
     for (;;) {
-        struct pollfd pfd[3] = { { a->sock, POLLIN, 0 }, { a->stop[0], POLLIN, 0 },
+        struct pollfd pfd[3] = { { a->sock, POLLIN, 0 },
+                                 { a->stop[0], POLLIN, 0 },
                                  { a->wake[0], POLLIN, 0 } };
         int n = poll(pfd, 3, timeout_ms);
 
@@ -1407,26 +1522,33 @@ wait_readable(PfAgent *a, int timeout_ms, GError **error)
             continue;
         }
         if (n < 0) {
-            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "poll: %s", g_strerror(errno));
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "poll: %s",
+                        g_strerror(errno));
             return FALSE;
         }
         if (n == 0) {
             g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                        "pagefoldd did not answer within %d s", timeout_ms / 1000);
+                        "pagefoldd did not answer within %d s",
+                        timeout_ms / 1000);
             return FALSE;
         }
         if (pfd[1].revents) {
-            g_set_error(error, PF_ERROR, PF_ERROR_CLOSED, "the agent is stopping");
+            g_set_error(error, PF_ERROR, PF_ERROR_CLOSED,
+                        "the agent is stopping");
             return FALSE;
         }
         if (pfd[2].revents) {
             char buf[64];
+            ssize_t got;
 
-            while (read(a->wake[0], buf, sizeof(buf)) > 0) {
-            }
+            do {
+                got = read(a->wake[0], buf, sizeof(buf));
+            } while (got > 0);
+
             if (!flush(a, error)) {
                 if (error != NULL && *error == NULL) {
-                    g_set_error(error, PF_ERROR, PF_ERROR_CLOSED, "the link was given up");
+                    g_set_error(error, PF_ERROR, PF_ERROR_CLOSED,
+                                "the link was given up");
                 }
                 return FALSE;
             }
@@ -1439,8 +1561,10 @@ wait_readable(PfAgent *a, int timeout_ms, GError **error)
 
 #define HANDSHAKE_MS 10000
 
-/* Announces the VM and its regions and settles the mode.  Only the agent
- * thread waits for pagefoldd meanwhile. */
+/*
+ * Announces the VM and its regions and settles the mode.  Only the agent
+ * thread waits for pagefoldd meanwhile.
+ */
 static gboolean
 handshake(PfAgent *a, GError **error)
 {
@@ -1518,8 +1642,8 @@ serve(PfAgent *a)
             ok = handle_request(a, msg, &error);
             break;
         case PF_MSG_ERROR:
-            g_warning("pagefold agent: pagefoldd says: %.*s", (int)msg->header.length,
-                      (const char *)msg->payload);
+            g_warning("pagefold agent: pagefoldd says: %.*s",
+                      (int)msg->header.length, (const char *)msg->payload);
             ok = FALSE;
             break;
         default:
@@ -1555,9 +1679,11 @@ agent_thread(gpointer data)
     gboolean ok = handshake(a, &error);
 
     if (!ok) {
-        g_autofree char *why = g_strdup_printf("not attached to pagefoldd: %s", error->message);
+        g_autofree char *why = g_strdup_printf("not attached to pagefoldd: %s",
+                                               error->message);
 
-        g_warning("pagefold agent: VM %s runs unmerged: %s", a->name, error->message);
+        g_warning("pagefold agent: VM %s runs unmerged: %s", a->name,
+                  error->message);
         g_mutex_lock(&a->work);
         set_mode(a, PF_MODE_ADVISE, why);
         g_mutex_unlock(&a->work);
@@ -1587,35 +1713,43 @@ gboolean
 pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    /* A pagefoldd that stops reading must not stall the agent thread for
-     * good: after this, the link is given up. */
+    /*
+     * A pagefoldd that stops reading must not stall the agent thread for
+     * good: after this, the link is given up.
+     */
     struct timeval tv = { .tv_sec = 5 };
     int e;
 
     g_return_val_if_fail(a->sock < 0, FALSE);
     if (strlen(socket_path) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long: %s",
-                    socket_path);
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "socket path too long: %s", socket_path);
         return FALSE;
     }
     strcpy(addr.sun_path, socket_path);
     /* Every pool chunk this VM comes to share is a descriptor of ours. */
     pf_raise_nofile_limit();
-    /* Not blocking: a pagefoldd that accepts nobody (its queue full) is
-     * said at once, not waited for. */
+    /*
+     * Not blocking: a pagefoldd that accepts nobody (its queue full) is
+     * said at once, not waited for.
+     */
     a->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (a->sock < 0 || connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+    if (a->sock < 0 ||
+        connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
         e = errno;
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot connect to pagefoldd at %s: %s%s",
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot connect to pagefoldd at %s: %s%s",
                     socket_path, g_strerror(e),
-                    e == EAGAIN ? " (it accepts no connection: stuck, or overloaded)" : "");
+                    e == EAGAIN ? " (it accepts no connection: stuck, or "
+                                  "overloaded)" : "");
         goto fail;
     }
     if (fcntl(a->sock, F_SETFL, 0) < 0 ||
         setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
-        pipe2(a->stop, O_CLOEXEC) < 0 || pipe2(a->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot set up the link: %s",
-                    g_strerror(errno));
+        pipe2(a->stop, O_CLOEXEC) < 0 ||
+        pipe2(a->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot set up the link: %s", g_strerror(errno));
         goto fail;
     }
     g_mutex_lock(&a->out);
@@ -1653,7 +1787,8 @@ pf_agent_wait_settled(PfAgent *a, GError **error)
     ok = a->thread != NULL && a->start_error == NULL;
     if (!ok) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "%s",
-                    a->start_error ? a->start_error : "the agent was not started");
+                    a->start_error ? a->start_error
+                                   : "the agent was not started");
     }
     g_mutex_unlock(&a->lock);
     return ok;
@@ -1693,8 +1828,9 @@ pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error)
 
     reg.fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 3);
     if (reg.fd < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "region %s: cannot keep its memfd: %s",
-                    r->name, g_strerror(errno));
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "region %s: cannot keep its memfd: %s", r->name,
+                    g_strerror(errno));
         return FALSE;
     }
     reg.host = r->host;
@@ -1707,11 +1843,14 @@ pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error)
 
     g_mutex_lock(&a->work);
     /* pagefoldd wants a name to show; QEMU's spare backends have none. */
-    reg.name = r->name != NULL && *r->name ? g_strdup(r->name)
-                                           : g_strdup_printf("region%u", a->regions->len);
+    reg.name = r->name != NULL && *r->name
+               ? g_strdup(r->name)
+               : g_strdup_printf("region%u", a->regions->len);
     g_array_append_val(a->regions, reg);
-    /* Before the handshake's HELLO it is in the HELLO; during the
-     * handshake it follows READY; after, it goes now. */
+    /*
+     * Before the handshake's HELLO it is in the HELLO; during the
+     * handshake it follows READY; after, it goes now.
+     */
     if (a->ready) {
         region_join(a, a->regions->len - 1, TRUE);
     }
@@ -1734,27 +1873,34 @@ pf_agent_remove_region(PfAgent *a, void *host, gboolean keep, GError **error)
         if (r->gone || r->host != host) {
             continue;
         }
-        /* Kept, its content stays its own: the memfd may be used again
+        /*
+         * Kept, its content stays its own: the memfd may be used again
          * (the backend plugged in elsewhere, merge=on).  Else the memory
-         * is being freed, and only its pool slots matter. */
+         * is being freed, and only its pool slots matter.
+         */
         if (find_remapped(r, 0, r->n_pages, TRUE) < r->n_pages) {
-            rc = keep && a->uffd < 0 ? -EBADF
-                                     : fold_back(a, r, 0, r->n_pages, keep, &stop, NULL);
+            rc = keep && a->uffd < 0
+                 ? -EBADF
+                 : fold_back(a, r, 0, r->n_pages, keep, &stop, NULL);
         }
         if (rc < 0) {
             g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                        "pagefold: cannot fold merged pages of %s back into its memfd: %s",
-                        r->name, g_strerror(-rc));
+                        "pagefold: cannot fold merged pages of %s back into "
+                        "its memfd: %s", r->name, g_strerror(-rc));
             ok = FALSE;
             break;
         }
         if (a->uffd >= 0 && r->refused == NULL) {
             struct uffdio_range range = { (guint64)(guintptr)r->host, r->size };
 
-            /* Left registered, it would refuse the next userfaultfd
-             * (postcopy) there; nothing there is protected any more. */
-            if ((rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range)) < 0) {
-                g_warning("pagefold agent: cannot unregister %s: %s", r->name, g_strerror(-rc));
+            /*
+             * Left registered, it would refuse the next userfaultfd
+             * (postcopy) there; nothing there is protected any more.
+             */
+            rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range);
+            if (rc < 0) {
+                g_warning("pagefold agent: cannot unregister %s: %s", r->name,
+                          g_strerror(-rc));
             }
         }
         if (i < a->announced) {
@@ -1782,7 +1928,8 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
         a->advise_reason = g_strdup(reason);
     }
     if (a->mode == PF_MODE_MERGE) {
-        g_message("pagefold agent: VM %s steps back to advise mode: %s", a->name, reason);
+        g_message("pagefold agent: VM %s steps back to advise mode: %s",
+                  a->name, reason);
         set_mode(a, PF_MODE_ADVISE, reason);
         pf_wire_set_string(m.reason, sizeof(m.reason), reason);
     }
@@ -1801,22 +1948,26 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
         }
         if (rc < 0) {
             g_set_error(&err, PF_ERROR, PF_ERROR_FAILED,
-                        "pagefold: cannot fold merged pages of %s back into its memfd: %s",
-                        r->name, g_strerror(-rc));
+                        "pagefold: cannot fold merged pages of %s back into "
+                        "its memfd: %s", r->name, g_strerror(-rc));
         }
     }
     if (rc < 0) {
-        /* pagefoldd does not know which pages came back: it lets go of
-         * this VM, and the slots it still maps stay taken till the end. */
+        /*
+         * pagefoldd does not know which pages came back: it lets go of
+         * this VM, and the slots it still maps stay taken till the end.
+         */
         g_warning("%s", err->message);
         post_error(a, err->message);
         set_connected(a, FALSE);
         g_propagate_error(error, g_steal_pointer(&err));
     } else {
         if (a->uffd >= 0) {
-            /* Nothing of this VM is remapped any more; closing the
+            /*
+             * Nothing of this VM is remapped any more; closing the
              * userfaultfd unregisters guest RAM, for whoever needs it
-             * next. */
+             * next.
+             */
             close(a->uffd);
             a->uffd = -1;
         }
@@ -1844,7 +1995,8 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
             continue;
         }
         first = (gsize)(MAX(lo, r->host) - r->host) / PF_PAGE_SIZE;
-        end = (gsize)(MIN(hi, r->host + r->size) - r->host + PF_PAGE_SIZE - 1) / PF_PAGE_SIZE;
+        end = (gsize)(MIN(hi, r->host + r->size) - r->host +
+                      PF_PAGE_SIZE - 1) / PF_PAGE_SIZE;
         if (find_remapped(r, first, end, TRUE) == end) {
             continue;
         }
@@ -1853,11 +2005,14 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
         a->stats.discarded += folded;
         g_mutex_unlock(&a->lock);
         if (rc < 0) {
-            /* The discard misses the pages from stop on: they keep their
+            /*
+             * The discard misses the pages from stop on: they keep their
              * content and their pool slots, which pagefoldd must not
-             * hear of as free. */
-            g_warning("pagefold agent: cannot map %s from its memfd again before a discard: %s",
-                      r->name, g_strerror(-rc));
+             * hear of as free.
+             */
+            g_warning("pagefold agent: cannot map %s from its memfd again "
+                      "before a discard: %s", r->name, g_strerror(-rc));
+
         }
         wr.page = first;
         wr.n_pages = stop - first;

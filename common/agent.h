@@ -37,25 +37,33 @@ typedef struct {
     gsize size;
     int fd;          /* the memfd (the agent keeps a dup) */
     guint64 offset;  /* of host in the memfd */
-    int advice[4];   /* madvise() advice the VMM gave the region
-                      * (MADV_HUGEPAGE, MADV_DONTDUMP, ...), 0-terminated:
-                      * given again to every page the agent remaps, so the
-                      * new mappings behave, and coalesce, like the old */
+    /*
+     * madvise() advice the VMM gave the region (MADV_HUGEPAGE, MADV_DONTDUMP,
+     * ...), 0-terminated: given again to every page the agent remaps, so the
+     * new mappings behave, and coalesce, like the old
+     */
+    int advice[4];
 } PfAgentRegion;
 
 typedef struct {
-    guint64 merged;    /* items done, since the start: pages from the
-                        * memfd to a pool slot */
-    guint64 moved;     /* merge or zero items done on a page mapped from
-                        * the pool already: from one slot to another */
+    /* items done, since the start: pages from the memfd to a pool slot */
+    guint64 merged;
+    /*
+     * merge or zero items done on a page mapped from the pool already: from
+     * one slot to another
+     */
+    guint64 moved;
     guint64 zeroed;
     guint64 unmerged;
     guint64 changed;   /* merges the last compare refused */
     guint64 errors;
     guint64 requests;
     guint64 remapped;  /* pages mapped from the pool now */
-    guint64 discarded; /* remapped pages given their memfd back to be
-                        * discarded (balloon, virtio-mem) */
+    /*
+     * remapped pages given their memfd back to be discarded (balloon,
+     * virtio-mem)
+     */
+    guint64 discarded;
 } PfAgentStats;
 
 typedef struct _PfAgent PfAgent;
@@ -70,7 +78,8 @@ PfAgent *pf_agent_new(const char *vm_name, const guint8 *uuid);
  * pf_agent_get_regions() says why.  FALSE only when its memfd cannot be
  * kept (no descriptor left).
  */
-gboolean pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error);
+gboolean pf_agent_add_region(PfAgent *a, const PfAgentRegion *r,
+                             GError **error);
 /*
  * The region at host leaves the VM (a DIMM unplugged, merging turned off
  * for it): its merged pages get their memfd mapping back (with keep, and
@@ -81,10 +90,13 @@ gboolean pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error)
  * could not be folded back with keep: the region stays as it was (merged
  * pages valid), and calling again tries again.
  */
-gboolean pf_agent_remove_region(PfAgent *a, void *host, gboolean keep, GError **error);
-/* The region at host has new madvise() advice (0-terminated), for the pages
+gboolean pf_agent_remove_region(PfAgent *a, void *host, gboolean keep,
+                                GError **error);
+/*
+ * The region at host has new madvise() advice (0-terminated), for the pages
  * the agent remaps from now on; the VMM gives it to what is mapped now, as
- * QEMU's qom-set of a backend's dump does. */
+ * QEMU's qom-set of a backend's dump does.
+ */
 void pf_agent_set_advice(PfAgent *a, void *host, const int *advice);
 /*
  * This VM's RAM must be plain memfd mappings from now on: a vhost-user
@@ -125,18 +137,23 @@ void pf_agent_dma_unmap(PfAgent *a, void *host, gsize len);
  * call it stands for: -1 (MAP_FAILED) and errno on failure.
  */
 typedef struct {
-    void *(*mmap)(void *addr, size_t len, int prot, int flags, int fd, off_t offset);
+    void *(*mmap)(void *addr, size_t len, int prot, int flags, int fd,
+                  off_t offset);
     int (*fallocate)(int fd, int mode, off_t offset, off_t len);
     ssize_t (*pwrite)(int fd, const void *buf, size_t count, off_t offset);
-    int (*ioctl)(int fd, unsigned long request, void *arg); /* the userfaultfd's */
+    /* the userfaultfd's */
+    int (*ioctl)(int fd, unsigned long request, void *arg);
+
     int (*madvise)(void *addr, size_t len, int advice);
 } PfAgentSyscalls;
 
 void pf_agent_set_syscalls(PfAgent *a, const PfAgentSyscalls *sys);
 
-/* How the agent's one thread is made and joined: GLib's by default; a VMM
+/*
+ * How the agent's one thread is made and joined: GLib's by default; a VMM
  * with its own conventions (QEMU blocks signals in its threads) gives its
- * own, before pf_agent_start(). */
+ * own, before pf_agent_start().
+ */
 typedef struct {
     void *(*create)(void *(*fn)(void *), void *arg, void *opaque);
     void (*join)(void *thread, void *opaque);
@@ -157,15 +174,19 @@ void pf_agent_set_threads(PfAgent *a, const PfAgentThreads *threads);
  * is one.
  */
 gboolean pf_agent_start(PfAgent *a, const char *socket_path, GError **error);
-/* Waits until the handshake has ended; FALSE, with why, when it failed.
- * For VMMs that may wait (tests, stand-ins): QEMU must not. */
+/*
+ * Waits until the handshake has ended; FALSE, with why, when it failed.
+ * For VMMs that may wait (tests, stand-ins): QEMU must not.
+ */
 gboolean pf_agent_wait_settled(PfAgent *a, GError **error);
 /* Disconnects and stops the thread; merged pages stay as they are. */
 void pf_agent_free(PfAgent *a);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfAgent, pf_agent_free)
 
-/* Any thread.  The mode is settled by the handshake (advise until then,
- * and for good if it fails) and by pf_agent_step_back(). */
+/*
+ * Any thread.  The mode is settled by the handshake (advise until then,
+ * and for good if it fails) and by pf_agent_step_back().
+ */
 PfMode pf_agent_get_mode(PfAgent *a);
 char *pf_agent_dup_reason(PfAgent *a);
 gboolean pf_agent_is_connected(PfAgent *a);

@@ -1,8 +1,10 @@
 /*
  * proto.c - see proto.h.
  */
-/* The library's messages, in the VMM's log too (QEMU routes this domain to
- * its own). */
+/*
+ * The library's messages, in the VMM's log too (QEMU routes this domain to
+ * its own).
+ */
 #ifndef G_LOG_DOMAIN
 #define G_LOG_DOMAIN "pagefold"
 #endif
@@ -33,7 +35,8 @@ fail(GError **error, const char *fmt, ...)
     va_start(ap, fmt);
     text = g_strdup_vprintf(fmt, ap);
     va_end(ap);
-    g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "bad agent message: %s", text);
+    g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                "bad agent message: %s", text);
     return FALSE;
 }
 
@@ -47,8 +50,8 @@ pf_wire_set_string(char *field, gsize size, const char *text)
 }
 
 gboolean
-pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload, gsize length,
-              const int *fds, guint n_fds, GError **error)
+pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload,
+              gsize length, const int *fds, guint n_fds, GError **error)
 {
     PfMsgHeader h = { PF_PROTO_MAGIC, (guint16)type, 0, (guint32)length, seq };
     struct iovec iov[2] = {
@@ -62,7 +65,8 @@ pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload, gsize 
     struct msghdr mh = { .msg_iov = iov, .msg_iovlen = length ? 2 : 1 };
     ssize_t n;
 
-    g_return_val_if_fail(length <= PF_PROTO_MAX_PAYLOAD && n_fds <= PF_PROTO_MAX_FDS, FALSE);
+    g_return_val_if_fail(length <= PF_PROTO_MAX_PAYLOAD &&
+                         n_fds <= PF_PROTO_MAX_FDS, FALSE);
     if (n_fds > 0) {
         struct cmsghdr *c;
 
@@ -81,7 +85,8 @@ pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload, gsize 
     if (n < 0) {
         int e = errno;
 
-        g_set_error(error, PF_ERROR, e == EAGAIN ? PF_ERROR_WOULD_BLOCK : PF_ERROR_FAILED,
+        g_set_error(error, PF_ERROR,
+                    e == EAGAIN ? PF_ERROR_WOULD_BLOCK : PF_ERROR_FAILED,
                     "send: %s", g_strerror(e));
         return FALSE;
     }
@@ -104,7 +109,8 @@ string_ok(const char *field, gsize size, gboolean may_be_empty)
 {
     gsize len = strnlen(field, size);
 
-    return len < size && (may_be_empty || len > 0) && g_utf8_validate(field, (gssize)len, NULL);
+    return len < size && (may_be_empty || len > 0) &&
+           g_utf8_validate(field, (gssize)len, NULL);
 }
 
 static gboolean
@@ -121,8 +127,8 @@ validate(const PfMsg *msg, GError **error)
             return fail(error, "HELLO of %u bytes", h->length);
         }
         if (p->version != PF_PROTO_VERSION) {
-            return fail(error, "protocol version %u, this side speaks %u", p->version,
-                        PF_PROTO_VERSION);
+            return fail(error, "protocol version %u, this side speaks %u",
+                        p->version, PF_PROTO_VERSION);
         }
         if (!string_ok(p->name, sizeof(p->name), FALSE)) {
             return fail(error, "HELLO name is not a terminated UTF-8 string");
@@ -140,12 +146,15 @@ validate(const PfMsg *msg, GError **error)
             return fail(error, "REGION of %u bytes", h->length);
         }
         if (p->page_size != PF_PAGE_SIZE) {
-            return fail(error, "REGION page size %u (only %u is supported)", p->page_size,
-                        PF_PAGE_SIZE);
+            return fail(error, "REGION page size %u (only %u is supported)",
+                        p->page_size, PF_PAGE_SIZE);
         }
-        if (p->size == 0 || p->size % PF_PAGE_SIZE || p->host_addr % PF_PAGE_SIZE ||
-            p->offset % PF_PAGE_SIZE || p->size > (1ull << 46)) {
-            return fail(error, "REGION size, address or offset not page-aligned or too large");
+        if (p->size == 0 || p->size % PF_PAGE_SIZE ||
+            p->host_addr % PF_PAGE_SIZE || p->offset % PF_PAGE_SIZE ||
+            p->size > (1ull << 46)) {
+            return fail(error, "REGION size, address or offset not "
+                        "page-aligned or too large");
+
         }
         if (!string_ok(p->name, sizeof(p->name), FALSE)) {
             return fail(error, "REGION name is not a terminated UTF-8 string");
@@ -169,10 +178,12 @@ validate(const PfMsg *msg, GError **error)
         if (p->mode != PF_MODE_ADVISE && p->mode != PF_MODE_MERGE) {
             return fail(error, "%s mode %u", what, p->mode);
         }
-        if (!string_ok(p->reason, sizeof(p->reason), h->type != PF_MSG_ADVISE)) {
+        if (!string_ok(p->reason, sizeof(p->reason),
+                       h->type != PF_MSG_ADVISE)) {
             return fail(error, "%s reason is %s", what,
-                        h->type == PF_MSG_ADVISE ? "empty, or not a terminated UTF-8 string"
-                                                 : "not a terminated UTF-8 string");
+                        h->type == PF_MSG_ADVISE
+                        ? "empty, or not a terminated UTF-8 string"
+                        : "not a terminated UTF-8 string");
         }
         if (h->type == PF_MSG_ADVISE && p->mode != PF_MODE_ADVISE) {
             return fail(error, "ADVISE of mode %u", p->mode);
@@ -185,9 +196,10 @@ validate(const PfMsg *msg, GError **error)
         const PfWirePool *p = (const void *)msg->payload;
         const char *what = h->type == PF_MSG_POOL ? "POOL" : "DROP";
 
-        if (h->length != sizeof(*p) || p->n_slots == 0 || p->n_slots > (1u << 24) ||
-            p->chunk >= PF_PROTO_MAX_CHUNKS) {
-            return fail(error, "%s of %u bytes, or of chunk %u of %u slots", what, h->length,
+        if (h->length != sizeof(*p) || p->n_slots == 0 ||
+            p->n_slots > (1u << 24) || p->chunk >= PF_PROTO_MAX_CHUNKS) {
+            return fail(error, "%s of %u bytes, or of chunk %u of %u slots",
+                        what, h->length,
                         h->length == sizeof(*p) ? p->chunk : 0,
                         h->length == sizeof(*p) ? p->n_slots : 0);
         }
@@ -197,23 +209,28 @@ validate(const PfMsg *msg, GError **error)
     case PF_MSG_REQUEST:
     case PF_MSG_RESULT: {
         const ListHeader *l = (const void *)msg->payload;
-        gsize each = h->type == PF_MSG_REQUEST ? sizeof(PfWireItem) : sizeof(PfWireResult);
+        gsize each = h->type == PF_MSG_REQUEST ? sizeof(PfWireItem)
+                                               : sizeof(PfWireResult);
 
         if (h->length < sizeof(*l) || (h->length - sizeof(*l)) % each != 0 ||
-            l->n != (h->length - sizeof(*l)) / each || l->n == 0 || l->n > PF_PROTO_MAX_ITEMS) {
+            l->n != (h->length - sizeof(*l)) / each || l->n == 0 ||
+            l->n > PF_PROTO_MAX_ITEMS) {
             return fail(error, "%s of %u bytes does not hold its %u entries",
-                        h->type == PF_MSG_REQUEST ? "REQUEST" : "RESULT", h->length,
-                        h->length >= sizeof(*l) ? l->n : 0);
+                        h->type == PF_MSG_REQUEST ? "REQUEST" : "RESULT",
+                        h->length, h->length >= sizeof(*l) ? l->n : 0);
         }
         for (guint32 i = 0; i < l->n; i++) {
             if (h->type == PF_MSG_REQUEST) {
-                const PfWireItem *it = (const void *)(msg->payload + sizeof(*l) + i * each);
+                const PfWireItem *it =
+                    (const void *)(msg->payload + sizeof(*l) + i * each);
 
                 if (it->kind < PF_ITEM_MERGE || it->kind > PF_ITEM_COLLAPSE) {
-                    return fail(error, "REQUEST item %u has kind %u", i, it->kind);
+                    return fail(error, "REQUEST item %u has kind %u", i,
+                                it->kind);
                 }
             } else {
-                const PfWireResult *r = (const void *)(msg->payload + sizeof(*l) + i * each);
+                const PfWireResult *r =
+                    (const void *)(msg->payload + sizeof(*l) + i * each);
 
                 if (r->status > PF_RESULT_ERROR) {
                     return fail(error, "RESULT %u has status %u", i, r->status);
@@ -227,10 +244,12 @@ validate(const PfMsg *msg, GError **error)
         const PfWireRange *p = (const void *)msg->payload;
         const char *what = h->type == PF_MSG_DISCARD ? "DISCARD" : "GONE";
 
-        if (h->length != sizeof(*p) || p->n_pages == 0 || p->page >= (1ull << 34) ||
-            p->n_pages > (1ull << 34) || (h->type == PF_MSG_GONE && p->page != 0)) {
-            return fail(error, "%s of %u bytes, or of an empty or impossible range", what,
-                        h->length);
+        if (h->length != sizeof(*p) || p->n_pages == 0 ||
+            p->page >= (1ull << 34) || p->n_pages > (1ull << 34) ||
+            (h->type == PF_MSG_GONE && p->page != 0)) {
+            return fail(error,
+                        "%s of %u bytes, or of an empty or impossible range",
+                        what, h->length);
         }
         break;
     }
@@ -243,7 +262,8 @@ validate(const PfMsg *msg, GError **error)
         return fail(error, "unknown type %u", h->type);
     }
     if (msg->n_fds < want_fds_min || msg->n_fds > want_fds_max) {
-        return fail(error, "type %u carries %u file descriptors", h->type, msg->n_fds);
+        return fail(error, "type %u carries %u file descriptors", h->type,
+                    msg->n_fds);
     }
     return TRUE;
 }
@@ -272,12 +292,14 @@ pf_proto_recv(int sock, PfMsg *msg, GError **error)
     if (n < 0) {
         int e = errno;
 
-        g_set_error(error, PF_ERROR, e == EAGAIN ? PF_ERROR_WOULD_BLOCK : PF_ERROR_FAILED,
+        g_set_error(error, PF_ERROR,
+                    e == EAGAIN ? PF_ERROR_WOULD_BLOCK : PF_ERROR_FAILED,
                     "receive: %s", g_strerror(e));
         return FALSE;
     }
     /* Take every descriptor first, so a refused message leaks none. */
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c != NULL; c = CMSG_NXTHDR(&mh, c)) {
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c != NULL;
+         c = CMSG_NXTHDR(&mh, c)) {
         if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
             gsize k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
 
@@ -295,16 +317,19 @@ pf_proto_recv(int sock, PfMsg *msg, GError **error)
     }
     if (n == 0) {
         pf_msg_close_fds(msg);
-        g_set_error(error, PF_ERROR, PF_ERROR_CLOSED, "peer closed the connection");
+        g_set_error(error, PF_ERROR, PF_ERROR_CLOSED,
+                    "peer closed the connection");
         return FALSE;
     }
     if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
         pf_msg_close_fds(msg);
-        return fail(error, "message larger than %zu bytes or with too many descriptors",
-                    sizeof(msg->header) + sizeof(msg->payload));
+        return fail(error, "message larger than %zu bytes or with too many "
+                    "descriptors", sizeof(msg->header) + sizeof(msg->payload));
+
     }
     if ((gsize)n < sizeof(msg->header) || msg->header.magic != PF_PROTO_MAGIC ||
-        msg->header.flags != 0 || msg->header.length != (gsize)n - sizeof(msg->header)) {
+        msg->header.flags != 0 ||
+        msg->header.length != (gsize)n - sizeof(msg->header)) {
         pf_msg_close_fds(msg);
         return fail(error, "%zd bytes without a valid header", n);
     }
@@ -332,25 +357,25 @@ pf_msg_region(const PfMsg *msg)
 const PfWireMode *
 pf_msg_mode(const PfMsg *msg)
 {
-    g_return_val_if_fail(msg->header.type == PF_MSG_WELCOME || msg->header.type == PF_MSG_READY ||
-                             msg->header.type == PF_MSG_ADVISE,
-                         NULL);
+    g_return_val_if_fail(msg->header.type == PF_MSG_WELCOME ||
+                         msg->header.type == PF_MSG_READY ||
+                         msg->header.type == PF_MSG_ADVISE, NULL);
     return (const void *)msg->payload;
 }
 
 const PfWireRange *
 pf_msg_range(const PfMsg *msg)
 {
-    g_return_val_if_fail(msg->header.type == PF_MSG_DISCARD || msg->header.type == PF_MSG_GONE,
-                         NULL);
+    g_return_val_if_fail(msg->header.type == PF_MSG_DISCARD ||
+                         msg->header.type == PF_MSG_GONE, NULL);
     return (const void *)msg->payload;
 }
 
 const PfWirePool *
 pf_msg_pool(const PfMsg *msg)
 {
-    g_return_val_if_fail(msg->header.type == PF_MSG_POOL || msg->header.type == PF_MSG_DROP,
-                         NULL);
+    g_return_val_if_fail(msg->header.type == PF_MSG_POOL ||
+                         msg->header.type == PF_MSG_DROP, NULL);
     return (const void *)msg->payload;
 }
 
@@ -371,8 +396,8 @@ pf_msg_results(const PfMsg *msg, guint32 *n_results)
 }
 
 static gboolean
-send_list(int sock, PfMsgType type, guint32 seq, const void *entries, gsize each, guint32 n,
-          GError **error)
+send_list(int sock, PfMsgType type, guint32 seq, const void *entries,
+          gsize each, guint32 n, GError **error)
 {
     g_autofree guint8 *buf = NULL;
     ListHeader l = { n, 0 };
@@ -386,14 +411,18 @@ send_list(int sock, PfMsgType type, guint32 seq, const void *entries, gsize each
 }
 
 gboolean
-pf_proto_send_items(int sock, guint32 seq, const PfWireItem *items, guint32 n, GError **error)
+pf_proto_send_items(int sock, guint32 seq, const PfWireItem *items, guint32 n,
+                    GError **error)
 {
-    return send_list(sock, PF_MSG_REQUEST, seq, items, sizeof(*items), n, error);
+    return send_list(sock, PF_MSG_REQUEST, seq, items, sizeof(*items), n,
+                     error);
 }
 
 gboolean
-pf_proto_send_results(int sock, guint32 seq, const PfWireResult *results, guint32 n,
-                      GError **error)
+pf_proto_send_results(int sock, guint32 seq, const PfWireResult *results,
+                      guint32 n, GError **error)
 {
-    return send_list(sock, PF_MSG_RESULT, seq, results, sizeof(*results), n, error);
+    return send_list(sock, PF_MSG_RESULT, seq, results, sizeof(*results), n,
+                     error);
+
 }

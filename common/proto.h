@@ -23,29 +23,42 @@
 
 typedef enum {
     PF_MSG_HELLO = 1,   /* agent -> daemon: who the VM is */
-    PF_MSG_REGION = 2,  /* agent -> daemon: one RAM region + its memfd;
-                         * after READY too: RAM plugged in at run time
-                         * (index = regions announced so far, never
-                         * reused) */
-    PF_MSG_WELCOME = 3, /* daemon -> agent: the mode it may use, maybe a
-                         * /dev/userfaultfd fd to make a userfaultfd with */
+    /*
+     * agent -> daemon: one RAM region + its memfd; after READY too: RAM
+     * plugged in at run time (index = regions announced so far, never reused)
+     */
+    PF_MSG_REGION = 2,
+    /*
+     * daemon -> agent: the mode it may use, maybe a /dev/userfaultfd fd to
+     * make a userfaultfd with
+     */
+    PF_MSG_WELCOME = 3,
     PF_MSG_READY = 4,   /* agent -> daemon: the mode it will use, and why */
     PF_MSG_POOL = 5,    /* daemon -> agent: a sealed pool chunk memfd */
     PF_MSG_REQUEST = 6, /* daemon -> agent: a batch of items */
     PF_MSG_RESULT = 7,  /* agent -> daemon: one result per item of a batch */
     PF_MSG_ERROR = 8,   /* either way: why the sender gives up, then close */
-    PF_MSG_ADVISE = 9,  /* agent -> daemon: advise mode from now on, and
-                         * why; every page it had remapped is back in its
-                         * memfd (a device or a migration needs plain RAM) */
-    PF_MSG_DISCARD = 10, /* agent -> daemon: a range of pages mapped from
-                          * the memfd again because the VMM discards it */
-    PF_MSG_DROP = 11,    /* daemon -> agent: no page of this VM maps this
-                          * pool chunk any more: let it go (its memory
-                          * returns once nobody maps it) */
-    PF_MSG_GONE = 12,    /* agent -> daemon: this region left the VM
-                          * (a DIMM unplugged, merge=off): none of its
-                          * pages is mapped from the pool any more, its
-                          * memfd is about to be freed; forget it */
+    /*
+     * agent -> daemon: advise mode from now on, and why; every page it had
+     * remapped is back in its memfd (a device or a migration needs plain RAM)
+     */
+    PF_MSG_ADVISE = 9,
+    /*
+     * agent -> daemon: a range of pages mapped from the memfd again because
+     * the VMM discards it
+     */
+    PF_MSG_DISCARD = 10,
+    /*
+     * daemon -> agent: no page of this VM maps this pool chunk any more: let
+     * it go (its memory returns once nobody maps it)
+     */
+    PF_MSG_DROP = 11,
+    /*
+     * agent -> daemon: this region left the VM (a DIMM unplugged, merge=off):
+     * none of its pages is mapped from the pool any more, its memfd is about
+     * to be freed; forget it
+     */
+    PF_MSG_GONE = 12,
     PF_MSG_LAST = PF_MSG_GONE,
 } PfMsgType;
 
@@ -93,8 +106,10 @@ typedef struct {
     guint32 n_slots;
 } PfWirePool;
 
-/* DISCARD: pages [page, page + n_pages) of a region.  GONE: the region,
- * page 0 and n_pages all its pages. */
+/*
+ * DISCARD: pages [page, page + n_pages) of a region.  GONE: the region,
+ * page 0 and n_pages all its pages.
+ */
 typedef struct {
     guint32 region;
     guint32 reserved;
@@ -144,8 +159,9 @@ typedef struct {
     guint n_fds;
 } PfMsg;
 
-gboolean pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload,
-                       gsize length, const int *fds, guint n_fds, GError **error);
+gboolean pf_proto_send(int sock, PfMsgType type, guint32 seq,
+                       const void *payload, gsize length, const int *fds,
+                       guint n_fds, GError **error);
 
 /*
  * Receives and validates one message.  Returns FALSE with error on a bad
@@ -166,10 +182,12 @@ const PfWireItem *pf_msg_items(const PfMsg *msg, guint32 *n_items);
 const PfWireResult *pf_msg_results(const PfMsg *msg, guint32 *n_results);
 
 /* REQUEST and RESULT: n entries after a small list header. */
-gboolean pf_proto_send_items(int sock, guint32 seq, const PfWireItem *items, guint32 n,
-                             GError **error);
-gboolean pf_proto_send_results(int sock, guint32 seq, const PfWireResult *results,
-                               guint32 n, GError **error);
+gboolean pf_proto_send_items(int sock, guint32 seq, const PfWireItem *items,
+                             guint32 n, GError **error);
+gboolean pf_proto_send_results(int sock, guint32 seq,
+                               const PfWireResult *results, guint32 n,
+                               GError **error);
+
 
 /* Copies text into a fixed wire field, NUL-padded and always terminated. */
 void pf_wire_set_string(char *field, gsize size, const char *text);

@@ -2,8 +2,10 @@
  * util.c - see util.h.  Parsing here is strict on purpose: a knob or a pid
  * given as "12abc", " 12" or "-1" is an error, never a silent 12 or 0.
  */
-/* The library's messages, in the VMM's log too (QEMU routes this domain to
- * its own). */
+/*
+ * The library's messages, in the VMM's log too (QEMU routes this domain to
+ * its own).
+ */
 #ifndef G_LOG_DOMAIN
 #define G_LOG_DOMAIN "pagefold"
 #endif
@@ -19,7 +21,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-G_DEFINE_QUARK(pagefold-error-quark, pf_error)
+GQuark
+pf_error_quark(void)
+{
+    static GQuark q;
+
+    if (G_UNLIKELY(q == 0)) {
+        q = g_quark_from_static_string("pagefold-error-quark");
+    }
+    return q;
+}
 
 gboolean
 pf_parse_u64(const char *text, guint64 min, guint64 max, guint64 *out,
@@ -30,7 +41,8 @@ pf_parse_u64(const char *text, guint64 min, guint64 max, guint64 *out,
 
     if (text == NULL || !g_ascii_isdigit(text[0])) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "'%s' is not a non-negative whole number", text ? text : "");
+                    "'%s' is not a non-negative whole number",
+                    text ? text : "");
         return FALSE;
     }
     errno = 0;
@@ -42,7 +54,8 @@ pf_parse_u64(const char *text, guint64 min, guint64 max, guint64 *out,
     }
     if (v < min || v > max) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "%s is out of range [%" G_GUINT64_FORMAT ", %" G_GUINT64_FORMAT "]",
+                    "%s is out of range [%" G_GUINT64_FORMAT
+                    ", %" G_GUINT64_FORMAT "]",
                     text, min, max);
         return FALSE;
     }
@@ -59,7 +72,8 @@ pf_unix_listen(const char *path, int type, GError **error)
     int fd, probe, rc;
 
     if (strlen(path) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long: %s", path);
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "socket path too long: %s", path);
         return -1;
     }
     strcpy(addr.sun_path, path);
@@ -67,14 +81,16 @@ pf_unix_listen(const char *path, int type, GError **error)
     if (g_mkdir_with_parents(dir, 0755) < 0) {
         int e = errno;
 
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot create %s: %s", dir, g_strerror(e));
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot create %s: %s",
+                    dir, g_strerror(e));
         return -1;
     }
     probe = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
-    if (probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof(addr)) == 0) {
+    if (probe >= 0 &&
+        connect(probe, (struct sockaddr *)&addr, sizeof(addr)) == 0) {
         close(probe);
-        g_set_error(error, PF_ERROR, PF_ERROR_EXISTS, "another pagefoldd is listening on %s",
-                    path);
+        g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
+                    "another pagefoldd is listening on %s", path);
         return -1;
     }
     if (probe >= 0) {
@@ -85,11 +101,14 @@ pf_unix_listen(const char *path, int type, GError **error)
     if (fd < 0) {
         int e = errno;
 
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "socket: %s", g_strerror(e));
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "socket: %s",
+                    g_strerror(e));
         return -1;
     }
-    /* Bind under umask 077: the socket is never reachable by others, not
-     * even between bind() and chmod(). */
+    /*
+     * Bind under umask 077: the socket is never reachable by others, not
+     * even between bind() and chmod().
+     */
     old_umask = umask(077);
     rc = bind(fd, (struct sockaddr *)&addr, sizeof(addr));
     umask(old_umask);
@@ -97,8 +116,9 @@ pf_unix_listen(const char *path, int type, GError **error)
         int e = errno;
 
         close(fd);
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot listen on %s: %s", path,
-                    g_strerror(e));
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot listen on %s: %s", path, g_strerror(e));
+
         return -1;
     }
     return fd;

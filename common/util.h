@@ -36,9 +36,11 @@ GQuark pf_error_quark(void);
  * socket.  Returns a non-blocking fd, or -1.
  */
 int pf_unix_listen(const char *path, int type, GError **error);
-/* Raises the soft limit on open descriptors to the hard one: every pool
+/*
+ * Raises the soft limit on open descriptors to the hard one: every pool
  * chunk (2 MiB) is a descriptor, in pagefoldd and in each agent whose VM
- * shares its pages.  Returns the soft limit now in force. */
+ * shares its pages.  Returns the soft limit now in force.
+ */
 guint64 pf_raise_nofile_limit(void);
 
 gboolean pf_parse_u64(const char *text, guint64 min, guint64 max,
