@@ -26,6 +26,10 @@
  * failure: guest RAM stays exactly as the guest last wrote it, and what is
  * reported to pagefoldd is what is true (a page still mapped from a pool
  * slot is never reported as not merged: pagefoldd would reuse its slot).
+ *
+ * Copyright (c) 2026 The pagefold authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
  */
 /*
  * The library's messages, in the VMM's log too (QEMU routes this domain to

@@ -23,6 +23,10 @@
  * pagefoldd could still write through a new mapping (it must be sealed).
  * When pagefoldd goes away, every merged page stays valid: the mappings
  * hold the pool memory.
+ *
+ * Copyright (c) 2026 The pagefold authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
  */
 #pragma once
 

@@ -1,5 +1,9 @@
 /*
  * proto.c - see proto.h.
+ *
+ * Copyright (c) 2026 The pagefold authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
  */
 /*
  * The library's messages, in the VMM's log too (QEMU routes this domain to

@@ -8,6 +8,10 @@
  * carries the wrong number of descriptors is refused as a whole, and every
  * descriptor it carried is closed: nothing half-decoded ever reaches a
  * caller.  Both sides are on one host: integers are in host byte order.
+ *
+ * Copyright (c) 2026 The pagefold authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
  */
 #pragma once
 

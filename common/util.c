@@ -1,6 +1,10 @@
 /*
  * util.c - see util.h.  Parsing here is strict on purpose: a knob or a pid
  * given as "12abc", " 12" or "-1" is an error, never a silent 12 or 0.
+ *
+ * Copyright (c) 2026 The pagefold authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
  */
 /*
  * The library's messages, in the VMM's log too (QEMU routes this domain to

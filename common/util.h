@@ -4,6 +4,10 @@
  * works in, the default socket paths, the error domain, strict number parsing.
  *
  * Owns nothing at run time.  Must never depend on daemon code: QEMU links it.
+ *
+ * Copyright (c) 2026 The pagefold authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
  */
 #pragma once
 
