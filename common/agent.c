@@ -91,6 +91,8 @@ typedef struct {
      * reuses one
      */
     gboolean gone;
+    gboolean gone_untold; /* gone before READY: GONE follows READY */
+    gboolean leaving;     /* being folded back to go: no merge there */
 } Region;
 
 typedef struct {
@@ -119,6 +121,7 @@ struct _PfAgent {
     guint announced; /* regions pagefoldd has been told of */
     gboolean ready;  /* READY is queued: new regions are told at once */
     char *advise_reason;
+    gboolean advise_untold; /* stepped back: ADVISE once all is folded */
     PfAgentSyscalls sys;
 
     int sock;
@@ -847,6 +850,88 @@ post_error(PfAgent *a, const char *text)
     post(a, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), -1);
 }
 
+#define FOLD_CHUNK HUGE_PAGES /* pages folded back per hold of the locks */
+
+/*
+ * Tells pagefoldd (DISCARD) which pages of region i in [from, from + n)
+ * are back in their memfd: those remapped in was (bit k: page from + k)
+ * and not any more.  Called with work held.
+ */
+static void
+tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was)
+{
+    const Region *r = &g_array_index(a->regions, Region, i);
+    gsize k = 0;
+
+    while (k < n) {
+        PfWireRange wr = { i, 0, from + k, 0 };
+        gsize run = k;
+
+        while (run < n && ((was[run / 64] >> (run % 64)) & 1) &&
+               !is_remapped(r, from + run)) {
+            run++;
+        }
+        if (run == k) {
+            k++;
+            continue;
+        }
+        wr.n_pages = run - k;
+        post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);
+        k = run;
+    }
+}
+
+/*
+ * Folds back the remapped pages of region i (with copy, their content
+ * too) a chunk at a time, holding work and dma, and write-protecting, one
+ * chunk only: the guest writes elsewhere, and the VMM's DMA and discards
+ * go on, meanwhile.  pagefoldd is told of every page back in its memfd.
+ * The caller has made sure nothing merges there meanwhile (advise mode, a
+ * region leaving).  Runs in DMA are left and -EBUSY returned at the end;
+ * any other failure stops at once.  Called without work.
+ */
+static int
+fold_back_region(PfAgent *a, guint i, gboolean copy)
+{
+    gboolean busy = FALSE;
+    gsize at = 0;
+    int rc = 0;
+
+    for (;;) {
+        guint64 was[FOLD_CHUNK / 64] = { 0 };
+        gsize first, n, stop;
+        Region *r;
+
+        g_mutex_lock(&a->work);
+        r = &g_array_index(a->regions, Region, i);
+        first = r->gone ? r->n_pages : find_remapped(r, at, r->n_pages, TRUE);
+        if (first >= r->n_pages) {
+            g_mutex_unlock(&a->work);
+            break;
+        }
+        n = MIN(FOLD_CHUNK, r->n_pages - first);
+        for (gsize k = 0; k < n; k++) {
+            was[k / 64] |= (guint64)is_remapped(r, first + k) << (k % 64);
+        }
+        if (copy && a->uffd < 0) {
+            rc = -EBADF; /* no safe way to fold back any more */
+        } else {
+            rc = fold_back(a, r, first, n, copy, &stop, NULL);
+        }
+        tell_folded(a, i, first, n, was);
+        g_mutex_unlock(&a->work);
+        if (rc == -EBUSY) {
+            busy = TRUE;
+            rc = 0;
+        }
+        if (rc < 0) {
+            break;
+        }
+        at = first + n;
+    }
+    return rc < 0 ? rc : busy ? -EBUSY : 0;
+}
+
 /* ---- items ---- */
 
 static gboolean
@@ -859,10 +944,12 @@ item_valid(PfAgent *a, const PfWireItem *it)
     }
     r = &g_array_index(a->regions, Region, it->region);
     /*
-     * A region gone has no pages; one refused is not write-protected
-     * (an unmerge finds nothing remapped there and says so).
+     * A region gone has no pages; one refused is not write-protected, one
+     * leaving takes no new merge (an unmerge finds nothing remapped there,
+     * or folds its page back, and says so).
      */
-    if (r->gone || (r->refused != NULL && it->kind != PF_ITEM_UNMERGE) ||
+    if (r->gone ||
+        ((r->refused != NULL || r->leaving) && it->kind != PF_ITEM_UNMERGE) ||
         it->page >= r->n_pages) {
         return FALSE;
     }
@@ -1500,6 +1587,17 @@ settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
     for (guint i = told; i < a->regions->len; i++) {
         region_join(a, i, FALSE);
     }
+    /* Told in HELLO's wake, gone since: pagefoldd hears it now. */
+    for (guint i = 0; i < told; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+
+        if (r->gone_untold) {
+            PfWireRange gone = { i, 0, 0, r->n_pages };
+
+            post(a, PF_MSG_GONE, 0, &gone, sizeof(gone), -1);
+            r->gone_untold = FALSE;
+        }
+    }
     a->ready = TRUE;
     if (mode != PF_MODE_MERGE) {
         g_message("pagefold agent: VM %s stays in advise mode: %s", a->name,
@@ -1516,11 +1614,15 @@ settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
 static gboolean
 wait_readable(PfAgent *a, int timeout_ms, GError **error)
 {
+    /* Within timeout_ms in all, however often something is queued. */
+    gint64 end = g_get_monotonic_time() + (gint64)timeout_ms * 1000;
+
     for (;;) {
         struct pollfd pfd[3] = { { a->sock, POLLIN, 0 },
                                  { a->stop[0], POLLIN, 0 },
                                  { a->wake[0], POLLIN, 0 } };
-        int n = poll(pfd, 3, timeout_ms);
+        gint64 left = (end - g_get_monotonic_time() + 999) / 1000;
+        int n = poll(pfd, 3, timeout_ms < 0 ? -1 : (int)MAX(left, 0));
 
         if (n < 0 && errno == EINTR) {
             continue;
@@ -1690,6 +1792,11 @@ agent_thread(gpointer data)
                   error->message);
         g_mutex_lock(&a->work);
         set_mode(a, PF_MODE_ADVISE, why);
+        if (a->uffd >= 0) {
+            /* Nothing was remapped: guest RAM is left unregistered. */
+            close(a->uffd);
+            a->uffd = -1;
+        }
         g_mutex_unlock(&a->work);
     }
     g_mutex_lock(&a->lock);
@@ -1722,13 +1829,14 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
      * good: after this, the link is given up.
      */
     struct timeval tv = { .tv_sec = 5 };
+    g_autoptr(GError) err = NULL;
     int e;
 
     g_return_val_if_fail(a->sock < 0, FALSE);
     if (strlen(socket_path) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+        g_set_error(&err, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "socket path too long: %s", socket_path);
-        return FALSE;
+        goto fail;
     }
     strcpy(addr.sun_path, socket_path);
     /* Every pool chunk this VM comes to share is a descriptor of ours. */
@@ -1741,7 +1849,7 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
     if (a->sock < 0 ||
         connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
         e = errno;
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+        g_set_error(&err, PF_ERROR, PF_ERROR_FAILED,
                     "cannot connect to pagefoldd at %s: %s%s",
                     socket_path, g_strerror(e),
                     e == EAGAIN ? " (it accepts no connection: stuck, or "
@@ -1752,7 +1860,7 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
         setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
         pipe2(a->stop, O_CLOEXEC) < 0 ||
         pipe2(a->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+        g_set_error(&err, PF_ERROR, PF_ERROR_FAILED,
                     "cannot set up the link: %s", g_strerror(errno));
         goto fail;
     }
@@ -1776,6 +1884,15 @@ fail:
         close(a->sock);
         a->sock = -1;
     }
+    {
+        g_autofree char *why = g_strdup_printf("not attached to pagefoldd: %s",
+                                               err->message);
+
+        g_mutex_lock(&a->work);
+        set_mode(a, PF_MODE_ADVISE, why);
+        g_mutex_unlock(&a->work);
+    }
+    g_propagate_error(error, g_steal_pointer(&err));
     return FALSE;
 }
 
@@ -1825,6 +1942,17 @@ pf_agent_new(const char *vm_name, const guint8 *uuid)
     return a;
 }
 
+static void
+region_clear(Region *r)
+{
+    g_free(r->name);
+    g_free(r->remapped);
+    g_free(r->refused);
+    if (r->fd >= 0) {
+        close(r->fd);
+    }
+}
+
 gboolean
 pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error)
 {
@@ -1846,6 +1974,20 @@ pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error)
     reg.advice[G_N_ELEMENTS(reg.advice) - 1] = 0;
 
     g_mutex_lock(&a->work);
+    for (guint i = 0; i < a->regions->len; i++) {
+        const Region *o = &g_array_index(a->regions, Region, i);
+
+        if (!o->gone && o->host < reg.host + reg.size &&
+            reg.host < o->host + o->size) {
+            g_mutex_unlock(&a->work);
+            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "region %s overlaps region %s, which the agent has "
+                        "already", r->name, o->name);
+            close(reg.fd);
+            g_free(reg.remapped);
+            return FALSE;
+        }
+    }
     /* pagefoldd wants a name to show; QEMU's spare backends have none. */
     reg.name = r->name != NULL && *r->name
                ? g_strdup(r->name)
@@ -1865,66 +2007,96 @@ pf_agent_add_region(PfAgent *a, const PfAgentRegion *r, GError **error)
 gboolean
 pf_agent_remove_region(PfAgent *a, void *host, gboolean keep, GError **error)
 {
-    gboolean ok = TRUE;
+    PfWireRange gone = { 0 };
+    Region *r = NULL;
+    guint i;
+    int rc;
 
     g_mutex_lock(&a->work);
-    for (guint i = 0; i < a->regions->len; i++) {
-        Region *r = &g_array_index(a->regions, Region, i);
-        PfWireRange gone = { i, 0, 0, r->n_pages };
-        gsize stop;
-        int rc = 0;
-
-        if (r->gone || r->host != host) {
-            continue;
-        }
-        /*
-         * Kept, its content stays its own: the memfd may be used again
-         * (the backend plugged in elsewhere, merge=on).  Else the memory
-         * is being freed, and only its pool slots matter.
-         */
-        if (find_remapped(r, 0, r->n_pages, TRUE) < r->n_pages) {
-            rc = keep && a->uffd < 0
-                 ? -EBADF
-                 : fold_back(a, r, 0, r->n_pages, keep, &stop, NULL);
-        }
-        if (rc < 0) {
-            g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                        "pagefold: cannot fold merged pages of %s back into "
-                        "its memfd: %s", r->name, g_strerror(-rc));
-            ok = FALSE;
+    for (i = 0; i < a->regions->len; i++) {
+        r = &g_array_index(a->regions, Region, i);
+        if (!r->gone && !r->leaving && r->host == host) {
             break;
         }
-        if (a->uffd >= 0 && r->refused == NULL) {
-            struct uffdio_range range = { (guint64)(guintptr)r->host, r->size };
-
-            /*
-             * Left registered, it would refuse the next userfaultfd
-             * (postcopy) there; nothing there is protected any more.
-             */
-            rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range);
-            if (rc < 0) {
-                g_warning("pagefold agent: cannot unregister %s: %s", r->name,
-                          g_strerror(-rc));
-            }
-        }
-        if (i < a->announced) {
-            post(a, PF_MSG_GONE, 0, &gone, sizeof(gone), -1);
-        }
-        close(r->fd);
-        r->fd = -1;
-        g_clear_pointer(&r->remapped, g_free);
-        r->gone = TRUE;
-        break;
     }
+    if (i == a->regions->len) {
+        g_mutex_unlock(&a->work);
+        return TRUE;
+    }
+    if (i >= a->announced) {
+        /*
+         * pagefoldd never heard of it (so nothing of it is merged): its
+         * index is nobody's yet, and goes with it.
+         */
+        region_clear(r);
+        g_array_remove_index(a->regions, i);
+        g_mutex_unlock(&a->work);
+        return TRUE;
+    }
+    r->leaving = TRUE;
     g_mutex_unlock(&a->work);
-    return ok;
+
+    /*
+     * Kept, its content stays its own: the memfd may be used again (the
+     * backend plugged in elsewhere, merge=on).  Else the memory is being
+     * freed, and only its pool slots matter.
+     */
+    rc = fold_back_region(a, i, keep);
+
+    g_mutex_lock(&a->work);
+    r = &g_array_index(a->regions, Region, i);
+    if (rc < 0 && keep) {
+        /* As it was, merging again; the pages folded back are told. */
+        r->leaving = FALSE;
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "pagefold: cannot fold merged pages of %s back into its "
+                    "memfd: %s", r->name, g_strerror(-rc));
+        g_mutex_unlock(&a->work);
+        return FALSE;
+    }
+    if (rc < 0) {
+        /*
+         * The VMM unmaps it next, pool mappings and all: it goes all the
+         * same, and pagefoldd puts what it held for it.
+         */
+        g_warning("pagefold agent: %s goes with pages still mapped from "
+                  "the pool: %s", r->name, g_strerror(-rc));
+        mark_remapped(a, r, 0, r->n_pages, FALSE);
+    }
+    if (a->uffd >= 0 && r->refused == NULL) {
+        struct uffdio_range range = { (guint64)(guintptr)r->host, r->size };
+
+        /*
+         * Left registered, it would refuse the next userfaultfd
+         * (postcopy) there; nothing there is protected any more.
+         */
+        rc = uffd_ioctl(a, UFFDIO_UNREGISTER, &range);
+        if (rc < 0) {
+            g_warning("pagefold agent: cannot unregister %s: %s", r->name,
+                      g_strerror(-rc));
+        }
+    }
+    gone.region = i;
+    gone.n_pages = r->n_pages;
+    if (a->ready) {
+        post(a, PF_MSG_GONE, 0, &gone, sizeof(gone), -1);
+    } else {
+        r->gone_untold = TRUE;
+    }
+    close(r->fd);
+    r->fd = -1;
+    g_clear_pointer(&r->remapped, g_free);
+    r->gone = TRUE;
+    r->leaving = FALSE;
+    g_mutex_unlock(&a->work);
+    return TRUE;
 }
 
 gboolean
 pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
 {
-    PfWireMode m = { PF_PROTO_VERSION, PF_MODE_ADVISE, "" };
-    g_autoptr(GError) err = NULL;
+    g_autofree char *failed = NULL;
+    guint n;
     int rc = 0;
 
     g_mutex_lock(&a->work);
@@ -1935,37 +2107,34 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
         g_message("pagefold agent: VM %s steps back to advise mode: %s",
                   a->name, reason);
         set_mode(a, PF_MODE_ADVISE, reason);
-        pf_wire_set_string(m.reason, sizeof(m.reason), reason);
+        a->advise_untold = TRUE;
     }
-    /* Again after a failure, too: what is left is folded back now. */
-    for (guint i = 0; i < a->regions->len && rc == 0; i++) {
-        Region *r = &g_array_index(a->regions, Region, i);
-        gsize stop;
+    n = a->regions->len;
+    g_mutex_unlock(&a->work);
 
-        if (r->gone || find_remapped(r, 0, r->n_pages, TRUE) == r->n_pages) {
-            continue;
+    /*
+     * Nothing merges any more (advise mode); what is remapped is folded
+     * back a chunk at a time, again after a failure too.  Pages in DMA
+     * are left, and the other regions folded back all the same.
+     */
+    for (guint i = 0; i < n; i++) {
+        int rc1 = fold_back_region(a, i, TRUE);
+
+        if (rc1 < 0 && rc == 0) {
+            rc = rc1;
+            g_mutex_lock(&a->work);
+            failed = g_strdup(g_array_index(a->regions, Region, i).name);
+            g_mutex_unlock(&a->work);
         }
-        if (a->uffd < 0) {
-            rc = -EBADF; /* no safe way to fold back any more */
-        } else {
-            rc = fold_back(a, r, 0, r->n_pages, TRUE, &stop, NULL);
-        }
-        if (rc < 0) {
-            g_set_error(&err, PF_ERROR, PF_ERROR_FAILED,
-                        "pagefold: cannot fold merged pages of %s back into "
-                        "its memfd: %s", r->name, g_strerror(-rc));
+        if (rc1 < 0 && rc1 != -EBUSY) {
+            break;
         }
     }
-    if (rc < 0) {
-        /*
-         * pagefoldd does not know which pages came back: it lets go of
-         * this VM, and the slots it still maps stay taken till the end.
-         */
-        g_warning("%s", err->message);
-        post_error(a, err->message);
-        set_connected(a, FALSE);
-        g_propagate_error(error, g_steal_pointer(&err));
-    } else {
+
+    g_mutex_lock(&a->work);
+    if (rc == 0) {
+        PfWireMode m = { PF_PROTO_VERSION, PF_MODE_ADVISE, "" };
+
         if (a->uffd >= 0) {
             /*
              * Nothing of this VM is remapped any more; closing the
@@ -1975,12 +2144,42 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
             close(a->uffd);
             a->uffd = -1;
         }
-        if (m.reason[0] != '\0') {
+        if (a->advise_untold) {
+            pf_wire_set_string(m.reason, sizeof(m.reason), a->reason);
             post(a, PF_MSG_ADVISE, 0, &m, sizeof(m), -1);
+            a->advise_untold = FALSE;
         }
     }
     g_mutex_unlock(&a->work);
-    return rc == 0;
+    if (rc < 0) {
+        /*
+         * What came back is told (DISCARD), what did not stays merged and
+         * valid; the caller must refuse whoever needed plain RAM.
+         */
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "pagefold: cannot fold merged pages of %s back into its "
+                    "memfd: %s", failed, g_strerror(-rc));
+        return FALSE;
+    }
+    return TRUE;
+}
+
+gboolean
+pf_agent_region_protected(PfAgent *a, void *host)
+{
+    gboolean yes = FALSE;
+
+    g_mutex_lock(&a->work);
+    for (guint i = 0; i < a->regions->len; i++) {
+        const Region *r = &g_array_index(a->regions, Region, i);
+
+        if (!r->gone && r->host == host) {
+            yes = a->mode == PF_MODE_MERGE && a->uffd >= 0 &&
+                  r->refused == NULL && !r->leaving;
+        }
+    }
+    g_mutex_unlock(&a->work);
+    return yes;
 }
 
 void
@@ -2053,6 +2252,8 @@ pf_agent_free(PfAgent *a)
         return;
     }
     if (a->thread != NULL) {
+        /* A send blocked on a stuck pagefoldd ends now, not in 5 s. */
+        shutdown(a->sock, SHUT_RDWR);
         (void)!write(a->stop[1], "x", 1);
         a->threads.join(a->thread, a->threads.opaque);
     }
@@ -2071,14 +2272,7 @@ pf_agent_free(PfAgent *a)
         close(a->uffd);
     }
     for (guint i = 0; i < a->regions->len; i++) {
-        Region *r = &g_array_index(a->regions, Region, i);
-
-        g_free(r->name);
-        g_free(r->remapped);
-        g_free(r->refused);
-        if (r->fd >= 0) {
-            close(r->fd);
-        }
+        region_clear(&g_array_index(a->regions, Region, i));
     }
     g_queue_clear_full(&a->outbox, outgoing_free);
     g_array_unref(a->regions);

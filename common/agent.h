@@ -203,6 +203,13 @@ typedef struct {
     char *refused; /* why it is not merged, or NULL */
 } PfAgentRegionInfo;
 
+/*
+ * Whether the agent write-protects the region at host now (it merges
+ * there): a VMM checking whether guest RAM can be write-protected (QEMU's
+ * background snapshot) may count it as such.
+ */
+gboolean pf_agent_region_protected(PfAgent *a, void *host);
+
 /* The regions the VM has now (PfAgentRegionInfo*, freed with the array). */
 GPtrArray *pf_agent_get_regions(PfAgent *a);
 void pf_agent_region_info_free(gpointer info);

@@ -560,6 +560,7 @@ on_ready(PfLink *l, const PfMsg *msg)
             g_message("agent of process %d: region %u refused at READY: %s", l->peer_pid, i,
                       error->message);
             pf_region_refuse(r, error->message);
+            l->n_refused++;
             g_clear_error(&error);
         }
     }

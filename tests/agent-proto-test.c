@@ -592,9 +592,27 @@ test_fault_discard_partial(Fixture *f, gconstpointer data)
     g_assert_cmpuint(remapped(f), ==, 8);
 }
 
+/* Reads DISCARDs until they add up to n pages, then expects a message
+ * of type then (DISCARD: none); returns the pages counted. */
+static guint64
+discarded_pages(Fixture *f, guint64 n, PfMsgType then)
+{
+    guint64 got = 0;
+
+    while (got < n) {
+        expect_msg(f, PF_MSG_DISCARD);
+        got += pf_msg_range(&f->msg)->n_pages;
+    }
+    if (then != PF_MSG_DISCARD) {
+        expect_msg(f, then);
+    }
+    return got;
+}
+
 /* A step back that cannot fold every page back says so: the caller must
- * not hand guest RAM on.  pagefoldd is told to let go; a later call
- * finishes the job. */
+ * not hand guest RAM on.  What stays merged stays valid and known to
+ * pagefoldd; a later call finishes the job, and pagefoldd hears of every
+ * page back in its memfd, then ADVISE. */
 static void
 test_fault_step_back(Fixture *f, gconstpointer data)
 {
@@ -605,14 +623,15 @@ test_fault_step_back(Fixture *f, gconstpointer data)
     merge_pages(f, 0, 8, 1);
     pf_test_fault_set("mmap-shared", 0, -1, ENOMEM, FALSE);
     g_test_expect_message("pagefold", G_LOG_LEVEL_MESSAGE, "*steps back to advise mode*");
-    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*cannot fold merged pages*");
     g_assert_false(pf_agent_step_back(f->agent, "a test", &error));
     g_test_assert_expected_messages();
     g_assert_error(error, PF_ERROR, PF_ERROR_FAILED);
+    g_assert_nonnull(strstr(error->message, "cannot fold merged pages"));
     g_clear_error(&error);
-    expect_msg(f, PF_MSG_ERROR);
-    g_assert_false(pf_agent_is_connected(f->agent));
+    /* Nothing came back; the link stays, and merges are refused now. */
+    g_assert_true(pf_agent_is_connected(f->agent));
     g_assert_cmpuint(remapped(f), ==, 8);
+    g_assert_cmpuint(merge_pages(f, 8, 1, 2)[0].status, ==, PF_RESULT_ERROR);
     g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
 
     pf_test_fault_set(NULL, 0, 0, 0, FALSE);
@@ -621,6 +640,7 @@ test_fault_step_back(Fixture *f, gconstpointer data)
     g_assert_cmpuint(remapped(f), ==, 0);
     g_assert_cmpint(memcmp(f->guest->mem, before, PAGES * PF_PAGE_SIZE), ==, 0);
     g_assert_true(maps_memfd(f, 0));
+    g_assert_cmpuint(discarded_pages(f, 8, PF_MSG_ADVISE), ==, 8);
 }
 
 typedef struct {
@@ -730,18 +750,22 @@ test_dma(Fixture *f, gconstpointer data)
     pf_agent_dma_map(f->agent, mem + 6 * PF_PAGE_SIZE, PF_PAGE_SIZE);
     pf_agent_dma_map(f->agent, mem + 40 * PF_PAGE_SIZE, 8 * PF_PAGE_SIZE);
     g_test_expect_message("pagefold", G_LOG_LEVEL_MESSAGE, "*steps back to advise mode*");
-    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*Device or resource busy*");
     {
         g_autoptr(GError) error = NULL;
 
         g_assert_false(pf_agent_step_back(f->agent, "a test", &error));
         g_assert_error(error, PF_ERROR, PF_ERROR_FAILED);
+        g_assert_nonnull(strstr(error->message, "busy"));
     }
     g_test_assert_expected_messages();
     g_assert_cmpuint(remapped(f), ==, 7);
+    /* pagefoldd hears of the pages that came back, and stays. */
+    g_assert_cmpuint(discarded_pages(f, 4, PF_MSG_DISCARD), ==, 4);
+    g_assert_true(pf_agent_is_connected(f->agent));
     pf_agent_dma_unmap(f->agent, mem + 6 * PF_PAGE_SIZE, PF_PAGE_SIZE);
     g_assert_true(pf_agent_step_back(f->agent, "a test", NULL));
     g_assert_cmpuint(remapped(f), ==, 0);
+    g_assert_cmpuint(discarded_pages(f, 7, PF_MSG_ADVISE), ==, 7);
     pf_agent_dma_unmap(f->agent, mem + 40 * PF_PAGE_SIZE, 8 * PF_PAGE_SIZE);
 }
 
@@ -1314,7 +1338,7 @@ test_plug_unplug(Fixture *f, gconstpointer data)
     g_assert_cmpuint(maps_of(f->pool_fd, "rw-p"), >=, 1);
 
     g_assert_true(pf_agent_remove_region(f->agent, dimm->mem, TRUE, NULL));
-    expect_msg(f, PF_MSG_GONE);
+    g_assert_cmpuint(discarded_pages(f, 4, PF_MSG_GONE), ==, 4);
     gone = pf_msg_range(&f->msg);
     g_assert_cmpuint(gone->region, ==, 1);
     g_assert_cmpuint(gone->page, ==, 0);
@@ -1378,6 +1402,71 @@ test_silent_daemon(void)
     reason = pf_agent_dup_reason(agent);
     g_assert_nonnull(strstr(reason, "not attached to pagefoldd"));
     g_assert_true(pf_agent_step_back(agent, "test", NULL));
+    close(conn);
+}
+
+/*
+ * RAM that comes and goes while the handshake waits for pagefoldd: a
+ * region gone before it was told is never told (its index goes with it);
+ * one told in HELLO's wake and gone before READY is told GONE after READY;
+ * one plugged in meanwhile follows READY, with the next index.
+ */
+static void
+test_handshake_window(void)
+{
+    PfLayout l = { .identical = PAGES };
+    g_autoptr(PfGuest) g0 = pf_guest_new("memory-backend-memfd", &l, 1);
+    g_autoptr(PfGuest) g1 = pf_guest_new("memory-backend-memfd", &l, 2);
+    g_autoptr(PfGuest) g2 = pf_guest_new("memory-backend-memfd", &l, 3);
+    g_autoptr(PfGuest) g3 = pf_guest_new("memory-backend-memfd", &l, 4);
+    g_autoptr(PfTestPeer) peer = pf_test_peer_new();
+    g_autoptr(PfAgent) agent = pf_agent_new("vm-window", NULL);
+    g_autofree PfMsg *msg = g_new0(PfMsg, 1);
+    PfWireMode welcome = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
+    PfAgentRegion r[4] = {
+        { "r0", g0->mem, PAGES * PF_PAGE_SIZE, g0->fd, 0, { 0 } },
+        { "r1", g1->mem, PAGES * PF_PAGE_SIZE, g1->fd, 0, { 0 } },
+        { "r2", g2->mem, PAGES * PF_PAGE_SIZE, g2->fd, 0, { 0 } },
+        { "r3", g3->mem, PAGES * PF_PAGE_SIZE, g3->fd, 0, { 0 } },
+    };
+    int conn;
+
+    /* r1 comes and goes before the start: HELLO has r0 and r2. */
+    for (guint i = 0; i < 3; i++) {
+        g_assert_true(pf_agent_add_region(agent, &r[i], NULL));
+    }
+    g_assert_true(pf_agent_remove_region(agent, g1->mem, TRUE, NULL));
+    g_assert_true(pf_agent_start(agent, peer->path, NULL));
+    conn = accept4(peer->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    g_assert_true(pf_proto_recv(conn, msg, NULL));
+    g_assert_cmpuint(msg->header.type, ==, PF_MSG_HELLO);
+    g_assert_cmpuint(pf_msg_hello(msg)->n_regions, ==, 2);
+    for (guint i = 0; i < 2; i++) {
+        g_assert_true(pf_proto_recv(conn, msg, NULL));
+        g_assert_cmpuint(msg->header.type, ==, PF_MSG_REGION);
+        g_assert_cmpuint(pf_msg_region(msg)->index, ==, i);
+        pf_msg_close_fds(msg);
+    }
+    /* While WELCOME is awaited: r2 (told) goes, r3 comes, r1 comes and
+     * goes again before anyone hears of it. */
+    g_assert_true(pf_agent_remove_region(agent, g2->mem, TRUE, NULL));
+    g_assert_true(pf_agent_add_region(agent, &r[3], NULL));
+    g_assert_true(pf_agent_add_region(agent, &r[1], NULL));
+    g_assert_true(pf_agent_remove_region(agent, g1->mem, TRUE, NULL));
+    g_assert_true(pf_proto_send(conn, PF_MSG_WELCOME, 0, &welcome, sizeof(welcome),
+                                NULL, 0, NULL));
+    g_assert_true(pf_proto_recv(conn, msg, NULL));
+    g_assert_cmpuint(msg->header.type, ==, PF_MSG_READY);
+    g_assert_cmpuint(pf_msg_mode(msg)->mode, ==, PF_MODE_MERGE);
+    g_assert_true(pf_proto_recv(conn, msg, NULL));
+    g_assert_cmpuint(msg->header.type, ==, PF_MSG_REGION);
+    g_assert_cmpuint(pf_msg_region(msg)->index, ==, 2);
+    g_assert_cmpuint(pf_msg_region(msg)->host_addr, ==, (guintptr)g3->mem);
+    pf_msg_close_fds(msg);
+    g_assert_true(pf_proto_recv(conn, msg, NULL));
+    g_assert_cmpuint(msg->header.type, ==, PF_MSG_GONE);
+    g_assert_cmpuint(pf_msg_range(msg)->region, ==, 1);
+    g_assert_true(pf_agent_wait_settled(agent, NULL));
     close(conn);
 }
 
@@ -1488,6 +1577,7 @@ main(int argc, char **argv)
     g_test_add_data_func("/agent-proto/advise/numa", GINT_TO_POINTER(UNSAFE_NUMA), test_unsafe);
     g_test_add("/agent-proto/plug-unplug", Fixture, NULL, setup, test_plug_unplug, teardown);
     g_test_add_func("/agent-proto/silent-daemon", test_silent_daemon);
+    g_test_add_func("/agent-proto/handshake-window", test_handshake_window);
     g_test_add("/agent-proto/discard-stalled", Fixture, NULL, setup, test_discard_stalled,
                teardown);
     return g_test_run();

@@ -936,6 +936,7 @@ test_hotplug(void)
     g_free(pf_test_guest_expect(g, "PFGUEST LATE filled", 120));
     g_assert_cmpuint(live_regions(d, g->name, &dimm, "mem1"), ==, 2);
     g_assert_cmpuint(dimm, !=, 0);
+    ino = mapped_inode(g->pid, dimm); /* its memfd, before any merge */
 
     /* Half the late memory is zero pages, in the DIMM. */
     zeroed = agent_stat(g, "zeroed");
@@ -946,7 +947,6 @@ test_hotplug(void)
     g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
 
     /* Unplugged: the guest moves its late memory out and gives it back. */
-    ino = mapped_inode(g->pid, dimm);
     json_node_unref(pf_test_guest_qmp(g, "device_del", "{\"id\": \"dimm1\"}"));
     for (int i = 0; i < 1200; i++) {
         n = pf_test_guest_qmp(g, "query-memory-devices", NULL);
@@ -962,6 +962,10 @@ test_hotplug(void)
     json_node_unref(pf_test_guest_qmp(g, "object-del", "{\"id\": \"mem1\"}"));
     s = pf_test_ctl_json(d, "scan-now", "1", NULL);
     json_node_unref(s);
+    /* QEMU frees the RAM block after an RCU grace period. */
+    for (int i = 0; i < 100 && holds_inode(g->pid, ino); i++) {
+        g_usleep(100000);
+    }
     g_assert_false(holds_inode(g->pid, ino));
     g_assert_false(holds_inode(daemon_pid(d), ino));
     g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
