@@ -1467,6 +1467,7 @@ test_handshake_window(void)
     g_assert_cmpuint(msg->header.type, ==, PF_MSG_GONE);
     g_assert_cmpuint(pf_msg_range(msg)->region, ==, 1);
     g_assert_true(pf_agent_wait_settled(agent, NULL));
+    g_clear_pointer(&agent, pf_agent_free);
     close(conn);
 }
 
