@@ -736,15 +736,21 @@ on_region(PfLink *l, PfMsg *msg)
     return TRUE;
 }
 
+/* The region a DISCARD or GONE names, or NULL: a peer may name any. */
+static const PfRegion *
+range_region(PfLink *l, const PfWireRange *wr)
+{
+    return wr->region < l->vm->regions->len ? g_ptr_array_index(l->vm->regions, wr->region)
+                                            : NULL;
+}
+
 /* RAM unplugged (or set merge=off): the agent mapped all of it from its
  * memfd again, so nothing of it maps the pool. */
 static gboolean
 on_gone(PfLink *l, const PfMsg *msg)
 {
     const PfWireRange *wr = pf_msg_range(msg);
-    const PfRegion *r = wr->region < l->vm->regions->len
-                            ? g_ptr_array_index(l->vm->regions, wr->region)
-                            : NULL;
+    const PfRegion *r = range_region(l, wr);
 
     /* The agent is not told which regions were refused: GONE of one is
      * its honest goodbye, and nothing is left to forget. */
@@ -777,9 +783,7 @@ static gboolean
 on_discard(PfLink *l, const PfMsg *msg)
 {
     const PfWireRange *wr = pf_msg_range(msg);
-    const PfRegion *r = wr->region < l->vm->regions->len
-                            ? g_ptr_array_index(l->vm->regions, wr->region)
-                            : NULL;
+    const PfRegion *r = range_region(l, wr);
 
     if (r == NULL || !pf_region_live(r) || wr->page + wr->n_pages > r->n_pages) {
         return link_refuse(l, "DISCARD of pages %" G_GUINT64_FORMAT "+%" G_GUINT64_FORMAT
