@@ -56,6 +56,15 @@ guest_start(const char *agent_sock, const char *name, int seed, int seconds, gbo
     return pf_test_guest_start(&spec);
 }
 
+/* The guest's next check passes, then its whole run (it powers off). */
+static void
+guest_passes(Guest *g)
+{
+    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
+    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 180));
+    pf_test_guest_free(g);
+}
+
 /* Two guests merge what pfguest makes identical and zero, guest memory
  * falls by that much, and both check every byte while merged, written
  * (copy-on-write) and merged again. */
@@ -469,9 +478,7 @@ test_advise_migration(void)
     g_assert_cmpint(json_object_get_int_member(json_node_get_object(s), "pool_slots"), ==, 0);
     json_node_unref(s);
     for (int i = 0; i < 2; i++) {
-        g_free(pf_test_guest_expect(g[i], "PFGUEST CHECK ok", 60));
-        g_free(pf_test_guest_expect(g[i], "PFGUEST PASS", 120));
-        pf_test_guest_free(g[i]);
+        guest_passes(g[i]);
     }
 }
 
@@ -535,9 +542,7 @@ test_balloon(void)
                         vm_counter(s, "balloon0", "pages_sharing"),
                     <=, merged_before - discarded);
     json_node_unref(s);
-    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
-    pf_test_guest_free(g);
+    guest_passes(g);
 }
 
 /* RAM that is not a shared memfd: listed, in advise mode, saying why. */
@@ -608,9 +613,7 @@ test_ivshmem(void)
     g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 16 * 256 / 5 * 9 / 10);
     json_node_unref(s);
     g_assert_cmpint(agent_stat(g, "zeroed"), >=, 16 * 256 / 5 * 9 / 10);
-    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
-    pf_test_guest_free(g);
+    guest_passes(g);
 }
 
 /* ---- device writes behind the page tables ---- */
@@ -754,14 +757,17 @@ test_odirect(gconstpointer data)
     g_assert_cmpint(unmerged[0] + unmerged[1], >, 0);
     g_assert_cmpint(errors[0] + errors[1], >, 0);
     /*
-     * The first guest steps back while its reads go on: QEMU drains block
-     * I/O first, so no page is in DMA and every merged page, buffers
-     * included, is folded back (one in DMA would refuse the capability).
+     * The first guest steps back while its reads go on, as an
+     * x-ignore-shared migration starts: the migration thread folds back
+     * what is not in DMA with the guest running, then QEMU drains block
+     * I/O and the rest, buffers included, is folded back (one still in
+     * DMA would fail the migration).
      */
     g_assert_cmpint(agent_stat(g[0], "remapped"), >, 0);
-    json_node_unref(pf_test_guest_qmp(g[0], "migrate-set-capabilities",
-                                      "{\"capabilities\": [{\"capability\": "
-                                      "\"x-ignore-shared\", \"state\": true}]}"));
+    set_capability(g[0], "x-ignore-shared", TRUE);
+    json_node_unref(pf_test_guest_qmp(g[0], "migrate", "{\"uri\": \"exec:cat > /dev/null\"}"));
+    wait_migration(g[0], "completed");
+    json_node_unref(pf_test_guest_qmp(g[0], "cont", NULL));
     assert_advise(d, g[0], "x-ignore-shared");
     /* Every page each guest read was right, and so was every buffer. */
     for (int i = 0; i < 2; i++) {
@@ -968,9 +974,7 @@ test_hotplug(void)
     }
     g_assert_false(holds_inode(g->pid, ino));
     g_assert_false(holds_inode(daemon_pid(d), ino));
-    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 180));
-    pf_test_guest_free(g);
+    guest_passes(g);
 }
 
 /*
@@ -1062,9 +1066,7 @@ test_regions(void)
     s = pf_test_ctl_json(d, "scan-now", "3", NULL);
     g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 32 * 256 / 5 * 9 / 10);
     json_node_unref(s);
-    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 180));
-    pf_test_guest_free(g);
+    guest_passes(g);
     {
         g_autofree char *m1 = g_build_filename(dir, "m1", NULL);
 
@@ -1119,9 +1121,7 @@ test_silent_pagefoldd(void)
                                   " \"socket\": \"/nonexistent\"}");
     g_test_message("silent0: second agent: %s", err);
     g_assert_nonnull(strstr(err, "one agent"));
-    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
-    pf_test_guest_free(g);
+    guest_passes(g);
     close(listen_fd);
     unlink(path);
     g_rmdir(dir);
@@ -1191,9 +1191,7 @@ test_object_add(void)
                                   "{\"path\": \"/objects/pf0\", \"property\": \"socket\","
                                   " \"value\": \"/elsewhere\"}");
     g_assert_nonnull(strstr(err, "cannot change"));
-    g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
-    pf_test_guest_free(g);
+    guest_passes(g);
 }
 
 /* VMs without -name: QEMU calls them all "qemu"; both attach and merge,
