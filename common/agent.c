@@ -1711,6 +1711,15 @@ handshake(PfAgent *a, GError **error)
 }
 
 /* Serves requests until the link ends or the agent stops. */
+/* pf_agent_free() stops the agent: a send it cut short is no news. */
+static gboolean
+stopping(PfAgent *a)
+{
+    struct pollfd p = { a->stop[0], POLLIN, 0 };
+
+    return poll(&p, 1, 0) == 1;
+}
+
 static void
 serve(PfAgent *a)
 {
@@ -1721,7 +1730,8 @@ serve(PfAgent *a)
         gboolean ok = TRUE;
 
         if (!wait_readable(a, -1, &error)) {
-            if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED)) {
+            if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED) &&
+                !stopping(a)) {
                 g_warning("pagefold agent: %s; disconnecting", error->message);
             }
             return;
@@ -1769,7 +1779,7 @@ serve(PfAgent *a)
         g_mutex_unlock(&a->work);
         g_clear_error(&error);
         if (!flush(a, &error) || !ok) {
-            if (error != NULL) {
+            if (error != NULL && !stopping(a)) {
                 g_warning("pagefold agent: %s; disconnecting", error->message);
             }
             return;
@@ -2252,9 +2262,9 @@ pf_agent_free(PfAgent *a)
         return;
     }
     if (a->thread != NULL) {
+        (void)!write(a->stop[1], "x", 1);
         /* A send blocked on a stuck pagefoldd ends now, not in 5 s. */
         shutdown(a->sock, SHUT_RDWR);
-        (void)!write(a->stop[1], "x", 1);
         a->threads.join(a->thread, a->threads.opaque);
     }
     for (int i = 0; i < 2; i++) {
