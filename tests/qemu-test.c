@@ -984,8 +984,8 @@ test_hotplug(void)
  * allocated by default), a memfd with merge=off, a memfd bound to a host
  * node (pool pages would not follow the binding: refused), and a spare
  * backend (no guest RAM).  The odd ones cost the first nothing.  Then
- * qom-set merge=off folds the first back and forgets it, merge=on hands it
- * over again.
+ * qom-set merge=off folds the first back and forgets it; dump=on and
+ * merge=on hand it over again, its remapped pages dumped now.
  */
 static void
 test_regions(void)
@@ -1058,7 +1058,10 @@ test_regions(void)
     assert_region_refused(g, "m0", "merge=off");
     g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
 
-    /* merge=on: merged again. */
+    /* dump=on, then merge=on: merged again, and dumped now. */
+    json_node_unref(pf_test_guest_qmp(g, "qom-set",
+                                      "{\"path\": \"/objects/m0\", \"property\": \"dump\","
+                                      " \"value\": true}"));
     json_node_unref(pf_test_guest_qmp(g, "qom-set",
                                       "{\"path\": \"/objects/m0\", \"property\": \"merge\","
                                       " \"value\": true}"));
@@ -1066,6 +1069,8 @@ test_regions(void)
     s = pf_test_ctl_json(d, "scan-now", "3", NULL);
     g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 32 * 256 / 5 * 9 / 10);
     json_node_unref(s);
+    g_assert_cmpint(pf_test_count_vmas(g->pid, m0_addr, 192 << 20), >, 1);
+    g_assert_cmpint(pf_test_count_vmas_flag(g->pid, m0_addr, 192 << 20, "dd"), ==, 0);
     guest_passes(g);
     {
         g_autofree char *m1 = g_build_filename(dir, "m1", NULL);
