@@ -855,7 +855,9 @@ post_error(PfAgent *a, const char *text)
 /*
  * Tells pagefoldd (DISCARD) which pages of region i in [from, from + n)
  * are back in their memfd: those remapped in was (bit k: page from + k)
- * and not any more.  Called with work held.
+ * and not any more.  One DISCARD a span between pages still remapped
+ * (pagefoldd passes over the pages of a span that were never merged).
+ * Called with work held.
  */
 static void
 tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was)
@@ -865,19 +867,18 @@ tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was)
 
     while (k < n) {
         PfWireRange wr = { i, 0, from + k, 0 };
+        gboolean back = FALSE;
         gsize run = k;
 
-        while (run < n && ((was[run / 64] >> (run % 64)) & 1) &&
-               !is_remapped(r, from + run)) {
+        while (run < n && !is_remapped(r, from + run)) {
+            back |= (was[run / 64] >> (run % 64)) & 1;
             run++;
         }
-        if (run == k) {
-            k++;
-            continue;
+        if (back) {
+            wr.n_pages = run - k;
+            post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);
         }
-        wr.n_pages = run - k;
-        post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);
-        k = run;
+        k = run + 1;
     }
 }
 
@@ -903,13 +904,25 @@ fold_back_region(PfAgent *a, guint i, gboolean copy)
         Region *r;
 
         g_mutex_lock(&a->work);
+        /* The array may have lost a region never told (at its end). */
+        if (i >= a->regions->len) {
+            g_mutex_unlock(&a->work);
+            break;
+        }
         r = &g_array_index(a->regions, Region, i);
         first = r->gone ? r->n_pages : find_remapped(r, at, r->n_pages, TRUE);
         if (first >= r->n_pages) {
             g_mutex_unlock(&a->work);
             break;
         }
-        n = MIN(FOLD_CHUNK, r->n_pages - first);
+        /*
+         * To the end of first's 2 MiB extent: protecting a page splits its
+         * huge mapping, and this extent's is split already.
+         */
+        n = MIN(FOLD_CHUNK - (gsize)((guintptr)(r->host + first *
+                                                PF_PAGE_SIZE) /
+                                     PF_PAGE_SIZE % FOLD_CHUNK),
+                r->n_pages - first);
         for (gsize k = 0; k < n; k++) {
             was[k / 64] |= (guint64)is_remapped(r, first + k) << (k % 64);
         }
@@ -2065,12 +2078,18 @@ pf_agent_remove_region(PfAgent *a, void *host, gboolean keep, GError **error)
         return FALSE;
     }
     if (rc < 0) {
+        g_autofree char *text = g_strdup_printf(
+            "region %s goes with pages still mapped from the pool: %s",
+            r->name, g_strerror(-rc));
+
         /*
-         * The VMM unmaps it next, pool mappings and all: it goes all the
-         * same, and pagefoldd puts what it held for it.
+         * The VMM unmaps it next, pool mappings and all.  Until then their
+         * slots must stay theirs: pagefoldd lets go of this VM rather
+         * than free them.
          */
-        g_warning("pagefold agent: %s goes with pages still mapped from "
-                  "the pool: %s", r->name, g_strerror(-rc));
+        g_warning("pagefold agent: %s", text);
+        post_error(a, text);
+        set_connected(a, FALSE);
         mark_remapped(a, r, 0, r->n_pages, FALSE);
     }
     if (a->uffd >= 0 && r->refused == NULL) {
@@ -2102,8 +2121,8 @@ pf_agent_remove_region(PfAgent *a, void *host, gboolean keep, GError **error)
     return TRUE;
 }
 
-gboolean
-pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
+static gboolean
+step_back(PfAgent *a, const char *reason, gboolean final, GError **error)
 {
     g_autofree char *failed = NULL;
     guint n;
@@ -2133,7 +2152,9 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
         if (rc1 < 0 && rc == 0) {
             rc = rc1;
             g_mutex_lock(&a->work);
-            failed = g_strdup(g_array_index(a->regions, Region, i).name);
+            failed = g_strdup(i < a->regions->len
+                              ? g_array_index(a->regions, Region, i).name
+                              : "a region");
             g_mutex_unlock(&a->work);
         }
         if (rc1 < 0 && rc1 != -EBUSY) {
@@ -2142,6 +2163,21 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
     }
 
     g_mutex_lock(&a->work);
+    if (rc < 0 && final && a->advise_untold) {
+        g_autofree char *text = g_strdup_printf(
+            "cannot fold every merged page back (%s): this VM steps back "
+            "with pages still merged", g_strerror(-rc));
+
+        /*
+         * pagefoldd is told what came back (DISCARD), not which pages
+         * stay merged: it lets go of this VM, whose pool pages stay taken
+         * while QEMU maps them.  A later call folds back the rest.
+         */
+        g_warning("pagefold agent: %s", text);
+        post_error(a, text);
+        set_connected(a, FALSE);
+        a->advise_untold = FALSE;
+    }
     if (rc == 0) {
         PfWireMode m = { PF_PROTO_VERSION, PF_MODE_ADVISE, "" };
 
@@ -2163,8 +2199,8 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
     g_mutex_unlock(&a->work);
     if (rc < 0) {
         /*
-         * What came back is told (DISCARD), what did not stays merged and
-         * valid; the caller must refuse whoever needed plain RAM.
+         * What did not come back stays merged and valid; the caller must
+         * refuse whoever needed plain RAM.
          */
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
                     "pagefold: cannot fold merged pages of %s back into its "
@@ -2172,6 +2208,18 @@ pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
         return FALSE;
     }
     return TRUE;
+}
+
+gboolean
+pf_agent_step_back(PfAgent *a, const char *reason, GError **error)
+{
+    return step_back(a, reason, TRUE, error);
+}
+
+gboolean
+pf_agent_step_back_try(PfAgent *a, const char *reason)
+{
+    return step_back(a, reason, FALSE, NULL);
 }
 
 gboolean

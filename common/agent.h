@@ -104,18 +104,28 @@ gboolean pf_agent_remove_region(PfAgent *a, void *host, gboolean keep,
 void pf_agent_set_advice(PfAgent *a, void *host, const int *advice);
 /*
  * This VM's RAM must be plain memfd mappings from now on: a vhost-user
- * backend or a migration is about to use it, or a device pins it.  Every
- * page the agent remapped is folded back into the memfd (under write
- * protection: no write is lost), the userfaultfd is dropped (postcopy and
- * background snapshot need their own), pagefoldd is told, and the VM stays
- * in advise mode with reason.  Before pf_agent_start() it just chooses
- * advise mode.  Blocks while a request is being served.  FALSE when a
- * page could not be folded back (it is in DMA, or the kernel refused):
+ * backend or a migration is about to use it, or a device pins it.  The VM
+ * goes to advise mode (nothing merges any more), every page the agent
+ * remapped is folded back into the memfd (under write protection, a 2 MiB
+ * extent at a time: no write is lost, and the rest of guest RAM is written
+ * and mapped for DMA meanwhile), pagefoldd is told of each page back
+ * (DISCARD) and then of the step back (ADVISE), and the userfaultfd is
+ * dropped (postcopy and background snapshot need their own).  Before
+ * pf_agent_start() it just chooses advise mode.  Blocks while a request
+ * is being served.  FALSE when a page could not be folded back (it is in
+ * DMA, or the kernel refused; with the userfaultfd lost, it never can):
  * those pages stay merged and valid, pagefoldd lets go of this VM (its
  * pool pages stay taken), and the caller must not hand guest RAM to
- * whoever needed it plain; calling again retries.
+ * whoever needed it plain; calling again folds back what is left.
  */
 gboolean pf_agent_step_back(PfAgent *a, const char *reason, GError **error);
+/*
+ * The same, to be followed at once by pf_agent_step_back(): what cannot
+ * be folded back yet (pages in DMA) is left for it, and pagefoldd is not
+ * let go.  A VMM does the bulk of the work here without its locks, then
+ * the rest with its DMA drained.
+ */
+gboolean pf_agent_step_back_try(PfAgent *a, const char *reason);
 /*
  * The VMM is about to discard host..host+len (a balloon inflates,
  * virtio-mem unplugs): remapped pages there get their memfd mapping back

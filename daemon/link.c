@@ -559,6 +559,7 @@ on_ready(PfLink *l, const PfMsg *msg)
             !pf_regions_check_write_protected(l->proc_dir, one, &error)) {
             g_message("agent of process %d: region %u refused at READY: %s", l->peer_pid, i,
                       error->message);
+            l->announced_bytes -= r->size;
             pf_region_refuse(r, error->message);
             l->n_refused++;
             g_clear_error(&error);
