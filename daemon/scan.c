@@ -1135,8 +1135,15 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
     if (status == PF_RESULT_ERROR) {
         static const char *const verb[] = { "", "merge", "zero", "unmerge", "collapse" };
 
-        g_message("VM %s: agent could not %s page %u: %s", vm->name, verb[pd->kind],
-                  pd->page - r->base, g_strerror(err));
+        /* A page in DMA (EBUSY), an agent stepping back whose ADVISE is
+         * on its way (EPERM): expected, and passing, page after page. */
+        if (err == EBUSY || err == EPERM) {
+            g_debug("VM %s: agent could not %s page %u: %s", vm->name, verb[pd->kind],
+                    pd->page - r->base, g_strerror(err));
+        } else {
+            g_message("VM %s: agent could not %s page %u: %s", vm->name, verb[pd->kind],
+                      pd->page - r->base, g_strerror(err));
+        }
         if (err == ENOMEM) {
             /* Out of mappings: no more merges until the next count. */
             vm->vmas = vm->vma_budget;

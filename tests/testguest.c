@@ -155,6 +155,23 @@ pf_test_guest_expect_text(Guest *g, const char *text, guint seconds)
 }
 
 void
+pf_test_guest_check_now(Guest *g)
+{
+    char *line;
+
+    while ((line = g_async_queue_try_pop(g->lines)) != NULL) {
+        g_test_message("%s: %s", g->name, line);
+        if (strstr(line, "FAIL") != NULL || g_str_equal(line, "EOF")) {
+            g_error("guest %s: %s", g->name, line);
+        }
+        g_free(line);
+    }
+    /* The first may have begun before; the second began after. */
+    g_free(expect_line(g, "PFGUEST CHECK ok", FALSE, 60));
+    g_free(expect_line(g, "PFGUEST CHECK ok", FALSE, 60));
+}
+
+void
 pf_test_guest_free(Guest *g)
 {
     g_subprocess_force_exit(g->proc);

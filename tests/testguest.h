@@ -45,6 +45,9 @@ char *pf_test_guest_expect(Guest *g, const char *prefix, guint seconds);
 /* The same for a line that contains text anywhere: QEMU's own lines
  * (those that say "pagefold") start with its program name. */
 char *pf_test_guest_expect_text(Guest *g, const char *text, guint seconds);
+/* A whole check of all the guest wrote, begun after this call, passes
+ * (lines queued before it are passed over, and fail on a FAIL). */
+void pf_test_guest_check_now(Guest *g);
 void pf_test_guest_free(Guest *g);
 /* Runs one QMP command (arguments as a JSON object text, or NULL) on a
  * connection of its own; returns its "return", fails on an "error". */
