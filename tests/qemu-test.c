@@ -216,8 +216,18 @@ assert_advise(PfTestDaemon *d, Guest *g, const char *why)
 {
     JsonNode *list = pf_test_ctl_json(d, "list", NULL);
     JsonObject *vm = attached_vm(json_node_get_array(list), g->name);
-    JsonArray *regions = json_object_get_array_member(vm, "regions");
+    JsonArray *regions;
     g_autoptr(JsonObject) agent = agent_info(g);
+
+    /* The agent's ADVISE reaches pagefoldd on its own time. */
+    for (int i = 0; i < 100 && g_str_equal(json_object_get_string_member(vm, "mode"), "merge");
+         i++) {
+        g_usleep(100000);
+        json_node_unref(list);
+        list = pf_test_ctl_json(d, "list", NULL);
+        vm = attached_vm(json_node_get_array(list), g->name);
+    }
+    regions = json_object_get_array_member(vm, "regions");
 
     g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "advise");
     if (strstr(json_object_get_string_member(vm, "mode_reason"), why) == NULL) {
