@@ -1388,6 +1388,51 @@ test_plug_unplug(Fixture *f, gconstpointer data)
 }
 
 /*
+ * Unplugging fails when the memfd cannot be mapped back: kept (a DIMM's
+ * backend lives on), the region stays as it was, merged and merging, and
+ * a later call removes it; not kept (its memory is being freed), it goes
+ * all the same, and pagefoldd is told to let go rather than free slots
+ * still mapped.
+ */
+static void
+test_unplug_fails(Fixture *f, gconstpointer data)
+{
+    PfLayout l = { .unique = PAGES };
+    g_autoptr(PfGuest) dimm = pf_guest_new("memory-backend-memfd", &l, 7);
+    PfAgentRegion r = { "dimm0", dimm->mem, PAGES * PF_PAGE_SIZE, dimm->fd, 0, { 0 } };
+    g_autoptr(GError) error = NULL;
+    PfWireItem it = { .kind = PF_ITEM_MERGE, .region = 1, .page = 0, .chunk = 0, .slot = 100 };
+
+    g_assert_true(pf_agent_add_region(f->agent, &r, NULL));
+    expect_msg(f, PF_MSG_REGION);
+    pf_msg_close_fds(&f->msg);
+    memcpy(f->pool_map + 100 * PF_PAGE_SIZE, dimm->mem, 2 * PF_PAGE_SIZE);
+    send_pool(f, f->pool_fd, 0, PAGES);
+    g_assert_cmpuint(request(f, &it, 1, 1)[0].status, ==, PF_RESULT_DONE);
+
+    pf_test_fault_set("mmap-shared", 0, -1, ENOMEM, FALSE);
+    g_assert_false(pf_agent_remove_region(f->agent, dimm->mem, TRUE, &error));
+    g_assert_error(error, PF_ERROR, PF_ERROR_FAILED);
+    g_assert_cmpuint(remapped(f), ==, 1);
+    /* Still merging: its next page merges. */
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+    it.page = 1;
+    it.slot = 101;
+    g_assert_cmpuint(request(f, &it, 1, 2)[0].status, ==, PF_RESULT_DONE);
+    g_assert_cmpuint(remapped(f), ==, 2);
+
+    pf_test_fault_set("mmap-shared", 0, -1, ENOMEM, FALSE);
+    g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "*still mapped from the pool*");
+    g_assert_true(pf_agent_remove_region(f->agent, dimm->mem, FALSE, NULL));
+    g_test_assert_expected_messages();
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+    expect_msg(f, PF_MSG_ERROR);
+    g_assert_false(pf_agent_is_connected(f->agent));
+    g_assert_cmpuint(remapped(f), ==, 0);
+    g_assert_cmpuint(fds_of(dimm->fd), ==, 1); /* the test's own */
+}
+
+/*
  * pagefoldd accepts the connection and never answers.  Starting the agent
  * returns at once, and so do the calls QEMU makes under its big lock (a
  * discard, a step back) while the handshake waits; after some seconds the
@@ -1600,6 +1645,7 @@ main(int argc, char **argv)
                          test_unsafe);
     g_test_add_data_func("/agent-proto/advise/numa", GINT_TO_POINTER(UNSAFE_NUMA), test_unsafe);
     g_test_add("/agent-proto/plug-unplug", Fixture, NULL, setup, test_plug_unplug, teardown);
+    g_test_add("/agent-proto/fault/unplug", Fixture, NULL, setup, test_unplug_fails, teardown);
     g_test_add_func("/agent-proto/silent-daemon", test_silent_daemon);
     g_test_add_func("/agent-proto/handshake-window", test_handshake_window);
     g_test_add("/agent-proto/discard-stalled", Fixture, NULL, setup, test_discard_stalled,
