@@ -1852,6 +1852,13 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
      * good: after this, the link is given up.
      */
     struct timeval tv = { .tv_sec = 5 };
+    /*
+     * pagefoldd sends requests only while their answers fit in this (a
+     * window of a few batches, each answered in 16 KiB), so the agent
+     * thread never waits here on a pagefoldd busy elsewhere; said rather
+     * than left to net.core.wmem_default.
+     */
+    int sndbuf = 256 << 10;
     g_autoptr(GError) err = NULL;
     int e;
 
@@ -1881,6 +1888,8 @@ pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
     }
     if (fcntl(a->sock, F_SETFL, 0) < 0 ||
         setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
+        setsockopt(a->sock, SOL_SOCKET, SO_SNDBUF, &sndbuf,
+                   sizeof(sndbuf)) < 0 ||
         pipe2(a->stop, O_CLOEXEC) < 0 ||
         pipe2(a->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
         g_set_error(&err, PF_ERROR, PF_ERROR_FAILED,

@@ -28,7 +28,10 @@ struct _PfControl {
     int listen_fd;
     guint listen_watch;
     GPtrArray *clients;
+    struct _Later *starting; /* set by a command that replies later */
 };
+
+typedef struct _Later Later;
 
 typedef struct {
     PfControl *ctl;
@@ -38,7 +41,24 @@ typedef struct {
     GByteArray *in;
     GByteArray *out;
     gboolean discarding; /* inside an over-long line: drop to its end */
+    Later *later;        /* the command it waits for: its next lines wait
+                          * too, as QMP answers in order */
 } Client;
+
+/*
+ * A command that replies when its job is done (scan-now, unmerge, set run
+ * 2): the main loop runs on meanwhile, other clients are answered, and
+ * the reply says what was done, or why not all of it.
+ */
+struct _Later {
+    PfControl *c;
+    Client *cl;      /* NULL: pf_control_execute()'s caller waits */
+    JsonNode *id;
+    const char *command;
+    int pid;         /* unmerge of one VM (its stats in the reply); 0: all */
+    PfScanJob *job;
+    char *reply;     /* once done */
+};
 
 /* ---- argument checking ---- */
 
@@ -339,6 +359,20 @@ cmd_knobs(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     return TRUE;
 }
 
+static void later_done(PfScanner *s, const GError *error, gpointer user);
+
+/* The command being run replies when its job is done. */
+static Later *
+reply_later(PfControl *c, const char *command)
+{
+    Later *l = g_new0(Later, 1);
+
+    l->c = c;
+    l->command = command;
+    c->starting = l;
+    return l;
+}
+
 static gboolean
 cmd_set(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
@@ -354,9 +388,13 @@ cmd_set(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
         return FALSE;
     }
     if (g_str_equal(arg_str(args, "knob"), "run") && value == 2) {
-        /* As KSM: unmerge everything, then stay stopped. */
-        pf_scanner_unmerge(c->scanner, NULL);
+        /* As KSM: unmerge everything, then stay stopped; the reply comes
+         * when every page is unmerged. */
+        Later *l = reply_later(c, "set run 2");
+
         pf_scanner_get_knobs(c->scanner)->run = 0;
+        l->job = pf_scanner_unmerge_async(c->scanner, NULL, later_done, l);
+        return TRUE;
     }
     pf_scanner_kick(c->scanner);
     return cmd_knobs(c, NULL, b, error);
@@ -372,8 +410,11 @@ cmd_scan_now(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
                     "passes must be between 1 and %d", MAX_SCAN_NOW_PASSES);
         return FALSE;
     }
-    pf_scanner_run_passes(c->scanner, (guint)passes);
-    stats_to_json(c, NULL, b);
+    {
+        Later *l = reply_later(c, "scan-now");
+
+        l->job = pf_scanner_run_passes_async(c->scanner, (guint)passes, later_done, l);
+    }
     return TRUE;
 }
 
@@ -382,11 +423,14 @@ cmd_unmerge(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
     PfVm *vm = NULL;
 
+    Later *l;
+
     if (arg_str(args, "vm") != NULL && (vm = find_vm(c, arg_str(args, "vm"), error)) == NULL) {
         return FALSE;
     }
-    pf_scanner_unmerge(c->scanner, vm);
-    stats_to_json(c, vm, b);
+    l = reply_later(c, "unmerge");
+    l->pid = vm != NULL ? vm->pid : 0;
+    l->job = pf_scanner_unmerge_async(c->scanner, vm, later_done, l);
     return TRUE;
 }
 
@@ -456,8 +500,10 @@ error_class(const GError *error)
     return "GenericError";
 }
 
-char *
-pf_control_execute(PfControl *c, const char *line, gsize len)
+/* The reply to one request line, or NULL when a job will give it (then
+ * *later is that job's). */
+static char *
+execute(PfControl *c, const char *line, gsize len, Later **later)
 {
     g_autoptr(JsonParser) parser = json_parser_new_immutable();
     g_autoptr(GError) error = NULL;
@@ -512,9 +558,16 @@ pf_control_execute(PfControl *c, const char *line, gsize len)
         b = json_builder_new();
         json_builder_begin_object(b);
         json_builder_set_member_name(b, "return");
+        c->starting = NULL;
         if (!check_args(args, commands[i].args, &error) ||
             !commands[i].func(c, args, b, &error)) {
+            g_assert(c->starting == NULL);
             return reply_error(error_class(error), error->message, id);
+        }
+        if (c->starting != NULL) {
+            *later = g_steal_pointer(&c->starting);
+            (*later)->id = id != NULL ? json_node_copy(id) : NULL;
+            return NULL;
         }
         if (id != NULL) {
             json_builder_set_member_name(b, "id");
@@ -529,6 +582,85 @@ pf_control_execute(PfControl *c, const char *line, gsize len)
 
         return reply_error("CommandNotFound", desc, id);
     }
+}
+
+static void
+later_free(Later *l)
+{
+    if (l->job != NULL) {
+        pf_scan_job_forget(l->job);
+    }
+    g_clear_pointer(&l->id, json_node_unref);
+    g_free(l->reply);
+    g_free(l);
+}
+
+static void client_process(Client *cl);
+static gboolean client_flush(Client *cl);
+static void client_send(Client *cl, const char *text);
+static gboolean client_in_cb(gint fd, GIOCondition cond, gpointer user);
+
+static void
+later_done(PfScanner *s, const GError *error, gpointer user)
+{
+    Later *l = user;
+    Client *cl = l->cl;
+
+    l->job = NULL;
+    if (error != NULL) {
+        g_autofree char *desc = g_strdup_printf("%s: %s", l->command, error->message);
+
+        l->reply = reply_error("GenericError", desc, l->id);
+    } else {
+        g_autoptr(JsonBuilder) b = json_builder_new();
+        g_autoptr(JsonNode) root = NULL;
+
+        json_builder_begin_object(b);
+        json_builder_set_member_name(b, "return");
+        if (g_str_equal(l->command, "set run 2")) {
+            json_builder_begin_object(b);
+            pf_knobs_to_json(pf_scanner_get_knobs(s), b);
+            json_builder_end_object(b);
+        } else {
+            stats_to_json(l->c, l->pid != 0 ? pf_scanner_find_vm_by_pid(s, l->pid) : NULL, b);
+        }
+        if (l->id != NULL) {
+            json_builder_set_member_name(b, "id");
+            json_builder_add_value(b, json_node_copy(l->id));
+        }
+        json_builder_end_object(b);
+        root = json_builder_get_root(b);
+        l->reply = json_to_string(root, FALSE);
+    }
+    if (cl == NULL) {
+        return; /* pf_control_execute() takes the reply */
+    }
+    client_send(cl, l->reply);
+    cl->later = NULL;
+    later_free(l);
+    if (cl->watch == 0) {
+        cl->watch = g_unix_fd_add(cl->fd, G_IO_IN | G_IO_HUP | G_IO_ERR, client_in_cb, cl);
+    }
+    /* The lines that waited behind it. */
+    client_process(cl);
+    client_flush(cl);
+}
+
+char *
+pf_control_execute(PfControl *c, const char *line, gsize len)
+{
+    Later *l = NULL;
+    char *reply = execute(c, line, len, &l);
+
+    if (reply != NULL) {
+        return reply;
+    }
+    while (l->reply == NULL) {
+        g_main_context_iteration(NULL, TRUE);
+    }
+    reply = g_steal_pointer(&l->reply);
+    later_free(l);
+    return reply;
 }
 
 /* ---- the socket ---- */
@@ -593,7 +725,7 @@ client_process(Client *cl)
 {
     guint8 *nl;
 
-    while ((nl = memchr(cl->in->data, '\n', cl->in->len)) != NULL) {
+    while (cl->later == NULL && (nl = memchr(cl->in->data, '\n', cl->in->len)) != NULL) {
         gsize len = (gsize)(nl - cl->in->data);
 
         if (cl->discarding) {
@@ -606,14 +738,18 @@ client_process(Client *cl)
             }
             if (l > 0) {
                 g_autofree char *reply =
-                    pf_control_execute(cl->ctl, (const char *)cl->in->data, l);
+                    execute(cl->ctl, (const char *)cl->in->data, l, &cl->later);
 
-                client_send(cl, reply);
+                if (reply != NULL) {
+                    client_send(cl, reply);
+                } else {
+                    cl->later->cl = cl;
+                }
             }
         }
         g_byte_array_remove_range(cl->in, 0, (guint)len + 1);
     }
-    if (cl->in->len > PF_CONTROL_MAX_LINE) {
+    if (cl->later == NULL && cl->in->len > PF_CONTROL_MAX_LINE) {
         if (!cl->discarding) {
             g_autofree char *desc = g_strdup_printf(
                 "request longer than %d bytes; discarded up to the next newline",
@@ -644,12 +780,23 @@ client_in_cb(gint fd, GIOCondition cond, gpointer user)
     }
     g_byte_array_append(cl->in, buf, (guint)n);
     client_process(cl);
-    return client_flush(cl) ? G_SOURCE_CONTINUE : G_SOURCE_REMOVE;
+    if (!client_flush(cl)) {
+        return G_SOURCE_REMOVE;
+    }
+    if (cl->later != NULL && cl->in->len > PF_CONTROL_MAX_LINE) {
+        /* Enough waiting behind the job: read on when it is done. */
+        cl->watch = 0;
+        return G_SOURCE_REMOVE;
+    }
+    return G_SOURCE_CONTINUE;
 }
 
 static void
 client_free(Client *cl)
 {
+    if (cl->later != NULL) {
+        later_free(cl->later);
+    }
     if (cl->watch != 0) {
         g_source_remove(cl->watch);
     }

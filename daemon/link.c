@@ -26,8 +26,11 @@
  *  - a result must answer a request in flight, item for item.
  * Never waits for a peer on the main loop: a handshake has
  * HANDSHAKE_TIMEOUT_MS and one of a bounded number of places, a send that
- * the socket cannot take waits in the link's queue, and a peer that takes
- * nothing for SEND_STALL_MS is given up.  A refused peer leaves nothing
+ * the socket cannot take waits in the link's queue, a peer that takes
+ * nothing for SEND_STALL_MS is given up, and one that answers none of its
+ * requests for the answer timeout too.  Flow control: at most WINDOW_ITEMS
+ * are sent and not answered, so that neither end ever blocks on the other
+ * however many requests the scanner decides at once.  A refused peer leaves nothing
  * behind: its link owns every descriptor it passed or was given.
  */
 #include "link.h"
@@ -64,6 +67,17 @@
 #define SEND_STALL_MS 5000
 /* What the kernel may hold for a peer; the rest waits in the link. */
 #define SOCKET_SNDBUF (256 << 10)
+/*
+ * Items sent and not answered yet, at most.  The agent answers on a
+ * blocking socket: the answers to this many must fit in what its socket
+ * holds (it asks for AGENT_SNDBUF, a batch's answer is 16 KiB), or it
+ * would wait for pagefoldd while pagefoldd waits for it.  Requests past it
+ * wait in the link, formed and numbered when they go.
+ */
+#define WINDOW_ITEMS (4 * PF_PROTO_MAX_ITEMS)
+/* An agent with requests to answer that answered nothing for this long is
+ * not going to: pf_link_server_set_answer_timeout(). */
+#define DEFAULT_ANSWER_TIMEOUT_MS 30000
 
 enum { LINK_HELLO, LINK_REGIONS, LINK_READY, LINK_RUNNING };
 
@@ -74,11 +88,13 @@ struct _PfLinkServer {
     guint watch;
     int uffd_dev; /* /dev/userfaultfd, for agents that cannot make one */
     GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
+    guint answer_timeout_ms;
 };
 
 typedef struct {
-    guint32 seq;
-    GArray *pending; /* PfPending, one per item sent */
+    guint32 seq;     /* given when it is sent */
+    GArray *pending; /* PfPending, one per item */
+    GArray *items;   /* PfWireItem, until it is sent */
 } Batch;
 
 /* A message the socket could not take yet. */
@@ -109,8 +125,13 @@ struct _PfLink {
     guint32 answered_seq; /* of the last batch answered */
     GArray *queue_items;   /* PfWireItem */
     GArray *queue_pending; /* PfPending */
-    GQueue in_flight;      /* Batch*, oldest first */
+    GQueue held;           /* Batch*: formed, waiting for the window */
+    gsize n_held;
+    GQueue in_flight;      /* Batch*, sent, oldest first */
     gsize n_in_flight;
+    gint64 last_answer;    /* monotonic: the last RESULT, or when the
+                            * window last opened from empty */
+    guint answer_timer;    /* while something is in flight */
     GQueue out;            /* OutMsg*, oldest first */
     guint out_watch;       /* G_IO_OUT, while out is not empty */
     guint stall_timer;     /* while out is not empty */
@@ -124,6 +145,9 @@ static void
 batch_free(Batch *b)
 {
     g_array_unref(b->pending);
+    if (b->items != NULL) {
+        g_array_unref(b->items);
+    }
     g_free(b);
 }
 
@@ -179,11 +203,29 @@ link_send_error(PfLink *l, const char *text)
     pf_proto_send(l->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
 }
 
-void
-pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpointer user)
+/* Drops the requests of a list not sent yet that func settles; returns
+ * how many are left. */
+static guint
+withdraw_unsent(GArray *pending, GArray *items, gboolean (*func)(PfPending *pd, gpointer user),
+                gpointer user)
 {
     guint kept = 0;
 
+    for (guint i = 0; i < pending->len; i++) {
+        if (!func(&g_array_index(pending, PfPending, i), user)) {
+            g_array_index(pending, PfPending, kept) = g_array_index(pending, PfPending, i);
+            g_array_index(items, PfWireItem, kept) = g_array_index(items, PfWireItem, i);
+            kept++;
+        }
+    }
+    g_array_set_size(pending, kept);
+    g_array_set_size(items, kept);
+    return kept;
+}
+
+void
+pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpointer user)
+{
     for (GList *e = l->in_flight.head; e != NULL; e = e->next) {
         Batch *b = e->data;
 
@@ -191,17 +233,18 @@ pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpoi
             func(&g_array_index(b->pending, PfPending, i), user);
         }
     }
-    for (guint i = 0; i < l->queue_pending->len; i++) {
-        if (!func(&g_array_index(l->queue_pending, PfPending, i), user)) {
-            g_array_index(l->queue_pending, PfPending, kept) =
-                g_array_index(l->queue_pending, PfPending, i);
-            g_array_index(l->queue_items, PfWireItem, kept) =
-                g_array_index(l->queue_items, PfWireItem, i);
-            kept++;
+    for (GList *e = l->held.head, *next; e != NULL; e = next) {
+        Batch *b = e->data;
+        guint before = b->pending->len;
+
+        next = e->next;
+        l->n_held -= before - withdraw_unsent(b->pending, b->items, func, user);
+        if (b->pending->len == 0) {
+            g_queue_delete_link(&l->held, e);
+            batch_free(b);
         }
     }
-    g_array_set_size(l->queue_pending, kept);
-    g_array_set_size(l->queue_items, kept);
+    withdraw_unsent(l->queue_pending, l->queue_items, func, user);
 }
 
 void
@@ -212,7 +255,8 @@ pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpoint
     if (l == NULL) {
         return;
     }
-    while ((b = g_queue_pop_head(&l->in_flight)) != NULL) {
+    while ((b = g_queue_pop_head(&l->in_flight)) != NULL ||
+           (b = g_queue_pop_head(&l->held)) != NULL) {
         for (guint i = 0; func != NULL && i < b->pending->len; i++) {
             func(&g_array_index(b->pending, PfPending, i), user);
         }
@@ -222,6 +266,7 @@ pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpoint
         func(&g_array_index(l->queue_pending, PfPending, i), user);
     }
     g_clear_handle_id(&l->watch, g_source_remove);
+    g_clear_handle_id(&l->answer_timer, g_source_remove);
     g_clear_handle_id(&l->handshake_timer, g_source_remove);
     g_clear_handle_id(&l->close_idle, g_source_remove);
     out_clear(l);
@@ -456,29 +501,69 @@ pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd)
     }
 }
 
+static gboolean answer_timeout_cb(gpointer user);
+
+/* Sends held batches while the window has room for them. */
+static void
+send_held(PfLink *l)
+{
+    Batch *b;
+
+    while ((b = g_queue_peek_head(&l->held)) != NULL && !l->broken &&
+           (l->n_in_flight == 0 || l->n_in_flight + b->pending->len <= WINDOW_ITEMS)) {
+        g_queue_pop_head(&l->held);
+        l->n_held -= b->pending->len;
+        b->seq = ++l->next_seq;
+        if (l->n_in_flight == 0) {
+            /* The agent's time to answer runs from now. */
+            l->last_answer = g_get_monotonic_time();
+        }
+        g_queue_push_tail(&l->in_flight, b);
+        l->n_in_flight += b->pending->len;
+        link_send(l, PF_MSG_REQUEST, b->seq, b->items->data,
+                  b->items->len * sizeof(PfWireItem), -1);
+        g_clear_pointer(&b->items, g_array_unref);
+        if (l->answer_timer == 0) {
+            l->answer_timer = g_timeout_add(l->srv->answer_timeout_ms, answer_timeout_cb, l);
+        }
+    }
+}
+
 void
 pf_link_flush(PfLink *l)
 {
     Batch *b;
 
-    if (l->queue_items->len == 0) {
-        return;
+    if (l->queue_items->len > 0) {
+        b = g_new0(Batch, 1);
+        b->pending = l->queue_pending;
+        b->items = l->queue_items;
+        l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
+        l->queue_items = g_array_new(FALSE, FALSE, sizeof(PfWireItem));
+        g_queue_push_tail(&l->held, b);
+        l->n_held += b->pending->len;
     }
-    b = g_new0(Batch, 1);
-    b->seq = ++l->next_seq;
-    b->pending = l->queue_pending;
-    l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
-    g_queue_push_tail(&l->in_flight, b);
-    l->n_in_flight += b->pending->len;
-    link_send(l, PF_MSG_REQUEST, b->seq, l->queue_items->data,
-              l->queue_items->len * sizeof(PfWireItem), -1);
-    g_array_set_size(l->queue_items, 0);
+    send_held(l);
 }
 
 gsize
 pf_link_in_flight(PfLink *l)
 {
-    return l->n_in_flight;
+    return l->n_in_flight + l->n_held + l->queue_items->len;
+}
+
+gsize
+pf_link_room(PfLink *l)
+{
+    gsize outstanding = pf_link_in_flight(l);
+
+    return outstanding < 2 * WINDOW_ITEMS ? 2 * WINDOW_ITEMS - outstanding : 0;
+}
+
+gint64
+pf_link_waiting_usec(PfLink *l)
+{
+    return l->n_in_flight > 0 ? g_get_monotonic_time() - l->last_answer : 0;
 }
 
 guint32
@@ -512,12 +597,18 @@ on_result(PfLink *l, const PfMsg *msg)
     g_queue_pop_head(&l->in_flight);
     l->n_in_flight -= n;
     l->answered_seq = b->seq;
+    l->last_answer = g_get_monotonic_time();
+    g_clear_handle_id(&l->answer_timer, g_source_remove);
+    if (l->n_in_flight > 0) {
+        l->answer_timer = g_timeout_add(l->srv->answer_timeout_ms, answer_timeout_cb, l);
+    }
     for (guint32 i = 0; i < n; i++) {
         pf_scanner_complete(s, vm, &g_array_index(b->pending, PfPending, i),
                             (PfResultStatus)res[i].status, res[i].err);
     }
     batch_free(b);
-    /* Answers can call for more (a huge page to collapse): send them now. */
+    /* The window has room again; and answers can call for more (a huge
+     * page to collapse): send them now. */
     pf_link_flush(l);
     return TRUE;
 }
@@ -896,46 +987,30 @@ link_in_cb(gint fd, GIOCondition cond, gpointer user)
     return G_SOURCE_CONTINUE;
 }
 
-void
-pf_link_settle(PfLink *l, guint timeout_ms)
+/* The peer took its requests and answers none: a stopped or wedged
+ * process.  Its VM is detached (its merged pages stay valid in it) rather
+ * than left holding up unmerge and scan-now for good. */
+static gboolean
+answer_timeout_cb(gpointer user)
 {
-    gint64 deadline = g_get_monotonic_time() + (gint64)timeout_ms * 1000;
+    PfLink *l = user;
+    g_autofree char *why = NULL;
+    gint64 left;
 
-    while (l->n_in_flight > 0 && !l->broken) {
-        gboolean sending = !g_queue_is_empty(&l->out);
-        struct pollfd p = { l->sock, POLLIN | (sending ? POLLOUT : 0), 0 };
-        gint64 left = (deadline - g_get_monotonic_time()) / 1000;
-
-        if (left <= 0) {
-            g_message("VM %s: its agent has not answered %zu item(s) in %u ms", l->vm->name,
-                      l->n_in_flight, timeout_ms);
-            return;
-        }
-        /* Requests still queued here must reach the agent to be answered;
-         * an agent that does not take them is given up, as on the loop. */
-        if (sending && stall_left_ms(l) <= 0) {
-            link_break(l, "not reading its socket: it took nothing for "
-                          G_STRINGIFY(SEND_STALL_MS) " ms");
-            break;
-        }
-        if (sending) {
-            left = MIN(left, stall_left_ms(l) + 1);
-        }
-        if (poll(&p, 1, (int)left) <= 0) {
-            continue;
-        }
-        if (p.revents & POLLOUT) {
-            out_flush(l);
-        }
-        if ((p.revents & (POLLIN | POLLHUP | POLLERR)) && !link_read(l)) {
-            return; /* l is gone */
-        }
+    l->answer_timer = 0;
+    left = l->last_answer + (gint64)l->srv->answer_timeout_ms * 1000 - g_get_monotonic_time();
+    if (l->n_in_flight == 0) {
+        return G_SOURCE_REMOVE;
     }
-    if (l->broken) {
-        g_autofree char *why = g_steal_pointer(&l->broken_why);
-
-        link_close(l, why);
+    if (left > 0) {
+        l->answer_timer = g_timeout_add((guint)(left / 1000) + 1, answer_timeout_cb, l);
+        return G_SOURCE_REMOVE;
     }
+    why = g_strdup_printf("its agent answered none of %zu request item(s) in %u s",
+                          l->n_in_flight, l->srv->answer_timeout_ms / 1000);
+    link_send_error(l, why);
+    link_close(l, why);
+    return G_SOURCE_REMOVE;
 }
 
 static gboolean
@@ -1073,6 +1148,7 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     l->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
     l->queue_items = g_array_new(FALSE, FALSE, sizeof(PfWireItem));
     l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
+    g_queue_init(&l->held);
     g_queue_init(&l->in_flight);
     g_queue_init(&l->out);
     l->watch = g_unix_fd_add(sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
@@ -1093,6 +1169,7 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     g_autoptr(PfLinkServer) srv = g_new0(PfLinkServer, 1);
 
     srv->scanner = s;
+    srv->answer_timeout_ms = DEFAULT_ANSWER_TIMEOUT_MS;
     srv->handshakes = g_ptr_array_new_with_free_func(handshake_free);
     srv->uffd_dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
     srv->fd = pf_unix_listen(path, SOCK_SEQPACKET, error);
@@ -1102,6 +1179,12 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     srv->path = g_strdup(path);
     srv->watch = g_unix_fd_add(srv->fd, G_IO_IN, listen_cb, srv);
     return g_steal_pointer(&srv);
+}
+
+void
+pf_link_server_set_answer_timeout(PfLinkServer *srv, guint ms)
+{
+    srv->answer_timeout_ms = MAX(ms, 1);
 }
 
 void

@@ -36,6 +36,7 @@ main(int argc, char **argv)
     g_auto(GStrv) attach = NULL;
     g_auto(GStrv) sets = NULL;
     gboolean version = FALSE;
+    gint agent_timeout = 30;
     GOptionEntry entries[] = {
         { "socket", 's', 0, G_OPTION_ARG_FILENAME, &socket_path,
           "Control socket (default " PF_DEFAULT_SOCKET ")", "PATH" },
@@ -45,6 +46,9 @@ main(int argc, char **argv)
           "Page checksum: xxh3 (default), xxh64, crc32c, jhash2", "NAME" },
         { "set", 0, 0, G_OPTION_ARG_STRING_ARRAY, &sets,
           "Set a knob at start, e.g. --set pages_to_scan=1000 (repeatable)", "KNOB=VALUE" },
+        { "agent-timeout", 0, 0, G_OPTION_ARG_INT, &agent_timeout,
+          "Detach a VM whose agent answers none of its requests for this long "
+          "(default 30)", "SECONDS" },
         { "attach", 'a', 0, G_OPTION_ARG_STRING_ARRAY, &attach,
           "Attach a VM at start: PID or PID:NAME (repeatable)", "PID[:NAME]" },
         { "version", 0, 0, G_OPTION_ARG_NONE, &version, "Print the version", NULL },
@@ -80,6 +84,10 @@ main(int argc, char **argv)
         g_printerr("pagefoldd: unexpected argument '%s'\n", argv[1]);
         return 2;
     }
+    if (agent_timeout < 1 || agent_timeout > 3600) {
+        g_printerr("pagefoldd: --agent-timeout must be between 1 and 3600 seconds\n");
+        return 2;
+    }
     if (hash_name != NULL && (hash = pf_hash_lookup(hash_name)) == NULL) {
         g_printerr("pagefoldd: unknown --hash '%s' (xxh3, xxh64, crc32c, jhash2)\n", hash_name);
         return 2;
@@ -112,6 +120,7 @@ main(int argc, char **argv)
         g_printerr("pagefoldd: %s\n", error->message);
         return 1;
     }
+    pf_link_server_set_answer_timeout(links, (guint)agent_timeout * 1000);
     for (char **a = attach; a && *a; a++) {
         g_auto(GStrv) pn = g_strsplit(*a, ":", 2);
         guint64 pid;

@@ -102,13 +102,19 @@ struct _PfScanner {
     guint cur_region;
     gsize cur_page;
     gsize data_end; /* end of the memfd data extent holding cur_page */
+    gboolean blocked; /* the last scan stopped at an agent's full link */
 
     guint64 full_scans;
     guint64 memcmp_calls;
     gint64 pass_start_usec;
     guint64 last_pass_usec;
 
+    GPtrArray *jobs;   /* PfScanJob*, running */
+
     guint timer_id;
+    gsize batch_left;  /* of the wake-up's batch, scanned in slices */
+    gint64 batch_start;
+    gint64 batch_cpu;  /* thread CPU time when it began */
     gint64 last_batch_usec;
     PfVmGoneFunc vm_gone;
     gpointer vm_gone_user;
@@ -278,8 +284,11 @@ static PfPage *
 page_of(guint32 id, gpointer user)
 {
     PfRegion *r = region_of(user, id);
+    PfPage *p = pf_region_page(r, id - r->base);
 
-    return &r->pages[id - r->base];
+    /* The trees hold pages that were seen: they have records. */
+    g_assert(p != NULL);
+    return p;
 }
 
 static const guint8 *
@@ -394,8 +403,11 @@ hold_or_put(PfScanner *s, GArray *keep, guint32 slot, guint32 node)
 static void
 forget_page(PfScanner *s, PfRegion *r, gsize idx, GArray *keep)
 {
-    PfPage *p = &r->pages[idx];
+    PfPage *p = pf_region_page(r, idx);
 
+    if (p == NULL) {
+        return;
+    }
     if (p->state == PF_PAGE_SHARED) {
         guint32 node = p->node;
 
@@ -417,8 +429,9 @@ make_absent(PfScanner *s, PfRegion *r, gsize idx)
 static void
 release_region(PfScanner *s, PfRegion *r, GArray *keep)
 {
-    for (gsize i = 0; i < r->n_pages; i++) {
-        if (r->pages[i].state != PF_PAGE_ABSENT) {
+    for (gsize i = pf_region_next_recorded(r, 0, r->n_pages); i < r->n_pages;
+         i = pf_region_next_recorded(r, i + 1, r->n_pages)) {
+        if (pf_region_page_state(r, i) != PF_PAGE_ABSENT) {
             forget_page(s, r, i, keep);
         }
     }
@@ -461,11 +474,28 @@ drop_region(PfScanner *s, PfRegion *r, GArray *keep)
 
 /* ---- one visit ---- */
 
+/* Whether a guest page is in memory: one discarded since it was seen, or
+ * swapped out, is not read (that would allocate it, or swap it in).  The
+ * VMM may discard it right after this: a window of a memcmp. */
+static gboolean
+in_memory(const guint8 *page)
+{
+    unsigned char v = 0;
+
+    return mincore((void *)page, PF_PAGE_SIZE, &v) == 0 && (v & 1);
+}
+
+/* Is another guest page equal to data?  Not if it is not in memory. */
 static inline gboolean
 page_equal(PfScanner *s, const guint8 *data, guint32 other)
 {
+    const guint8 *o = page_data(s, other);
+
+    if (!in_memory(o)) {
+        return FALSE;
+    }
     s->memcmp_calls++;
-    return memcmp(data, page_data(s, other), PF_PAGE_SIZE) == 0;
+    return memcmp(data, o, PF_PAGE_SIZE) == 0;
 }
 
 static guint
@@ -513,13 +543,16 @@ merged(PfRegion *r, PfPage *p, PfPageState state)
     p->skips = 0;
 }
 
-/* The content a stable node stands for: its pool slot once merged, its
- * first guest page in advise mode. */
-static const guint8 *
-node_data(PfScanner *s, const PfStableNode *n)
+/* Is data the content a stable node stands for: its pool slot once
+ * merged, its first guest page in advise mode? */
+static gboolean
+node_equal(PfScanner *s, const guint8 *data, const PfStableNode *n)
 {
-    return n->slot != PF_POOL_SLOT_NONE ? pf_pool_data(s->pool, n->slot)
-                                         : page_data(s, n->members[0]);
+    if (n->slot == PF_POOL_SLOT_NONE) {
+        return page_equal(s, data, n->members[0]);
+    }
+    s->memcmp_calls++;
+    return memcmp(data, pf_pool_data(s->pool, n->slot), PF_PAGE_SIZE) == 0;
 }
 
 /* Guest pages already sharing the node, or on their way in. */
@@ -534,7 +567,7 @@ node_sharers(PfScanner *s, const PfStableNode *n)
 static gboolean
 can_merge(PfVm *vm)
 {
-    return pf_vm_merges(vm) && vm->vmas < vm->vma_budget;
+    return pf_vm_merges(vm) && vm->vmas < vm->vma_budget && !vm->unmerging;
 }
 
 /* ---- huge pages ---- */
@@ -590,7 +623,7 @@ restore_huge(PfScanner *s, PfRegion *r, gsize idx)
         return;
     }
     for (gsize i = e * HUGE_PAGES; i < (e + 1) * HUGE_PAGES; i++) {
-        PfPageState st = r->pages[i].state;
+        PfPageState st = pf_region_page_state(r, i);
 
         if (st == PF_PAGE_PENDING ||
             (pf_vm_merges(r->vm) && (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO))) {
@@ -747,7 +780,7 @@ move_node(PfScanner *s, guint32 id, PfVm *joiner)
         PfRegion *mr = region_of(s, members[i]);
 
         if (can_merge(mr->vm)) {
-            join_node(s, mr, &mr->pages[members[i] - mr->base], members[i], to);
+            join_node(s, mr, pf_region_page(mr, members[i] - mr->base), members[i], to);
         }
     }
     if (joiner == NULL && node_at(s, to)->n_members == 0 && pf_pool_refs(s->pool, slot) == 1) {
@@ -768,7 +801,7 @@ move_node(PfScanner *s, guint32 id, PfVm *joiner)
 static void
 follow_move(PfScanner *s, PfRegion *r, gsize idx)
 {
-    guint32 node = r->pages[idx].node, to = node_at(s, node)->next;
+    guint32 node = pf_region_page(r, idx)->node, to = node_at(s, node)->next;
     const PfStableNode *n = node_at(s, node);
 
     if (to == 0 || !can_merge(r->vm) || s->knobs.run == 2) {
@@ -784,7 +817,7 @@ follow_move(PfScanner *s, PfRegion *r, gsize idx)
         }
         if (t->next == 0) {
             if (node_sharers(s, t) < s->knobs.max_page_sharing) {
-                join_node(s, r, &r->pages[idx], r->base + (guint32)idx, to);
+                join_node(s, r, pf_region_page(r, idx), r->base + (guint32)idx, to);
                 return;
             }
             break;
@@ -846,7 +879,7 @@ join_still(PfScanner *s, const Joining *j)
     PfRegion *r = region_of(s, j->page);
     const PfStableNode *n = node_at(s, j->node);
 
-    return r->pages[j->page - r->base].state == PF_PAGE_UNSHARED && can_merge(r->vm) &&
+    return pf_region_page_state(r, j->page - r->base) == PF_PAGE_UNSHARED && can_merge(r->vm) &&
            n->live && n->next == 0 && n->slot == j->slot &&
            node_sharers(s, n) < s->knobs.max_page_sharing;
 }
@@ -905,7 +938,7 @@ make_joins(PfScanner *s)
             if (join_still(s, j)) {
                 PfRegion *r = region_of(s, j->page);
 
-                join_node(s, r, &r->pages[j->page - r->base], j->page, j->node);
+                join_node(s, r, pf_region_page(r, j->page - r->base), j->page, j->node);
             }
         }
     }
@@ -927,7 +960,7 @@ static void
 visit(PfScanner *s, PfRegion *r, gsize idx)
 {
     guint32 id = r->base + (guint32)idx;
-    PfPage *p = &r->pages[idx];
+    PfPage *p = pf_region_page_make(r, idx);
     const guint8 *data = r->map + idx * PF_PAGE_SIZE;
     gboolean merge_domain = pf_vm_merges(r->vm);
     gboolean merging = can_merge(r->vm);
@@ -935,8 +968,8 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
     guint64 c;
     guint32 other;
 
-    if (p->state == PF_PAGE_PENDING) {
-        return; /* its agent has it */
+    if (p == NULL || p->state == PF_PAGE_PENDING) {
+        return; /* no memory for its record; or its agent has it */
     }
     if (merge_domain && (p->state == PF_PAGE_SHARED || p->state == PF_PAGE_ZERO)) {
         /* Merged: nothing to read.  A merged page is a hole of the memfd,
@@ -1021,7 +1054,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
         n = node_at(s, other);
         if ((n->slot != PF_POOL_SLOT_NONE) != merge_domain ||
             node_sharers(s, n) >= s->knobs.max_page_sharing ||
-            (s->memcmp_calls++, memcmp(data, node_data(s, n), PF_PAGE_SIZE) != 0)) {
+            !node_equal(s, data, n)) {
             continue;
         }
         if (merging && !pf_pool_readable(s->pool, n->slot, r->vm->serial)) {
@@ -1055,7 +1088,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             break;
         }
         orr = region_of(s, other);
-        o = &orr->pages[other - orr->base];
+        o = pf_region_page(orr, other - orr->base);
         if (other == id || o->state != PF_PAGE_UNSHARED ||
             can_merge(orr->vm) != merging || pf_vm_merges(orr->vm) != merge_domain ||
             !page_equal(s, data, other)) {
@@ -1112,7 +1145,7 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
         return; /* its region left the VM: all it held is let go */
     }
     r = region_of(s, pd->page);
-    p = &r->pages[pd->page - r->base];
+    p = pf_region_page(r, pd->page - r->base);
     if (pd->kind == PF_ITEM_COLLAPSE) {
         if (status != PF_RESULT_DONE) {
             g_debug("VM %s: no huge page again at page %u: %s", vm->name, pd->page - r->base,
@@ -1229,6 +1262,11 @@ region_at_address(PfScanner *s, const void *addr)
     return NULL;
 }
 
+static void leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to);
+
+/* Pages looked up in memory at a time (mincore()) before they are read. */
+#define RESIDENT_PAGES 256
+
 static gsize
 scan_range(PfScanner *s, PfRegion *r, gsize n)
 {
@@ -1255,8 +1293,23 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         return i - start;
     }
     guard_env = &env;
-    for (; i < start + n; i++) {
-        visit(s, r, i);
+    while (i < start + n) {
+        guint8 in_memory[RESIDENT_PAGES];
+        gsize k = MIN(start + n - i, RESIDENT_PAGES);
+
+        /* Just before reading: a page the VMM discarded (a balloon, free
+         * page reporting) since find_data() saw its extent, or one swapped
+         * out, is not read, which would allocate it again. */
+        if (mincore((void *)(r->map + i * PF_PAGE_SIZE), k * PF_PAGE_SIZE, in_memory) < 0) {
+            memset(in_memory, 1, k);
+        }
+        for (gsize j = 0; j < k; j++, i++) {
+            if (in_memory[j] & 1) {
+                visit(s, r, i);
+            } else {
+                leave_hole(s, r, i, i + 1);
+            }
+        }
     }
     guard_env = NULL;
     s->cur_page = start + n;
@@ -1277,7 +1330,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
 static void
 end_sharing(PfScanner *s, PfRegion *r, gsize idx)
 {
-    PfPage *p = &r->pages[idx];
+    PfPage *p = pf_region_page(r, idx);
     guint32 id = r->base + (guint32)idx, node = 0, slot = PF_POOL_SLOT_NONE;
 
     if (p->state == PF_PAGE_SHARED) {
@@ -1298,7 +1351,7 @@ end_sharing(PfScanner *s, PfRegion *r, gsize idx)
 static void
 cow_found(PfScanner *s, PfRegion *r, gsize idx)
 {
-    PfPageState st = r->pages[idx].state;
+    PfPageState st = pf_region_page_state(r, idx);
 
     if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
         r->vm->cow++;
@@ -1349,7 +1402,9 @@ check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
         ssize_t got;
 
         for (gsize i = from; i < from + n && !any; i++) {
-            any = r->pages[i].state == PF_PAGE_SHARED || r->pages[i].state == PF_PAGE_ZERO;
+            PfPageState st = pf_region_page_state(r, i);
+
+            any = st == PF_PAGE_SHARED || st == PF_PAGE_ZERO;
         }
         if (!any) {
             from += n;
@@ -1375,14 +1430,45 @@ check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
     }
 }
 
-/* Moves the cursor over holes of the memfd (never touched by the guest, or
- * discarded): reading them through the mapping would allocate them. */
+/*
+ * Pages [from, to) of r are holes of the memfd (never touched by the
+ * guest, or discarded since), or pages not in memory: reading them through
+ * the mapping would allocate them (or swap them in).  A merged page is a
+ * hole too: it is looked at for copy-on-write; every other page is
+ * forgotten, and the records of extents left with no page are freed.
+ */
 static void
-find_data(PfScanner *s, PfRegion *r)
+leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to)
+{
+    gboolean merges = pf_vm_merges(r->vm);
+
+    if (merges) {
+        check_merged(s, r, from, to);
+    }
+    for (gsize i = pf_region_next_recorded(r, from, to); i < to;
+         i = pf_region_next_recorded(r, i + 1, to)) {
+        PfPageState st = pf_region_page_state(r, i);
+
+        if (merges && st == PF_PAGE_SHARED) {
+            follow_move(s, r, i);
+        } else if (st != PF_PAGE_ABSENT && st != PF_PAGE_PENDING &&
+                   !(merges && st == PF_PAGE_ZERO)) {
+            make_absent(s, r, i);
+        }
+    }
+    pf_region_trim(r, from, to);
+}
+
+/* Moves the cursor over holes of the memfd (leave_hole()), at most budget
+ * pages of one at a time: a merged VM's RAM is one long hole, whose merged
+ * pages are looked at for copy-on-write, and a tick must stay short
+ * however big the VM. */
+static void
+find_data(PfScanner *s, PfRegion *r, gsize budget)
 {
     off_t pos = (off_t)(r->file_offset + s->cur_page * PF_PAGE_SIZE);
     off_t data = lseek(r->fd, pos, SEEK_DATA);
-    gsize first, end;
+    gsize first, end, stop;
 
     if (data < 0) {
         first = errno == ENXIO ? r->n_pages : s->cur_page;
@@ -1394,21 +1480,13 @@ find_data(PfScanner *s, PfRegion *r)
         end = hole < 0 ? r->n_pages
                        : MIN(r->n_pages, (gsize)(hole - (off_t)r->file_offset) / PF_PAGE_SIZE);
     }
-    if (pf_vm_merges(r->vm)) {
-        check_merged(s, r, s->cur_page, first);
-    }
-    for (gsize i = s->cur_page; i < first; i++) {
-        PfPageState st = r->pages[i].state;
-
-        if (pf_vm_merges(r->vm) && st == PF_PAGE_SHARED) {
-            follow_move(s, r, i);
-        } else if (st != PF_PAGE_ABSENT && st != PF_PAGE_PENDING &&
-                   !(pf_vm_merges(r->vm) && st == PF_PAGE_ZERO)) {
-            make_absent(s, r, i);
-        }
-    }
-    s->cur_page = first;
-    s->data_end = MAX(end, first + 1);
+    stop = MIN(first, s->cur_page + MAX(budget, 1));
+    leave_hole(s, r, s->cur_page, stop);
+    s->cur_page = stop;
+    /* The rest of a long hole: looked up again from here next time.  The
+     * data extent is a hint only: pages discarded since are found by
+     * scan_range() before they are read. */
+    s->data_end = stop < first ? stop : MAX(end, first + 1);
 }
 
 /*
@@ -1479,8 +1557,9 @@ begin_pass(PfScanner *s)
                 g_ptr_array_remove(vm->regions, r);
             }
         }
-        candidates += pf_vm_n_pages(vm) - vm->count[PF_PAGE_SHARED] -
-                      vm->count[PF_PAGE_ZERO] - vm->count[PF_PAGE_PENDING];
+        /* Only a page that kept its checksum since its last visit enters
+         * the unstable tree: one volatile or unshared now. */
+        candidates += vm->count[PF_PAGE_VOLATILE] + vm->count[PF_PAGE_UNSHARED];
         if (pf_vm_merges(vm)) {
             vm->vmas = pf_vm_count_vmas(vm);
             vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
@@ -1490,8 +1569,7 @@ begin_pass(PfScanner *s)
     if (s->vms->len == 0) {
         return FALSE;
     }
-    pf_table_clear(&s->unstable.table);
-    pf_table_reserve(&s->unstable.table, candidates);
+    pf_table_reset(&s->unstable.table, candidates);
     evacuate(s);
     s->in_pass = TRUE;
     s->cur_vm = 0;
@@ -1511,14 +1589,58 @@ end_pass(PfScanner *s)
     s->last_pass_usec = (guint64)(g_get_monotonic_time() - s->pass_start_usec);
 }
 
+/* Past this long without an answer, an agent whose window is full is
+ * passed over for the rest of the pass: one stopped VM must not hold up
+ * the scanning of the others (its link gives it up later). */
+#define STUCK_USEC (G_USEC_PER_SEC / 2)
+
+/* The cursor leaves the current VM for the next. */
+static void
+next_vm(PfScanner *s)
+{
+    s->cur_vm++;
+    s->cur_region = 0;
+    s->cur_page = 0;
+    s->data_end = 0;
+}
+
+/*
+ * How many pages of vm the cursor may take now.  A merging VM's agent
+ * answers at its own pace: while its link has no room for more requests
+ * the cursor waits there (0), and goes on as answers come; a VM being
+ * unmerged, or whose agent has answered nothing for a while, is passed
+ * over for this pass (*skip).
+ */
+static gsize
+vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
+{
+    gsize room;
+
+    *skip = vm->unmerging;
+    if (*skip || vm->link == NULL) {
+        return G_MAXSIZE;
+    }
+    /* A visit asks for two pages at most (a pair from the unstable tree). */
+    room = pf_link_room(vm->link) / 2;
+    if (room == 0 && pf_link_waiting_usec(vm->link) > STUCK_USEC) {
+        g_debug("VM %s: its agent has answered nothing for %" G_GINT64_FORMAT
+                " ms: passed over", vm->name, pf_link_waiting_usec(vm->link) / 1000);
+        *skip = TRUE;
+    }
+    return room;
+}
+
 gsize
 pf_scanner_scan(PfScanner *s, gsize max_pages)
 {
     gsize done = 0;
 
+    s->blocked = FALSE;
     while (done < max_pages) {
         PfVm *vm;
         PfRegion *r;
+        gsize room;
+        gboolean skip;
 
         if (!s->in_pass && !begin_pass(s)) {
             break;
@@ -1528,12 +1650,18 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
             break;
         }
         vm = g_ptr_array_index(s->vms, s->cur_vm);
+        room = vm_room(s, vm, &skip);
+        if (skip) {
+            next_vm(s);
+            continue;
+        }
+        if (room == 0) {
+            s->blocked = TRUE;
+            break;
+        }
         if (s->cur_region >= vm->regions->len) {
             vm->full_scans++;
-            s->cur_vm++;
-            s->cur_region = 0;
-            s->cur_page = 0;
-            s->data_end = 0;
+            next_vm(s);
             continue;
         }
         r = g_ptr_array_index(vm->regions, s->cur_region);
@@ -1548,11 +1676,11 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
 
             /* Holes count as visited: batch_size() paces passes over all
              * pages, and merged pages are holes too. */
-            find_data(s, r);
+            find_data(s, r, MIN(max_pages - done, room));
             done += s->cur_page - from;
             continue;
         }
-        done += scan_range(s, r, MIN(max_pages - done, s->data_end - s->cur_page));
+        done += scan_range(s, r, MIN(MIN(max_pages - done, room), s->data_end - s->cur_page));
     }
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *v = g_ptr_array_index(s->vms, i);
@@ -1564,44 +1692,367 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
     return done;
 }
 
-static void settle(PfScanner *s);
+/* ---- jobs: scan-now and unmerge, from the main loop ---- */
 
-/* KSM's run=2: every merged page back into its memfd.  Advise-mode VMs
- * just forget what they would share.  A merge or move that was in flight
- * may land meanwhile: it is unmerged in the next round. */
-void
-pf_scanner_unmerge(PfScanner *s, PfVm *only)
+/*
+ * A command that takes as long as the agents take (scan-now's passes and
+ * their answers, an unmerge) runs as a job: a step at a time from the main
+ * loop, which reads the agents' answers and the control socket between
+ * steps, and its caller is told when it is really done, or why not.
+ */
+typedef enum {
+    JOB_PASSES,
+    JOB_UNMERGE,
+} JobKind;
+
+typedef enum {
+    STEP_AGAIN, /* more to do now */
+    STEP_WAIT,  /* waiting for answers */
+    STEP_RETRY, /* waiting for pages the agents could not unmerge yet */
+    STEP_DONE,
+} StepResult;
+
+struct _PfScanJob {
+    PfScanner *s;
+    JobKind kind;
+    guint64 target;     /* JOB_PASSES: full_scans to reach */
+    GPtrArray *targets; /* JOB_UNMERGE: the VMs (PfVm*) still attached */
+    GString *trouble;   /* why it did not do all it says, or empty */
+    PfScanJobFunc done;
+    gpointer user;
+    guint source;
+    /* JOB_UNMERGE: where the sweep is, and how it went */
+    guint vm_idx, region_idx;
+    gsize page;
+    gboolean sweeping;
+    gboolean paused;  /* before the next sweep */
+    guint sweeps;
+};
+
+/* A step's share of the main loop: the control socket and the agents'
+ * answers wait at most this long for it. */
+#define STEP_USEC 10000
+/* Pages an unmerge sweep looks at between looks at the clock. */
+#define SWEEP_PAGES 65536
+/* An unmerge sweeps again this long after the last, this many times at
+ * most, for pages still merged (in DMA: EBUSY) before it gives up. */
+#define RETRY_MS 100
+#define RETRIES 50
+
+/* Scans for about usec, or up to max_pages, or to the end of the pass.
+ * Returns the pages visited. */
+static gsize
+scan_slice(PfScanner *s, gsize max_pages, gint64 usec)
 {
-    g_array_set_size(s->joins, 0);
-    for (guint round = 0; round < 4; round++) {
-        gsize asked = 0;
+    gint64 end = g_get_monotonic_time() + usec;
+    guint64 scans = s->full_scans;
+    gsize done = 0;
 
-        for (guint v = 0; v < s->vms->len; v++) {
-            PfVm *vm = g_ptr_array_index(s->vms, v);
+    while (done < max_pages) {
+        gsize n = pf_scanner_scan(s, MIN(max_pages - done, 4096));
 
-            if (only != NULL && vm != only) {
-                continue;
-            }
-            for (guint k = 0; k < vm->regions->len; k++) {
-                PfRegion *r = g_ptr_array_index(vm->regions, k);
-
-                for (gsize i = 0; i < r->n_pages; i++) {
-                    if (r->pages[i].state == PF_PAGE_SHARED ||
-                        r->pages[i].state == PF_PAGE_ZERO) {
-                        end_sharing(s, r, i);
-                        asked++;
-                    }
-                }
-            }
-            if (vm->link != NULL) {
-                pf_link_flush(vm->link);
-            }
-        }
-        settle(s);
-        if (asked == 0) {
+        done += n;
+        if (n == 0 || s->blocked || s->full_scans != scans || g_get_monotonic_time() >= end) {
             break;
         }
     }
+    return done;
+}
+
+/* Whether any request to an agent of vms is still to be answered (by an
+ * agent that answers: not counting those stopped for a while, if
+ * answering). */
+static gboolean
+answers_due(GPtrArray *vms, gboolean answering)
+{
+    for (guint i = 0; i < vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(vms, i);
+
+        if (vm->link != NULL && pf_link_in_flight(vm->link) > 0 &&
+            !(answering && pf_link_waiting_usec(vm->link) > STUCK_USEC)) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+/* Each pass begins once the last one's requests are answered, as KSM's
+ * do (its merges are made as it scans): a pass sees what the last one
+ * did.  The job ends when every request is answered, or its agent given
+ * up. */
+static StepResult
+passes_step(PfScanJob *j)
+{
+    PfScanner *s = j->s;
+
+    if (s->full_scans < j->target && s->vms->len > 0) {
+        if (!s->in_pass && answers_due(s->vms, TRUE)) {
+            return STEP_WAIT;
+        }
+        return scan_slice(s, G_MAXSIZE, STEP_USEC) > 0 ? STEP_AGAIN : STEP_WAIT;
+    }
+    return answers_due(s->vms, FALSE) ? STEP_WAIT : STEP_DONE;
+}
+
+/* Pages of the targets still merged, or on their way in or out. */
+static gsize
+still_merged(PfScanJob *j)
+{
+    gsize n = 0;
+
+    for (guint i = 0; i < j->targets->len; i++) {
+        PfVm *vm = g_ptr_array_index(j->targets, i);
+
+        n += vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_ZERO] + vm->count[PF_PAGE_PENDING];
+    }
+    return n;
+}
+
+/*
+ * Sweeps the targets' pages and asks their agents to unmerge every merged
+ * one, as fast as the agents answer.  Merges in flight land meanwhile (the
+ * targets take no new ones): the sweep is made again once every answer is
+ * in, until no page is merged.
+ */
+static StepResult
+unmerge_step(PfScanJob *j)
+{
+    PfScanner *s = j->s;
+    gint64 end = g_get_monotonic_time() + STEP_USEC;
+    gsize left;
+
+    if (!j->sweeping) {
+        if (answers_due(j->targets, FALSE)) {
+            return STEP_WAIT;
+        }
+        if ((left = still_merged(j)) == 0) {
+            return STEP_DONE;
+        }
+        /* Pages still merged after a sweep and its answers: merges that
+         * were in flight, or pages their agents refused to unmerge (in
+         * DMA: EBUSY), asked again a little later, a bounded number of
+         * times. */
+        if (j->sweeps > RETRIES) {
+            g_string_append_printf(j->trouble, "%s%zu page(s) could not be unmerged: their "
+                                   "agents refused %u times (in DMA?)",
+                                   j->trouble->len ? "; " : "", left, RETRIES);
+            return STEP_DONE;
+        }
+        if (j->sweeps > 0 && !j->paused) {
+            j->paused = TRUE;
+            return STEP_RETRY;
+        }
+        j->paused = FALSE;
+        j->sweeps++;
+        j->sweeping = TRUE;
+        j->vm_idx = j->region_idx = 0;
+        j->page = 0;
+    }
+    for (; j->vm_idx < j->targets->len; j->vm_idx++, j->region_idx = 0, j->page = 0) {
+        PfVm *vm = g_ptr_array_index(j->targets, j->vm_idx);
+
+        for (; j->region_idx < vm->regions->len; j->region_idx++, j->page = 0) {
+            PfRegion *r = g_ptr_array_index(vm->regions, j->region_idx);
+
+            while (j->page < r->n_pages) {
+                gsize stop = MIN(r->n_pages, j->page + SWEEP_PAGES);
+
+                if (vm->link != NULL && pf_link_room(vm->link) == 0) {
+                    pf_link_flush(vm->link);
+                    return STEP_WAIT;
+                }
+                for (j->page = pf_region_next_recorded(r, j->page, stop); j->page < stop;
+                     j->page = pf_region_next_recorded(r, j->page + 1, stop)) {
+                    PfPageState st = pf_region_page_state(r, j->page);
+
+                    if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
+                        end_sharing(s, r, j->page);
+                        if (vm->link != NULL && pf_link_room(vm->link) == 0) {
+                            j->page++;
+                            break;
+                        }
+                    }
+                }
+                if (g_get_monotonic_time() >= end) {
+                    if (vm->link != NULL) {
+                        pf_link_flush(vm->link);
+                    }
+                    return STEP_AGAIN;
+                }
+            }
+        }
+        if (vm->link != NULL) {
+            pf_link_flush(vm->link);
+        }
+    }
+    j->sweeping = FALSE;
+    return STEP_WAIT;
+}
+
+static void job_finish(PfScanJob *j);
+
+static gboolean
+job_cb(gpointer user)
+{
+    PfScanJob *j = user;
+    StepResult r = j->kind == JOB_PASSES ? passes_step(j) : unmerge_step(j);
+
+    j->source = 0;
+    switch (r) {
+    case STEP_AGAIN:
+        /* Below the control socket and the agents' answers. */
+        j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
+        break;
+    case STEP_WAIT:
+        j->source = g_timeout_add(2, job_cb, j);
+        break;
+    case STEP_RETRY:
+        j->source = g_timeout_add(RETRY_MS, job_cb, j);
+        break;
+    case STEP_DONE:
+        job_finish(j);
+        break;
+    }
+    return G_SOURCE_REMOVE;
+}
+
+static PfScanJob *
+job_new(PfScanner *s, JobKind kind, PfScanJobFunc done, gpointer user)
+{
+    PfScanJob *j = g_new0(PfScanJob, 1);
+
+    j->s = s;
+    j->kind = kind;
+    j->targets = g_ptr_array_new();
+    j->trouble = g_string_new(NULL);
+    j->done = done;
+    j->user = user;
+    j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
+    g_ptr_array_add(s->jobs, j);
+    return j;
+}
+
+static void
+job_free(PfScanJob *j)
+{
+    for (guint i = 0; i < j->targets->len; i++) {
+        PfVm *vm = g_ptr_array_index(j->targets, i);
+
+        if (j->kind == JOB_UNMERGE) {
+            vm->unmerging--;
+        }
+    }
+    g_clear_handle_id(&j->source, g_source_remove);
+    g_ptr_array_unref(j->targets);
+    g_string_free(j->trouble, TRUE);
+    g_free(j);
+}
+
+static void
+job_finish(PfScanJob *j)
+{
+    g_autoptr(GError) error = NULL;
+    PfScanJobFunc done = j->done;
+    gpointer user = j->user;
+    PfScanner *s = j->s;
+
+    if (j->trouble->len > 0) {
+        error = g_error_new(PF_ERROR, PF_ERROR_FAILED, "%s", j->trouble->str);
+    }
+    g_ptr_array_remove(s->jobs, j);
+    job_free(j);
+    if (done != NULL) {
+        done(s, error, user);
+    }
+}
+
+/* A VM leaves while jobs run: a job that was to do something for it says
+ * so, unless its process exited (then nothing of it is left to do). */
+static void
+jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why)
+{
+    for (guint i = 0; i < s->jobs->len; i++) {
+        PfScanJob *j = g_ptr_array_index(s->jobs, i);
+        gboolean target = g_ptr_array_remove(j->targets, vm);
+
+        if (target && j->kind == JOB_UNMERGE) {
+            vm->unmerging--;
+        }
+        if (why != NULL && (target || j->kind == JOB_PASSES) && !pf_vm_exited(vm)) {
+            g_string_append_printf(j->trouble, "%sVM %s (pid %d) was detached: %s",
+                                   j->trouble->len ? "; " : "", vm->name, vm->pid, why);
+        }
+        if (j->kind == JOB_UNMERGE && j->sweeping && target) {
+            /* Its place in the sweep is gone: start the sweep again. */
+            j->sweeping = FALSE;
+        }
+    }
+}
+
+PfScanJob *
+pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done, gpointer user)
+{
+    PfScanJob *j = job_new(s, JOB_PASSES, done, user);
+
+    /* The current pass counts if begun. */
+    j->target = s->full_scans + n + (s->in_pass ? 1 : 0);
+    return j;
+}
+
+PfScanJob *
+pf_scanner_unmerge_async(PfScanner *s, PfVm *only, PfScanJobFunc done, gpointer user)
+{
+    PfScanJob *j = job_new(s, JOB_UNMERGE, done, user);
+
+    g_array_set_size(s->joins, 0);
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (only == NULL || vm == only) {
+            vm->unmerging++;
+            g_ptr_array_add(j->targets, vm);
+        }
+    }
+    return j;
+}
+
+void
+pf_scan_job_forget(PfScanJob *j)
+{
+    j->done = NULL;
+}
+
+static void
+sync_done(PfScanner *s, const GError *error, gpointer user)
+{
+    *(gboolean *)user = TRUE;
+}
+
+/* The jobs above, waited for on the default main context. */
+static void
+wait_job(gboolean *done)
+{
+    while (!*done) {
+        g_main_context_iteration(NULL, TRUE);
+    }
+}
+
+void
+pf_scanner_run_passes(PfScanner *s, guint n)
+{
+    gboolean done = FALSE;
+
+    pf_scanner_run_passes_async(s, n, sync_done, &done);
+    wait_job(&done);
+}
+
+void
+pf_scanner_unmerge(PfScanner *s, PfVm *only)
+{
+    gboolean done = FALSE;
+
+    pf_scanner_unmerge_async(s, only, sync_done, &done);
+    wait_job(&done);
 }
 
 /* Pages back in their memfd: what they shared is let go, and they are read
@@ -1610,8 +2061,11 @@ pf_scanner_unmerge(PfScanner *s, PfVm *only)
 static void
 back_in_memfd(PfScanner *s, PfRegion *r, gsize from, gsize to)
 {
-    for (gsize i = from; i < to; i++) {
-        if (r->pages[i].state == PF_PAGE_SHARED || r->pages[i].state == PF_PAGE_ZERO) {
+    for (gsize i = pf_region_next_recorded(r, from, to); i < to;
+         i = pf_region_next_recorded(r, i + 1, to)) {
+        PfPageState st = pf_region_page_state(r, i);
+
+        if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
             make_absent(s, r, i);
         }
     }
@@ -1635,49 +2089,6 @@ void
 pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n)
 {
     back_in_memfd(s, g_ptr_array_index(vm->regions, region), first, first + n);
-}
-
-/* Waits for the agents' answers to every request sent so far.  An answer
- * may call for more, to its VM or another (a page merged into a node that
- * moved meanwhile follows it): those are waited for too, but an agent is
- * waited for once at most if it does not answer. */
-static void
-settle(PfScanner *s)
-{
-    g_autoptr(GPtrArray) silent = g_ptr_array_new();
-    gboolean again = TRUE;
-
-    for (guint round = 0; again && round < 16; round++) {
-        again = FALSE;
-        for (guint i = 0; i < s->vms->len;) {
-            PfVm *v = g_ptr_array_index(s->vms, i);
-
-            if (v->link != NULL && pf_link_in_flight(v->link) > 0 &&
-                !g_ptr_array_find(silent, v, NULL)) {
-                again = TRUE;
-                pf_link_settle(v->link, 10000);
-                /* settling may have detached (and freed) it */
-                if (i >= s->vms->len || g_ptr_array_index(s->vms, i) != v) {
-                    continue;
-                }
-                if (v->link != NULL && pf_link_in_flight(v->link) > 0) {
-                    g_ptr_array_add(silent, v);
-                }
-            }
-            i++;
-        }
-    }
-}
-
-void
-pf_scanner_run_passes(PfScanner *s, guint n)
-{
-    guint64 target = s->full_scans + n + (s->in_pass ? 1 : 0);
-
-    while (s->full_scans < target && s->vms->len > 0) {
-        pf_scanner_scan(s, G_MAXSIZE);
-        settle(s);
-    }
 }
 
 /* ---- VMs ---- */
@@ -1829,7 +2240,7 @@ abandon_cb(const PfPending *pd, gpointer user)
         return;
     }
     r = region_of(ab->s, pd->page);
-    p = &r->pages[pd->page - r->base];
+    p = pf_region_page(r, pd->page - r->base);
     /* The agent may have done it or not: its slot may be mapped, and the
      * one it was moving from. */
     if (pd->kind != PF_ITEM_ZERO) {
@@ -1850,6 +2261,7 @@ pf_scanner_remove_vm(PfScanner *s, PfVm *vm)
     if (!g_ptr_array_find(s->vms, vm, &idx)) {
         return;
     }
+    jobs_vm_gone(s, vm, NULL);
     /* A live process keeps mapping the slots its merged pages use: they
      * stay taken until it exits. */
     if (pf_vm_merges(vm) && !pf_vm_exited(vm)) {
@@ -1958,6 +2370,7 @@ void
 pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 {
     g_message("VM %s (pid %d) detached: %s", vm->name, vm->pid, why);
+    jobs_vm_gone(s, vm, why);
     if (s->vm_gone != NULL) {
         s->vm_gone(s, vm, why, s->vm_gone_user);
     }
@@ -2077,23 +2490,11 @@ batch_size(PfScanner *s)
                              (s->knobs.target_pass_millisecs * 1000ull));
 }
 
-/* Agents with more than a few batches to answer are behind: scanning on
- * would only read again pages that have not changed, at the agents' CPU's
- * expense, and decide nothing new for the pages in flight. */
-#define BEHIND_ITEMS (4 * PF_PROTO_MAX_ITEMS)
-
-static gboolean
-agents_behind(PfScanner *s)
-{
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
-
-        if (vm->link != NULL && pf_link_in_flight(vm->link) > BEHIND_ITEMS) {
-            return TRUE;
-        }
-    }
-    return FALSE;
-}
+/* One slice of a wake-up's batch: a big pages_to_scan (or a big VM under
+ * target_pass_millisecs) is scanned a slice at a time, the main loop
+ * answering the control socket and reading the agents' answers between
+ * slices. */
+#define SLICE_USEC 20000
 
 static gboolean
 scanner_tick(gpointer user)
@@ -2102,20 +2503,32 @@ scanner_tick(gpointer user)
     guint64 sleep_ms = s->knobs.sleep_millisecs;
 
     s->timer_id = 0;
-    if (s->knobs.run && s->vms->len > 0 && !agents_behind(s)) {
-        gint64 t0 = g_get_monotonic_time();
-        gint64 cpu0 = thread_cpu_usec();
+    if (s->knobs.run && s->vms->len > 0) {
         gint64 cpu;
 
-        pf_scanner_scan(s, batch_size(s));
-        s->last_batch_usec = g_get_monotonic_time() - t0;
-        cpu = thread_cpu_usec() - cpu0;
+        if (s->batch_left == 0) {
+            s->batch_left = batch_size(s);
+            s->batch_start = g_get_monotonic_time();
+            s->batch_cpu = thread_cpu_usec();
+        }
+        s->batch_left -= MIN(s->batch_left, scan_slice(s, s->batch_left, SLICE_USEC));
+        if (s->batch_left > 0 && !s->blocked) {
+            s->timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
+            return G_SOURCE_REMOVE;
+        }
+        /* The batch is done, or its agents' links are full: their answers
+         * come while it sleeps. */
+        s->batch_left = 0;
+        s->last_batch_usec = g_get_monotonic_time() - s->batch_start;
+        cpu = thread_cpu_usec() - s->batch_cpu;
         if (s->knobs.cpu_percent < 100) {
             guint64 cap_ms = (guint64)cpu * (100 - s->knobs.cpu_percent) /
                              s->knobs.cpu_percent / 1000;
 
             sleep_ms = MAX(sleep_ms, cap_ms);
         }
+    } else {
+        s->batch_left = 0;
     }
     s->timer_id = g_timeout_add((guint)sleep_ms, scanner_tick, s);
     return G_SOURCE_REMOVE;
@@ -2165,7 +2578,8 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
         vm->stats_index = i;
-        size_share[i] = (double)pf_vm_n_pages(vm);
+        /* The trees hold the pages that are present. */
+        size_share[i] = (double)(pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT]);
     }
     /* Each canonical page counts 1/n to the VM of each of its n sharers.
      * A node whose pages are all still on their way in shares nothing. */
@@ -2199,7 +2613,14 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
         c->pages_scanned = vm->pages_scanned;
         c->full_scans = vm->full_scans;
         c->pages_tracked = n_pages - vm->count[PF_PAGE_ABSENT];
-        c->metadata_bytes = n_pages * sizeof(PfPage) + meta[i];
+        c->metadata_bytes = meta[i];
+        for (guint k = 0; k < vm->regions->len; k++) {
+            const PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+            if (pf_region_live(r)) {
+                c->metadata_bytes += pf_region_record_bytes(r);
+            }
+        }
         c->general_profit = (gint64)((c->pages_sharing + c->zero_pages) * PF_PAGE_SIZE) -
                             (gint64)c->metadata_bytes;
         pf_counters_add(total, c);
@@ -2233,6 +2654,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->vms = g_ptr_array_new_with_free_func((GDestroyNotify)pf_vm_free);
     s->regions = g_ptr_array_new();
     s->leftovers = g_ptr_array_new_with_free_func(leftover_free);
+    s->jobs = g_ptr_array_new();
     s->max_map_count = 65530;
     s->kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
     {
@@ -2300,6 +2722,13 @@ pf_scanner_free(PfScanner *s)
         return;
     }
     pf_scanner_stop(s);
+    while (s->jobs->len > 0) {
+        PfScanJob *j = g_ptr_array_index(s->jobs, 0);
+
+        g_string_assign(j->trouble, "pagefoldd is stopping");
+        job_finish(j);
+    }
+    g_ptr_array_unref(s->jobs);
     while (s->vms->len > 0) {
         pf_scanner_remove_vm(s, g_ptr_array_index(s->vms, s->vms->len - 1));
     }

@@ -26,8 +26,11 @@
  * merged page would leave on copy-on-write.
  *
  * The scanner runs on the main loop's thread and must never block there for
- * long: its batches are bounded by pages_to_scan (or the pass-time target),
- * and its CPU by cpu_percent.
+ * long: its batches are bounded by pages_to_scan (or the pass-time target)
+ * and scanned in slices of a few milliseconds, its CPU by cpu_percent, and
+ * the requests it makes of each agent by what that agent's link takes: it
+ * never waits for an agent, it waits at one (and passes over one that has
+ * stopped answering).
  */
 #pragma once
 
@@ -89,11 +92,36 @@ PfVm *pf_scanner_lookup_vm(PfScanner *s, const char *key, GError **error);
 /* pf_scanner_lookup_vm() without the error. */
 PfVm *pf_scanner_find_vm(PfScanner *s, const char *key);
 
-/* Visits up to max_pages pages; stops early at the end of a pass.
+/* Visits up to max_pages pages; stops early at the end of a pass, or at a
+ * VM whose agent has as many requests to answer as its link takes.
  * Returns the pages visited, holes of the memfd stepped over included. */
 gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
-/* Scans until n passes have ended (the current one counts if begun). */
+
+/*
+ * What takes as long as the agents take runs as a job, a step at a time on
+ * the default main context (which must run meanwhile: the agents' answers
+ * come through it), and says when it is done: error NULL when it did all
+ * it says, else why not (a VM detached meanwhile, pages that could not be
+ * unmerged).  The job is freed after done is called.
+ */
+typedef struct _PfScanJob PfScanJob;
+typedef void (*PfScanJobFunc)(PfScanner *s, const GError *error, gpointer user);
+
+/* Scans until n passes have ended (the current one counts if begun) and
+ * every request they made is answered. */
+PfScanJob *pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done,
+                                       gpointer user);
+/* Unmerges every page of one VM, or of all (KSM's run=2): done when no
+ * page of theirs is merged, merges that were in flight included.  They
+ * take no new merges meanwhile. */
+PfScanJob *pf_scanner_unmerge_async(PfScanner *s, PfVm *only, PfScanJobFunc done,
+                                    gpointer user);
+/* Whoever was to be told is gone: done is not called; the job runs on. */
+void pf_scan_job_forget(PfScanJob *job);
+/* The same, waited for by iterating the default main context: for tests
+ * and programs of their own; pagefoldd never waits so. */
 void pf_scanner_run_passes(PfScanner *s, guint n);
+void pf_scanner_unmerge(PfScanner *s, PfVm *only);
 
 /* Scans in the background on the default main context, paced by knobs. */
 void pf_scanner_start(PfScanner *s);
@@ -140,9 +168,6 @@ gboolean pf_scanner_add_region(PfScanner *s, PfVm *vm, PfRegion *r);
 void pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index);
 /* Pages of a VM's region were mapped from the memfd again and discarded. */
 void pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n);
-/* Unmerges every page of one VM, or of all (KSM's run=2), and waits for
- * the agents to answer. */
-void pf_scanner_unmerge(PfScanner *s, PfVm *only);
 
 typedef struct {
     guint64 memcmp_calls;

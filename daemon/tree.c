@@ -83,17 +83,74 @@ table_rehash(PfTable *t, gsize capacity)
     g_free(old);
 }
 
-void
-pf_table_reserve(PfTable *t, gsize n_entries)
+static gsize
+capacity_for(gsize n_entries)
 {
     gsize want = MIN_CAPACITY;
 
     while (want * 3 / 4 < n_entries) {
         want *= 2;
     }
+    return want;
+}
+
+void
+pf_table_reserve(PfTable *t, gsize n_entries)
+{
+    gsize want = capacity_for(n_entries);
+
     if (want > t->mask + 1) {
         table_rehash(t, want);
     }
+}
+
+/* Tables larger than this are freed by a thread of their own: giving back
+ * gigabytes takes the kernel a while, and the caller is the main loop. */
+#define FREE_APART_BYTES (1u << 20)
+
+static GMutex freeing_lock;
+static GThreadPool *freeing;
+
+static void
+free_slots(gpointer data, gpointer user)
+{
+    g_free(data);
+}
+
+static void
+free_apart(PfTableEntry *slots, gsize bytes)
+{
+    g_mutex_lock(&freeing_lock);
+    if (bytes > FREE_APART_BYTES && freeing == NULL) {
+        freeing = g_thread_pool_new(free_slots, NULL, 1, FALSE, NULL);
+    }
+    if (bytes > FREE_APART_BYTES && freeing != NULL) {
+        g_thread_pool_push(freeing, slots, NULL);
+        slots = NULL;
+    }
+    g_mutex_unlock(&freeing_lock);
+    g_free(slots);
+}
+
+void
+pf_table_reset(PfTable *t, gsize n_entries)
+{
+    gsize want = capacity_for(n_entries), bytes = (t->mask + 1) * sizeof(PfTableEntry);
+    PfTableEntry *fresh = NULL;
+
+    /* A large table comes zeroed from the kernel, untouched until entries
+     * land in it: no pass begins with a memset of gigabytes. */
+    if (want != t->mask + 1 || bytes > FREE_APART_BYTES) {
+        fresh = g_try_new0(PfTableEntry, want);
+    }
+    if (fresh == NULL) {
+        pf_table_clear(t);
+        return;
+    }
+    free_apart(t->slots, bytes);
+    t->slots = fresh;
+    t->mask = want - 1;
+    t->n = t->removed = 0;
 }
 
 void
@@ -199,6 +256,13 @@ void
 pf_unstable_tree_destroy(PfUnstableTree *t)
 {
     pf_table_destroy(&t->table);
+    /* What was being freed apart is freed when this returns. */
+    g_mutex_lock(&freeing_lock);
+    if (freeing != NULL) {
+        g_thread_pool_free(freeing, FALSE, TRUE);
+        freeing = NULL;
+    }
+    g_mutex_unlock(&freeing_lock);
 }
 
 /* ---- stable tree ---- */

@@ -52,6 +52,10 @@ void pf_table_init(PfTable *t, PfTableKeyFunc key, gpointer user);
 void pf_table_destroy(PfTable *t);
 void pf_table_clear(PfTable *t);
 void pf_table_reserve(PfTable *t, gsize n_entries);
+/* Empties the table, sized for n_entries to come (smaller than before,
+ * too), without touching the memory of a large one on the caller's
+ * thread. */
+void pf_table_reset(PfTable *t, gsize n_entries);
 void pf_table_insert(PfTable *t, guint64 checksum, guint32 value);
 gboolean pf_table_remove(PfTable *t, guint64 checksum, guint32 value);
 void pf_table_iter_init(PfTableIter *it, const PfTable *t, guint64 checksum);

@@ -126,12 +126,14 @@ pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset, gsize
     r->dev = st.st_dev;
     r->ino = st.st_ino;
     r->map = map;
-    /* The records of a large region are a large allocation: if it cannot
-     * be had, the region is refused, and pagefoldd runs on. */
-    r->pages = g_try_new0(PfPage, r->n_pages);
+    /* Records are made as pages are seen; what a region costs up front is
+     * a pointer per 2 MiB, still a large allocation for a large region:
+     * if it cannot be had, the region is refused, and pagefoldd runs on. */
+    r->n_extents = (r->n_pages + PF_EXTENT_PAGES - 1) / PF_EXTENT_PAGES;
+    r->extents = g_try_new0(PfPage *, MAX(r->n_extents, 1));
     r->huge_seen = g_try_new0(guint8, (size >> 21) / 8 + 2);
     r->huge_was = g_try_new0(guint8, (size >> 21) / 8 + 2);
-    if (r->pages == NULL || r->huge_seen == NULL || r->huge_was == NULL) {
+    if (r->extents == NULL || r->huge_seen == NULL || r->huge_was == NULL) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
                     "region %s: no memory for the records of its %zu pages", name, r->n_pages);
         return NULL;
@@ -418,10 +420,55 @@ region_clear(PfRegion *r)
         close(r->fd);
         r->fd = -1;
     }
-    g_clear_pointer(&r->pages, g_free);
+    for (gsize e = 0; r->extents != NULL && e < r->n_extents; e++) {
+        g_free(r->extents[e]);
+    }
+    g_clear_pointer(&r->extents, g_free);
+    r->n_extents = r->extents_made = 0;
     g_clear_pointer(&r->huge_seen, g_free);
     g_clear_pointer(&r->huge_was, g_free);
     r->n_pages = 0;
+}
+
+PfPage *
+pf_region_page_make(PfRegion *r, gsize idx)
+{
+    PfPage **e = &r->extents[idx / PF_EXTENT_PAGES];
+
+    if (*e == NULL) {
+        /* All zero: absent pages. */
+        *e = g_try_new0(PfPage, PF_EXTENT_PAGES);
+        if (*e == NULL) {
+            return NULL;
+        }
+        r->extents_made++;
+    }
+    return &(*e)[idx % PF_EXTENT_PAGES];
+}
+
+void
+pf_region_trim(PfRegion *r, gsize from, gsize to)
+{
+    for (gsize e = from / PF_EXTENT_PAGES; from < to && e <= (to - 1) / PF_EXTENT_PAGES; e++) {
+        gsize i = 0;
+
+        if (r->extents[e] == NULL) {
+            continue;
+        }
+        while (i < PF_EXTENT_PAGES && r->extents[e][i].state == PF_PAGE_ABSENT) {
+            i++;
+        }
+        if (i == PF_EXTENT_PAGES) {
+            g_clear_pointer(&r->extents[e], g_free);
+            r->extents_made--;
+        }
+    }
+}
+
+gsize
+pf_region_record_bytes(const PfRegion *r)
+{
+    return r->extents_made * PF_EXTENT_PAGES * sizeof(PfPage) + r->n_extents * sizeof(PfPage *);
 }
 
 void

@@ -51,7 +51,12 @@ typedef struct {
     ino_t ino;
     int fd;              /* O_RDONLY */
     const guint8 *map;   /* PROT_READ, MAP_SHARED */
-    PfPage *pages;       /* one record per page */
+    PfPage **extents;    /* the records of each PF_EXTENT_PAGES pages,
+                          * made when one of them is first seen and
+                          * freed when all are absent again: NULL, all
+                          * absent (pf_region_page()) */
+    gsize n_extents;
+    gsize extents_made;  /* not NULL */
     guint8 *huge_seen;   /* per 2 MiB extent: looked at when first merged */
     guint8 *huge_was;    /* ... and it was a transparent huge page then */
     guint32 base;        /* page id of pages[0] */
@@ -95,6 +100,7 @@ struct _PfVm {
     GArray *dropped;     /* PfDropped: chunks it was told to let go of,
                           * until it is seen to have */
     guint stats_index;   /* scratch for the scanner's attribution */
+    guint unmerging;     /* unmerges of it running: no merges meanwhile */
 };
 
 PfVm *pf_vm_attach(int pid, const char *name, GError **error);
@@ -133,6 +139,47 @@ PfRegion *pf_region_new_refused(const char *name, guint64 host_addr, guint64 siz
 void pf_region_retire(PfRegion *r);
 /* Turns a region nothing was placed for yet into a refused placeholder. */
 void pf_region_refuse(PfRegion *r, const char *why);
+/* Pages whose records are made and freed together: a 2 MiB extent.  The
+ * records follow the pages present, not the size of the RAM. */
+#define PF_EXTENT_PAGES 512u
+
+/* The record of page idx, or NULL if it has none: it is absent. */
+static inline PfPage *
+pf_region_page(const PfRegion *r, gsize idx)
+{
+    PfPage *e = r->extents[idx / PF_EXTENT_PAGES];
+
+    return e != NULL ? &e[idx % PF_EXTENT_PAGES] : NULL;
+}
+
+static inline PfPageState
+pf_region_page_state(const PfRegion *r, gsize idx)
+{
+    const PfPage *p = pf_region_page(r, idx);
+
+    return p != NULL ? (PfPageState)p->state : PF_PAGE_ABSENT;
+}
+
+/* The first page at or after idx (and before end) that has a record:
+ * pages without one are absent. */
+static inline gsize
+pf_region_next_recorded(const PfRegion *r, gsize idx, gsize end)
+{
+    while (idx < end && r->extents[idx / PF_EXTENT_PAGES] == NULL) {
+        idx = (idx / PF_EXTENT_PAGES + 1) * PF_EXTENT_PAGES;
+    }
+    return MIN(idx, end);
+}
+
+/* The record of page idx, made (absent) if it has none; NULL when there
+ * is no memory for it (the page is not visited then). */
+PfPage *pf_region_page_make(PfRegion *r, gsize idx);
+/* Frees the records of the extents of [from, to) whose pages are all
+ * absent. */
+void pf_region_trim(PfRegion *r, gsize from, gsize to);
+/* What the records take. */
+gsize pf_region_record_bytes(const PfRegion *r);
+
 /* Neither refused nor gone: a region that is scanned. */
 static inline gboolean
 pf_region_live(const PfRegion *r)

@@ -53,81 +53,6 @@ vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers, gboolea
     return v;
 }
 
-static char *
-vmm_cmd(Vmm *v, const char *cmd)
-{
-    g_autoptr(GError) error = NULL;
-    g_autofree char *line = g_strconcat(cmd, "\n", NULL);
-    char *reply;
-
-    g_assert_true(g_output_stream_write_all(v->in, line, strlen(line), NULL, NULL, &error));
-    reply = g_data_input_stream_read_line(v->out, NULL, NULL, &error);
-    g_assert_no_error(error);
-    g_assert_nonnull(reply);
-    return reply;
-}
-
-static char *vmm_cmdf(Vmm *v, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
-
-static char *
-vmm_cmdf(Vmm *v, const char *fmt, ...)
-{
-    g_autofree char *cmd = NULL;
-    va_list ap;
-
-    va_start(ap, fmt);
-    cmd = g_strdup_vprintf(fmt, ap);
-    va_end(ap);
-    return vmm_cmd(v, cmd);
-}
-
-static void
-vmm_verify(Vmm *v)
-{
-    g_autofree char *r = vmm_cmd(v, "verify");
-
-    if (!g_str_has_prefix(r, "verify ok")) {
-        g_error("VMM %d: %s", v->pid, r);
-    }
-}
-
-/* The number after the word key in the answer to cmd ("stats merged M
- * zeroed Z ...", "nonzero N"). */
-static gint64
-vmm_number(Vmm *v, const char *cmd, const char *key)
-{
-    g_autofree char *r = vmm_cmd(v, cmd);
-    g_auto(GStrv) words = g_strsplit(r, " ", -1);
-
-    for (guint i = 0; words[i] != NULL && words[i + 1] != NULL; i++) {
-        if (g_str_equal(words[i], key)) {
-            return g_ascii_strtoll(words[i + 1], NULL, 10);
-        }
-    }
-    g_error("VMM %d: no %s in '%s'", v->pid, key, r);
-}
-
-/* One of the agent's counters, or the writers'. */
-static gint64
-vmm_stat(Vmm *v, const char *name)
-{
-    return vmm_number(v, "stats", name);
-}
-
-/* Stops it (it checks all its RAM one last time) and frees it. */
-static void
-vmm_quit(Vmm *v)
-{
-    g_autofree char *r = vmm_cmd(v, "quit");
-
-    if (!g_str_has_prefix(r, "verify ok")) {
-        g_error("VMM %d at exit: %s", v->pid, r);
-    }
-    g_assert_true(g_subprocess_wait(v->proc, NULL, NULL));
-    g_assert_cmpint(g_subprocess_get_exit_status(v->proc), ==, 0);
-    pf_test_vmm_free(v);
-}
-
 static JsonObject *
 stats(PfTestDaemon *d, const char *cmd, const char *arg)
 {
@@ -234,7 +159,7 @@ test_merge_exact(void)
         vmas = pf_test_count_vmas(v[i]->pid, 0, 0);
         g_assert_cmpint(json_object_get_int_member(vm, "vmas"), ==, vmas);
         g_assert_cmpint((vmas - vmas_before[i]) * 10, <, IDENTICAL + ZERO);
-        vmm_verify(v[i]);
+        pf_test_vmm_verify(v[i]);
     }
     /* Memory actually freed, counted as the kernel counts it: the Pss of
      * the VMMs' guest RAM plus pagefoldd's share of the guest RAM and pool
@@ -263,7 +188,7 @@ test_merge_exact(void)
         }
     }
     for (int i = 0; i < 3; i++) {
-        vmm_quit(v[i]);
+        pf_test_vmm_quit(v[i]);
     }
 }
 
@@ -292,29 +217,29 @@ test_cow_and_remerge(gconstpointer data)
         /* PAGEMAP_SCAN came in Linux 6.7; Debian 12's 6.1 has not got it. */
         g_assert_cmpstr(path, ==, "PAGEMAP_SCAN");
         g_test_skip("this kernel has no PAGEMAP_SCAN");
-        vmm_quit(a);
-        vmm_quit(b);
+        pf_test_vmm_quit(a);
+        pf_test_vmm_quit(b);
         return;
     }
 
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
-    r1 = vmm_cmd(a, "write 5");
+    r1 = pf_test_vmm_cmd(a, "write 5");
     g_assert_cmpstr(r1, ==, "ok");
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "1");
     g_assert_cmpint(json_object_get_int_member(vm_of(s, "a"), "cow"), ==, 1);
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 1);
-    vmm_verify(a);
-    vmm_verify(b); /* b's page 5 still maps the pool: unchanged */
+    pf_test_vmm_verify(a);
+    pf_test_vmm_verify(b); /* b's page 5 still maps the pool: unchanged */
 
-    r2 = vmm_cmd(a, "restore 5");
+    r2 = pf_test_vmm_cmd(a, "restore 5");
     g_assert_cmpstr(r2, ==, "ok");
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "3");
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
-    vmm_quit(a);
-    vmm_quit(b);
+    pf_test_vmm_quit(a);
+    pf_test_vmm_quit(b);
 }
 
 /* A merged page both VMs wrote, whose fold-back fails for a while: it
@@ -331,8 +256,8 @@ test_unmerge_fails(void)
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
     for (int i = 0; i < 2; i++) {
-        g_autofree char *f = vmm_cmd(v[i], "fault mmap-shared 0 -1 12"); /* ENOMEM */
-        g_autofree char *w = vmm_cmd(v[i], "write 5");
+        g_autofree char *f = pf_test_vmm_cmd(v[i], "fault mmap-shared 0 -1 12"); /* ENOMEM */
+        g_autofree char *w = pf_test_vmm_cmd(v[i], "write 5");
 
         g_assert_cmpstr(f, ==, "ok");
         g_assert_cmpstr(w, ==, "ok");
@@ -343,18 +268,18 @@ test_unmerge_fails(void)
         g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
         g_assert_cmpint(total(s, "pages_pending"), ==, 0);
     }
-    g_assert_cmpint(vmm_stat(v[0], "errors"), >=, 1);
+    g_assert_cmpint(pf_test_vmm_stat(v[0], "errors"), >=, 1);
     for (int i = 0; i < 2; i++) {
-        g_autofree char *f = vmm_cmd(v[i], "fault none");
+        g_autofree char *f = pf_test_vmm_cmd(v[i], "fault none");
 
-        vmm_verify(v[i]);
+        pf_test_vmm_verify(v[i]);
     }
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "2");
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL - 1);
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 1);
-    vmm_quit(v[0]);
-    vmm_quit(v[1]);
+    pf_test_vmm_quit(v[0]);
+    pf_test_vmm_quit(v[1]);
 }
 
 /* A compromised VMM reads every pool chunk it holds a descriptor or a
@@ -380,8 +305,8 @@ test_pool_apart(void)
     g_assert_cmpint(json_object_get_int_member(s, "pool_bytes"), <=,
                     (IDENTICAL + UNIQUE + 2 * 512) * PF_PAGE_SIZE);
     g_assert_cmpint(pf_test_memfd_kib(v[2]->pid), ==, UNIQUE * 4);
-    probe_c = vmm_cmdf(v[2], "pool-probe 1 %d", UNIQUE);
-    probe_a = vmm_cmdf(v[0], "pool-probe 1 %d", UNIQUE);
+    probe_c = pf_test_vmm_cmdf(v[2], "pool-probe 1 %d", UNIQUE);
+    probe_a = pf_test_vmm_cmdf(v[0], "pool-probe 1 %d", UNIQUE);
     g_test_message("c: %s; a: %s", probe_c, probe_a);
     /* The probe sees what a holds: a and b's pages, once each. */
     g_assert_true(g_str_has_suffix(probe_a, want_a));
@@ -391,17 +316,17 @@ test_pool_apart(void)
     /* a and b rewrite their unique pages: once the slots are free, what
      * they held is nowhere in the pool, not even for a. */
     for (int i = 0; i < 2; i++) {
-        g_free(vmm_cmdf(v[i], "scribble %d %d 0", IDENTICAL, UNIQUE));
+        g_free(pf_test_vmm_cmdf(v[i], "scribble %d %d 0", IDENTICAL, UNIQUE));
     }
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "3");
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
     g_clear_pointer(&probe_a, g_free);
-    probe_a = vmm_cmdf(v[0], "pool-probe 1 %d", UNIQUE);
+    probe_a = pf_test_vmm_cmdf(v[0], "pool-probe 1 %d", UNIQUE);
     g_assert_true(g_str_has_suffix(probe_a, " found 0"));
     for (int i = 0; i < 3; i++) {
-        vmm_verify(v[i]);
-        vmm_quit(v[i]);
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
     }
 }
 
@@ -430,7 +355,7 @@ pool_kib_after(PfTestDaemon *d, Vmm **v, JsonObject **s, guint *chunks)
         /* The VMMs hold no chunk pagefoldd let go. */
         g_assert_cmpint(pf_test_pool_kib(v[i]->pid, &n), <=, kib);
         g_assert_cmpuint(n, <=, *chunks);
-        vmm_verify(v[i]);
+        pf_test_vmm_verify(v[i]);
     }
     return kib;
 }
@@ -452,7 +377,7 @@ test_pool_memory(void)
     /* Seven pages in eight rewritten: what is left fits in two chunks
      * (one was being filled, the rest are moved into it and one more). */
     for (int i = 0; i < 2; i++) {
-        g_free(vmm_cmdf(v[i], "scribble 0 %d 8", IDENTICAL + UNIQUE));
+        g_free(pf_test_vmm_cmdf(v[i], "scribble 0 %d 8", IDENTICAL + UNIQUE));
     }
     kib = pool_kib_after(d, v, &s, &chunks);
     g_test_message("one in eight shared: %" G_GINT64_FORMAT " KiB in %u chunks", kib, chunks);
@@ -462,7 +387,7 @@ test_pool_memory(void)
     g_assert_cmpint(kib, <=, 2 * 512 * 4);
     /* Nothing shared: nothing held. */
     for (int i = 0; i < 2; i++) {
-        g_free(vmm_cmdf(v[i], "scribble 0 %d 0", IDENTICAL + UNIQUE));
+        g_free(pf_test_vmm_cmdf(v[i], "scribble 0 %d 0", IDENTICAL + UNIQUE));
     }
     kib = pool_kib_after(d, v, &s, &chunks);
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, 0);
@@ -470,7 +395,7 @@ test_pool_memory(void)
     g_assert_cmpuint(chunks, ==, 0);
     g_clear_pointer(&s, json_object_unref);
     for (int i = 0; i < 2; i++) {
-        vmm_quit(v[i]);
+        pf_test_vmm_quit(v[i]);
     }
 }
 
@@ -485,13 +410,13 @@ test_pool_kept(void)
     g_autofree char *held = NULL;
 
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL + UNIQUE);
-    held = vmm_cmd(v[1], "hold-pool");
+    held = pf_test_vmm_cmd(v[1], "hold-pool");
     g_assert_true(g_str_has_prefix(held, "ok ") && !g_str_equal(held, "ok 0"));
     /* Every page rewritten, but one put back as it was: it merges again,
      * and b's answer to that request says it has read the DROPs. */
     for (int i = 0; i < 2; i++) {
-        g_free(vmm_cmdf(v[i], "scribble 0 %d 0", IDENTICAL + UNIQUE));
-        g_free(vmm_cmd(v[i], "restore 1"));
+        g_free(pf_test_vmm_cmdf(v[i], "scribble 0 %d 0", IDENTICAL + UNIQUE));
+        g_free(pf_test_vmm_cmd(v[i], "restore 1"));
     }
     for (int pass = 0; pass < 5 && vm_of(s, "b") != NULL; pass++) {
         g_clear_pointer(&s, json_object_unref);
@@ -502,10 +427,10 @@ test_pool_kept(void)
     g_assert_cmpstr(json_object_get_string_member(vm_of(s, "a"), "mode"), ==, "merge");
     /* Only a's own slot is left: b's reference went with it. */
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), <=, 1);
-    g_assert_cmpint(vmm_stat(v[1], "connected"), ==, 0);
+    g_assert_cmpint(pf_test_vmm_stat(v[1], "connected"), ==, 0);
     for (int i = 0; i < 2; i++) {
-        vmm_verify(v[i]);
-        vmm_quit(v[i]);
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
     }
 }
 
@@ -537,11 +462,11 @@ test_unmerge_all(void)
         /* Every page that holds something is back in the memfd; zero
          * pages may stay holes (the merge punched them, and a hole reads
          * zero), and writers zero a page now and then. */
-        g_assert_cmpint(pf_test_memfd_kib(v[i]->pid), >=, vmm_number(v[i], "nonzero", "nonzero") * 4);
+        g_assert_cmpint(pf_test_memfd_kib(v[i]->pid), >=, pf_test_vmm_number(v[i], "nonzero", "nonzero") * 4);
         /* Merged, guest RAM was in many mappings; now in one again. */
         g_assert_cmpint(pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
-        vmm_verify(v[i]);
-        vmm_quit(v[i]);
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
     }
 }
 
@@ -560,11 +485,11 @@ test_step_back(void)
     g_autofree char *r = NULL;
     JsonObject *vm;
 
-    gint64 b_remapped = vmm_stat(b, "remapped");
+    gint64 b_remapped = pf_test_vmm_stat(b, "remapped");
 
-    g_assert_cmpint(vmm_stat(a, "remapped"), >, IDENTICAL / 2);
+    g_assert_cmpint(pf_test_vmm_stat(a, "remapped"), >, IDENTICAL / 2);
     g_assert_cmpint(pf_test_count_vmas(a->pid, ram, PAGES * PF_PAGE_SIZE), >, 1);
-    r = vmm_cmd(a, "step-back a vhost-user device (test)");
+    r = pf_test_vmm_cmd(a, "step-back a vhost-user device (test)");
     g_assert_cmpstr(r, ==, "ok advise");
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "2");
@@ -574,22 +499,22 @@ test_step_back(void)
                     "a vhost-user device (test)");
     /* No page of a is remapped: guest RAM is one mapping of the memfd
      * again, and what it reads there is what was written. */
-    g_assert_cmpint(vmm_stat(a, "remapped"), ==, 0);
+    g_assert_cmpint(pf_test_vmm_stat(a, "remapped"), ==, 0);
     g_assert_cmpint(pf_test_count_vmas(a->pid, ram, PAGES * PF_PAGE_SIZE), ==, 1);
-    vmm_verify(a);
+    pf_test_vmm_verify(a);
     /* b keeps its merges; the slots are b's alone now. */
-    g_assert_cmpint(vmm_stat(b, "remapped"), >=, b_remapped);
+    g_assert_cmpint(pf_test_vmm_stat(b, "remapped"), >=, b_remapped);
     g_assert_cmpint(json_object_get_int_member(vm_of(s, "b"), "zero_pages"), ==, ZERO);
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==,
-                    vmm_stat(b, "remapped") - ZERO);
-    vmm_verify(b);
+                    pf_test_vmm_stat(b, "remapped") - ZERO);
+    pf_test_vmm_verify(b);
     /* Once is enough; a link that stepped back stays up. */
     g_clear_pointer(&r, g_free);
-    r = vmm_cmd(a, "step-back again");
+    r = pf_test_vmm_cmd(a, "step-back again");
     g_assert_cmpstr(r, ==, "ok advise");
-    g_assert_cmpint(vmm_stat(a, "connected"), ==, 1);
-    vmm_quit(a);
-    vmm_quit(b);
+    g_assert_cmpint(pf_test_vmm_stat(a, "connected"), ==, 1);
+    pf_test_vmm_quit(a);
+    pf_test_vmm_quit(b);
 }
 
 /* A balloon takes merged pages: the agent maps the memfd back first, so
@@ -613,14 +538,14 @@ test_discard(void)
 
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
     /* 64 identical pages, and ranges across blocks. */
-    r1 = vmm_cmd(a, "discard 0 64");
+    r1 = pf_test_vmm_cmd(a, "discard 0 64");
     g_assert_cmpstr(r1, ==, "ok");
-    r2 = vmm_cmd(a, across1);
+    r2 = pf_test_vmm_cmd(a, across1);
     g_assert_cmpstr(r2, ==, "ok");
-    r4 = vmm_cmd(a, across2);
+    r4 = pf_test_vmm_cmd(a, across2);
     g_assert_cmpstr(r4, ==, "ok");
-    g_assert_cmpint(vmm_stat(a, "discarded"), ==, 64 + 16 + 16);
-    g_assert_cmpint(vmm_stat(a, "remapped"), ==, IDENTICAL + ZERO - 96);
+    g_assert_cmpint(pf_test_vmm_stat(a, "discarded"), ==, 64 + 16 + 16);
+    g_assert_cmpint(pf_test_vmm_stat(a, "remapped"), ==, IDENTICAL + ZERO - 96);
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "2");
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 80);
@@ -630,17 +555,17 @@ test_discard(void)
     /* Each discard splits at most one mapping in two. */
     g_assert_cmpint(pf_test_count_vmas(a->pid, ram, PAGES * PF_PAGE_SIZE), <=, merged_vmas + 3);
     g_assert_cmpint(vmas, ==, 1);
-    vmm_verify(a);
-    vmm_verify(b);
+    pf_test_vmm_verify(a);
+    pf_test_vmm_verify(b);
     /* The guest takes page 0 back and writes what it held: merged again. */
-    r3 = vmm_cmd(a, "restore 0");
+    r3 = pf_test_vmm_cmd(a, "restore 0");
     g_assert_cmpstr(r3, ==, "ok");
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "3");
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 79);
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, IDENTICAL);
-    vmm_quit(a);
-    vmm_quit(b);
+    pf_test_vmm_quit(a);
+    pf_test_vmm_quit(b);
 }
 
 /* Merges that cannot share mappings stop at the VM's mapping budget. */
@@ -672,7 +597,7 @@ test_vma_budget(void)
         /* A merge may only start while under budget: one over at most. */
         g_assert_cmpint(others[i] + pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), <=,
                         budget + 3);
-        vmm_quit(v[i]);
+        pf_test_vmm_quit(v[i]);
     }
 }
 
@@ -742,8 +667,8 @@ test_huge_pages(void)
 
         g_assert_cmpint(huge_kib(v[i]->pid, ram[i]), ==, before[i] - zero_extents * 2048);
         g_assert_cmpint(pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
-        vmm_verify(v[i]);
-        vmm_quit(v[i]);
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
     }
 }
 
@@ -765,14 +690,14 @@ test_concurrent_writers(void)
     for (int round = 0; round < 6; round++) {
         g_usleep(300000);
         for (int i = 0; i < 4; i++) {
-            vmm_verify(v[i]);
+            pf_test_vmm_verify(v[i]);
         }
     }
     s = stats(d, "stats", NULL);
     g_assert_cmpint(total(s, "pages_sharing"), >, 0);
     g_assert_cmpint(total(s, "cow"), >, 0);
     for (int i = 0; i < 4; i++) {
-        vmm_quit(v[i]);
+        pf_test_vmm_quit(v[i]);
     }
 }
 
@@ -790,15 +715,15 @@ test_kill_daemon(void)
         g_subprocess_send_signal(d->proc, SIGKILL);
         g_subprocess_wait(d->proc, NULL, NULL);
         for (int i = 0; i < 2; i++) {
-            vmm_verify(v[i]);
+            pf_test_vmm_verify(v[i]);
             /* The agent sees pagefoldd gone once it is done with the
              * batch it was serving (a full one takes a while under load). */
-            for (int k = 0; k < 100 && vmm_stat(v[i], "connected") != 0; k++) {
+            for (int k = 0; k < 100 && pf_test_vmm_stat(v[i], "connected") != 0; k++) {
                 g_usleep(50000);
             }
-            g_assert_cmpint(vmm_stat(v[i], "connected"), ==, 0);
-            vmm_verify(v[i]);
-            vmm_quit(v[i]);
+            g_assert_cmpint(pf_test_vmm_stat(v[i], "connected"), ==, 0);
+            pf_test_vmm_verify(v[i]);
+            pf_test_vmm_quit(v[i]);
         }
     }
 }
@@ -830,8 +755,8 @@ test_kill_vmm(void)
     s = stats(d, "scan-now", "1");
     g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, total(s, "pages_shared"));
     g_assert_cmpint(total(s, "pages_pending"), ==, 0);
-    vmm_verify(a);
-    vmm_quit(a);
+    pf_test_vmm_verify(a);
+    pf_test_vmm_quit(a);
     pf_test_vmm_free(b);
 }
 
@@ -851,10 +776,10 @@ test_unprivileged(void)
     g_assert_cmpstr(a->mode, ==, "merge");
     s = stats(d, "scan-now", "3");
     g_assert_cmpint(total(s, "pages_sharing"), >, IDENTICAL / 2);
-    vmm_verify(a);
-    vmm_verify(b);
-    vmm_quit(a);
-    vmm_quit(b);
+    pf_test_vmm_verify(a);
+    pf_test_vmm_verify(b);
+    pf_test_vmm_quit(a);
+    pf_test_vmm_quit(b);
 }
 
 int

@@ -853,14 +853,16 @@ vm_counter(PfTestDaemon *d, const char *name, const char *counter)
 /*
  * A merging peer that stops reading its socket is given up without
  * pagefoldd ever waiting on it: the control socket keeps answering at once
- * meanwhile, the peer is detached and its socket closed, and the VM next
- * to it is scanned and merged on.
+ * meanwhile, the peer is detached and its socket closed (it answers none
+ * of the requests it was sent: --agent-timeout), and the VM next to it is
+ * scanned and merged on.
  */
 static void
 test_not_reading(void)
 {
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start(
-        "--set", "pages_to_scan=200000", "--set", "sleep_millisecs=50", NULL);
+        "--set", "pages_to_scan=200000", "--set", "sleep_millisecs=50", "--agent-timeout", "5",
+        NULL);
     /* Enough zero pages that the requests for them overflow any socket
      * buffer pagefoldd may have. */
     g_autoptr(PfGuest) g = sealed_guest(64 * 1024, 64 * 1024);

@@ -71,6 +71,7 @@ struct _PfLink {
     guint32 next_seq;
     guint32 answered_seq;
     GHashTable *held;      /* ids of the pool chunks the agent holds */
+    guint answer_source;   /* the agent answers from the main loop */
 };
 
 /* May change an answer before the agent acts on it. */
@@ -297,6 +298,18 @@ link_names_chunk(PfLink *l, guint32 chunk)
     return FALSE;
 }
 
+/* What the real agent does on its thread while pagefoldd's main loop
+ * runs: answers, as pagefoldd waits for them (a scan-now or unmerge job). */
+static gboolean
+answer_idle(gpointer user)
+{
+    PfLink *l = user;
+
+    l->answer_source = 0;
+    answer_batches(l, G_MAXUINT); /* may end the link */
+    return G_SOURCE_REMOVE;
+}
+
 static PfLink *
 link_new(PfVm *vm, ModelVm *mv)
 {
@@ -347,6 +360,9 @@ pf_link_flush(PfLink *l)
     l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
     g_queue_push_tail(&l->in_flight, b);
     l->n_in_flight += b->pending->len;
+    if (l->answer_source == 0) {
+        l->answer_source = g_idle_add(answer_idle, l);
+    }
 }
 
 gsize
@@ -367,10 +383,16 @@ pf_link_answered_since(PfLink *l, guint32 seq)
     return l->answered_seq - seq - 1 < G_MAXUINT32 / 2;
 }
 
-void
-pf_link_settle(PfLink *l, guint timeout_ms)
+gsize
+pf_link_room(PfLink *l)
 {
-    answer_batches(l, G_MAXUINT);
+    return G_MAXSIZE / 4;
+}
+
+gint64
+pf_link_waiting_usec(PfLink *l)
+{
+    return 0;
 }
 
 void
@@ -434,6 +456,7 @@ pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpoint
     for (guint i = 0; i < l->queue_pending->len; i++) {
         func(&g_array_index(l->queue_pending, PfPending, i), user);
     }
+    g_clear_handle_id(&l->answer_source, g_source_remove);
     g_array_unref(l->queue_items);
     g_array_unref(l->queue_pending);
     g_hash_table_unref(l->held);
@@ -512,7 +535,7 @@ account_requests(PfScanner *s, PfVm *vm, GHashTable *want)
         }
         r = region_of(s, pd->page);
         g_assert_true(r->vm == vm);
-        g_assert_cmpuint(r->pages[pd->page - r->base].state, ==, PF_PAGE_PENDING);
+        g_assert_cmpuint(pf_region_page_state(r, pd->page - r->base), ==, PF_PAGE_PENDING);
         g_assert_true(g_hash_table_add(pages, GUINT_TO_POINTER(pd->page)));
     }
     g_assert_cmpuint(vm->count[PF_PAGE_PENDING], ==, g_hash_table_size(pages));
@@ -542,7 +565,7 @@ check_model(Model *m, const char *when)
         want_ref(want, n->slot);
         for (guint32 k = 0; k < n->n_members; k++) {
             PfRegion *r = region_of(s, n->members[k]);
-            const PfPage *p = &r->pages[n->members[k] - r->base];
+            const PfPage *p = pf_region_page(r, n->members[k] - r->base);
 
             g_assert_cmpuint(p->state, ==, PF_PAGE_SHARED);
             g_assert_cmpuint(p->node, ==, id);
@@ -575,7 +598,7 @@ check_model(Model *m, const char *when)
 
             g_assert_cmpint(pf_region_live(r), ==, !model_region(mv, k)->gone);
             g_assert_true(pf_region_live(r) || (r->n_pages == 0 && r->map == NULL &&
-                                                r->fd < 0 && r->pages == NULL));
+                                                r->fd < 0 && r->extents == NULL));
         }
         shared += vm->count[PF_PAGE_SHARED];
         if (vm->link != NULL) {
@@ -1090,10 +1113,10 @@ test_agent_gone_during_move(gconstpointer data)
 
 /*
  * The agent that goes while pagefoldd waits for answers is the last VM's.
- * settle() asks pf_link_settle() for each VM's answers, and that may
- * detach the VM (link.c closes a link that breaks); settle() must not
- * look at it again, even when it was the last VM (it once read the freed
- * VM's link there, which ASan reported).
+ * A scan-now job waits for every VM's answers, and an answer may detach
+ * the VM (link.c closes a link that breaks); the job must not look at it
+ * again, even when it was the last VM (the synchronous wait that came
+ * before jobs once read the freed VM's link there, which ASan reported).
  */
 static void
 test_last_agent_gone_while_settling(void)

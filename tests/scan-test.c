@@ -3,8 +3,10 @@
  * counters must be exactly those KSM's rules give, pass after pass.
  * Guests are real memfds held by child processes, attached by pid.
  */
+#include <fcntl.h>
 #include <glib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "guestmem.h"
 #include "scan.h"
@@ -316,6 +318,102 @@ test_detach(Fixture *f, gconstpointer data)
     g_assert_null(pf_scanner_find_vm(f->scanner, "b"));
 }
 
+/* One guest of layout l, attached by pid, and a scanner; smart scan off. */
+static PfScanner *
+lone_guest(const PfLayout *l, PfGuest **g, int *pid)
+{
+    g_autoptr(GError) error = NULL;
+    PfScanner *s = pf_scanner_new(NULL);
+    PfVm *vm;
+
+    *g = pf_guest_new("memory-backend-memfd", l, 1);
+    *pid = pf_guest_hold(*g);
+    vm = pf_vm_attach(*pid, "lone", &error);
+    g_assert_no_error(error);
+    pf_scanner_add_vm(s, vm);
+    pf_scanner_get_knobs(s)->smart_scan = FALSE;
+    return s;
+}
+
+/* Whether pages [first, first + n) of the guest's memfd are all holes. */
+static gboolean
+all_holes(PfGuest *g, gsize first, gsize n)
+{
+    off_t data = lseek(g->fd, (off_t)(first * PF_PAGE_SIZE), SEEK_DATA);
+
+    return data < 0 || data >= (off_t)((first + n) * PF_PAGE_SIZE);
+}
+
+/*
+ * Pages the VMM discards (a balloon, free page reporting) while the
+ * scanner is in the middle of their data extent are not read: reading a
+ * hole of a memfd through a mapping allocates it again, which would undo
+ * the balloon, and in advise mode change guest memory.  Nor is a
+ * candidate of the unstable tree read after it was discarded.
+ */
+static void
+test_discarded_not_read(void)
+{
+    /* Two equal pages first (a candidate and its match), then unique. */
+    const PfLayout l = { .duplicate = 2, .unique = 4094 };
+    PfGuest *g;
+    int pid;
+    PfScanner *s = lone_guest(&l, &g, &pid);
+
+    pf_scanner_run_passes(s, 1);
+    /* The second pass, a page in: page 0 is a candidate now, and the
+     * cursor is inside the extent of data that holds every page. */
+    g_assert_cmpuint(pf_scanner_scan(s, 1), ==, 1);
+    g_assert_cmpint(fallocate(g->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                              PF_PAGE_SIZE), ==, 0);
+    g_assert_cmpint(fallocate(g->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                              1000 * PF_PAGE_SIZE, 100 * PF_PAGE_SIZE), ==, 0);
+    pf_scanner_run_passes(s, 2);
+    g_assert_true(all_holes(g, 0, 1));
+    g_assert_true(all_holes(g, 1000, 100));
+    pf_scanner_free(s);
+    pf_guest_release(pid);
+    pf_guest_free(g);
+}
+
+/*
+ * What pagefoldd keeps for a VM follows the pages present, not the size of
+ * its RAM: a mostly empty 1 GiB guest costs little, and a guest whose RAM
+ * is given back costs less again (the unstable tree shrinks too).
+ */
+static void
+test_metadata_follows_pages(void)
+{
+    const PfLayout l = { .unique = 16384, .holes = 262144 - 16384 };
+    PfCounters total, vm;
+    PfGuest *g;
+    int pid;
+    PfScanner *s = lone_guest(&l, &g, &pid);
+    guint64 full;
+
+    pf_scanner_run_passes(s, 3);
+    pf_scanner_collect(s, &total, &vm);
+    g_assert_cmpuint(total.pages_tracked, ==, 16384);
+    g_test_message("%" G_GUINT64_FORMAT " bytes of metadata for %" G_GUINT64_FORMAT
+                   " pages present of 262144", total.metadata_bytes, total.pages_tracked);
+    /* 16 bytes a record, the unstable tree's entries, a pointer per 2 MiB. */
+    g_assert_cmpuint(total.metadata_bytes, <, 40 * total.pages_tracked);
+    full = total.metadata_bytes;
+
+    /* All but the first 1024 pages given back. */
+    g_assert_cmpint(fallocate(g->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                              1024 * PF_PAGE_SIZE, 15360 * PF_PAGE_SIZE), ==, 0);
+    pf_scanner_run_passes(s, 3);
+    pf_scanner_collect(s, &total, &vm);
+    g_assert_cmpuint(total.pages_tracked, ==, 1024);
+    g_test_message("then %" G_GUINT64_FORMAT " bytes for %" G_GUINT64_FORMAT " pages",
+                   total.metadata_bytes, total.pages_tracked);
+    g_assert_cmpuint(total.metadata_bytes, <, full / 8);
+    pf_scanner_free(s);
+    pf_guest_release(pid);
+    pf_guest_free(g);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -334,5 +432,7 @@ main(int argc, char **argv)
                test_use_zero_pages_off, fixture_teardown);
     g_test_add("/scan/detach", Fixture, &layout_small, fixture_setup, test_detach,
                fixture_teardown);
+    g_test_add_func("/scan/discarded-not-read", test_discarded_not_read);
+    g_test_add_func("/scan/metadata-follows-pages", test_metadata_follows_pages);
     return g_test_run();
 }

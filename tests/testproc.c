@@ -5,6 +5,7 @@
 
 #include <glib/gstdio.h>
 #include <signal.h>
+#include <string.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -57,6 +58,75 @@ pf_test_vmm_free(PfTestVmm *v)
     g_object_unref(v->proc);
     g_free(v->mode);
     g_free(v);
+}
+
+char *
+pf_test_vmm_cmd(PfTestVmm *v, const char *cmd)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *line = g_strconcat(cmd, "\n", NULL);
+    char *reply;
+
+    g_assert_true(g_output_stream_write_all(v->in, line, strlen(line), NULL, NULL, &error));
+    reply = g_data_input_stream_read_line(v->out, NULL, NULL, &error);
+    g_assert_no_error(error);
+    g_assert_nonnull(reply);
+    return reply;
+}
+
+char *
+pf_test_vmm_cmdf(PfTestVmm *v, const char *fmt, ...)
+{
+    g_autofree char *cmd = NULL;
+    va_list ap;
+
+    va_start(ap, fmt);
+    cmd = g_strdup_vprintf(fmt, ap);
+    va_end(ap);
+    return pf_test_vmm_cmd(v, cmd);
+}
+
+void
+pf_test_vmm_verify(PfTestVmm *v)
+{
+    g_autofree char *r = pf_test_vmm_cmd(v, "verify");
+
+    if (!g_str_has_prefix(r, "verify ok")) {
+        g_error("VMM %d: %s", v->pid, r);
+    }
+}
+
+gint64
+pf_test_vmm_number(PfTestVmm *v, const char *cmd, const char *key)
+{
+    g_autofree char *r = pf_test_vmm_cmd(v, cmd);
+    g_auto(GStrv) words = g_strsplit(r, " ", -1);
+
+    for (guint i = 0; words[i] != NULL && words[i + 1] != NULL; i++) {
+        if (g_str_equal(words[i], key)) {
+            return g_ascii_strtoll(words[i + 1], NULL, 10);
+        }
+    }
+    g_error("VMM %d: no %s in '%s'", v->pid, key, r);
+}
+
+gint64
+pf_test_vmm_stat(PfTestVmm *v, const char *name)
+{
+    return pf_test_vmm_number(v, "stats", name);
+}
+
+void
+pf_test_vmm_quit(PfTestVmm *v)
+{
+    g_autofree char *r = pf_test_vmm_cmd(v, "quit");
+
+    if (!g_str_has_prefix(r, "verify ok")) {
+        g_error("VMM %d at exit: %s", v->pid, r);
+    }
+    g_assert_true(g_subprocess_wait(v->proc, NULL, NULL));
+    g_assert_cmpint(g_subprocess_get_exit_status(v->proc), ==, 0);
+    pf_test_vmm_free(v);
 }
 
 const char *

@@ -30,6 +30,20 @@ PfTestVmm *pf_test_vmm_spawn(const char *const *argv);
 void pf_test_vmm_free(PfTestVmm *v);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestVmm, pf_test_vmm_free)
 
+/* Sends one command line to it and returns its one-line answer. */
+char *pf_test_vmm_cmd(PfTestVmm *v, const char *cmd);
+char *pf_test_vmm_cmdf(PfTestVmm *v, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+/* Asserts that every byte of its RAM is what it wrote. */
+void pf_test_vmm_verify(PfTestVmm *v);
+/* The number after the word key in the answer to cmd ("stats merged M
+ * zeroed Z ...", "nonzero N"). */
+gint64 pf_test_vmm_number(PfTestVmm *v, const char *cmd, const char *key);
+/* One of the agent's counters, or the writers'. */
+gint64 pf_test_vmm_stat(PfTestVmm *v, const char *name);
+/* Stops it (it checks all its RAM one last time), asserts a clean exit,
+ * and frees it. */
+void pf_test_vmm_quit(PfTestVmm *v);
+
 /* prog [--socket sock] then the NULL-terminated arguments, as an argv. */
 GPtrArray *pf_test_argv_new(const char *prog, const char *sock, va_list ap);
 
