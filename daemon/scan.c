@@ -12,7 +12,6 @@
 #include <fcntl.h>
 #include <glib-unix.h>
 #include <setjmp.h>
-#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
