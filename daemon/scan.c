@@ -12,7 +12,6 @@
 #include <fcntl.h>
 #include <glib-unix.h>
 #include <setjmp.h>
-#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -21,29 +20,15 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cow.h"
 #include "link.h"
 #include "util.h"
-
-/* PAGEMAP_SCAN (Linux 6.7); Debian 12's headers are 6.1's. */
-struct pf_pm_scan_arg {
-    guint64 size, flags, start, end, walk_end, vec, vec_len, max_pages;
-    guint64 category_inverted, category_mask, category_anyof_mask, return_mask;
-};
-struct pf_page_region {
-    guint64 start, end, categories;
-};
-#define PF_PAGEMAP_SCAN _IOWR('f', 16, struct pf_pm_scan_arg)
-#define PF_PAGE_IS_FILE (1ull << 2)
-#define PF_PAGE_IS_PRESENT (1ull << 3)
-#define PF_PAGE_IS_PFNZERO (1ull << 5)
 
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25
 #endif
 
 #define PAGEMAP_PRESENT (1ull << 63)
-#define PAGEMAP_FILE (1ull << 61)
-#define PAGEMAP_EXCLUSIVE (1ull << 56)
 /* How long an agent that was sent no request since may take to drop a
  * chunk (check_dropped()). */
 #define DROP_GRACE_USEC (60 * G_USEC_PER_SEC)
@@ -93,7 +78,7 @@ struct _PfScanner {
     guint32 next_serial; /* the last PfVm.serial given */
     GPtrArray *leftovers; /* Leftover* */
     guint64 max_map_count;
-    gboolean pagemap_scan; /* the kernel has PAGEMAP_SCAN */
+    PfCow *cow;            /* finds merged pages written since */
     int kpageflags_fd;     /* /proc/kpageflags: is a page part of a THP */
 
     /* cursor: the next page to visit */
@@ -974,7 +959,8 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
     if (merge_domain && (p->state == PF_PAGE_SHARED || p->state == PF_PAGE_ZERO)) {
         /* Merged: nothing to read.  A merged page is a hole of the memfd,
          * where copy-on-write is looked for; one found among data (its
-         * fold-back failed after copying) is looked at here. */
+         * fold-back failed after copying, or its punch only zeroed it: a
+         * huge page that could not be split) is looked at here. */
         check_merged(s, r, idx, idx + 1);
         return;
     }
@@ -1317,12 +1303,12 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
 }
 
 /*
- * Merged pages are holes of the memfd.  One the guest wrote has been
- * copied on write into an anonymous page of its own, which pagemap shows
- * present, not file-backed and mapped once (a merged zero page that was
- * only read maps the shared zero page: not "exclusive").  Such a page
- * leaves its node now, and its agent is asked to fold it back into the
- * memfd, where the scanner can see it again.
+ * Merged pages are holes of the memfd (or, where a punch could not free a
+ * page of a huge one, zeroed data nobody maps: visit() looks there).  One
+ * the guest wrote has been copied on write into an anonymous page of its
+ * own, which cow.c finds in pagemap, swapped out or merged by host KSM
+ * as well.  Such a page leaves its node now, and its agent is asked to
+ * fold it back into the memfd, where the scanner can see it again.
  */
 /* Ends a page's sharing.  A merged page is folded back into its memfd by
  * its agent, its slot reference held until the agent answers; a page of an
@@ -1359,72 +1345,43 @@ cow_found(PfScanner *s, PfRegion *r, gsize idx)
     }
 }
 
-/* One ioctl finds the written pages of a range: present, not file-backed,
- * not the shared zero page. */
-static gboolean
-check_merged_scan(PfScanner *s, PfRegion *r, gsize from, gsize to)
+typedef struct {
+    PfScanner *s;
+    PfRegion *r;
+} CowCtx;
+
+/* A page written since it was merged (cow.h).  One that maps the zero
+ * page reads zero: a zero page still holds what it was merged for (read
+ * only, or written with zeros that host KSM merged: nothing to fold back),
+ * a shared page was overwritten with zeros. */
+static void
+cow_seen(gsize idx, gboolean zero_pfn, gpointer user)
 {
-    struct pf_page_region vec[256];
-    guint64 start = r->host_addr + from * PF_PAGE_SIZE, end = r->host_addr + to * PF_PAGE_SIZE;
+    CowCtx *ctx = user;
+    PfPageState st = ctx->r->pages[idx].state;
 
-    while (start < end) {
-        struct pf_pm_scan_arg arg = {
-            .size = sizeof(arg), .start = start, .end = end,
-            .vec = (guint64)(guintptr)vec, .vec_len = G_N_ELEMENTS(vec),
-            .category_inverted = PF_PAGE_IS_FILE | PF_PAGE_IS_PFNZERO,
-            .category_mask = PF_PAGE_IS_PRESENT | PF_PAGE_IS_FILE | PF_PAGE_IS_PFNZERO,
-            .return_mask = PF_PAGE_IS_PRESENT,
-        };
-        long n = ioctl(r->vm->pagemap_fd, PF_PAGEMAP_SCAN, &arg);
-
-        if (n < 0) {
-            return FALSE;
-        }
-        for (long k = 0; k < n; k++) {
-            for (guint64 a = vec[k].start; a < vec[k].end; a += PF_PAGE_SIZE) {
-                cow_found(s, r, (a - r->host_addr) / PF_PAGE_SIZE);
-            }
-        }
-        start = arg.walk_end > start ? arg.walk_end : end;
+    if (st == PF_PAGE_SHARED || (st == PF_PAGE_ZERO && !zero_pfn)) {
+        cow_found(ctx->s, ctx->r, idx);
     }
-    return TRUE;
 }
 
 static void
 check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
 {
-    PfVm *vm = r->vm;
+    CowCtx ctx = { s, r };
 
     while (from < to) {
-        guint64 entries[512];
-        gsize n = MIN(to - from, G_N_ELEMENTS(entries));
+        gsize n = MIN(to - from, 512u);
         gboolean any = FALSE;
-        ssize_t got;
 
         for (gsize i = from; i < from + n && !any; i++) {
             PfPageState st = pf_region_page_state(r, i);
 
             any = st == PF_PAGE_SHARED || st == PF_PAGE_ZERO;
         }
-        if (!any) {
-            from += n;
-            continue;
-        }
-        if (s->pagemap_scan && check_merged_scan(s, r, from, from + n)) {
-            from += n;
-            continue;
-        }
-        got = pread(vm->pagemap_fd, entries, n * sizeof(guint64),
-                    (off_t)((r->host_addr / PF_PAGE_SIZE + from) * sizeof(guint64)));
-        if (got != (ssize_t)(n * sizeof(guint64))) {
+        if (any && !pf_cow_find(s->cow, r->vm->pagemap_fd, r->host_addr, from, from + n,
+                                cow_seen, &ctx)) {
             return; /* the process is going: its pidfd will say so */
-        }
-        for (gsize i = 0; i < n; i++) {
-            guint64 e = entries[i];
-
-            if ((e & PAGEMAP_PRESENT) && !(e & PAGEMAP_FILE) && (e & PAGEMAP_EXCLUSIVE)) {
-                cow_found(s, r, from + i);
-            }
         }
         from += n;
     }
@@ -2635,7 +2592,7 @@ pf_scanner_get_info(PfScanner *s, PfScanInfo *info)
     info->memcmp_calls = s->memcmp_calls;
     info->last_pass_usec = s->last_pass_usec;
     info->stable_nodes = s->stable.n_nodes;
-    info->cow_detection = s->pagemap_scan ? "PAGEMAP_SCAN" : "pagemap";
+    info->cow_detection = pf_cow_method(s->cow);
     info->pool_slots = s->pool ? pf_pool_slots_in_use(s->pool) : 0;
     info->pool_bytes = s->pool ? pf_pool_bytes(s->pool) : 0;
     info->pool_chunks = s->pool ? pf_pool_n_chunks(s->pool) : 0;
@@ -2657,21 +2614,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->jobs = g_ptr_array_new();
     s->max_map_count = 65530;
     s->kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
-    {
-        int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-        struct pf_page_region v;
-        struct pf_pm_scan_arg arg = {
-            .size = sizeof(arg), .start = (guint64)(guintptr)&v & ~(guint64)(PF_PAGE_SIZE - 1),
-            .vec = (guint64)(guintptr)&v, .vec_len = 1, .return_mask = PF_PAGE_IS_PRESENT,
-        };
-
-        arg.end = arg.start + PF_PAGE_SIZE;
-        s->pagemap_scan = fd >= 0 && ioctl(fd, PF_PAGEMAP_SCAN, &arg) >= 0 &&
-                          !g_getenv("PAGEFOLD_NO_PAGEMAP_SCAN");
-        if (fd >= 0) {
-            close(fd);
-        }
-    }
+    s->cow = pf_cow_new();
     {
         g_autofree char *text = NULL;
 
@@ -2739,6 +2682,7 @@ pf_scanner_free(PfScanner *s)
     if (s->kpageflags_fd >= 0) {
         close(s->kpageflags_fd);
     }
+    pf_cow_free(s->cow);
     pf_stable_tree_destroy(&s->stable);
     pf_unstable_tree_destroy(&s->unstable);
     g_array_unref(s->joins);

@@ -33,6 +33,21 @@
  *                   guest of seed SEED         -> "probe files F pages P found X"
  *   hold-pool       keep a descriptor of every pool chunk the agent holds
  *                   now, as a misbehaving VMM could          -> "ok N"
+ *   fill PAGE SEED  write pf_fill_page(SEED) content into a page (SEED 0:
+ *                   zeros; pages filled with one seed are equal) -> "ok"
+ *   pageout PAGE N  madvise(MADV_PAGEOUT) on N pages, as the host's memory
+ *                   pressure would: a private copy goes to swap
+ *                                                     -> "ok" / "error WHY"
+ *   mergeable PAGE N
+ *                   madvise(MADV_MERGEABLE) on N pages: host KSM may merge
+ *                   their private copies, as it does in a QEMU whose new
+ *                   mappings are all mergeable (PR_SET_MEMORY_MERGE,
+ *                   systemd's MemoryKSM=)          -> "ok" / "error WHY"
+ *   pin PAGE        vmsplice() the page into a pipe kept open: a reference
+ *                   on its memfd page (and the huge page around it) that
+ *                   no split can drop until "unpin"  -> "ok" / "error WHY"
+ *   unpin           close those pipes                         -> "ok"
+ *   data PAGE       is the page's memfd offset data (SEEK_DATA)? -> "data 0|1"
  *   quit            stop writers, verify, exit 0 or 1
  * EOF on stdin is quit.  Prints "ready PID MODE" first.
  */
@@ -44,12 +59,17 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "agent.h"
 #include "faultsys.h"
 #include "guestmem.h"
 #include "util.h"
+
+#ifndef MADV_PAGEOUT
+#define MADV_PAGEOUT 21
+#endif
 
 typedef struct {
     PfGuest *g;
@@ -300,6 +320,7 @@ main(int argc, char **argv)
     g_autoptr(GError) error = NULL;
     g_autoptr(PfAgent) agent = NULL;
     g_autoptr(GString) why = g_string_new(NULL);
+    g_autoptr(GArray) pins = g_array_new(FALSE, FALSE, sizeof(int)); /* "pin" pipes */
     GThread **threads;
     PfLayout l = { 0 };
     Vmm v = { 0 };
@@ -403,6 +424,47 @@ main(int argc, char **argv)
                 kept += fcntl(GPOINTER_TO_INT(g_ptr_array_index(fds, i)), F_DUPFD_CLOEXEC, 3) >= 0;
             }
             printf("ok %u\n", kept);
+        } else if (sscanf(line, "fill %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT, &page, &n) ==
+                       2 && page < pages) {
+            pf_fill_page(buf, n);
+            write_page(&v, page, buf, FALSE);
+            printf("ok\n");
+        } else if ((sscanf(line, "pageout %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT, &page,
+                           &n) == 2 ||
+                    sscanf(line, "mergeable %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT, &page,
+                           &n) == 2) &&
+                   page < pages && n > 0 && n <= pages - page) {
+            int advice = line[0] == 'p' ? MADV_PAGEOUT : MADV_MERGEABLE;
+
+            if (madvise(v.g->mem + page * PF_PAGE_SIZE, n * PF_PAGE_SIZE, advice) < 0) {
+                printf("error %s\n", g_strerror(errno));
+            } else {
+                printf("ok\n");
+            }
+        } else if (sscanf(line, "pin %" G_GUINT64_FORMAT, &page) == 1 && page < pages) {
+            struct iovec iov = { v.g->mem + page * PF_PAGE_SIZE, PF_PAGE_SIZE };
+            int p[2];
+
+            if (pipe2(p, O_CLOEXEC) < 0) {
+                printf("error %s\n", g_strerror(errno));
+            } else if (vmsplice(p[1], &iov, 1, 0) != (ssize_t)PF_PAGE_SIZE) {
+                printf("error %s\n", g_strerror(errno));
+                close(p[0]);
+                close(p[1]);
+            } else {
+                g_array_append_vals(pins, p, 2);
+                printf("ok\n");
+            }
+        } else if (g_str_equal(line, "unpin")) {
+            for (guint i = 0; i < pins->len; i++) {
+                close(g_array_index(pins, int, i));
+            }
+            g_array_set_size(pins, 0);
+            printf("ok\n");
+        } else if (sscanf(line, "data %" G_GUINT64_FORMAT, &page) == 1 && page < pages) {
+            off_t at = (off_t)(page * PF_PAGE_SIZE);
+
+            printf("data %d\n", lseek(v.g->fd, at, SEEK_DATA) == at);
         } else if (g_str_equal(line, "fault none")) {
             pf_test_fault_set(NULL, 0, 0, 0, FALSE);
             printf("ok\n");
