@@ -1358,7 +1358,7 @@ static void
 cow_seen(gsize idx, gboolean zero_pfn, gpointer user)
 {
     CowCtx *ctx = user;
-    PfPageState st = ctx->r->pages[idx].state;
+    PfPageState st = pf_region_page_state(ctx->r, idx);
 
     if (st == PF_PAGE_SHARED || (st == PF_PAGE_ZERO && !zero_pfn)) {
         cow_found(ctx->s, ctx->r, idx);
@@ -1371,10 +1371,13 @@ check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
     CowCtx ctx = { s, r };
 
     while (from < to) {
-        gsize n = MIN(to - from, 512u);
+        /* One look at up to 128 MiB of a process's page tables: a merged
+         * VM of a TiB is a few thousand of them, not half a million. */
+        gsize n = MIN(to - from, 32768u);
         gboolean any = FALSE;
 
-        for (gsize i = from; i < from + n && !any; i++) {
+        for (gsize i = pf_region_next_recorded(r, from, from + n); i < from + n && !any;
+             i = pf_region_next_recorded(r, i + 1, from + n)) {
             PfPageState st = pf_region_page_state(r, i);
 
             any = st == PF_PAGE_SHARED || st == PF_PAGE_ZERO;

@@ -932,16 +932,16 @@ test_cow_swapped(gconstpointer data)
     b = vmm_start(d, "b", 2, 0, FALSE);
     s = stats(d, "scan-now", "3");
     if (!seeing(s, path)) {
-        vmm_quit(a);
-        vmm_quit(b);
+        pf_test_vmm_quit(a);
+        pf_test_vmm_quit(b);
         undo_now(&undo);
         return;
     }
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
     g_assert_cmpint(total(s, "zero_pages"), ==, 2 * ZERO);
     ram = guest_addr(d, "a");
-    g_free(vmm_cmdf(a, "write %u", pages[0]));
-    g_free(vmm_cmdf(a, "fill %u 77", pages[1]));
+    g_free(pf_test_vmm_cmdf(a, "write %u", pages[0]));
+    g_free(pf_test_vmm_cmdf(a, "fill %u 77", pages[1]));
     for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
         guint64 e = 0;
 
@@ -949,7 +949,7 @@ test_cow_swapped(gconstpointer data)
          * written may still sit in another CPU's LRU batch, which
          * MADV_PAGEOUT passes over: again, a few times. */
         for (int tries = 0; tries < 50 && (e & (PM_PRESENT | PM_SWAP)) != PM_SWAP; tries++) {
-            g_autofree char *r = vmm_cmdf(a, "pageout %u 1", pages[i]);
+            g_autofree char *r = pf_test_vmm_cmdf(a, "pageout %u 1", pages[i]);
 
             g_assert_cmpstr(r, ==, "ok");
             e = pagemap_of(a->pid, ram + pages[i] * PF_PAGE_SIZE);
@@ -967,11 +967,11 @@ test_cow_swapped(gconstpointer data)
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "1");
     g_assert_cmpint(total(s, "pages_pending"), ==, 0);
-    g_assert_cmpint(vmm_stat(a, "unmerged"), ==, 2);
-    vmm_verify(a);
-    vmm_verify(b);
-    vmm_quit(a);
-    vmm_quit(b);
+    g_assert_cmpint(pf_test_vmm_stat(a, "unmerged"), ==, 2);
+    pf_test_vmm_verify(a);
+    pf_test_vmm_verify(b);
+    pf_test_vmm_quit(a);
+    pf_test_vmm_quit(b);
     undo_now(&undo);
 }
 
@@ -1019,8 +1019,8 @@ test_cow_ksm(gconstpointer data)
     b = vmm_start(d, "b", 2, 0, FALSE);
     s = stats(d, "scan-now", "3");
     if (!seeing(s, path)) {
-        vmm_quit(a);
-        vmm_quit(b);
+        pf_test_vmm_quit(a);
+        pf_test_vmm_quit(b);
         return;
     }
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
@@ -1028,14 +1028,14 @@ test_cow_ksm(gconstpointer data)
     ram = guest_addr(d, "a");
     /* Shared pages: 5 zeroed, 6 and 7 made equal; zero pages: z and z + 1
      * made equal, z + 2 written with zeros. */
-    g_free(vmm_cmd(a, "fill 5 0"));
-    g_free(vmm_cmd(a, "fill 6 4242"));
-    g_free(vmm_cmd(a, "fill 7 4242"));
-    g_free(vmm_cmdf(a, "fill %u 4343", z));
-    g_free(vmm_cmdf(a, "fill %u 4343", z + 1));
-    g_free(vmm_cmdf(a, "fill %u 0", z + 2));
+    g_free(pf_test_vmm_cmd(a, "fill 5 0"));
+    g_free(pf_test_vmm_cmd(a, "fill 6 4242"));
+    g_free(pf_test_vmm_cmd(a, "fill 7 4242"));
+    g_free(pf_test_vmm_cmdf(a, "fill %u 4343", z));
+    g_free(pf_test_vmm_cmdf(a, "fill %u 4343", z + 1));
+    g_free(pf_test_vmm_cmdf(a, "fill %u 0", z + 2));
     for (guint i = 0; i < 2; i++) {
-        g_autofree char *r = vmm_cmdf(a, "mergeable %u 3", i == 0 ? 5u : z);
+        g_autofree char *r = pf_test_vmm_cmdf(a, "mergeable %u 3", i == 0 ? 5u : z);
 
         g_assert_cmpstr(r, ==, "ok");
     }
@@ -1062,8 +1062,8 @@ test_cow_ksm(gconstpointer data)
     /* Stopped, KSM keeps what it merged. */
     g_assert_true(pf_test_write_sysfs("/sys/kernel/mm/ksm/run", "0"));
     if (!merged) {
-        vmm_quit(a);
-        vmm_quit(b);
+        pf_test_vmm_quit(a);
+        pf_test_vmm_quit(b);
         undo_now(&undo);
         g_test_skip("host KSM did not merge the copies within 60 s");
         return;
@@ -1073,10 +1073,10 @@ test_cow_ksm(gconstpointer data)
     g_assert_cmpint(json_object_get_int_member(vm_of(s, "a"), "cow"), ==, 5);
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 3);
     g_assert_cmpint(total(s, "zero_pages"), ==, 2 * ZERO - 2);
-    vmm_verify(a);
-    vmm_verify(b);
-    vmm_quit(a);
-    vmm_quit(b);
+    pf_test_vmm_verify(a);
+    pf_test_vmm_verify(b);
+    pf_test_vmm_quit(a);
+    pf_test_vmm_quit(b);
     undo_now(&undo);
 }
 
@@ -1126,8 +1126,8 @@ test_cow_in_data(gconstpointer data)
     /* References on the first and the last huge page of t0, and a page
      * of each that stays apart. */
     for (guint i = 0; i < 2; i++) {
-        g_autofree char *r = vmm_cmdf(v[0], "pin %u", i == 0 ? 100u : (guint)PAGES - 1);
-        g_autofree char *f = vmm_cmdf(v[0], "fill %u %u", i == 0 ? 300u : (guint)PAGES - 2,
+        g_autofree char *r = pf_test_vmm_cmdf(v[0], "pin %u", i == 0 ? 100u : (guint)PAGES - 1);
+        g_autofree char *f = pf_test_vmm_cmdf(v[0], "fill %u %u", i == 0 ? 300u : (guint)PAGES - 2,
                                       4646 + i);
 
         g_assert_cmpstr(r, ==, "ok");
@@ -1135,17 +1135,17 @@ test_cow_in_data(gconstpointer data)
     }
     s = stats(d, "scan-now", "3");
     if (!seeing(s, path)) {
-        vmm_quit(v[0]);
-        vmm_quit(v[1]);
+        pf_test_vmm_quit(v[0]);
+        pf_test_vmm_quit(v[1]);
         return;
     }
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 1);
     g_assert_cmpint(total(s, "zero_pages"), ==, 2 * ZERO - 1);
-    data5 = vmm_cmd(v[0], "data 5");
-    dataz = vmm_cmdf(v[0], "data %u", z);
+    data5 = pf_test_vmm_cmd(v[0], "data 5");
+    dataz = pf_test_vmm_cmdf(v[0], "data %u", z);
     if (!g_str_equal(data5, "data 1") || !g_str_equal(dataz, "data 1")) {
-        vmm_quit(v[0]);
-        vmm_quit(v[1]);
+        pf_test_vmm_quit(v[0]);
+        pf_test_vmm_quit(v[1]);
         g_test_skip("the huge pages were split in spite of the references: no data left");
         return;
     }
@@ -1153,8 +1153,8 @@ test_cow_in_data(gconstpointer data)
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "3");
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL - 1);
-    g_free(vmm_cmd(v[0], "write 5"));
-    g_free(vmm_cmdf(v[0], "fill %u 77", z));
+    g_free(pf_test_vmm_cmd(v[0], "write 5"));
+    g_free(pf_test_vmm_cmdf(v[0], "fill %u 77", z));
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "1");
     g_assert_cmpint(json_object_get_int_member(vm_of(s, "t0"), "cow"), ==, 2);
@@ -1163,13 +1163,13 @@ test_cow_in_data(gconstpointer data)
     g_clear_pointer(&s, json_object_unref);
     s = stats(d, "scan-now", "1");
     g_assert_cmpint(total(s, "pages_pending"), ==, 0);
-    g_assert_cmpint(vmm_stat(v[0], "unmerged"), ==, 2);
+    g_assert_cmpint(pf_test_vmm_stat(v[0], "unmerged"), ==, 2);
     for (int i = 0; i < 2; i++) {
-        vmm_verify(v[i]);
+        pf_test_vmm_verify(v[i]);
     }
-    g_free(vmm_cmd(v[0], "unpin"));
-    vmm_quit(v[0]);
-    vmm_quit(v[1]);
+    g_free(pf_test_vmm_cmd(v[0], "unpin"));
+    pf_test_vmm_quit(v[0]);
+    pf_test_vmm_quit(v[1]);
 }
 
 /* Guests writing all the while, pagefoldd scanning in the background:
