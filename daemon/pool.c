@@ -258,8 +258,15 @@ pf_pool_alloc(PfPool *p, const guint32 *vms, guint n_vms, const guint8 *content,
     Set *set;
     Chunk *c = NULL;
     guint32 index, slot;
+    guint8 copy[PF_PAGE_SIZE];
 
     g_return_val_if_fail(n_vms > 0, PF_POOL_SLOT_NONE);
+    /* content is a guest's page, whose memfd may be truncated under us:
+     * the read then raises SIGBUS, which the scanner's guard turns into a
+     * jump out of here.  It is read before anything changes, so that the
+     * pool stays as it was: no slot taken that nobody holds, and no part
+     * of a page in a slot that other VMs' agents can read. */
+    memcpy(copy, content, PF_PAGE_SIZE);
     if (p->chunks->len == 0 && pf_pool_zero_slot(p, PF_POOL_SLOT_NONE, error) == 0) {
         return PF_POOL_SLOT_NONE; /* chunk 0 is the zero chunk */
     }
@@ -288,7 +295,7 @@ pf_pool_alloc(PfPool *p, const guint32 *vms, guint n_vms, const guint8 *content,
     }
     slot = c->pub.id * SLOTS + index + 1;
     g_assert(g_array_index(p->refs, guint32, slot) == 0);
-    memcpy(slot_data(p, slot), content, PF_PAGE_SIZE);
+    memcpy(slot_data(p, slot), copy, PF_PAGE_SIZE);
     g_array_index(p->refs, guint32, slot) = 1;
     c->live++;
     p->in_use++;

@@ -58,7 +58,8 @@ G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfPool, pf_pool_free)
 
 /* A slot holding content, for the pages of exactly the VMs vms[0..n_vms)
  * (ascending serials, n_vms > 0).  Slot ids are 1-based; PF_POOL_SLOT_NONE
- * is never a slot. */
+ * is never a slot.  content may fault (a SIGBUS the caller catches): the
+ * pool is then as it was. */
 guint32 pf_pool_alloc(PfPool *p, const guint32 *vms, guint n_vms, const guint8 *content,
                       GError **error);
 void pf_pool_ref(PfPool *p, guint32 slot);

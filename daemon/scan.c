@@ -91,6 +91,9 @@ struct _PfScanner {
 
     guint64 full_scans;
     guint64 memcmp_calls;
+    guint64 stable_nodes_examined;
+    guint listed_sharing; /* the max_page_sharing that decided which nodes
+                           * are full (node_relist()) */
     gint64 pass_start_usec;
     guint64 last_pass_usec;
 
@@ -333,16 +336,36 @@ node_at(PfScanner *s, guint32 id)
     return pf_stable_tree_node(&s->stable, id);
 }
 
+static guint32 node_sharers(PfScanner *s, const PfStableNode *n);
+
+/* A node with max_page_sharing sharers leaves the lookup table, and comes
+ * back once it has room (tree.h): called wherever its sharers change. */
+static void
+node_relist(PfScanner *s, guint32 id)
+{
+    const PfStableNode *n = node_at(s, id);
+
+    if (n->live) {
+        pf_stable_tree_set_full(&s->stable, id,
+                                node_sharers(s, n) >= s->knobs.max_page_sharing);
+    }
+}
+
 /* A node goes when no page shares it and, in merge mode, no request or
- * leftover mapping holds its slot: its own reference is then the last. */
+ * leftover mapping holds its slot: its own reference is then the last.
+ * Every path that lets a sharer go comes here: a node that stays may have
+ * room again. */
 static void
 node_maybe_drop(PfScanner *s, guint32 id)
 {
     const PfStableNode *n = node_at(s, id);
     guint32 slot = n->slot;
 
-    if (!n->live || n->n_members > 0 ||
-        (slot != PF_POOL_SLOT_NONE && pf_pool_refs(s->pool, slot) > 1)) {
+    if (!n->live) {
+        return;
+    }
+    if (n->n_members > 0 || (slot != PF_POOL_SLOT_NONE && pf_pool_refs(s->pool, slot) > 1)) {
+        node_relist(s, id);
         return;
     }
     pf_stable_tree_drop(&s->stable, id);
@@ -708,6 +731,7 @@ join_node(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 to)
         pf_stable_tree_remove(&s->stable, id);
     }
     pf_pool_ref(s->pool, slot);
+    node_relist(s, to);
     request(s, r, p, id, PF_ITEM_MERGE, slot, to, from);
 }
 
@@ -1037,7 +1061,10 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
         if ((other = pf_table_iter_next(&it)) == 0) {
             break;
         }
+        s->stable_nodes_examined++;
         n = node_at(s, other);
+        /* Full nodes are not listed, unless max_page_sharing was lowered
+         * this pass (begin_pass()). */
         if ((n->slot != PF_POOL_SLOT_NONE) != merge_domain ||
             node_sharers(s, n) >= s->knobs.max_page_sharing ||
             !node_equal(s, data, n)) {
@@ -1059,6 +1086,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             join_node(s, r, p, id, other);
         } else {
             pf_stable_tree_add(&s->stable, other, id);
+            node_relist(s, other);
             merged(r, p, PF_PAGE_SHARED);
         }
         return;
@@ -1114,6 +1142,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             pf_stable_tree_add(&s->stable, node, id);
             merged(r, p, PF_PAGE_SHARED);
         }
+        node_relist(s, node); /* max_page_sharing may be 2 */
         return;
     }
 
@@ -1530,6 +1559,14 @@ begin_pass(PfScanner *s)
         return FALSE;
     }
     pf_table_reset(&s->unstable.table, candidates);
+    if (s->listed_sharing != s->knobs.max_page_sharing) {
+        /* The knob changed: nodes full by the old value may have room
+         * now, others none.  (KSM refuses the change while pages share.) */
+        s->listed_sharing = s->knobs.max_page_sharing;
+        for (guint32 id = 1; id < s->stable.nodes->len; id++) {
+            node_relist(s, id);
+        }
+    }
     evacuate(s);
     s->in_pass = TRUE;
     s->cur_vm = 0;
@@ -2593,6 +2630,7 @@ void
 pf_scanner_get_info(PfScanner *s, PfScanInfo *info)
 {
     info->memcmp_calls = s->memcmp_calls;
+    info->stable_nodes_examined = s->stable_nodes_examined;
     info->last_pass_usec = s->last_pass_usec;
     info->stable_nodes = s->stable.n_nodes;
     info->cow_detection = pf_cow_method(s->cow);
@@ -2610,6 +2648,7 @@ pf_scanner_new(const PfHashAlgo *hash)
 
     guard_install_once();
     pf_knobs_init_default(&s->knobs);
+    s->listed_sharing = s->knobs.max_page_sharing;
     s->algo = hash ? hash : pf_hash_default();
     s->vms = g_ptr_array_new_with_free_func((GDestroyNotify)pf_vm_free);
     s->regions = g_ptr_array_new();

@@ -171,6 +171,8 @@ void pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, g
 
 typedef struct {
     guint64 memcmp_calls;
+    guint64 stable_nodes_examined; /* nodes of a page's checksum that the
+                                    * stable-tree lookups looked at */
     guint64 last_pass_usec;
     guint64 stable_nodes;
     guint64 pool_slots; /* in use: by merged pages or requests in flight */

@@ -273,6 +273,13 @@ node_at(const PfStableTree *t, guint32 id)
     return &g_array_index(t->nodes, PfStableNode, id);
 }
 
+/* Whether lookups find the node: neither retired nor full. */
+static gboolean
+listed(const PfStableNode *n)
+{
+    return n->live && n->next == 0 && !n->full;
+}
+
 static guint64
 stable_key(guint32 node_id, gpointer user)
 {
@@ -325,6 +332,7 @@ pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot)
     n->slot = slot;
     n->next = 0;
     n->live = TRUE;
+    n->full = FALSE;
     pf_table_insert(&t->table, checksum, id);
     t->n_nodes++;
     return id;
@@ -377,10 +385,11 @@ pf_stable_tree_drop(PfStableTree *t, guint32 id)
     PfStableNode *n = node_at(t, id);
 
     g_assert(n->live && n->n_members == 0);
-    if (n->next == 0) {
+    if (listed(n)) {
         pf_table_remove(&t->table, n->checksum, id);
     }
     n->next = 0;
+    n->full = FALSE;
     t->member_bytes -= n->capacity * sizeof(guint32);
     g_clear_pointer(&n->members, g_free);
     n->capacity = 0;
@@ -395,7 +404,9 @@ pf_stable_tree_retire(PfStableTree *t, guint32 id, guint32 next)
     PfStableNode *n = node_at(t, id);
 
     g_assert(n->live && n->next == 0 && next != 0 && next != id);
-    pf_table_remove(&t->table, n->checksum, id);
+    if (listed(n)) {
+        pf_table_remove(&t->table, n->checksum, id);
+    }
     n->next = next;
 }
 
@@ -405,8 +416,28 @@ pf_stable_tree_unretire(PfStableTree *t, guint32 id)
     PfStableNode *n = node_at(t, id);
 
     g_assert(n->live && n->next != 0);
-    pf_table_insert(&t->table, n->checksum, id);
     n->next = 0;
+    if (listed(n)) {
+        pf_table_insert(&t->table, n->checksum, id);
+    }
+}
+
+void
+pf_stable_tree_set_full(PfStableTree *t, guint32 id, gboolean full)
+{
+    PfStableNode *n = node_at(t, id);
+
+    g_assert(n->live);
+    if (n->full == full) {
+        return;
+    }
+    if (listed(n)) {
+        pf_table_remove(&t->table, n->checksum, id);
+    }
+    n->full = full;
+    if (listed(n)) {
+        pf_table_insert(&t->table, n->checksum, id);
+    }
 }
 
 const PfStableNode *

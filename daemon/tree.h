@@ -11,8 +11,12 @@
  *     at the start of every pass.
  * Several entries may carry the same checksum (a collision, or one content
  * in two nodes once max_page_sharing is reached); the iterators return them
- * all and the caller's memcmp decides.  Nothing here ever reads page
- * contents, and nothing here may decide that two pages are equal.
+ * all and the caller's memcmp decides.  A stable node that can take no more
+ * sharers is out of the table (KSM keeps a chain's dup with room first):
+ * however many full nodes one content has, a lookup sees only those with
+ * room, and the full ones' members know their node from their records.
+ * Nothing here ever reads page contents, and nothing here may decide that
+ * two pages are equal.
  */
 #pragma once
 
@@ -87,6 +91,7 @@ typedef struct {
                         * same content in a slot that more VMs, or a
                         * fuller chunk, hold); it is out of the table */
     gboolean live;
+    gboolean full;     /* takes no more sharers: out of the table too */
 } PfStableNode;
 
 typedef struct {
@@ -113,5 +118,8 @@ void pf_stable_tree_drop(PfStableTree *t, guint32 node_id);
  * to next; and back into it, should they have nowhere to go. */
 void pf_stable_tree_retire(PfStableTree *t, guint32 node_id, guint32 next);
 void pf_stable_tree_unretire(PfStableTree *t, guint32 node_id);
+/* The caller counts sharers (in merge mode they are pool references): it
+ * says when the node is full, and when it has room again. */
+void pf_stable_tree_set_full(PfStableTree *t, guint32 node_id, gboolean full);
 const PfStableNode *pf_stable_tree_node(const PfStableTree *t, guint32 node_id);
 gsize pf_stable_tree_bytes(const PfStableTree *t);

@@ -530,7 +530,7 @@ pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
         PfRegion *r = g_ptr_array_index(vm->regions, i);
         gboolean found = FALSE;
 
-        for (guint k = 0; k < ranges->len && !r->dead; k++) {
+        for (guint k = 0; k < ranges->len; k++) {
             if (region_matches(r, &g_array_index(ranges, MapsRange, k))) {
                 g_array_index(seen, gboolean, k) = TRUE;
                 found = TRUE;

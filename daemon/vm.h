@@ -60,7 +60,6 @@ typedef struct {
     guint8 *huge_seen;   /* per 2 MiB extent: looked at when first merged */
     guint8 *huge_was;    /* ... and it was a transparent huge page then */
     guint32 base;        /* page id of pages[0] */
-    gboolean dead;       /* faulted (truncated under us): drop it */
     char *refused;       /* a placeholder: why the region was refused */
     gboolean gone;       /* a placeholder: the region left the VM */
 } PfRegion;

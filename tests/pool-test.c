@@ -6,6 +6,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <glib.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -228,6 +230,108 @@ test_evacuating(void)
     g_assert_null(pf_pool_chunk(p, c1));
 }
 
+/* ---- a guest page that faults while it is copied ---- */
+
+static sigjmp_buf *bus_env;
+
+static void
+bus_handler(int sig)
+{
+    siglongjmp(*bus_env, 1);
+}
+
+/* pf_pool_alloc() under a SIGBUS guard like the scanner's (scan.c):
+ * PF_POOL_SLOT_NONE when the copy faulted and jumped out of it. */
+static guint32
+alloc_guarded(PfPool *p, const guint32 *vms, guint n_vms, const guint8 *content,
+              gboolean *faulted)
+{
+    struct sigaction sa = { 0 }, old;
+    sigjmp_buf env;
+    volatile guint32 slot = PF_POOL_SLOT_NONE;
+
+    sa.sa_handler = bus_handler;
+    sa.sa_flags = SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    g_assert_cmpint(sigaction(SIGBUS, &sa, &old), ==, 0);
+    bus_env = &env;
+    *faulted = sigsetjmp(env, 1) != 0;
+    if (!*faulted) {
+        slot = pf_pool_alloc(p, vms, n_vms, content, NULL);
+    }
+    bus_env = NULL;
+    g_assert_cmpint(sigaction(SIGBUS, &old, NULL), ==, 0);
+    return slot;
+}
+
+/*
+ * The scanner hands pf_pool_alloc() a page of guest RAM, and a memfd
+ * truncated under it faults there (SIGBUS), which its guard turns into a
+ * jump out of the copy.  The pool must be as it was: the slot it was
+ * filling free again (reused first, as before), no chunk and no byte
+ * more, and no part of the page in a slot.  Here the content straddles
+ * the end of a memfd: its first half is there, its second half faults.
+ */
+static void
+test_alloc_faults(void)
+{
+    Seen seen = { 0 };
+    g_autoptr(PfPool) p = pf_pool_new(made_cb, dropped_cb, &seen);
+    static const guint8 zero[PF_PAGE_SIZE];
+    guint8 page[PF_PAGE_SIZE];
+    guint32 keep, freed, slot, chunk, index;
+    const PfPoolChunk *c;
+    gboolean faulted;
+    guint8 *ram, *agent_view;
+    int fd = memfd_create("guest", MFD_CLOEXEC);
+
+    g_assert_cmpint(fd, >=, 0);
+    g_assert_cmpint(ftruncate(fd, 2 * PF_PAGE_SIZE), ==, 0);
+    ram = mmap(NULL, 2 * PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    g_assert_true(ram != MAP_FAILED);
+    memset(ram, 0xa5, PF_PAGE_SIZE);
+    g_assert_cmpint(ftruncate(fd, PF_PAGE_SIZE), ==, 0);
+
+    pf_fill_page(page, 11);
+    keep = pf_pool_alloc(p, vm12, 2, page, NULL);
+    freed = pf_pool_alloc(p, vm12, 2, page, NULL);
+    g_assert_true(pf_pool_unref(p, freed));
+    pf_pool_locate(p, keep, &chunk, &index);
+    c = pf_pool_chunk(p, chunk);
+    agent_view = mmap(NULL, (gsize)c->n_slots * PF_PAGE_SIZE, PROT_READ, MAP_SHARED, c->fd, 0);
+    g_assert_true(agent_view != MAP_FAILED);
+
+    /* A freed slot was next. */
+    slot = alloc_guarded(p, vm12, 2, ram + PF_PAGE_SIZE / 2, &faulted);
+    g_assert_true(faulted);
+    g_assert_cmpuint(slot, ==, PF_POOL_SLOT_NONE);
+    g_assert_cmpuint(pf_pool_slots_in_use(p), ==, 1);
+    g_assert_cmpuint(pf_pool_bytes(p), ==, 2 * PF_PAGE_SIZE);
+    for (guint32 i = 1; i < c->n_slots; i++) {
+        g_assert_cmpint(memcmp(agent_view + (gsize)i * PF_PAGE_SIZE, zero, PF_PAGE_SIZE), ==, 0);
+    }
+    g_assert_cmpuint(pf_pool_alloc(p, vm12, 2, page, NULL), ==, freed);
+
+    /* A fresh slot was next. */
+    slot = alloc_guarded(p, vm12, 2, ram + PF_PAGE_SIZE / 2, &faulted);
+    g_assert_true(faulted);
+    g_assert_cmpuint(pf_pool_slots_in_use(p), ==, 2);
+    g_assert_cmpuint(pf_pool_bytes(p), ==, 2 * PF_PAGE_SIZE);
+    g_assert_cmpint(memcmp(agent_view + 2 * PF_PAGE_SIZE, zero, PF_PAGE_SIZE), ==, 0);
+    g_assert_cmpuint(pf_pool_alloc(p, vm12, 2, page, NULL), ==, freed + 1);
+
+    /* A new chunk was next: none is made. */
+    slot = alloc_guarded(p, vm13, 2, ram + PF_PAGE_SIZE / 2, &faulted);
+    g_assert_true(faulted);
+    g_assert_cmpuint(seen.made, ==, 2);
+    g_assert_cmpuint(pf_pool_n_chunks(p), ==, 2);
+    g_assert_cmpuint(pf_pool_slots_in_use(p), ==, 3);
+
+    munmap(agent_view, (gsize)c->n_slots * PF_PAGE_SIZE);
+    munmap(ram, 2 * PF_PAGE_SIZE);
+    close(fd);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -238,5 +342,6 @@ main(int argc, char **argv)
     g_test_add_func("/pool/chunk-goes", test_chunk_goes);
     g_test_add_func("/pool/extend", test_extend);
     g_test_add_func("/pool/evacuating", test_evacuating);
+    g_test_add_func("/pool/alloc-faults", test_alloc_faults);
     return g_test_run();
 }

@@ -541,6 +541,22 @@ account_requests(PfScanner *s, PfVm *vm, GHashTable *want)
     g_assert_cmpuint(vm->count[PF_PAGE_PENDING], ==, g_hash_table_size(pages));
 }
 
+/* Whether the stable tree's lookups find node id. */
+static gboolean
+node_listed(PfScanner *s, guint32 id)
+{
+    PfTableIter it;
+    guint32 v;
+
+    pf_table_iter_init(&it, &s->stable.table, node_at(s, id)->checksum);
+    while ((v = pf_table_iter_next(&it)) != 0) {
+        if (v == id) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
 /*
  * Every reference on every slot of the pool is accounted for, no more and
  * no fewer: one too many is a slot (and its chunk) that never comes back,
@@ -562,6 +578,10 @@ check_model(Model *m, const char *when)
         if (!n->live) {
             continue;
         }
+        /* Lookups find exactly the nodes that can take one more sharer:
+         * the full ones of a content cost them nothing. */
+        g_assert_cmpint(node_listed(s, id), ==,
+                        n->next == 0 && node_sharers(s, n) < s->knobs.max_page_sharing);
         want_ref(want, n->slot);
         for (guint32 k = 0; k < n->n_members; k++) {
             PfRegion *r = region_of(s, n->members[k]);
@@ -1267,6 +1287,63 @@ test_evacuate(void)
     model_free(m);
 }
 
+/*
+ * One content many times over, in merging VMs, few sharers per node: a
+ * lookup costs the same however many of its nodes are full (each full
+ * one was looked at before: n^2 / 2m for a pass over n copies), and a
+ * full node whose sharer copies on write takes one again.
+ */
+static void
+test_full_nodes(void)
+{
+    static const PfLayout layout = { .duplicate = N_IDENTICAL };
+    const guint sharing = 4, copies = 2 * N_IDENTICAL, nodes = copies / sharing;
+    Model *m = model_new();
+    ModelVm *a;
+    guint8 page[PF_PAGE_SIZE], saved[PF_PAGE_SIZE];
+    PfScanInfo info;
+    guint64 before;
+    PfCounters t;
+
+    pf_scanner_get_knobs(m->s)->max_page_sharing = sharing;
+    a = model_add_vm(m, &layout, 1);
+    model_add_vm(m, &layout, 2);
+    run_passes(m, 1, "first look");
+    pf_scanner_get_info(m->s, &info);
+    before = info.stable_nodes_examined;
+    run_passes(m, 1, "merging");
+    pf_scanner_get_info(m->s, &info);
+    g_test_message("merging %u copies looked at %" G_GUINT64_FORMAT " nodes", copies,
+                   info.stable_nodes_examined - before);
+    g_assert_cmpuint(info.stable_nodes_examined - before, <=, copies / 2);
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, nodes);
+    g_assert_cmpuint(t.pages_sharing, ==, copies - nodes);
+    g_assert_cmpuint(info.stable_nodes, ==, nodes);
+
+    /* a writes a copy (copy on write: unmerged), then writes it back. */
+    memcpy(saved, model_region(a, 0)->content + 100 * PF_PAGE_SIZE, PF_PAGE_SIZE);
+    memcpy(page, saved, PF_PAGE_SIZE);
+    page[0] ^= 1;
+    guest_writes(m, a, 0, 100, page);
+    run_passes(m, 1, "a copy written");
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, nodes);
+    g_assert_cmpuint(t.pages_sharing, ==, copies - nodes - 1);
+    guest_writes(m, a, 0, 100, saved);
+    pf_scanner_get_info(m->s, &info);
+    before = info.stable_nodes_examined;
+    run_passes(m, 2, "written back");
+    pf_scanner_get_info(m->s, &info);
+    g_assert_cmpuint(info.stable_nodes_examined - before, ==, 1);
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, nodes);
+    g_assert_cmpuint(t.pages_sharing, ==, copies - nodes);
+    g_assert_cmpuint(info.stable_nodes, ==, nodes);
+    model_end(m);
+    model_free(m);
+}
+
 /* ---- RAM that joins and leaves ---- */
 
 /* Pages of a seed's own, and some zero pages: two regions of one seed
@@ -1742,6 +1819,7 @@ main(int argc, char **argv)
     g_test_add_func("/scan-model/moves-per-arrival", test_moves_per_arrival);
     g_test_add_func("/scan-model/detached-pins-chunk", test_detached_pins_chunk);
     g_test_add_func("/scan-model/evacuate", test_evacuate);
+    g_test_add_func("/scan-model/full-nodes", test_full_nodes);
     g_test_add_func("/scan-model/region-gone-merged", test_region_gone_merged);
     g_test_add_data_func("/scan-model/region-gone-in-flight/refused", GINT_TO_POINTER(FALSE),
                          test_region_gone_in_flight);

@@ -414,6 +414,80 @@ test_metadata_follows_pages(void)
     pf_guest_free(g);
 }
 
+/* One content many times over: 2 x 2048 pages of it, and pages of each
+ * guest's own. */
+static const PfLayout layout_dups = { .duplicate = 2048, .unique = 16 };
+
+static guint64
+nodes_examined(Fixture *f)
+{
+    PfScanInfo info;
+
+    pf_scanner_get_info(f->scanner, &info);
+    return info.stable_nodes_examined;
+}
+
+/*
+ * max_page_sharing splits one content into many nodes of one checksum
+ * (KSM chains them as "dups").  A lookup must cost the same however many
+ * of them are full: it looks at the node that can take the page, not at
+ * each full one (that made a pass over n copies cost n^2 / 2m).  A full
+ * node that loses a sharer takes one again; raising the knob opens every
+ * full node to more.
+ */
+static void
+test_full_nodes(Fixture *f, gconstpointer data)
+{
+    PfKnobs *k = pf_scanner_get_knobs(f->scanner);
+    const guint m = 4, copies = 2 * 2048, nodes = copies / m;
+    guint8 *page = f->guest[0]->mem + 1000 * PF_PAGE_SIZE; /* a copy */
+    guint8 *own = f->guest[1]->mem + 2048 * PF_PAGE_SIZE;  /* b's first own page */
+    g_autofree guint8 *saved = g_memdup2(page, PF_PAGE_SIZE);
+    guint64 before;
+
+    k->smart_scan = FALSE;
+    k->max_page_sharing = m;
+    pf_scanner_run_passes(f->scanner, 1);
+    before = nodes_examined(f);
+    pf_scanner_run_passes(f->scanner, 1);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_shared, ==, nodes);
+    g_assert_cmpuint(f->total.pages_sharing, ==, copies - nodes);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 2 * 16);
+    /* Pages come in fours: two pair up in the unstable tree, the next two
+     * find their node, which is full then. */
+    g_test_message("merging %u copies looked at %" G_GUINT64_FORMAT " nodes", copies,
+                   nodes_examined(f) - before);
+    g_assert_cmpuint(nodes_examined(f) - before, <=, copies / 2);
+
+    /* A sharer leaves, and comes back: to the node it left, the only
+     * one of that content with room, in one look. */
+    page[0] ^= 1;
+    pf_scanner_run_passes(f->scanner, 1);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_shared, ==, nodes);
+    g_assert_cmpuint(f->total.pages_sharing, ==, copies - nodes - 1);
+    memcpy(page, saved, PF_PAGE_SIZE);
+    pf_scanner_run_passes(f->scanner, 1); /* changed again: volatile */
+    before = nodes_examined(f);
+    pf_scanner_run_passes(f->scanner, 1);
+    collect(f);
+    g_assert_cmpuint(nodes_examined(f) - before, ==, 1);
+    g_assert_cmpuint(f->total.pages_shared, ==, nodes);
+    g_assert_cmpuint(f->total.pages_sharing, ==, copies - nodes);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 2 * 16);
+
+    /* More sharers allowed: a new copy, with no twin in the unstable
+     * tree, joins a node that was full. */
+    k->max_page_sharing = 2 * m;
+    memcpy(own, saved, PF_PAGE_SIZE);
+    pf_scanner_run_passes(f->scanner, 2);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_shared, ==, nodes);
+    g_assert_cmpuint(f->total.pages_sharing, ==, copies - nodes + 1);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 2 * 16 - 1);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -431,6 +505,8 @@ main(int argc, char **argv)
     g_test_add("/scan/use-zero-pages-off", Fixture, &layout_small, fixture_setup,
                test_use_zero_pages_off, fixture_teardown);
     g_test_add("/scan/detach", Fixture, &layout_small, fixture_setup, test_detach,
+               fixture_teardown);
+    g_test_add("/scan/full-nodes", Fixture, &layout_dups, fixture_setup, test_full_nodes,
                fixture_teardown);
     g_test_add_func("/scan/discarded-not-read", test_discarded_not_read);
     g_test_add_func("/scan/metadata-follows-pages", test_metadata_follows_pages);

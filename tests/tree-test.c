@@ -151,6 +151,63 @@ test_stable_tree_members(void)
     pf_stable_tree_destroy(&t);
 }
 
+static gboolean
+found(PfStableTree *t, guint64 checksum, guint32 id)
+{
+    PfTableIter it;
+    guint32 v;
+
+    pf_table_iter_init(&it, &t->table, checksum);
+    while ((v = pf_table_iter_next(&it)) != 0) {
+        if (v == id) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+/* A full node is out of the table, as a retired one is; it comes back
+ * when it has room, unless retired meanwhile, and a retired node comes
+ * back only if it has room. */
+static void
+test_stable_tree_full(void)
+{
+    PfStableTree t;
+    guint32 a, b;
+
+    pf_stable_tree_init(&t, page_of, NULL);
+    a = pf_stable_tree_create(&t, 42, 0);
+    b = pf_stable_tree_create(&t, 42, 0);
+    pf_stable_tree_add(&t, a, 100);
+    pf_stable_tree_set_full(&t, a, TRUE);
+    g_assert_false(found(&t, 42, a));
+    g_assert_true(found(&t, 42, b));
+    pf_stable_tree_set_full(&t, a, TRUE);
+    g_assert_cmpuint(t.table.n, ==, 1);
+    pf_stable_tree_set_full(&t, a, FALSE);
+    g_assert_true(found(&t, 42, a));
+
+    pf_stable_tree_retire(&t, a, b);
+    pf_stable_tree_set_full(&t, a, TRUE);
+    pf_stable_tree_set_full(&t, a, FALSE);
+    g_assert_false(found(&t, 42, a));
+    pf_stable_tree_set_full(&t, a, TRUE);
+    pf_stable_tree_unretire(&t, a);
+    g_assert_false(found(&t, 42, a));
+    pf_stable_tree_set_full(&t, a, FALSE);
+    g_assert_true(found(&t, 42, a));
+
+    /* Dropped while full: nothing of it is left in the table. */
+    pf_stable_tree_set_full(&t, a, TRUE);
+    pf_stable_tree_remove(&t, 100);
+    pf_stable_tree_drop(&t, a);
+    g_assert_cmpuint(t.table.n, ==, 1);
+    g_assert_cmpuint(pf_stable_tree_create(&t, 43, 0), ==, a);
+    g_assert_true(found(&t, 43, a));
+    g_assert_false(pf_stable_tree_node(&t, a)->full);
+    pf_stable_tree_destroy(&t);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -158,5 +215,6 @@ main(int argc, char **argv)
     g_test_add_func("/tree/table/duplicates", test_table_duplicates);
     g_test_add_func("/tree/table/growth-and-tombstones", test_table_growth_and_tombstones);
     g_test_add_func("/tree/stable/members", test_stable_tree_members);
+    g_test_add_func("/tree/stable/full", test_stable_tree_full);
     return g_test_run();
 }

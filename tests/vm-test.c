@@ -243,6 +243,19 @@ test_truncated_under_us(Pair *p, gconstpointer data)
     g_assert_cmpuint(total.pages_shared, ==, 512);
     g_assert_cmpuint(total.pages_sharing, ==, 0);
     assert_sums(p->s);
+
+    /* a's process still maps the memfd, shorter than the mapping now: no
+     * pass takes it again (nor faults on it) until it has its size back,
+     * and then as a new region, with nothing of the old one's left. */
+    pf_scanner_run_passes(p->s, 2);
+    g_assert_cmpuint(a->regions->len, ==, 0);
+    g_assert_cmpint(ftruncate(p->g[0]->fd, (off_t)(p->g[0]->n_pages * PF_PAGE_SIZE)), ==, 0);
+    pf_scanner_run_passes(p->s, 1);
+    g_assert_cmpuint(a->regions->len, ==, 1);
+    pf_scanner_collect(p->s, &total, per);
+    g_assert_cmpuint(per[0].pages_tracked, ==, 0); /* holes only */
+    g_assert_cmpuint(total.pages_shared, ==, 512);
+    assert_sums(p->s);
 }
 
 int
