@@ -202,8 +202,9 @@ daemon_mode(GPtrArray *vms)
     return merging == 0 ? "advise" : merging == vms->len ? "merge" : "mixed";
 }
 
+/* detached: notes of VMs detached while the command ran, or NULL. */
 static void
-stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b)
+stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b, GPtrArray *detached)
 {
     GPtrArray *vms = pf_scanner_get_vms(c->scanner);
     g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(vms->len, 1));
@@ -249,6 +250,14 @@ stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b)
         json_builder_end_object(b);
     }
     json_builder_end_array(b);
+    if (detached != NULL && detached->len > 0) {
+        json_builder_set_member_name(b, "detached");
+        json_builder_begin_array(b);
+        for (guint i = 0; i < detached->len; i++) {
+            json_builder_add_string_value(b, g_ptr_array_index(detached, i));
+        }
+        json_builder_end_array(b);
+    }
     json_builder_end_object(b);
 }
 
@@ -346,7 +355,7 @@ cmd_stats(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     if (arg_str(args, "vm") != NULL && (vm = find_vm(c, arg_str(args, "vm"), error)) == NULL) {
         return FALSE;
     }
-    stats_to_json(c, vm, b);
+    stats_to_json(c, vm, b, NULL);
     return TRUE;
 }
 
@@ -359,7 +368,8 @@ cmd_knobs(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     return TRUE;
 }
 
-static void later_done(PfScanner *s, const GError *error, gpointer user);
+static void later_done(PfScanner *s, const GError *error, GPtrArray *detached,
+                       gpointer user);
 
 /* The command being run replies when its job is done. */
 static Later *
@@ -601,7 +611,7 @@ static void client_send(Client *cl, const char *text);
 static gboolean client_in_cb(gint fd, GIOCondition cond, gpointer user);
 
 static void
-later_done(PfScanner *s, const GError *error, gpointer user)
+later_done(PfScanner *s, const GError *error, GPtrArray *detached, gpointer user)
 {
     Later *l = user;
     Client *cl = l->cl;
@@ -622,7 +632,8 @@ later_done(PfScanner *s, const GError *error, gpointer user)
             pf_knobs_to_json(pf_scanner_get_knobs(s), b);
             json_builder_end_object(b);
         } else {
-            stats_to_json(l->c, l->pid != 0 ? pf_scanner_find_vm_by_pid(s, l->pid) : NULL, b);
+            stats_to_json(l->c, l->pid != 0 ? pf_scanner_find_vm_by_pid(s, l->pid) : NULL, b,
+                          detached);
         }
         if (l->id != NULL) {
             json_builder_set_member_name(b, "id");

@@ -295,6 +295,15 @@ main(int argc, char **argv)
         return 1;
     }
     ret = json_object_get_member(robj, "return");
+    if (JSON_NODE_HOLDS_OBJECT(ret) &&
+        json_object_has_member(json_node_get_object(ret), "detached")) {
+        JsonArray *d = json_object_get_array_member(json_node_get_object(ret), "detached");
+
+        for (guint i = 0; i < json_array_get_length(d); i++) {
+            g_printerr("pagefoldctl: %s: detached meanwhile: %s\n", cmd,
+                       json_array_get_string_element(d, i));
+        }
+    }
     if (as_json) {
         print_json(ret);
     } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "scan-now") ||

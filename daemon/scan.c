@@ -271,11 +271,19 @@ region_of(PfScanner *s, guint32 id)
 static PfPage *
 page_of(guint32 id, gpointer user)
 {
+    /* A page without a record reads as absent, with no checksum: should
+     * the unstable tree name one (it is emptied at each pass, and a page
+     * it holds is forgotten only when the cursor comes back to it, in the
+     * next), it is passed over.  The stable tree writes only the records
+     * of its members, which are pages present. */
+    static PfPage absent;
     PfRegion *r = region_of(user, id);
     PfPage *p = pf_region_page(r, id - r->base);
 
-    /* The trees hold pages that were seen: they have records. */
-    g_assert(p != NULL);
+    if (p == NULL) {
+        absent = (PfPage){ 0 };
+        return &absent;
+    }
     return p;
 }
 
@@ -1102,7 +1110,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             break;
         }
         orr = region_of(s, other);
-        o = pf_region_page(orr, other - orr->base);
+        o = page_of(other, s);
         if (other == id || o->state != PF_PAGE_UNSHARED ||
             can_merge(orr->vm) != merging || pf_vm_merges(orr->vm) != merge_domain ||
             !page_equal(s, data, other)) {
@@ -1715,6 +1723,8 @@ struct _PfScanJob {
     guint64 target;     /* JOB_PASSES: full_scans to reach */
     GPtrArray *targets; /* JOB_UNMERGE: the VMs (PfVm*) still attached */
     GString *trouble;   /* why it did not do all it says, or empty */
+    GPtrArray *detached; /* "VM NAME (pid N): why", of VMs detached
+                          * while it ran (their processes live on) */
     PfScanJobFunc done;
     gpointer user;
     guint source;
@@ -1922,6 +1932,7 @@ job_new(PfScanner *s, JobKind kind, PfScanJobFunc done, gpointer user)
     j->kind = kind;
     j->targets = g_ptr_array_new();
     j->trouble = g_string_new(NULL);
+    j->detached = g_ptr_array_new_with_free_func(g_free);
     j->done = done;
     j->user = user;
     j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
@@ -1942,6 +1953,7 @@ job_free(PfScanJob *j)
     g_clear_handle_id(&j->source, g_source_remove);
     g_ptr_array_unref(j->targets);
     g_string_free(j->trouble, TRUE);
+    g_ptr_array_unref(j->detached);
     g_free(j);
 }
 
@@ -1949,6 +1961,7 @@ static void
 job_finish(PfScanJob *j)
 {
     g_autoptr(GError) error = NULL;
+    g_autoptr(GPtrArray) detached = g_ptr_array_ref(j->detached);
     PfScanJobFunc done = j->done;
     gpointer user = j->user;
     PfScanner *s = j->s;
@@ -1959,12 +1972,13 @@ job_finish(PfScanJob *j)
     g_ptr_array_remove(s->jobs, j);
     job_free(j);
     if (done != NULL) {
-        done(s, error, user);
+        done(s, error, detached, user);
     }
 }
 
-/* A VM leaves while jobs run: a job that was to do something for it says
- * so, unless its process exited (then nothing of it is left to do). */
+/* A VM leaves while jobs run, its process alive: every job notes it, and
+ * an unmerge that was to unmerge it fails (its merged pages stay so in
+ * its process).  One whose process exited has nothing left to do. */
 static void
 jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why)
 {
@@ -1975,7 +1989,12 @@ jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why)
         if (target && j->kind == JOB_UNMERGE) {
             vm->unmerging--;
         }
-        if (why != NULL && (target || j->kind == JOB_PASSES) && !pf_vm_exited(vm)) {
+        if (why == NULL || pf_vm_exited(vm)) {
+            continue;
+        }
+        g_ptr_array_add(j->detached, g_strdup_printf("VM %s (pid %d): %s", vm->name, vm->pid,
+                                                     why));
+        if (target) {
             g_string_append_printf(j->trouble, "%sVM %s (pid %d) was detached: %s",
                                    j->trouble->len ? "; " : "", vm->name, vm->pid, why);
         }
@@ -2020,7 +2039,7 @@ pf_scan_job_forget(PfScanJob *j)
 }
 
 static void
-sync_done(PfScanner *s, const GError *error, gpointer user)
+sync_done(PfScanner *s, const GError *error, GPtrArray *detached, gpointer user)
 {
     *(gboolean *)user = TRUE;
 }

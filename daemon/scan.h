@@ -101,11 +101,14 @@ gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
  * What takes as long as the agents take runs as a job, a step at a time on
  * the default main context (which must run meanwhile: the agents' answers
  * come through it), and says when it is done: error NULL when it did all
- * it says, else why not (a VM detached meanwhile, pages that could not be
- * unmerged).  The job is freed after done is called.
+ * it says, else why not (a VM to unmerge detached meanwhile, pages that
+ * could not be unmerged); detached: the VMs detached while it ran, their
+ * processes alive ("VM NAME (pid N): why").  The job is freed after done
+ * is called.
  */
 typedef struct _PfScanJob PfScanJob;
-typedef void (*PfScanJobFunc)(PfScanner *s, const GError *error, gpointer user);
+typedef void (*PfScanJobFunc)(PfScanner *s, const GError *error, GPtrArray *detached,
+                              gpointer user);
 
 /* Scans until n passes have ended (the current one counts if begun) and
  * every request they made is answered. */

@@ -426,6 +426,11 @@ test_pool_kept(void)
         s = stats(d, "scan-now", "1");
     }
     g_assert_null(vm_of(s, "b"));
+    /* The scan-now it happened in did its passes, and says so. */
+    g_assert_true(json_object_has_member(s, "detached"));
+    g_assert_nonnull(strstr(json_array_get_string_element(
+                                json_object_get_array_member(s, "detached"), 0),
+                            "it keeps"));
     g_assert_nonnull(vm_of(s, "a"));
     g_assert_cmpstr(json_object_get_string_member(vm_of(s, "a"), "mode"), ==, "merge");
     /* Only a's own slot is left: b's reference went with it. */
