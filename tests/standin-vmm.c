@@ -3,7 +3,12 @@
  * exactly as QEMU's memory-backend-memfd,share=on does, links the agent
  * library as the patched QEMU will, and runs writer threads that play a
  * guest writing its memory while merges happen.  Every byte written is
- * remembered in a private shadow copy and checked.
+ * remembered in a shadow and checked.  The shadow keeps, per page, the seed
+ * its content was made from (pf_fill_page(); 0: zeros), and a private copy
+ * only of a page no seed makes (one byte written into it): a byte-for-byte
+ * copy of all RAM would double the stand-in's memory, and the scale
+ * benchmark (bench-scale.c) runs stand-ins of many GiB on a host that has
+ * little more than their RAM.
  *
  *   standin-vmm -name guest=NAME --agent-socket PATH [--mib N] [--identical PCT]
  *               [--zero PCT] [--seed N] [--writers N] [--writes-per-sec N]
@@ -12,6 +17,11 @@
  * Commands on stdin, one per line, each answered by one line:
  *   write PAGE      write new content into a page        -> "ok"
  *   restore PAGE    write the page's first content back  -> "ok"
+ *   rewrite same|zero
+ *                   what a rebooting guest does to its RAM: new content
+ *                   into every page, then, once all are written, every
+ *                   page's first content again ("same") or zeros ("zero");
+ *                   the shadow follows               -> "ok N" (pages)
  *   verify          compare all RAM with the shadow      -> "verify ok N" / "verify FAIL ..."
  *   nonzero         pages whose content is not all zero  -> "nonzero N"
  *   stats           the agent's counters                 -> "stats merged M moved V ..."
@@ -73,7 +83,10 @@
 
 typedef struct {
     PfGuest *g;
-    guint8 *shadow;   /* what every page must hold */
+    guint64 *seed;    /* per page: the pf_fill_page() seed of what it must
+                       * hold (0: zeros) */
+    guint8 **odd;     /* per page: what it must hold when no seed makes it
+                       * (a byte written into it), else NULL */
     GMutex *locks;    /* one per 64 pages: writers and commands */
     gint stop;
     guint n_writers;
@@ -90,26 +103,45 @@ lock_of(Vmm *v, gsize page)
     return &v->locks[page / 64];
 }
 
-/* Writes guest RAM and the shadow together.  The agent may be merging this
- * very page: the write blocks on write protection, or lands in a private
- * copy; either way it must be there when read back. */
+/* Writes guest RAM and the shadow together: the page made from seed, or
+ * (partial) one byte of it.  The agent may be merging this very page: the
+ * write blocks on write protection, or lands in a private copy; either way
+ * it must be there when read back. */
 static void
-write_page(Vmm *v, gsize page, const guint8 *content, gboolean partial)
+write_page(Vmm *v, gsize page, guint64 seed, gboolean partial)
 {
+    guint8 content[PF_PAGE_SIZE];
     guint8 *dst = v->g->mem + page * PF_PAGE_SIZE;
-    guint8 *sh = v->shadow + page * PF_PAGE_SIZE;
 
+    pf_fill_page(content, seed);
     g_mutex_lock(lock_of(v, page));
     if (partial) {
         gsize off = g_random_int_range(0, PF_PAGE_SIZE);
 
+        /* No seed makes this page any more: it gets a copy of its own. */
+        if (v->odd[page] == NULL) {
+            v->odd[page] = g_malloc(PF_PAGE_SIZE);
+            pf_fill_page(v->odd[page], v->seed[page]);
+        }
         dst[off] = content[off];
-        sh[off] = content[off];
+        v->odd[page][off] = content[off];
     } else {
         memcpy(dst, content, PF_PAGE_SIZE);
-        memcpy(sh, content, PF_PAGE_SIZE);
+        v->seed[page] = seed;
+        g_clear_pointer(&v->odd[page], g_free);
     }
     g_mutex_unlock(lock_of(v, page));
+}
+
+/* What a page must hold, from the shadow; the caller holds its lock. */
+static void
+expected_page(Vmm *v, gsize page, guint8 *out)
+{
+    if (v->odd[page] != NULL) {
+        memcpy(out, v->odd[page], PF_PAGE_SIZE);
+    } else {
+        pf_fill_page(out, v->seed[page]);
+    }
 }
 
 /* What QEMU's ram_block_discard_range() does to a shared memfd block,
@@ -213,39 +245,68 @@ discard(Vmm *v, PfAgent *agent, gsize page, gsize n)
         madvise(hva, n * PF_PAGE_SIZE, MADV_DONTNEED) < 0) {
         g_error("discard: %s", g_strerror(errno));
     }
-    memset(v->shadow + page * PF_PAGE_SIZE, 0, n * PF_PAGE_SIZE);
+    for (gsize p = page; p < page + n; p++) {
+        v->seed[p] = 0;
+        g_clear_pointer(&v->odd[p], g_free);
+    }
     for (gsize l = page / 64; l <= (page + n - 1) / 64; l++) {
         g_mutex_unlock(&v->locks[l]);
     }
 }
 
-static void
-first_content(Vmm *v, gsize page, guint8 *out)
+/* The seed of a page's first content (0: zeros), as pf_guest_new_full()
+ * and --interleave lay it out. */
+static guint64
+first_seed(Vmm *v, gsize page)
 {
     const PfLayout *l = &v->g->layout;
 
     if (page < l->identical && v->interleave && page % 2) {
-        pf_fill_page(out, pf_page_seed(4, v->g->seed, page, 0));
+        return pf_page_seed(4, v->g->seed, page, 0);
     } else if (page < l->identical) {
-        pf_fill_page(out, pf_page_seed(1, 0, page, 0));
+        return pf_page_seed(1, 0, page, 0);
     } else if (page < l->identical + l->unique) {
-        pf_fill_page(out, pf_page_seed(3, v->g->seed, page - l->identical, 0));
-    } else {
-        memset(out, 0, PF_PAGE_SIZE);
+        return pf_page_seed(3, v->g->seed, page - l->identical, 0);
     }
+    return 0;
+}
+
+/* Never 0, which means zeros. */
+static guint64
+random_seed(GRand *rnd)
+{
+    return ((guint64)g_rand_int(rnd) << 32 | g_rand_int(rnd)) | 1;
+}
+
+/* A rebooting guest: every page gets new content, and only once all have
+ * does each get its first content again (or zeros), so that pagefoldd
+ * sees a whole RAM of changed pages, as after a real reboot's firmware and
+ * kernel have run over it. */
+static gsize
+rewrite(Vmm *v, gboolean zero)
+{
+    g_autoptr(GRand) rnd = g_rand_new();
+
+    for (gsize p = 0; p < v->g->n_pages; p++) {
+        write_page(v, p, random_seed(rnd), FALSE);
+    }
+    for (gsize p = 0; p < v->g->n_pages; p++) {
+        write_page(v, p, zero ? 0 : first_seed(v, p), FALSE);
+    }
+    return v->g->n_pages;
 }
 
 static gpointer
 writer(gpointer data)
 {
     Vmm *v = data;
-    guint8 page_buf[PF_PAGE_SIZE];
     GRand *rnd = g_rand_new();
     gint64 interval = v->rate ? G_USEC_PER_SEC / v->rate : 0;
 
     while (!g_atomic_int_get(&v->stop)) {
         gsize page = g_rand_int_range(rnd, 0, (gint32)v->g->n_pages);
         guint kind = g_rand_int_range(rnd, 0, 4);
+        guint64 seed;
 
         if (v->volatile_pages > 0) {
             page = v->g->layout.identical + g_rand_int_range(rnd, 0, (gint32)v->volatile_pages);
@@ -253,14 +314,8 @@ writer(gpointer data)
         }
         /* Back to its first content (so it can merge again), something
          * new, one byte, or zeros. */
-        if (kind == 0) {
-            first_content(v, page, page_buf);
-        } else if (kind == 3) {
-            memset(page_buf, 0, sizeof(page_buf));
-        } else {
-            pf_fill_page(page_buf, g_rand_int(rnd) | 1);
-        }
-        write_page(v, page, page_buf, kind == 2);
+        seed = kind == 0 ? first_seed(v, page) : kind == 3 ? 0 : random_seed(rnd);
+        write_page(v, page, seed, kind == 2);
         __atomic_add_fetch(&v->writes, 1, __ATOMIC_RELAXED);
         if (interval) {
             g_usleep(interval);
@@ -274,12 +329,14 @@ static gboolean
 verify(Vmm *v, GString *why)
 {
     gsize bad = 0, first_bad = 0;
+    guint8 want[PF_PAGE_SIZE];
 
     for (gsize p = 0; p < v->g->n_pages; p++) {
         gboolean ok;
 
         g_mutex_lock(lock_of(v, p));
-        ok = memcmp(v->g->mem + p * PF_PAGE_SIZE, v->shadow + p * PF_PAGE_SIZE, PF_PAGE_SIZE) == 0;
+        expected_page(v, p, want);
+        ok = memcmp(v->g->mem + p * PF_PAGE_SIZE, want, PF_PAGE_SIZE) == 0;
         g_mutex_unlock(lock_of(v, p));
         if (!ok && bad++ == 0) {
             first_bad = p;
@@ -346,11 +403,15 @@ main(int argc, char **argv)
     v.g = pf_guest_new_full("memory-backend-memfd", &l, (guint32)seed, huge);
     v.interleave = interleave;
     v.volatile_pages = MIN(l.unique, pages * (gsize)MAX(volatile_pct, 0) / 100);
+    v.seed = g_new(guint64, pages);
+    v.odd = g_new0(guint8 *, pages);
+    for (gsize p = 0; p < pages; p++) {
+        v.seed[p] = first_seed(&v, p);
+    }
     for (gsize p = 1; interleave && p < l.identical; p += 2) {
-        first_content(&v, p, v.g->mem + p * PF_PAGE_SIZE);
+        pf_fill_page(v.g->mem + p * PF_PAGE_SIZE, v.seed[p]);
     }
     fcntl(v.g->fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
-    v.shadow = g_memdup2(v.g->mem, pages * PF_PAGE_SIZE);
     v.locks = g_new0(GMutex, pages / 64 + 1);
     v.n_writers = (guint)writers;
     v.rate = (guint)rate;
@@ -379,17 +440,16 @@ main(int argc, char **argv)
         guint64 page, n;
         char calls[64];
         int skip, times, errnum;
-        guint8 buf[PF_PAGE_SIZE];
 
         g_strchomp(line);
         if (sscanf(line, "write %" G_GUINT64_FORMAT, &page) == 1 && page < pages) {
-            pf_fill_page(buf, g_random_int() | 1);
-            write_page(&v, page, buf, FALSE);
+            write_page(&v, page, g_random_int() | 1, FALSE);
             printf("ok\n");
         } else if (sscanf(line, "restore %" G_GUINT64_FORMAT, &page) == 1 && page < pages) {
-            first_content(&v, page, buf);
-            write_page(&v, page, buf, FALSE);
+            write_page(&v, page, first_seed(&v, page), FALSE);
             printf("ok\n");
+        } else if (g_str_equal(line, "rewrite same") || g_str_equal(line, "rewrite zero")) {
+            printf("ok %zu\n", rewrite(&v, g_str_equal(line, "rewrite zero")));
         } else if (sscanf(line, "discard %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT, &page, &n) ==
                        2 && page < pages && n > 0 && n <= pages - page) {
             discard(&v, agent, page, n);
@@ -399,8 +459,7 @@ main(int argc, char **argv)
                    page < pages && n <= pages - page && skip >= 0) {
             for (gsize q = page; q < page + n; q++) {
                 if (skip == 0 || q % (gsize)skip != 0) {
-                    pf_fill_page(buf, g_random_int() | 1);
-                    write_page(&v, q, buf, FALSE);
+                    write_page(&v, q, g_random_int() | 1, FALSE);
                 }
             }
             printf("ok\n");
@@ -484,7 +543,8 @@ main(int argc, char **argv)
 
             for (gsize p = 0; p < pages; p++) {
                 g_mutex_lock(lock_of(&v, p));
-                nz += memcmp(v.shadow + p * PF_PAGE_SIZE, zero_page, PF_PAGE_SIZE) != 0;
+                nz += v.odd[p] != NULL ? memcmp(v.odd[p], zero_page, PF_PAGE_SIZE) != 0
+                                       : v.seed[p] != 0;
                 g_mutex_unlock(lock_of(&v, p));
             }
             printf("nonzero %zu\n", nz);
@@ -528,7 +588,11 @@ main(int argc, char **argv)
     /* The agent goes first: it maps guest RAM. */
     g_clear_pointer(&agent, pf_agent_free);
     g_free(v.locks);
-    g_free(v.shadow);
+    for (gsize p = 0; p < pages; p++) {
+        g_free(v.odd[p]);
+    }
+    g_free(v.odd);
+    g_free(v.seed);
     pf_guest_free(v.g);
     return rc;
 }

@@ -3,7 +3,10 @@
  */
 #include "testproc.h"
 
+#include <errno.h>
+#include <gio/gunixinputstream.h>
 #include <glib/gstdio.h>
+#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -47,6 +50,102 @@ pf_test_vmm_spawn(const char *const *argv)
     v->pid = atoi(words[1]);
     v->mode = g_strdup(words[2]);
     return v;
+}
+
+PfTestVmm *
+pf_test_vmm_launch(const char *const *argv, GError **error)
+{
+    PfTestVmm *v = g_new0(PfTestVmm, 1);
+
+    v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE,
+                             argv, error);
+    if (v->proc == NULL) {
+        g_free(v);
+        return NULL;
+    }
+    v->out = g_data_input_stream_new(g_subprocess_get_stdout_pipe(v->proc));
+    v->in = g_subprocess_get_stdin_pipe(v->proc);
+    return v;
+}
+
+gboolean
+pf_test_vmm_wait_ready(PfTestVmm *v, double timeout_s, GError **error)
+{
+    g_autofree char *line = pf_test_vmm_read_line(v, timeout_s, error);
+    g_auto(GStrv) words = NULL;
+
+    if (line == NULL) {
+        return FALSE;
+    }
+    words = g_strsplit(line, " ", 3);
+    if (g_strv_length(words) != 3 || !g_str_equal(words[0], "ready")) {
+        g_set_error(error, G_IO_ERROR, G_IO_ERROR_INVALID_DATA,
+                    "stand-in said '%s' instead of ready", line);
+        return FALSE;
+    }
+    v->pid = atoi(words[1]);
+    g_free(v->mode);
+    v->mode = g_strdup(words[2]);
+    return TRUE;
+}
+
+gboolean
+pf_test_vmm_send(PfTestVmm *v, const char *cmd, GError **error)
+{
+    g_autofree char *line = g_strconcat(cmd, "\n", NULL);
+
+    return g_output_stream_write_all(v->in, line, strlen(line), NULL, NULL, error) &&
+           g_output_stream_flush(v->in, NULL, error);
+}
+
+char *
+pf_test_vmm_read_line(PfTestVmm *v, double timeout_s, GError **error)
+{
+    GBufferedInputStream *b = G_BUFFERED_INPUT_STREAM(v->out);
+    int fd = g_unix_input_stream_get_fd(
+        G_UNIX_INPUT_STREAM(g_subprocess_get_stdout_pipe(v->proc)));
+    gint64 deadline = g_get_monotonic_time() + (gint64)(timeout_s * G_USEC_PER_SEC);
+
+    /* Only ever read what poll() says is there: a read of the buffered
+     * stream would block past the deadline. */
+    for (;;) {
+        gsize avail;
+        const char *buf = g_buffered_input_stream_peek_buffer(b, &avail);
+        gint64 left = deadline - g_get_monotonic_time();
+        struct pollfd p = { fd, POLLIN, 0 };
+        gssize n;
+        int r;
+
+        if (memchr(buf, '\n', avail) != NULL) {
+            return g_data_input_stream_read_line(v->out, NULL, NULL, error);
+        }
+        r = poll(&p, 1, (int)CLAMP(left / 1000, 0, 1000));
+        if (r < 0 && errno != EINTR) {
+            g_set_error(error, G_IO_ERROR, g_io_error_from_errno(errno), "poll: %s",
+                        g_strerror(errno));
+            return NULL;
+        }
+        if (r <= 0) {
+            if (left <= 0) {
+                g_set_error(error, G_IO_ERROR, G_IO_ERROR_TIMED_OUT,
+                            "no answer from stand-in %d within %.0f s", v->pid, timeout_s);
+                return NULL;
+            }
+            continue;
+        }
+        if (avail == g_buffered_input_stream_get_buffer_size(b)) {
+            g_buffered_input_stream_set_buffer_size(b, 2 * avail);
+        }
+        n = g_buffered_input_stream_fill(b, -1, NULL, error);
+        if (n < 0) {
+            return NULL;
+        }
+        if (n == 0) {
+            g_set_error(error, G_IO_ERROR, G_IO_ERROR_CLOSED,
+                        "stand-in %d closed its output", v->pid);
+            return NULL;
+        }
+    }
 }
 
 void

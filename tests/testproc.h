@@ -43,6 +43,18 @@ gint64 pf_test_vmm_stat(PfTestVmm *v, const char *name);
 /* Stops it (it checks all its RAM one last time), asserts a clean exit,
  * and frees it. */
 void pf_test_vmm_quit(PfTestVmm *v);
+/* The same with deadlines, for benchmarks that must report a stand-in that
+ * hangs rather than hang with it.  Launching and waiting are apart so that
+ * many stand-ins can fill their RAM at once. */
+PfTestVmm *pf_test_vmm_launch(const char *const *argv, GError **error);
+/* Waits for "ready PID MODE"; FALSE (G_IO_ERROR_TIMED_OUT, or it exited)
+ * if it does not come within timeout_s. */
+gboolean pf_test_vmm_wait_ready(PfTestVmm *v, double timeout_s, GError **error);
+/* Sends one command line. */
+gboolean pf_test_vmm_send(PfTestVmm *v, const char *cmd, GError **error);
+/* Its next line of output, or NULL (G_IO_ERROR_TIMED_OUT, or it closed its
+ * output) if none comes within timeout_s; 0 only looks. */
+char *pf_test_vmm_read_line(PfTestVmm *v, double timeout_s, GError **error);
 
 /* prog [--socket sock] then the NULL-terminated arguments, as an argv. */
 GPtrArray *pf_test_argv_new(const char *prog, const char *sock, va_list ap);
