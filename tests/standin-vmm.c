@@ -485,8 +485,7 @@ main(int argc, char **argv)
             printf("ok %u\n", kept);
         } else if (sscanf(line, "fill %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT, &page, &n) ==
                        2 && page < pages) {
-            pf_fill_page(buf, n);
-            write_page(&v, page, buf, FALSE);
+            write_page(&v, page, n, FALSE);
             printf("ok\n");
         } else if ((sscanf(line, "pageout %" G_GUINT64_FORMAT " %" G_GUINT64_FORMAT, &page,
                            &n) == 2 ||
