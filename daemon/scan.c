@@ -22,6 +22,7 @@
 
 #include "cow.h"
 #include "link.h"
+#include "scan-internal.h"
 #include "util.h"
 
 #ifndef MADV_COLLAPSE
@@ -33,80 +34,6 @@
  * chunk (check_dropped()). */
 #define DROP_GRACE_USEC (60 * G_USEC_PER_SEC)
 
-/* A page found equal to node, whose slot its VM may not read. */
-typedef struct {
-    guint32 chunk; /* the node's slot's, then: */
-    guint32 vm;    /* the page's VM's serial */
-    guint32 slot;
-    guint32 page;
-    guint32 node;
-} Joining;
-
-/* Past this many, joins are made before the pass ends. */
-#define MAX_JOINING 65536u
-
-/* Pool slots a process still maps after its VM was detached. */
-typedef struct {
-    guint32 slot;
-    guint32 node;
-} HeldRef;
-
-typedef struct {
-    PfScanner *s;
-    int pidfd;
-    guint watch;
-    GArray *refs; /* HeldRef */
-} Leftover;
-
-struct _PfScanner {
-    PfKnobs knobs;
-    const PfHashAlgo *algo;
-    PfHashFunc hash;
-    guint64 zero_checksum;
-
-    GPtrArray *vms;     /* PfVm*, owned */
-    GPtrArray *regions; /* PfRegion* of all VMs, sorted by base */
-    PfRegion *last_region;
-
-    PfStableTree stable;
-    PfUnstableTree unstable;
-    GArray *joins;       /* Joining: pages found equal to nodes their VM may
-                          * not read, joined when it ends (make_joins()) */
-    GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
-                          * VM's pages matched part of the chunk */
-    PfPool *pool;        /* created with the first merging VM */
-    guint32 next_serial; /* the last PfVm.serial given */
-    GPtrArray *leftovers; /* Leftover* */
-    guint64 max_map_count;
-    PfCow *cow;            /* finds merged pages written since */
-    int kpageflags_fd;     /* /proc/kpageflags: is a page part of a THP */
-
-    /* cursor: the next page to visit */
-    gboolean in_pass;
-    guint cur_vm;
-    guint cur_region;
-    gsize cur_page;
-    gsize data_end; /* end of the memfd data extent holding cur_page */
-    gboolean blocked; /* the last scan stopped at an agent's full link */
-
-    guint64 full_scans;
-    guint64 memcmp_calls;
-    guint64 stable_nodes_examined;
-    guint listed_sharing; /* the max_page_sharing that decided which nodes
-                           * are full (node_relist()) */
-    gint64 pass_start_usec;
-    guint64 last_pass_usec;
-
-    GPtrArray *jobs;   /* PfScanJob*, running */
-
-    guint timer_id;
-    gsize batch_left;  /* of the wake-up's batch, scanned in slices */
-    gint64 batch_start;
-    gint64 batch_cpu;  /* thread CPU time when it began */
-    gint64 last_batch_usec;
-    PfVmGoneFunc vm_gone;
-    gpointer vm_gone_user;
-};
 
 /* ---- the SIGBUS guard ---- */
 
@@ -608,7 +535,6 @@ request(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, guint
 }
 
 static void check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to);
-static void end_sharing(PfScanner *s, PfRegion *r, gsize idx);
 
 /* ---- who may read a slot ---- */
 
@@ -1132,7 +1058,7 @@ pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus 
                 vm->cow++;
             }
             if (status != PF_RESULT_ERROR || err != EBUSY) {
-                end_sharing(s, r, pd->page - r->base);
+                pf_scanner_end_sharing(s, r, pd->page - r->base);
             }
             return;
         }
@@ -1251,8 +1177,8 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
 /* Ends a page's sharing.  A merged page is folded back into its memfd by
  * its agent, its slot reference held until the agent answers; a page of an
  * advise-mode VM just forgets its node. */
-static void
-end_sharing(PfScanner *s, PfRegion *r, gsize idx)
+void
+pf_scanner_end_sharing(PfScanner *s, PfRegion *r, gsize idx)
 {
     PfPage *p = pf_region_page(r, idx);
     guint32 id = r->base + (guint32)idx, node = 0, slot = PF_POOL_SLOT_NONE;
@@ -1279,7 +1205,7 @@ cow_found(PfScanner *s, PfRegion *r, gsize idx)
 
     if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
         r->vm->cow++;
-        end_sharing(s, r, idx);
+        pf_scanner_end_sharing(s, r, idx);
     }
 }
 
@@ -1495,11 +1421,6 @@ end_pass(PfScanner *s)
     s->last_pass_usec = (guint64)(g_get_monotonic_time() - s->pass_start_usec);
 }
 
-/* Past this long without an answer, an agent whose window is full is
- * passed over for the rest of the pass: one stopped VM must not hold up
- * the scanning of the others (its link gives it up later). */
-#define STUCK_USEC (G_USEC_PER_SEC / 2)
-
 /* The cursor leaves the current VM for the next. */
 static void
 next_vm(PfScanner *s)
@@ -1596,380 +1517,6 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
         }
     }
     return done;
-}
-
-/* ---- jobs: scan-now and unmerge, from the main loop ---- */
-
-/*
- * A command that takes as long as the agents take (scan-now's passes and
- * their answers, an unmerge) runs as a job: a step at a time from the main
- * loop, which reads the agents' answers and the control socket between
- * steps, and its caller is told when it is really done, or why not.
- */
-typedef enum {
-    JOB_PASSES,
-    JOB_UNMERGE,
-} JobKind;
-
-typedef enum {
-    STEP_AGAIN, /* more to do now */
-    STEP_WAIT,  /* waiting for answers */
-    STEP_RETRY, /* waiting for pages the agents could not unmerge yet */
-    STEP_DONE,
-} StepResult;
-
-struct _PfScanJob {
-    PfScanner *s;
-    JobKind kind;
-    guint64 target;     /* JOB_PASSES: full_scans to reach */
-    GPtrArray *targets; /* JOB_UNMERGE: the VMs (PfVm*) still attached */
-    GString *trouble;   /* why it did not do all it says, or empty */
-    GPtrArray *detached; /* "VM NAME (pid N): why", of VMs detached
-                          * while it ran (their processes live on) */
-    PfScanJobFunc done;
-    gpointer user;
-    guint source;
-    /* JOB_UNMERGE: where the sweep is, and how it went */
-    guint vm_idx, region_idx;
-    gsize page;
-    gboolean sweeping;
-    gboolean paused;  /* before the next sweep */
-    guint sweeps;
-};
-
-/* A step's share of the main loop: the control socket and the agents'
- * answers wait at most this long for it. */
-#define STEP_USEC 10000
-/* Pages an unmerge sweep looks at between looks at the clock. */
-#define SWEEP_PAGES 65536
-/* An unmerge sweeps again this long after the last, this many times at
- * most, for pages still merged (in DMA: EBUSY) before it gives up. */
-#define RETRY_MS 100
-#define RETRIES 50
-
-/* Scans for about usec, or up to max_pages, or to the end of the pass.
- * Returns the pages visited. */
-static gsize
-scan_slice(PfScanner *s, gsize max_pages, gint64 usec)
-{
-    gint64 end = g_get_monotonic_time() + usec;
-    guint64 scans = s->full_scans;
-    gsize done = 0;
-
-    while (done < max_pages) {
-        gsize n = pf_scanner_scan(s, MIN(max_pages - done, 4096));
-
-        done += n;
-        if (n == 0 || s->blocked || s->full_scans != scans || g_get_monotonic_time() >= end) {
-            break;
-        }
-    }
-    return done;
-}
-
-/* Whether any request to an agent of vms is still to be answered (by an
- * agent that answers: not counting those stopped for a while, if
- * answering). */
-static gboolean
-answers_due(GPtrArray *vms, gboolean answering)
-{
-    for (guint i = 0; i < vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(vms, i);
-
-        if (vm->link != NULL && pf_link_in_flight(vm->link) > 0 &&
-            !(answering && pf_link_waiting_usec(vm->link) > STUCK_USEC)) {
-            return TRUE;
-        }
-    }
-    return FALSE;
-}
-
-/* Each pass begins once the last one's requests are answered, as KSM's
- * do (its merges are made as it scans): a pass sees what the last one
- * did.  The job ends when every request is answered, or its agent given
- * up. */
-static StepResult
-passes_step(PfScanJob *j)
-{
-    PfScanner *s = j->s;
-
-    if (s->full_scans < j->target && s->vms->len > 0) {
-        if (!s->in_pass && answers_due(s->vms, TRUE)) {
-            return STEP_WAIT;
-        }
-        return scan_slice(s, G_MAXSIZE, STEP_USEC) > 0 ? STEP_AGAIN : STEP_WAIT;
-    }
-    return answers_due(s->vms, FALSE) ? STEP_WAIT : STEP_DONE;
-}
-
-/* Pages of the targets still merged, or on their way in or out. */
-static gsize
-still_merged(PfScanJob *j)
-{
-    gsize n = 0;
-
-    for (guint i = 0; i < j->targets->len; i++) {
-        PfVm *vm = g_ptr_array_index(j->targets, i);
-
-        n += vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_ZERO] + vm->count[PF_PAGE_PENDING];
-    }
-    return n;
-}
-
-/*
- * Sweeps the targets' pages and asks their agents to unmerge every merged
- * one, as fast as the agents answer.  Merges in flight land meanwhile (the
- * targets take no new ones): the sweep is made again once every answer is
- * in, until no page is merged.
- */
-static StepResult
-unmerge_step(PfScanJob *j)
-{
-    PfScanner *s = j->s;
-    gint64 end = g_get_monotonic_time() + STEP_USEC;
-    gsize left;
-
-    if (!j->sweeping) {
-        if (answers_due(j->targets, FALSE)) {
-            return STEP_WAIT;
-        }
-        if ((left = still_merged(j)) == 0) {
-            return STEP_DONE;
-        }
-        /* Pages still merged after a sweep and its answers: merges that
-         * were in flight, or pages their agents refused to unmerge (in
-         * DMA: EBUSY), asked again a little later, a bounded number of
-         * times. */
-        if (j->sweeps > RETRIES) {
-            g_string_append_printf(j->trouble, "%s%zu page(s) could not be unmerged: their "
-                                   "agents refused %u times (in DMA?)",
-                                   j->trouble->len ? "; " : "", left, RETRIES);
-            return STEP_DONE;
-        }
-        if (j->sweeps > 0 && !j->paused) {
-            j->paused = TRUE;
-            return STEP_RETRY;
-        }
-        j->paused = FALSE;
-        j->sweeps++;
-        j->sweeping = TRUE;
-        j->vm_idx = j->region_idx = 0;
-        j->page = 0;
-    }
-    for (; j->vm_idx < j->targets->len; j->vm_idx++, j->region_idx = 0, j->page = 0) {
-        PfVm *vm = g_ptr_array_index(j->targets, j->vm_idx);
-
-        for (; j->region_idx < vm->regions->len; j->region_idx++, j->page = 0) {
-            PfRegion *r = g_ptr_array_index(vm->regions, j->region_idx);
-
-            while (j->page < r->n_pages) {
-                gsize stop = MIN(r->n_pages, j->page + SWEEP_PAGES);
-
-                if (vm->link != NULL && pf_link_room(vm->link) == 0) {
-                    pf_link_flush(vm->link);
-                    return STEP_WAIT;
-                }
-                for (j->page = pf_region_next_recorded(r, j->page, stop); j->page < stop;
-                     j->page = pf_region_next_recorded(r, j->page + 1, stop)) {
-                    PfPageState st = pf_region_page_state(r, j->page);
-
-                    if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
-                        end_sharing(s, r, j->page);
-                        if (vm->link != NULL && pf_link_room(vm->link) == 0) {
-                            j->page++;
-                            break;
-                        }
-                    }
-                }
-                if (g_get_monotonic_time() >= end) {
-                    if (vm->link != NULL) {
-                        pf_link_flush(vm->link);
-                    }
-                    return STEP_AGAIN;
-                }
-            }
-        }
-        if (vm->link != NULL) {
-            pf_link_flush(vm->link);
-        }
-    }
-    j->sweeping = FALSE;
-    return STEP_WAIT;
-}
-
-static void job_finish(PfScanJob *j);
-
-static gboolean
-job_cb(gpointer user)
-{
-    PfScanJob *j = user;
-    StepResult r = j->kind == JOB_PASSES ? passes_step(j) : unmerge_step(j);
-
-    j->source = 0;
-    switch (r) {
-    case STEP_AGAIN:
-        /* Below the control socket and the agents' answers. */
-        j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
-        break;
-    case STEP_WAIT:
-        j->source = g_timeout_add(2, job_cb, j);
-        break;
-    case STEP_RETRY:
-        j->source = g_timeout_add(RETRY_MS, job_cb, j);
-        break;
-    case STEP_DONE:
-        job_finish(j);
-        break;
-    }
-    return G_SOURCE_REMOVE;
-}
-
-static PfScanJob *
-job_new(PfScanner *s, JobKind kind, PfScanJobFunc done, gpointer user)
-{
-    PfScanJob *j = g_new0(PfScanJob, 1);
-
-    j->s = s;
-    j->kind = kind;
-    j->targets = g_ptr_array_new();
-    j->trouble = g_string_new(NULL);
-    j->detached = g_ptr_array_new_with_free_func(g_free);
-    j->done = done;
-    j->user = user;
-    j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
-    g_ptr_array_add(s->jobs, j);
-    return j;
-}
-
-static void
-job_free(PfScanJob *j)
-{
-    for (guint i = 0; i < j->targets->len; i++) {
-        PfVm *vm = g_ptr_array_index(j->targets, i);
-
-        if (j->kind == JOB_UNMERGE) {
-            vm->unmerging--;
-        }
-    }
-    g_clear_handle_id(&j->source, g_source_remove);
-    g_ptr_array_unref(j->targets);
-    g_string_free(j->trouble, TRUE);
-    g_ptr_array_unref(j->detached);
-    g_free(j);
-}
-
-static void
-job_finish(PfScanJob *j)
-{
-    g_autoptr(GError) error = NULL;
-    g_autoptr(GPtrArray) detached = g_ptr_array_ref(j->detached);
-    PfScanJobFunc done = j->done;
-    gpointer user = j->user;
-    PfScanner *s = j->s;
-
-    if (j->trouble->len > 0) {
-        error = g_error_new(PF_ERROR, PF_ERROR_FAILED, "%s", j->trouble->str);
-    }
-    g_ptr_array_remove(s->jobs, j);
-    job_free(j);
-    if (done != NULL) {
-        done(s, error, detached, user);
-    }
-}
-
-/* A VM leaves while jobs run, its process alive: every job notes it, and
- * an unmerge that was to unmerge it fails (its merged pages stay so in
- * its process).  One whose process exited has nothing left to do. */
-static void
-jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why)
-{
-    for (guint i = 0; i < s->jobs->len; i++) {
-        PfScanJob *j = g_ptr_array_index(s->jobs, i);
-        gboolean target = g_ptr_array_remove(j->targets, vm);
-
-        if (target && j->kind == JOB_UNMERGE) {
-            vm->unmerging--;
-        }
-        if (why == NULL || pf_vm_exited(vm)) {
-            continue;
-        }
-        g_ptr_array_add(j->detached, g_strdup_printf("VM %s (pid %d): %s", vm->name, vm->pid,
-                                                     why));
-        if (target) {
-            g_string_append_printf(j->trouble, "%sVM %s (pid %d) was detached: %s",
-                                   j->trouble->len ? "; " : "", vm->name, vm->pid, why);
-        }
-        if (j->kind == JOB_UNMERGE && j->sweeping && target) {
-            /* Its place in the sweep is gone: start the sweep again. */
-            j->sweeping = FALSE;
-        }
-    }
-}
-
-PfScanJob *
-pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done, gpointer user)
-{
-    PfScanJob *j = job_new(s, JOB_PASSES, done, user);
-
-    /* The current pass counts if begun. */
-    j->target = s->full_scans + n + (s->in_pass ? 1 : 0);
-    return j;
-}
-
-PfScanJob *
-pf_scanner_unmerge_async(PfScanner *s, PfVm *only, PfScanJobFunc done, gpointer user)
-{
-    PfScanJob *j = job_new(s, JOB_UNMERGE, done, user);
-
-    g_array_set_size(s->joins, 0);
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
-
-        if (only == NULL || vm == only) {
-            vm->unmerging++;
-            g_ptr_array_add(j->targets, vm);
-        }
-    }
-    return j;
-}
-
-void
-pf_scan_job_forget(PfScanJob *j)
-{
-    j->done = NULL;
-}
-
-static void
-sync_done(PfScanner *s, const GError *error, GPtrArray *detached, gpointer user)
-{
-    *(gboolean *)user = TRUE;
-}
-
-/* The jobs above, waited for on the default main context. */
-static void
-wait_job(gboolean *done)
-{
-    while (!*done) {
-        g_main_context_iteration(NULL, TRUE);
-    }
-}
-
-void
-pf_scanner_run_passes(PfScanner *s, guint n)
-{
-    gboolean done = FALSE;
-
-    pf_scanner_run_passes_async(s, n, sync_done, &done);
-    wait_job(&done);
-}
-
-void
-pf_scanner_unmerge(PfScanner *s, PfVm *only)
-{
-    gboolean done = FALSE;
-
-    pf_scanner_unmerge_async(s, only, sync_done, &done);
-    wait_job(&done);
 }
 
 /* Pages back in their memfd: what they shared is let go, and they are read
@@ -2178,7 +1725,7 @@ pf_scanner_remove_vm(PfScanner *s, PfVm *vm)
     if (!g_ptr_array_find(s->vms, vm, &idx)) {
         return;
     }
-    jobs_vm_gone(s, vm, NULL);
+    pf_scan_jobs_vm_gone(s, vm, NULL);
     /* A live process keeps mapping the slots its merged pages use: they
      * stay taken until it exits. */
     if (pf_vm_merges(vm) && !pf_vm_exited(vm)) {
@@ -2287,7 +1834,7 @@ void
 pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 {
     g_message("VM %s (pid %d) detached: %s", vm->name, vm->pid, why);
-    jobs_vm_gone(s, vm, why);
+    pf_scan_jobs_vm_gone(s, vm, why);
     if (s->vm_gone != NULL) {
         s->vm_gone(s, vm, why, s->vm_gone_user);
     }
@@ -2407,6 +1954,26 @@ batch_size(PfScanner *s)
                              (s->knobs.target_pass_millisecs * 1000ull));
 }
 
+/* Scans for about usec, or up to max_pages, or to the end of the pass.
+ * Returns the pages visited. */
+gsize
+pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec)
+{
+    gint64 end = g_get_monotonic_time() + usec;
+    guint64 scans = s->full_scans;
+    gsize done = 0;
+
+    while (done < max_pages) {
+        gsize n = pf_scanner_scan(s, MIN(max_pages - done, 4096));
+
+        done += n;
+        if (n == 0 || s->blocked || s->full_scans != scans || g_get_monotonic_time() >= end) {
+            break;
+        }
+    }
+    return done;
+}
+
 /* One slice of a wake-up's batch: a big pages_to_scan (or a big VM under
  * target_pass_millisecs) is scanned a slice at a time, the main loop
  * answering the control socket and reading the agents' answers between
@@ -2428,7 +1995,7 @@ scanner_tick(gpointer user)
             s->batch_start = g_get_monotonic_time();
             s->batch_cpu = thread_cpu_usec();
         }
-        s->batch_left -= MIN(s->batch_left, scan_slice(s, s->batch_left, SLICE_USEC));
+        s->batch_left -= MIN(s->batch_left, pf_scanner_scan_slice(s, s->batch_left, SLICE_USEC));
         if (s->batch_left > 0 && !s->blocked) {
             s->timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
             return G_SOURCE_REMOVE;
@@ -2627,12 +2194,7 @@ pf_scanner_free(PfScanner *s)
         return;
     }
     pf_scanner_stop(s);
-    while (s->jobs->len > 0) {
-        PfScanJob *j = g_ptr_array_index(s->jobs, 0);
-
-        g_string_assign(j->trouble, "pagefoldd is stopping");
-        job_finish(j);
-    }
+    pf_scan_jobs_end(s);
     g_ptr_array_unref(s->jobs);
     while (s->vms->len > 0) {
         pf_scanner_remove_vm(s, g_ptr_array_index(s->vms, s->vms->len - 1));

@@ -1,0 +1,378 @@
+/*
+ * jobs.c - what takes as long as the agents take: scan-now's passes and
+ * their answers, and unmerge (KSM's run=2 too), run a step at a time from
+ * the main loop (scan.h).
+ *
+ * The main loop reads the agents' answers and the control socket between
+ * steps, and the caller is told when the job is really done, or why not.
+ * A job never waits in a call, never decides a merge (it asks the
+ * scanner), and never outlives the VMs it names: a VM that goes leaves its
+ * jobs first.
+ */
+#include "scan-internal.h"
+
+#include "link.h"
+#include "util.h"
+
+/*
+ * A command that takes as long as the agents take (scan-now's passes and
+ * their answers, an unmerge) runs as a job: a step at a time from the main
+ * loop, which reads the agents' answers and the control socket between
+ * steps, and its caller is told when it is really done, or why not.
+ */
+typedef enum {
+    JOB_PASSES,
+    JOB_UNMERGE,
+} JobKind;
+
+typedef enum {
+    STEP_AGAIN, /* more to do now */
+    STEP_WAIT,  /* waiting for answers */
+    STEP_RETRY, /* waiting for pages the agents could not unmerge yet */
+    STEP_DONE,
+} StepResult;
+
+struct _PfScanJob {
+    PfScanner *s;
+    JobKind kind;
+    guint64 target;     /* JOB_PASSES: full_scans to reach */
+    GPtrArray *targets; /* JOB_UNMERGE: the VMs (PfVm*) still attached */
+    GString *trouble;   /* why it did not do all it says, or empty */
+    GPtrArray *detached; /* "VM NAME (pid N): why", of VMs detached
+                          * while it ran (their processes live on) */
+    PfScanJobFunc done;
+    gpointer user;
+    guint source;
+    /* JOB_UNMERGE: where the sweep is, and how it went */
+    guint vm_idx, region_idx;
+    gsize page;
+    gboolean sweeping;
+    gboolean paused;  /* before the next sweep */
+    guint sweeps;
+};
+
+/* A step's share of the main loop: the control socket and the agents'
+ * answers wait at most this long for it. */
+#define STEP_USEC 10000
+/* Pages an unmerge sweep looks at between looks at the clock. */
+#define SWEEP_PAGES 65536
+/* An unmerge sweeps again this long after the last, this many times at
+ * most, for pages still merged (in DMA: EBUSY) before it gives up. */
+#define RETRY_MS 100
+#define RETRIES 50
+
+/* Whether any request to an agent of vms is still to be answered (by an
+ * agent that answers: not counting those stopped for a while, if
+ * answering). */
+static gboolean
+answers_due(GPtrArray *vms, gboolean answering)
+{
+    for (guint i = 0; i < vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(vms, i);
+
+        if (vm->link != NULL && pf_link_in_flight(vm->link) > 0 &&
+            !(answering && pf_link_waiting_usec(vm->link) > STUCK_USEC)) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+/* Each pass begins once the last one's requests are answered, as KSM's
+ * do (its merges are made as it scans): a pass sees what the last one
+ * did.  The job ends when every request is answered, or its agent given
+ * up. */
+static StepResult
+passes_step(PfScanJob *j)
+{
+    PfScanner *s = j->s;
+
+    if (s->full_scans < j->target && s->vms->len > 0) {
+        if (!s->in_pass && answers_due(s->vms, TRUE)) {
+            return STEP_WAIT;
+        }
+        return pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC) > 0 ? STEP_AGAIN : STEP_WAIT;
+    }
+    return answers_due(s->vms, FALSE) ? STEP_WAIT : STEP_DONE;
+}
+
+/* Pages of the targets still merged, or on their way in or out. */
+static gsize
+still_merged(PfScanJob *j)
+{
+    gsize n = 0;
+
+    for (guint i = 0; i < j->targets->len; i++) {
+        PfVm *vm = g_ptr_array_index(j->targets, i);
+
+        n += vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_ZERO] + vm->count[PF_PAGE_PENDING];
+    }
+    return n;
+}
+
+/*
+ * Sweeps the targets' pages and asks their agents to unmerge every merged
+ * one, as fast as the agents answer.  Merges in flight land meanwhile (the
+ * targets take no new ones): the sweep is made again once every answer is
+ * in, until no page is merged.
+ */
+static StepResult
+unmerge_step(PfScanJob *j)
+{
+    PfScanner *s = j->s;
+    gint64 end = g_get_monotonic_time() + STEP_USEC;
+    gsize left;
+
+    if (!j->sweeping) {
+        if (answers_due(j->targets, FALSE)) {
+            return STEP_WAIT;
+        }
+        if ((left = still_merged(j)) == 0) {
+            return STEP_DONE;
+        }
+        /* Pages still merged after a sweep and its answers: merges that
+         * were in flight, or pages their agents refused to unmerge (in
+         * DMA: EBUSY), asked again a little later, a bounded number of
+         * times. */
+        if (j->sweeps > RETRIES) {
+            g_string_append_printf(j->trouble, "%s%zu page(s) could not be unmerged: their "
+                                   "agents refused %u times (in DMA?)",
+                                   j->trouble->len ? "; " : "", left, RETRIES);
+            return STEP_DONE;
+        }
+        if (j->sweeps > 0 && !j->paused) {
+            j->paused = TRUE;
+            return STEP_RETRY;
+        }
+        j->paused = FALSE;
+        j->sweeps++;
+        j->sweeping = TRUE;
+        j->vm_idx = j->region_idx = 0;
+        j->page = 0;
+    }
+    for (; j->vm_idx < j->targets->len; j->vm_idx++, j->region_idx = 0, j->page = 0) {
+        PfVm *vm = g_ptr_array_index(j->targets, j->vm_idx);
+
+        for (; j->region_idx < vm->regions->len; j->region_idx++, j->page = 0) {
+            PfRegion *r = g_ptr_array_index(vm->regions, j->region_idx);
+
+            while (j->page < r->n_pages) {
+                gsize stop = MIN(r->n_pages, j->page + SWEEP_PAGES);
+
+                if (vm->link != NULL && pf_link_room(vm->link) == 0) {
+                    pf_link_flush(vm->link);
+                    return STEP_WAIT;
+                }
+                for (j->page = pf_region_next_recorded(r, j->page, stop); j->page < stop;
+                     j->page = pf_region_next_recorded(r, j->page + 1, stop)) {
+                    PfPageState st = pf_region_page_state(r, j->page);
+
+                    if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
+                        pf_scanner_end_sharing(s, r, j->page);
+                        if (vm->link != NULL && pf_link_room(vm->link) == 0) {
+                            j->page++;
+                            break;
+                        }
+                    }
+                }
+                if (g_get_monotonic_time() >= end) {
+                    if (vm->link != NULL) {
+                        pf_link_flush(vm->link);
+                    }
+                    return STEP_AGAIN;
+                }
+            }
+        }
+        if (vm->link != NULL) {
+            pf_link_flush(vm->link);
+        }
+    }
+    j->sweeping = FALSE;
+    return STEP_WAIT;
+}
+
+static void job_finish(PfScanJob *j);
+
+static gboolean
+job_cb(gpointer user)
+{
+    PfScanJob *j = user;
+    StepResult r = j->kind == JOB_PASSES ? passes_step(j) : unmerge_step(j);
+
+    j->source = 0;
+    switch (r) {
+    case STEP_AGAIN:
+        /* Below the control socket and the agents' answers. */
+        j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
+        break;
+    case STEP_WAIT:
+        j->source = g_timeout_add(2, job_cb, j);
+        break;
+    case STEP_RETRY:
+        j->source = g_timeout_add(RETRY_MS, job_cb, j);
+        break;
+    case STEP_DONE:
+        job_finish(j);
+        break;
+    }
+    return G_SOURCE_REMOVE;
+}
+
+static PfScanJob *
+job_new(PfScanner *s, JobKind kind, PfScanJobFunc done, gpointer user)
+{
+    PfScanJob *j = g_new0(PfScanJob, 1);
+
+    j->s = s;
+    j->kind = kind;
+    j->targets = g_ptr_array_new();
+    j->trouble = g_string_new(NULL);
+    j->detached = g_ptr_array_new_with_free_func(g_free);
+    j->done = done;
+    j->user = user;
+    j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
+    g_ptr_array_add(s->jobs, j);
+    return j;
+}
+
+static void
+job_free(PfScanJob *j)
+{
+    for (guint i = 0; i < j->targets->len; i++) {
+        PfVm *vm = g_ptr_array_index(j->targets, i);
+
+        if (j->kind == JOB_UNMERGE) {
+            vm->unmerging--;
+        }
+    }
+    g_clear_handle_id(&j->source, g_source_remove);
+    g_ptr_array_unref(j->targets);
+    g_string_free(j->trouble, TRUE);
+    g_ptr_array_unref(j->detached);
+    g_free(j);
+}
+
+static void
+job_finish(PfScanJob *j)
+{
+    g_autoptr(GError) error = NULL;
+    g_autoptr(GPtrArray) detached = g_ptr_array_ref(j->detached);
+    PfScanJobFunc done = j->done;
+    gpointer user = j->user;
+    PfScanner *s = j->s;
+
+    if (j->trouble->len > 0) {
+        error = g_error_new(PF_ERROR, PF_ERROR_FAILED, "%s", j->trouble->str);
+    }
+    g_ptr_array_remove(s->jobs, j);
+    job_free(j);
+    if (done != NULL) {
+        done(s, error, detached, user);
+    }
+}
+
+/* A VM leaves while jobs run, its process alive: every job notes it, and
+ * an unmerge that was to unmerge it fails (its merged pages stay so in
+ * its process).  One whose process exited has nothing left to do. */
+void
+pf_scan_jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why)
+{
+    for (guint i = 0; i < s->jobs->len; i++) {
+        PfScanJob *j = g_ptr_array_index(s->jobs, i);
+        gboolean target = g_ptr_array_remove(j->targets, vm);
+
+        if (target && j->kind == JOB_UNMERGE) {
+            vm->unmerging--;
+        }
+        if (why == NULL || pf_vm_exited(vm)) {
+            continue;
+        }
+        g_ptr_array_add(j->detached, g_strdup_printf("VM %s (pid %d): %s", vm->name, vm->pid,
+                                                     why));
+        if (target) {
+            g_string_append_printf(j->trouble, "%sVM %s (pid %d) was detached: %s",
+                                   j->trouble->len ? "; " : "", vm->name, vm->pid, why);
+        }
+        if (j->kind == JOB_UNMERGE && j->sweeping && target) {
+            /* Its place in the sweep is gone: start the sweep again. */
+            j->sweeping = FALSE;
+        }
+    }
+}
+
+PfScanJob *
+pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done, gpointer user)
+{
+    PfScanJob *j = job_new(s, JOB_PASSES, done, user);
+
+    /* The current pass counts if begun. */
+    j->target = s->full_scans + n + (s->in_pass ? 1 : 0);
+    return j;
+}
+
+PfScanJob *
+pf_scanner_unmerge_async(PfScanner *s, PfVm *only, PfScanJobFunc done, gpointer user)
+{
+    PfScanJob *j = job_new(s, JOB_UNMERGE, done, user);
+
+    g_array_set_size(s->joins, 0);
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (only == NULL || vm == only) {
+            vm->unmerging++;
+            g_ptr_array_add(j->targets, vm);
+        }
+    }
+    return j;
+}
+
+void
+pf_scan_job_forget(PfScanJob *j)
+{
+    j->done = NULL;
+}
+
+static void
+sync_done(PfScanner *s, const GError *error, GPtrArray *detached, gpointer user)
+{
+    *(gboolean *)user = TRUE;
+}
+
+/* The jobs above, waited for on the default main context. */
+static void
+wait_job(gboolean *done)
+{
+    while (!*done) {
+        g_main_context_iteration(NULL, TRUE);
+    }
+}
+
+void
+pf_scanner_run_passes(PfScanner *s, guint n)
+{
+    gboolean done = FALSE;
+
+    pf_scanner_run_passes_async(s, n, sync_done, &done);
+    wait_job(&done);
+}
+
+void
+pf_scanner_unmerge(PfScanner *s, PfVm *only)
+{
+    gboolean done = FALSE;
+
+    pf_scanner_unmerge_async(s, only, sync_done, &done);
+    wait_job(&done);
+}
+
+void
+pf_scan_jobs_end(PfScanner *s)
+{
+    while (s->jobs->len > 0) {
+        PfScanJob *j = g_ptr_array_index(s->jobs, 0);
+
+        g_string_assign(j->trouble, "pagefoldd is stopping");
+        job_finish(j);
+    }
+}
