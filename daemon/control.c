@@ -202,9 +202,25 @@ daemon_mode(GPtrArray *vms)
     return merging == 0 ? "advise" : merging == vms->len ? "merge" : "mixed";
 }
 
-/* detached: notes of VMs detached while the command ran, or NULL. */
 static void
-stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b, GPtrArray *detached)
+notes_to_json(JsonBuilder *b, const char *name, GPtrArray *notes)
+{
+    if (notes == NULL || notes->len == 0) {
+        return;
+    }
+    json_builder_set_member_name(b, name);
+    json_builder_begin_array(b);
+    for (guint i = 0; i < notes->len; i++) {
+        json_builder_add_string_value(b, g_ptr_array_index(notes, i));
+    }
+    json_builder_end_array(b);
+}
+
+/* detached, passed_over: notes of the VMs a command could not do all for
+ * (scan.h), or NULL. */
+static void
+stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b, GPtrArray *detached,
+              GPtrArray *passed_over)
 {
     GPtrArray *vms = pf_scanner_get_vms(c->scanner);
     g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(vms->len, 1));
@@ -250,14 +266,8 @@ stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b, GPtrArray *detached)
         json_builder_end_object(b);
     }
     json_builder_end_array(b);
-    if (detached != NULL && detached->len > 0) {
-        json_builder_set_member_name(b, "detached");
-        json_builder_begin_array(b);
-        for (guint i = 0; i < detached->len; i++) {
-            json_builder_add_string_value(b, g_ptr_array_index(detached, i));
-        }
-        json_builder_end_array(b);
-    }
+    notes_to_json(b, "detached", detached);
+    notes_to_json(b, "passed_over", passed_over);
     json_builder_end_object(b);
 }
 
@@ -327,8 +337,7 @@ cmd_detach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     if (vm == NULL) {
         return FALSE;
     }
-    g_message("VM %s (pid %d) detached on request", vm->name, vm->pid);
-    pf_scanner_remove_vm(c->scanner, vm);
+    pf_scanner_detach(c->scanner, vm, "detached on request");
     json_builder_begin_object(b);
     json_builder_end_object(b);
     return TRUE;
@@ -355,7 +364,7 @@ cmd_stats(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     if (arg_str(args, "vm") != NULL && (vm = find_vm(c, arg_str(args, "vm"), error)) == NULL) {
         return FALSE;
     }
-    stats_to_json(c, vm, b, NULL);
+    stats_to_json(c, vm, b, NULL, NULL);
     return TRUE;
 }
 
@@ -369,7 +378,7 @@ cmd_knobs(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 }
 
 static void later_done(PfScanner *s, const GError *error, GPtrArray *detached,
-                       gpointer user);
+                       GPtrArray *passed_over, gpointer user);
 
 /* The command being run replies when its job is done. */
 static Later *
@@ -611,13 +620,20 @@ static void client_send(Client *cl, const char *text);
 static gboolean client_in_cb(gint fd, GIOCondition cond, gpointer user);
 
 static void
-later_done(PfScanner *s, const GError *error, GPtrArray *detached, gpointer user)
+later_done(PfScanner *s, const GError *error, GPtrArray *detached, GPtrArray *passed_over,
+           gpointer user)
 {
     Later *l = user;
     Client *cl = l->cl;
+    PfVm *vm = l->pid != 0 ? pf_scanner_find_vm_by_pid(s, l->pid) : NULL;
 
     l->job = NULL;
-    if (error != NULL) {
+    if (error == NULL && l->pid != 0 && vm == NULL) {
+        g_autofree char *desc = g_strdup_printf("%s: VM of pid %d went meanwhile (its process "
+                                                "exited)", l->command, l->pid);
+
+        l->reply = reply_error("DeviceNotFound", desc, l->id);
+    } else if (error != NULL) {
         g_autofree char *desc = g_strdup_printf("%s: %s", l->command, error->message);
 
         l->reply = reply_error("GenericError", desc, l->id);
@@ -632,8 +648,7 @@ later_done(PfScanner *s, const GError *error, GPtrArray *detached, gpointer user
             pf_knobs_to_json(pf_scanner_get_knobs(s), b);
             json_builder_end_object(b);
         } else {
-            stats_to_json(l->c, l->pid != 0 ? pf_scanner_find_vm_by_pid(s, l->pid) : NULL, b,
-                          detached);
+            stats_to_json(l->c, vm, b, detached, passed_over);
         }
         if (l->id != NULL) {
             json_builder_set_member_name(b, "id");

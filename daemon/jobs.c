@@ -40,6 +40,10 @@ struct _PfScanJob {
     GString *trouble;   /* why it did not do all it says, or empty */
     GPtrArray *detached; /* "VM NAME (pid N): why", of VMs detached
                           * while it ran (their processes live on) */
+    GPtrArray *passed_over; /* the same, of VMs a passes job did not scan
+                             * all of, or whose answers it did not wait
+                             * for to the end */
+    gint64 settling;    /* JOB_PASSES: when its last pass ended */
     PfScanJobFunc done;
     gpointer user;
     guint source;
@@ -54,6 +58,8 @@ struct _PfScanJob {
 /* A step's share of the main loop: the control socket and the agents'
  * answers wait at most this long for it. */
 #define STEP_USEC 10000
+/* How long a passes job waits for the answers to its last pass. */
+#define SETTLE_USEC (30 * G_USEC_PER_SEC)
 /* Pages an unmerge sweep looks at between looks at the clock. */
 #define SWEEP_PAGES 65536
 /* An unmerge sweeps again this long after the last, this many times at
@@ -78,10 +84,25 @@ answers_due(GPtrArray *vms, gboolean answering)
     return FALSE;
 }
 
+/* Notes a VM a passes job did not scan all of, once per job. */
+static void
+note_passed_over(PfScanJob *j, PfVm *vm, const char *why)
+{
+    g_autofree char *prefix = g_strdup_printf("VM %s (pid %d): ", vm->name, vm->pid);
+
+    for (guint i = 0; i < j->passed_over->len; i++) {
+        if (g_str_has_prefix(g_ptr_array_index(j->passed_over, i), prefix)) {
+            return;
+        }
+    }
+    g_ptr_array_add(j->passed_over, g_strconcat(prefix, why, NULL));
+}
+
 /* Each pass begins once the last one's requests are answered, as KSM's
  * do (its merges are made as it scans): a pass sees what the last one
- * did.  The job ends when every request is answered, or its agent given
- * up. */
+ * did.  The job ends when every request is answered, or SETTLE_USEC after
+ * its last pass: an agent that answers, but slowly (or a hostile one that
+ * answers just often enough to stay attached), is noted, not waited for. */
 static StepResult
 passes_step(PfScanJob *j)
 {
@@ -93,7 +114,27 @@ passes_step(PfScanJob *j)
         }
         return pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC) > 0 ? STEP_AGAIN : STEP_WAIT;
     }
-    return answers_due(s->vms, FALSE) ? STEP_WAIT : STEP_DONE;
+    if (!answers_due(s->vms, FALSE)) {
+        return STEP_DONE;
+    }
+    if (j->settling == 0) {
+        j->settling = g_get_monotonic_time();
+    }
+    if (g_get_monotonic_time() - j->settling < SETTLE_USEC) {
+        return STEP_WAIT;
+    }
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (vm->link != NULL && pf_link_in_flight(vm->link) > 0) {
+            g_autofree char *why = g_strdup_printf("%zu request item(s) not answered in %d s",
+                                                   pf_link_in_flight(vm->link),
+                                                   (int)(SETTLE_USEC / G_USEC_PER_SEC));
+
+            note_passed_over(j, vm, why);
+        }
+    }
+    return STEP_DONE;
 }
 
 /* Pages of the targets still merged, or on their way in or out. */
@@ -228,6 +269,7 @@ job_new(PfScanner *s, JobKind kind, PfScanJobFunc done, gpointer user)
     j->targets = g_ptr_array_new();
     j->trouble = g_string_new(NULL);
     j->detached = g_ptr_array_new_with_free_func(g_free);
+    j->passed_over = g_ptr_array_new_with_free_func(g_free);
     j->done = done;
     j->user = user;
     j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
@@ -249,6 +291,7 @@ job_free(PfScanJob *j)
     g_ptr_array_unref(j->targets);
     g_string_free(j->trouble, TRUE);
     g_ptr_array_unref(j->detached);
+    g_ptr_array_unref(j->passed_over);
     g_free(j);
 }
 
@@ -257,6 +300,7 @@ job_finish(PfScanJob *j)
 {
     g_autoptr(GError) error = NULL;
     g_autoptr(GPtrArray) detached = g_ptr_array_ref(j->detached);
+    g_autoptr(GPtrArray) passed_over = g_ptr_array_ref(j->passed_over);
     PfScanJobFunc done = j->done;
     gpointer user = j->user;
     PfScanner *s = j->s;
@@ -267,7 +311,7 @@ job_finish(PfScanJob *j)
     g_ptr_array_remove(s->jobs, j);
     job_free(j);
     if (done != NULL) {
-        done(s, error, detached, user);
+        done(s, error, detached, passed_over, user);
     }
 }
 
@@ -283,6 +327,8 @@ pf_scan_jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why)
 
         if (target && j->kind == JOB_UNMERGE) {
             vm->unmerging--;
+            /* Its place in the sweep is gone: the sweep starts again. */
+            j->sweeping = FALSE;
         }
         if (why == NULL || pf_vm_exited(vm)) {
             continue;
@@ -293,9 +339,17 @@ pf_scan_jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why)
             g_string_append_printf(j->trouble, "%sVM %s (pid %d) was detached: %s",
                                    j->trouble->len ? "; " : "", vm->name, vm->pid, why);
         }
-        if (j->kind == JOB_UNMERGE && j->sweeping && target) {
-            /* Its place in the sweep is gone: start the sweep again. */
-            j->sweeping = FALSE;
+    }
+}
+
+void
+pf_scan_jobs_passed_over(PfScanner *s, PfVm *vm)
+{
+    for (guint i = 0; i < s->jobs->len; i++) {
+        PfScanJob *j = g_ptr_array_index(s->jobs, i);
+
+        if (j->kind == JOB_PASSES) {
+            note_passed_over(j, vm, "passed over: its agent was not answering");
         }
     }
 }
@@ -334,7 +388,8 @@ pf_scan_job_forget(PfScanJob *j)
 }
 
 static void
-sync_done(PfScanner *s, const GError *error, GPtrArray *detached, gpointer user)
+sync_done(PfScanner *s, const GError *error, GPtrArray *detached, GPtrArray *passed_over,
+          gpointer user)
 {
     *(gboolean *)user = TRUE;
 }

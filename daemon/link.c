@@ -125,6 +125,7 @@ struct _PfLink {
     guint32 answered_seq; /* of the last batch answered */
     GArray *queue_items;   /* PfWireItem */
     GArray *queue_pending; /* PfPending */
+    guint queue_collapses; /* PF_ITEM_COLLAPSE items queued */
     GQueue held;           /* Batch*: formed, waiting for the window */
     gsize n_held;
     GQueue in_flight;      /* Batch*, sent, oldest first */
@@ -248,7 +249,8 @@ pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpoi
 }
 
 void
-pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpointer user)
+pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gboolean sent, gpointer user),
+             gpointer user)
 {
     Batch *b;
 
@@ -258,12 +260,12 @@ pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpoint
     while ((b = g_queue_pop_head(&l->in_flight)) != NULL ||
            (b = g_queue_pop_head(&l->held)) != NULL) {
         for (guint i = 0; func != NULL && i < b->pending->len; i++) {
-            func(&g_array_index(b->pending, PfPending, i), user);
+            func(&g_array_index(b->pending, PfPending, i), b->items == NULL, user);
         }
         batch_free(b);
     }
     for (guint i = 0; func != NULL && i < l->queue_pending->len; i++) {
-        func(&g_array_index(l->queue_pending, PfPending, i), user);
+        func(&g_array_index(l->queue_pending, PfPending, i), FALSE, user);
     }
     g_clear_handle_id(&l->watch, g_source_remove);
     g_clear_handle_id(&l->answer_timer, g_source_remove);
@@ -491,12 +493,18 @@ pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk)
     link_send(l, PF_MSG_DROP, 0, &p, sizeof(p), -1);
 }
 
+/* Huge pages to make again, per batch at most: each is a compaction and a
+ * 2 MiB copy in the agent, and a batch must be answered well within the
+ * answer timeout. */
+#define MAX_COLLAPSES 32
+
 void
 pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd)
 {
     g_array_append_vals(l->queue_items, item, 1);
     g_array_append_vals(l->queue_pending, pd, 1);
-    if (l->queue_items->len >= PF_PROTO_MAX_ITEMS) {
+    l->queue_collapses += item->kind == PF_ITEM_COLLAPSE;
+    if (l->queue_items->len >= PF_PROTO_MAX_ITEMS || l->queue_collapses >= MAX_COLLAPSES) {
         pf_link_flush(l);
     }
 }
@@ -534,6 +542,7 @@ pf_link_flush(PfLink *l)
 {
     Batch *b;
 
+    l->queue_collapses = 0;
     if (l->queue_items->len > 0) {
         b = g_new0(Batch, 1);
         b->pending = l->queue_pending;

@@ -62,5 +62,7 @@ void pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk);
  * handed to the scanner as usual (func marks it). */
 void pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user),
                       gpointer user);
-/* Hands every request still in flight to func, then frees the link. */
-void pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpointer user);
+/* Hands every request not answered to func (sent: whether it went to the
+ * agent, which may have done it), then frees the link. */
+void pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gboolean sent, gpointer user),
+                  gpointer user);

@@ -295,12 +295,15 @@ main(int argc, char **argv)
         return 1;
     }
     ret = json_object_get_member(robj, "return");
-    if (JSON_NODE_HOLDS_OBJECT(ret) &&
-        json_object_has_member(json_node_get_object(ret), "detached")) {
-        JsonArray *d = json_object_get_array_member(json_node_get_object(ret), "detached");
+    for (guint k = 0; k < 2 && JSON_NODE_HOLDS_OBJECT(ret); k++) {
+        static const char *const notes[] = { "detached", "passed_over" };
+        JsonObject *r = json_node_get_object(ret);
+        JsonArray *d = json_object_has_member(r, notes[k])
+                           ? json_object_get_array_member(r, notes[k]) : NULL;
 
-        for (guint i = 0; i < json_array_get_length(d); i++) {
-            g_printerr("pagefoldctl: %s: detached meanwhile: %s\n", cmd,
+        for (guint i = 0; d != NULL && i < json_array_get_length(d); i++) {
+            g_printerr("pagefoldctl: %s: %s: %s\n", cmd, k == 0 ? "detached meanwhile"
+                                                               : "not all done",
                        json_array_get_string_element(d, i));
         }
     }

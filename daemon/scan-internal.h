@@ -99,4 +99,6 @@ void pf_scanner_end_sharing(PfScanner *s, PfRegion *r, gsize idx);
 /* jobs.c: a VM leaves (why: NULL when it is only removed); and the end of
  * every job still running, as the scanner goes. */
 void pf_scan_jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why);
+/* The scanner passed over the rest of a VM whose agent is not answering. */
+void pf_scan_jobs_passed_over(PfScanner *s, PfVm *vm);
 void pf_scan_jobs_end(PfScanner *s);

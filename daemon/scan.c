@@ -286,6 +286,34 @@ release_region(PfScanner *s, PfRegion *r, GArray *keep)
     s->last_region = NULL;
 }
 
+typedef struct {
+    PfScanner *s;
+    guint32 first, n_pages; /* the page ids of the region that went */
+} GoneRange;
+
+/* A request for a page of a region that left the VM: whatever the agent
+ * did with it, the page maps no pool slot now (the agent mapped all of the
+ * region from its memfd before it said GONE), so what the request held
+ * (pf_scanner_complete()'s references) is let go now, once, and its answer,
+ * if it comes, changes nothing. */
+static gboolean
+settle_gone_cb(PfPending *pd, gpointer user)
+{
+    GoneRange *g = user;
+
+    if (pd->kind == PF_PENDING_SETTLED || pd->page - g->first >= g->n_pages) {
+        return FALSE;
+    }
+    if (pd->kind != PF_ITEM_COLLAPSE) {
+        put_slot(g->s, pd->slot, pd->node);
+        if (pd->from != 0) {
+            put_slot(g->s, node_at(g->s, pd->from)->slot, pd->from);
+        }
+    }
+    pd->kind = PF_PENDING_SETTLED;
+    return TRUE;
+}
+
 /* Takes the region out of the scanner and out of its VM.  An agent's
  * region keeps its index, as a placeholder (the agent names regions by
  * index); a placeholder holds nothing to release. */
@@ -297,6 +325,13 @@ drop_region(PfScanner *s, PfRegion *r, GArray *keep)
 
     if (!g_ptr_array_find(vm->regions, r, &k)) {
         g_return_if_reached();
+    }
+    if (vm->link != NULL && pf_region_live(r)) {
+        /* Requests for it are settled now, as for a region gone: their
+         * answers, when they come, change nothing. */
+        GoneRange g = { s, r->base, (guint32)r->n_pages };
+
+        pf_link_withdraw(vm->link, settle_gone_cb, &g);
     }
     if (pf_region_live(r)) {
         release_region(s, r, keep);
@@ -940,7 +975,9 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
         o = page_of(other, s);
         if (other == id || o->state != PF_PAGE_UNSHARED ||
             can_merge(orr->vm) != merging || pf_vm_merges(orr->vm) != merge_domain ||
-            !page_equal(s, data, other)) {
+            /* The pair's other request goes to its own agent, which has
+             * as much to answer as its link takes: not now. */
+            (merging && pf_link_room(orr->vm->link) == 0) || !page_equal(s, data, other)) {
             continue;
         }
         if (merging) {
@@ -958,7 +995,8 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
                 g_warning("pool: %s", error->message);
                 break;
             }
-            if (memcmp(pf_pool_data(s->pool, slot), page_data(s, other), PF_PAGE_SIZE) != 0 ||
+            if (!in_memory(page_data(s, other)) ||
+                memcmp(pf_pool_data(s->pool, slot), page_data(s, other), PF_PAGE_SIZE) != 0 ||
                 memcmp(pf_pool_data(s->pool, slot), data, PF_PAGE_SIZE) != 0) {
                 pf_pool_unref(s->pool, slot);
                 continue;
@@ -1115,7 +1153,7 @@ region_at_address(PfScanner *s, const void *addr)
 static void leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to);
 
 /* Pages looked up in memory at a time (mincore()) before they are read. */
-#define RESIDENT_PAGES 256
+#define RESIDENT_PAGES 32
 
 static gsize
 scan_range(PfScanner *s, PfRegion *r, gsize n)
@@ -1452,6 +1490,7 @@ vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
     if (room == 0 && pf_link_waiting_usec(vm->link) > STUCK_USEC) {
         g_debug("VM %s: its agent has answered nothing for %" G_GINT64_FORMAT
                 " ms: passed over", vm->name, pf_link_waiting_usec(vm->link) / 1000);
+        pf_scan_jobs_passed_over(s, vm);
         *skip = TRUE;
     }
     return room;
@@ -1694,7 +1733,7 @@ typedef struct {
 } Abandon;
 
 static void
-abandon_cb(const PfPending *pd, gpointer user)
+abandon_cb(const PfPending *pd, gboolean sent, gpointer user)
 {
     Abandon *ab = user;
     PfRegion *r;
@@ -1705,10 +1744,11 @@ abandon_cb(const PfPending *pd, gpointer user)
     }
     r = region_of(ab->s, pd->page);
     p = pf_region_page(r, pd->page - r->base);
-    /* The agent may have done it or not: its slot may be mapped, and the
-     * one it was moving from. */
+    /* Sent, the agent may have done it or not: its slot may be mapped,
+     * and the one it was moving from.  Never sent, nothing was done: only
+     * the slot it moved from may be mapped. */
     if (pd->kind != PF_ITEM_ZERO) {
-        hold_or_put(ab->s, ab->keep, pd->slot, pd->node);
+        hold_or_put(ab->s, sent ? ab->keep : NULL, pd->slot, pd->node);
     }
     if (pd->from != 0) {
         hold_or_put(ab->s, ab->keep, node_at(ab->s, pd->from)->slot, pd->from);
@@ -1774,34 +1814,6 @@ pf_scanner_add_region(PfScanner *s, PfVm *vm, PfRegion *r)
         pf_region_refuse(r, "no page ids left for it");
         return FALSE;
     }
-    return TRUE;
-}
-
-typedef struct {
-    PfScanner *s;
-    guint32 first, n_pages; /* the page ids of the region that went */
-} GoneRange;
-
-/* A request for a page of a region that left the VM: whatever the agent
- * did with it, the page maps no pool slot now (the agent mapped all of the
- * region from its memfd before it said GONE), so what the request held
- * (pf_scanner_complete()'s references) is let go now, once, and its answer,
- * if it comes, changes nothing. */
-static gboolean
-settle_gone_cb(PfPending *pd, gpointer user)
-{
-    GoneRange *g = user;
-
-    if (pd->kind == PF_PENDING_SETTLED || pd->page - g->first >= g->n_pages) {
-        return FALSE;
-    }
-    if (pd->kind != PF_ITEM_COLLAPSE) {
-        put_slot(g->s, pd->slot, pd->node);
-        if (pd->from != 0) {
-            put_slot(g->s, node_at(g->s, pd->from)->slot, pd->from);
-        }
-    }
-    pd->kind = PF_PENDING_SETTLED;
     return TRUE;
 }
 

@@ -84,15 +84,17 @@ gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
  * come through it), and says when it is done: error NULL when it did all
  * it says, else why not (a VM to unmerge detached meanwhile, pages that
  * could not be unmerged); detached: the VMs detached while it ran, their
- * processes alive ("VM NAME (pid N): why").  The job is freed after done
+ * processes alive ("VM NAME (pid N): why"); passed_over: the VMs scan-now
+ * did not scan all of (their agents stopped answering) or did not wait for
+ * to the end (their agents answer, slowly).  The job is freed after done
  * is called.
  */
 typedef struct _PfScanJob PfScanJob;
 typedef void (*PfScanJobFunc)(PfScanner *s, const GError *error, GPtrArray *detached,
-                              gpointer user);
+                              GPtrArray *passed_over, gpointer user);
 
 /* Scans until n passes have ended (the current one counts if begun) and
- * every request they made is answered. */
+ * every request they made is answered, or 30 s after. */
 PfScanJob *pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done,
                                        gpointer user);
 /* Unmerges every page of one VM, or of all (KSM's run=2): done when no

@@ -359,6 +359,78 @@ test_stuck_agent(void)
     pf_test_vmm_quit(busy);
 }
 
+/*
+ * An agent that takes its requests and answers none, but is not given up
+ * (a long --agent-timeout): scan-now does its passes over the other VM,
+ * waits a bounded time for the stopped one's answers, and says it did not
+ * get them ("passed_over"), rather than wait as long as the agent likes.
+ * The other VM's pages that pair with the stopped one's queue nothing on
+ * its full link.
+ */
+static void
+test_scan_now_bounded(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", "--agent-timeout", "600",
+                                                     NULL);
+    Vmm *x = vmm_start(d, "x", 128, "--zero", "0", "--identical", "100", NULL);
+    Vmm *y = vmm_start(d, "y", 128, "--zero", "0", "--identical", "100", NULL);
+    Ctl *c = ctl_connect(d);
+    g_autoptr(JsonParser) p = json_parser_new();
+    g_autofree char *reply = NULL;
+    JsonObject *ret;
+    JsonArray *notes;
+    double t;
+
+    g_assert_cmpint(kill(x->pid, SIGSTOP), ==, 0);
+    reply = ctl_run(c, "{\"execute\": \"scan-now\", \"arguments\": {\"passes\": 3}}", &t);
+    g_test_message("scan-now took %.1f s with x stopped: %.300s", t, reply);
+    g_assert_true(json_parser_load_from_data(p, reply, -1, NULL));
+    ret = json_object_get_object_member(json_node_get_object(json_parser_get_root(p)), "return");
+    g_assert_nonnull(ret);
+    g_assert_true(json_object_has_member(ret, "passed_over"));
+    notes = json_object_get_array_member(ret, "passed_over");
+    g_assert_nonnull(strstr(json_array_get_string_element(notes, 0), "VM x"));
+    /* The wait for answers is 30 s after the last pass. */
+    g_assert_cmpfloat(t, <, 60);
+    g_assert_nonnull(pf_test_find_vm(json_object_get_array_member(ret, "vms"), "x"));
+    g_assert_cmpint(kill(x->pid, SIGCONT), ==, 0);
+    ctl_free(c);
+    pf_test_vmm_quit(x);
+    pf_test_vmm_quit(y);
+}
+
+/*
+ * An unmerge whose VM is detached before its pages are back fails: they
+ * stay merged in its process.  (It once replied success, with the other
+ * VMs' stats.)
+ */
+static void
+test_unmerge_detached(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *x = vmm_start(d, "x", 64, "--zero", "100", "--identical", "0", NULL);
+    Vmm *y = vmm_start(d, "y", 32, "--zero", "100", "--identical", "0", NULL);
+    Ctl *c = ctl_connect(d);
+    const char *unmerge = "{\"execute\": \"unmerge\", \"arguments\": {\"vm\": \"x\"}}\n";
+    g_autofree char *scanned = NULL, *reply = NULL;
+
+    scanned = ctl_run(c, "{\"execute\": \"scan-now\", \"arguments\": {\"passes\": 2}}", NULL);
+    g_assert_cmpint(vm_counter(d, "x", "zero_pages"), ==, 64 * 256);
+    g_assert_cmpint(kill(x->pid, SIGSTOP), ==, 0);
+    g_assert_cmpint(send(c->fd, unmerge, strlen(unmerge), MSG_NOSIGNAL), ==,
+                    (ssize_t)strlen(unmerge));
+    g_usleep(300000);
+    json_node_unref(pf_test_ctl_json(d, "detach", "x", NULL));
+    g_assert_true(ctl_read_line(c, &reply));
+    g_test_message("unmerge x, x detached meanwhile: %s", reply);
+    g_assert_nonnull(strstr(reply, "\"error\""));
+    g_assert_nonnull(strstr(reply, "detached on request"));
+    g_assert_cmpint(kill(x->pid, SIGCONT), ==, 0);
+    ctl_free(c);
+    pf_test_vmm_quit(x);
+    pf_test_vmm_quit(y);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -366,5 +438,7 @@ main(int argc, char **argv)
     g_test_add_func("/scale/burst", test_burst);
     g_test_add_func("/scale/run2-in-flight", test_run2_in_flight);
     g_test_add_func("/scale/stuck-agent", test_stuck_agent);
+    g_test_add_func("/scale/scan-now-bounded", test_scan_now_bounded);
+    g_test_add_func("/scale/unmerge-detached", test_unmerge_detached);
     return g_test_run();
 }

@@ -443,18 +443,19 @@ pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpoi
 }
 
 void
-pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gpointer user), gpointer user)
+pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gboolean sent, gpointer user),
+             gpointer user)
 {
     ModelBatch *b;
 
     while ((b = g_queue_pop_head(&l->in_flight)) != NULL) {
         for (guint i = 0; i < b->pending->len; i++) {
-            func(&g_array_index(b->pending, PfPending, i), user);
+            func(&g_array_index(b->pending, PfPending, i), TRUE, user);
         }
         batch_free(b);
     }
     for (guint i = 0; i < l->queue_pending->len; i++) {
-        func(&g_array_index(l->queue_pending, PfPending, i), user);
+        func(&g_array_index(l->queue_pending, PfPending, i), FALSE, user);
     }
     g_clear_handle_id(&l->answer_source, g_source_remove);
     g_array_unref(l->queue_items);
