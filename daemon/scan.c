@@ -1394,39 +1394,12 @@ begin_pass(PfScanner *s)
 {
     gsize candidates = 0;
 
-    for (guint i = 0; i < s->vms->len;) {
+    for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
-        g_autoptr(GPtrArray) gone = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
-        g_autoptr(GPtrArray) added = g_ptr_array_new();
-        g_autoptr(GError) error = NULL;
 
-        if (!pf_vm_refresh(vm, gone, added, &error)) {
-            pf_scanner_detach(s, vm, error->message);
-            continue;
-        }
-        if (!check_dropped(s, vm, &error)) {
-            pf_scanner_detach(s, vm, error->message);
-            continue;
-        }
-        for (guint k = 0; k < gone->len; k++) {
-            release_region(s, g_ptr_array_index(gone, k), NULL);
-        }
-        for (guint k = 0; k < added->len; k++) {
-            PfRegion *r = g_ptr_array_index(added, k);
-
-            if (!place_region(s, r)) {
-                g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
-                g_ptr_array_remove(vm->regions, r);
-            }
-        }
         /* Only a page that kept its checksum since its last visit enters
          * the unstable tree: one volatile or unshared now. */
         candidates += vm->count[PF_PAGE_VOLATILE] + vm->count[PF_PAGE_UNSHARED];
-        if (pf_vm_merges(vm)) {
-            vm->vmas = pf_vm_count_vmas(vm);
-            vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
-        }
-        i++;
     }
     if (s->vms->len == 0) {
         return FALSE;
@@ -1443,10 +1416,49 @@ begin_pass(PfScanner *s)
     evacuate(s);
     s->in_pass = TRUE;
     s->cur_vm = 0;
+    s->entered = G_MAXUINT;
     s->cur_region = 0;
     s->cur_page = 0;
     s->data_end = 0;
     s->pass_start_usec = g_get_monotonic_time();
+    return TRUE;
+}
+
+/*
+ * The cursor comes to a VM: what it maps is looked at again (its regions
+ * if attached by pid, the pool chunks it was told to drop, its mappings),
+ * here rather than for every VM as the pass begins: each look reads its
+ * /proc/PID/maps, which waits for the process's mmap lock, and a busy VMM
+ * remapping its RAM holds it for a while.  FALSE when the VM was detached
+ * (the cursor is at the next one then).
+ */
+static gboolean
+enter_vm(PfScanner *s, PfVm *vm)
+{
+    g_autoptr(GPtrArray) gone = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
+    g_autoptr(GPtrArray) added = g_ptr_array_new();
+    g_autoptr(GError) error = NULL;
+
+    if (!pf_vm_refresh(vm, gone, added, &error) || !check_dropped(s, vm, &error)) {
+        pf_scanner_detach(s, vm, error->message);
+        s->entered = G_MAXUINT;
+        return FALSE;
+    }
+    for (guint k = 0; k < gone->len; k++) {
+        release_region(s, g_ptr_array_index(gone, k), NULL);
+    }
+    for (guint k = 0; k < added->len; k++) {
+        PfRegion *r = g_ptr_array_index(added, k);
+
+        if (!place_region(s, r)) {
+            g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
+            g_ptr_array_remove(vm->regions, r);
+        }
+    }
+    if (pf_vm_merges(vm)) {
+        vm->vmas = pf_vm_count_vmas(vm);
+        vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
+    }
     return TRUE;
 }
 
@@ -1516,6 +1528,12 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
             break;
         }
         vm = g_ptr_array_index(s->vms, s->cur_vm);
+        if (s->entered != s->cur_vm) {
+            s->entered = s->cur_vm;
+            if (!enter_vm(s, vm)) {
+                continue;
+            }
+        }
         room = vm_room(s, vm, &skip);
         if (skip) {
             next_vm(s);
@@ -1796,7 +1814,9 @@ pf_scanner_remove_vm(PfScanner *s, PfVm *vm)
     g_clear_pointer(&ab.keep, g_array_unref);
     if (idx < s->cur_vm) {
         s->cur_vm--;
+        s->entered -= s->entered != G_MAXUINT;
     } else if (idx == s->cur_vm) {
+        s->entered = G_MAXUINT;
         s->cur_region = 0;
         s->cur_page = 0;
         s->data_end = 0;
