@@ -1105,16 +1105,20 @@ row_free(gpointer p)
     g_free(r);
 }
 
+/* The line of a case that did not run: "skipped" (it would not fit) or
+ * "failed" (it could not be set up), and why. */
 static void
-skip_line(GPtrArray *rows, const char *workload, int gib, int vms, int vm_mib, const char *why)
+status_line(GPtrArray *rows, const char *workload, int gib, int vms, int vm_mib,
+            const char *status, const char *why)
 {
     g_autoptr(JsonBuilder) b = json_builder_new();
     Row *r = row_new(rows, workload, gib, vms);
 
-    r->skipped = TRUE;
+    r->skipped = g_str_equal(status, "skipped");
+    r->failed = !r->skipped;
     r->why = g_strdup(why);
     begin_line(b, workload, gib, vms, vm_mib);
-    add_bool(b, "skipped", TRUE);
+    add_bool(b, status, TRUE);
     add_str(b, "why", why);
     json_builder_end_object(b);
     print_builder(b);
@@ -1192,10 +1196,10 @@ run_case(GPtrArray *rows, const char *layout, gboolean want_mixed, gboolean want
             need_mib, reserve_mib, avail);
 
         if (zero || want_mixed) {
-            skip_line(rows, first_name, gib, n, vm_mib, why);
+            status_line(rows, first_name, gib, n, vm_mib, "skipped", why);
         }
         if (want_reboot) {
-            skip_line(rows, "reboot", gib, n, vm_mib, why);
+            status_line(rows, "reboot", gib, n, vm_mib, "skipped", why);
         }
         return;
     }
@@ -1252,16 +1256,7 @@ run_case(GPtrArray *rows, const char *layout, gboolean want_mixed, gboolean want
     }
     spawn_s = bench_now() - t_spawn;
     if (!setup_ok) {
-        g_autoptr(JsonBuilder) b = json_builder_new();
-        Row *r = row_new(rows, first_name, gib, n);
-
-        r->failed = TRUE;
-        r->why = g_strdup(setup_why);
-        begin_line(b, first_name, gib, n, vm_mib);
-        add_bool(b, "failed", TRUE);
-        add_str(b, "why", setup_why);
-        json_builder_end_object(b);
-        print_builder(b);
+        status_line(rows, first_name, gib, n, vm_mib, "failed", setup_why);
         goto out;
     }
 
