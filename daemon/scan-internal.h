@@ -65,6 +65,7 @@ struct _PfScanner {
     gsize cur_page;
     gsize data_end; /* end of the memfd data extent holding cur_page */
     gboolean blocked; /* the last scan stopped at an agent's full link */
+    gint64 slice_end; /* monotonic: a scan stops here (0: at max_pages) */
 
     guint64 full_scans;
     guint64 memcmp_calls;

@@ -1152,6 +1152,19 @@ region_at_address(PfScanner *s, const void *addr)
 
 static void leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to);
 
+/*
+ * Whether the slice of main-loop time the scan runs in is spent.  Looked
+ * at page by page: reading a VMM's pagemap waits for its mmap lock, which
+ * its agent holds while it remaps, and lseek() on its memfd for the inode
+ * lock a punch holds; each wait is short, but a slice must not add up
+ * thousands of them.
+ */
+static gboolean
+past_slice(PfScanner *s)
+{
+    return s->slice_end != 0 && g_get_monotonic_time() >= s->slice_end;
+}
+
 /* Pages looked up in memory at a time (mincore()) before they are read. */
 #define RESIDENT_PAGES 32
 
@@ -1181,7 +1194,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         return i - start;
     }
     guard_env = &env;
-    while (i < start + n) {
+    while (i < start + n && (i == start || !past_slice(s))) {
         guint8 in_memory[RESIDENT_PAGES];
         gsize k = MIN(start + n - i, RESIDENT_PAGES);
 
@@ -1191,7 +1204,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         if (mincore((void *)(r->map + i * PF_PAGE_SIZE), k * PF_PAGE_SIZE, in_memory) < 0) {
             memset(in_memory, 1, k);
         }
-        for (gsize j = 0; j < k; j++, i++) {
+        for (gsize j = 0; j < k && (j == 0 || !past_slice(s)); j++, i++) {
             if (in_memory[j] & 1) {
                 visit(s, r, i);
             } else {
@@ -1200,8 +1213,8 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         }
     }
     guard_env = NULL;
-    s->cur_page = start + n;
-    return n;
+    s->cur_page = i;
+    return i - start;
 }
 
 /*
@@ -1514,7 +1527,7 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
     gsize done = 0;
 
     s->blocked = FALSE;
-    while (done < max_pages) {
+    while (done < max_pages && !(done > 0 && past_slice(s))) {
         PfVm *vm;
         PfRegion *r;
         gsize room;
@@ -1991,18 +2004,19 @@ batch_size(PfScanner *s)
 gsize
 pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec)
 {
-    gint64 end = g_get_monotonic_time() + usec;
     guint64 scans = s->full_scans;
     gsize done = 0;
 
+    s->slice_end = g_get_monotonic_time() + usec;
     while (done < max_pages) {
         gsize n = pf_scanner_scan(s, MIN(max_pages - done, 4096));
 
         done += n;
-        if (n == 0 || s->blocked || s->full_scans != scans || g_get_monotonic_time() >= end) {
+        if (n == 0 || s->blocked || s->full_scans != scans || past_slice(s)) {
             break;
         }
     }
+    s->slice_end = 0;
     return done;
 }
 
