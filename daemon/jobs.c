@@ -14,12 +14,6 @@
 #include "link.h"
 #include "util.h"
 
-/*
- * A command that takes as long as the agents take (scan-now's passes and
- * their answers, an unmerge) runs as a job: a step at a time from the main
- * loop, which reads the agents' answers and the control socket between
- * steps, and its caller is told when it is really done, or why not.
- */
 typedef enum {
     JOB_PASSES,
     JOB_UNMERGE,

@@ -30,8 +30,9 @@
  * nothing for SEND_STALL_MS is given up, and one that answers none of its
  * requests for the answer timeout too.  Flow control: at most WINDOW_ITEMS
  * are sent and not answered, so that neither end ever blocks on the other
- * however many requests the scanner decides at once.  A refused peer leaves nothing
- * behind: its link owns every descriptor it passed or was given.
+ * however many requests the scanner decides at once.  A refused peer
+ * leaves nothing behind: its link owns every descriptor it passed or was
+ * given.
  */
 #include "link.h"
 
@@ -70,8 +71,8 @@
 /*
  * Items sent and not answered yet, at most.  The agent answers on a
  * blocking socket: the answers to this many must fit in what its socket
- * holds (it asks for AGENT_SNDBUF, a batch's answer is 16 KiB), or it
- * would wait for pagefoldd while pagefoldd waits for it.  Requests past it
+ * holds (it asks for 256 KiB; a batch's answer is 16 KiB), or it would
+ * wait for pagefoldd while pagefoldd waits for it.  Requests past it
  * wait in the link, formed and numbered when they go.
  */
 #define WINDOW_ITEMS (4 * PF_PROTO_MAX_ITEMS)
