@@ -246,11 +246,18 @@ pf_stats_format_prometheus(JsonObject *stats)
             JsonObject *vm = json_array_get_object_element(vms, v);
 
             /* Names are labels two VMs may share: the pid tells them
-             * apart. */
+             * apart.  The UUID (libvirt's, QEMU's -uuid), where the VM
+             * has one, is what survives a restart of its QEMU. */
             g_string_append_printf(out, "%s{vm=\"", metric);
             prom_escape(out, member_str(vm, "name"));
-            g_string_append_printf(out, "\",pid=\"%" G_GINT64_FORMAT "\",mode=\"",
+            g_string_append_printf(out, "\",pid=\"%" G_GINT64_FORMAT "\",",
                                    member_int(vm, "pid"));
+            if (member_str(vm, "uuid") != NULL && *member_str(vm, "uuid") != '\0') {
+                g_string_append(out, "uuid=\"");
+                prom_escape(out, member_str(vm, "uuid"));
+                g_string_append(out, "\",");
+            }
+            g_string_append(out, "mode=\"");
             prom_escape(out, member_str(vm, "mode"));
             g_string_append_printf(out, "\"} %" G_GINT64_FORMAT "\n",
                                    member_int(vm, ci->name));

@@ -49,7 +49,8 @@ sample(void)
         "\"pages_sharing\":5,\"zero_pages\":2,\"full_scans\":7,\"pages_scanned\":99},"
         "\"vms\":[{\"name\":\"a \\\"q\\\"\",\"pid\":10,\"mode\":\"advise\",\"pages_shared\":2,"
         "\"pages_sharing\":1,\"zero_pages\":2,\"full_scans\":7,\"pages_scanned\":50},"
-        "{\"name\":\"b\",\"pid\":11,\"mode\":\"advise\",\"pages_shared\":1,\"pages_sharing\":4,"
+        "{\"name\":\"b\",\"pid\":11,\"uuid\":\"c7a5fdbd-cdaf-9455-926a-d65c16db1809\","
+        "\"mode\":\"advise\",\"pages_shared\":1,\"pages_sharing\":4,"
         "\"full_scans\":7,\"pages_scanned\":49}]}";
     g_autoptr(JsonParser) p = json_parser_new();
 
@@ -66,10 +67,15 @@ test_prometheus(void)
     g_assert_nonnull(strstr(text, "pagefold_info{mode=\"advise\",hash=\"xxh3\"} 1\n"));
     g_assert_nonnull(strstr(text, "# TYPE pagefold_pages_sharing gauge\n"));
     g_assert_nonnull(strstr(text, "pagefold_pages_sharing{vm=\"a \\\"q\\\"\",pid=\"10\",mode=\"advise\"} 1\n"));
-    g_assert_nonnull(strstr(text, "pagefold_pages_sharing{vm=\"b\",pid=\"11\",mode=\"advise\"} 4\n"));
+    /* A VM with a UUID (libvirt's) has it as a label too. */
+    g_assert_nonnull(strstr(text, "pagefold_pages_sharing{vm=\"b\",pid=\"11\","
+                                  "uuid=\"c7a5fdbd-cdaf-9455-926a-d65c16db1809\","
+                                  "mode=\"advise\"} 4\n"));
     g_assert_nonnull(strstr(text, "pagefold_pages_sharing 5\n"));
     g_assert_nonnull(strstr(text, "# TYPE pagefold_full_scans_total counter\n"));
-    g_assert_nonnull(strstr(text, "pagefold_pages_scanned_total{vm=\"b\",pid=\"11\",mode=\"advise\"} 49\n"));
+    g_assert_nonnull(strstr(text, "pagefold_pages_scanned_total{vm=\"b\",pid=\"11\","
+                                  "uuid=\"c7a5fdbd-cdaf-9455-926a-d65c16db1809\","
+                                  "mode=\"advise\"} 49\n"));
     g_assert_null(strstr(text, "pagefold_pages_shared_total"));
 }
 
