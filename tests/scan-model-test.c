@@ -361,7 +361,11 @@ pf_link_flush(PfLink *l)
     g_queue_push_tail(&l->in_flight, b);
     l->n_in_flight += b->pending->len;
     if (l->answer_source == 0) {
-        l->answer_source = g_idle_add(answer_idle, l);
+        /* Below the scanner's own steps: a pass decides all it can before
+         * the agents answer, as the cases here expect (the real agents
+         * answer as fast as they do; the cases that answer mid-pass say
+         * so with before_answer). */
+        l->answer_source = g_idle_add_full(G_PRIORITY_LOW, answer_idle, l, NULL);
     }
 }
 
