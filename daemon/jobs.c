@@ -37,7 +37,6 @@ struct _PfScanJob {
     GPtrArray *passed_over; /* the same, of VMs a passes job did not scan
                              * all of, or whose answers it did not wait
                              * for to the end */
-    gint64 settling;    /* JOB_PASSES: when its last pass ended */
     PfScanJobFunc done;
     gpointer user;
     guint source;
@@ -52,7 +51,7 @@ struct _PfScanJob {
 /* A step's share of the main loop: the control socket and the agents'
  * answers wait at most this long for it. */
 #define STEP_USEC 10000
-/* How long a passes job waits for the answers to its last pass. */
+/* How long a passes job waits for an agent that answers nothing. */
 #define SETTLE_USEC (30 * G_USEC_PER_SEC)
 /* Pages an unmerge sweep looks at between looks at the clock. */
 #define SWEEP_PAGES 65536
@@ -94,13 +93,15 @@ note_passed_over(PfScanJob *j, PfVm *vm, const char *why)
 
 /* Each pass begins once the last one's requests are answered, as KSM's
  * do (its merges are made as it scans): a pass sees what the last one
- * did.  The job ends when every request is answered, or SETTLE_USEC after
- * its last pass: an agent that answers, but slowly (or a hostile one that
- * answers just often enough to stay attached), is noted, not waited for. */
+ * did.  The job ends when every request is answered, or its agent has
+ * answered nothing for SETTLE_USEC: an agent that answers, however slowly,
+ * is waited for (what it has to answer is bounded by its link's room); one
+ * that stopped, but not for long enough to be given up, is noted. */
 static StepResult
 passes_step(PfScanJob *j)
 {
     PfScanner *s = j->s;
+    gboolean due = FALSE;
 
     if (s->full_scans < j->target && s->vms->len > 0) {
         if (!s->in_pass && answers_due(s->vms, TRUE)) {
@@ -108,27 +109,27 @@ passes_step(PfScanJob *j)
         }
         return pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC) > 0 ? STEP_AGAIN : STEP_WAIT;
     }
-    if (!answers_due(s->vms, FALSE)) {
-        return STEP_DONE;
-    }
-    if (j->settling == 0) {
-        j->settling = g_get_monotonic_time();
-    }
-    if (g_get_monotonic_time() - j->settling < SETTLE_USEC) {
-        return STEP_WAIT;
-    }
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (vm->link != NULL && pf_link_in_flight(vm->link) > 0) {
-            g_autofree char *why = g_strdup_printf("%zu request item(s) not answered in %d s",
+        if (vm->link == NULL || pf_link_in_flight(vm->link) == 0) {
+            continue;
+        }
+        /* Requests an answer called for, to another VM (a node that
+         * moved), go now. */
+        pf_link_flush(vm->link);
+        if (pf_link_waiting_usec(vm->link) < SETTLE_USEC) {
+            due = TRUE;
+        } else {
+            g_autofree char *why = g_strdup_printf("%zu request item(s) not answered: its "
+                                                   "agent answered nothing for %d s",
                                                    pf_link_in_flight(vm->link),
                                                    (int)(SETTLE_USEC / G_USEC_PER_SEC));
 
             note_passed_over(j, vm, why);
         }
     }
-    return STEP_DONE;
+    return due ? STEP_WAIT : STEP_DONE;
 }
 
 /* Pages of the targets still merged, or on their way in or out. */
