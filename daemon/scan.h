@@ -94,7 +94,8 @@ typedef void (*PfScanJobFunc)(PfScanner *s, const GError *error, GPtrArray *deta
                               GPtrArray *passed_over, gpointer user);
 
 /* Scans until n passes have ended (the current one counts if begun) and
- * every request they made is answered, or 30 s after. */
+ * every request they made is answered, but for agents that answered
+ * nothing for 30 s (passed_over). */
 PfScanJob *pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done,
                                        gpointer user);
 /* Unmerges every page of one VM, or of all (KSM's run=2): done when no
