@@ -70,7 +70,7 @@ answers_due(GPtrArray *vms, gboolean answering)
         PfVm *vm = g_ptr_array_index(vms, i);
 
         if (vm->link != NULL && pf_link_in_flight(vm->link) > 0 &&
-            !(answering && pf_link_waiting_usec(vm->link) > STUCK_USEC)) {
+            !(answering && pf_agent_silent(vm))) {
             return TRUE;
         }
     }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "cow.h"
+#include "link.h"
 #include "scan.h"
 
 /* A page found equal to node, whose slot its VM may not read. */
@@ -90,6 +91,14 @@ struct _PfScanner {
  * passed over for the rest of the pass: one stopped VM must not hold up
  * the scanning of the others (its link gives it up later). */
 #define STUCK_USEC (G_USEC_PER_SEC / 2)
+
+/* Whether the VM's agent has had requests to answer and answered none of
+ * them for STUCK_USEC: passed over, not waited for. */
+static inline gboolean
+pf_agent_silent(PfVm *vm)
+{
+    return vm->link != NULL && pf_link_waiting_usec(vm->link) > STUCK_USEC;
+}
 
 /* Scans for about usec, or up to max_pages, or to the end of the pass;
  * returns the pages visited. */

@@ -1512,7 +1512,7 @@ vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
     }
     /* A visit asks for two pages at most (a pair from the unstable tree). */
     room = pf_link_room(vm->link) / 2;
-    if (room == 0 && pf_link_waiting_usec(vm->link) > STUCK_USEC) {
+    if (room == 0 && pf_agent_silent(vm)) {
         g_debug("VM %s: its agent has answered nothing for %" G_GINT64_FORMAT
                 " ms: passed over", vm->name, pf_link_waiting_usec(vm->link) / 1000);
         pf_scan_jobs_passed_over(s, vm);

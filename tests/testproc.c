@@ -27,28 +27,22 @@ pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
     return g_subprocess_launcher_spawnv(l, argv, error);
 }
 
+static gboolean take_ready(PfTestVmm *v, const char *line, GError **error);
+
 PfTestVmm *
 pf_test_vmm_spawn(const char *const *argv)
 {
     g_autoptr(GError) error = NULL;
     g_autofree char *line = NULL;
-    g_auto(GStrv) words = NULL;
-    PfTestVmm *v = g_new0(PfTestVmm, 1);
+    PfTestVmm *v = pf_test_vmm_launch(argv, &error);
 
-    v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE,
-                             argv, &error);
     g_assert_no_error(error);
-    v->out = g_data_input_stream_new(g_subprocess_get_stdout_pipe(v->proc));
-    v->in = g_subprocess_get_stdin_pipe(v->proc);
     line = g_data_input_stream_read_line(v->out, NULL, NULL, NULL);
     if (line == NULL) {
         pf_test_vmm_free(v);
         return NULL;
     }
-    words = g_strsplit(line, " ", 3);
-    g_assert_cmpstr(words[0], ==, "ready");
-    v->pid = atoi(words[1]);
-    v->mode = g_strdup(words[2]);
+    g_assert_true(take_ready(v, line, &error));
     return v;
 }
 
@@ -68,16 +62,12 @@ pf_test_vmm_launch(const char *const *argv, GError **error)
     return v;
 }
 
-gboolean
-pf_test_vmm_wait_ready(PfTestVmm *v, double timeout_s, GError **error)
+/* Takes "ready PID MODE", the stand-in's first line. */
+static gboolean
+take_ready(PfTestVmm *v, const char *line, GError **error)
 {
-    g_autofree char *line = pf_test_vmm_read_line(v, timeout_s, error);
-    g_auto(GStrv) words = NULL;
+    g_auto(GStrv) words = g_strsplit(line, " ", 3);
 
-    if (line == NULL) {
-        return FALSE;
-    }
-    words = g_strsplit(line, " ", 3);
     if (g_strv_length(words) != 3 || !g_str_equal(words[0], "ready")) {
         g_set_error(error, G_IO_ERROR, G_IO_ERROR_INVALID_DATA,
                     "stand-in said '%s' instead of ready", line);
@@ -87,6 +77,14 @@ pf_test_vmm_wait_ready(PfTestVmm *v, double timeout_s, GError **error)
     g_free(v->mode);
     v->mode = g_strdup(words[2]);
     return TRUE;
+}
+
+gboolean
+pf_test_vmm_wait_ready(PfTestVmm *v, double timeout_s, GError **error)
+{
+    g_autofree char *line = pf_test_vmm_read_line(v, timeout_s, error);
+
+    return line != NULL && take_ready(v, line, error);
 }
 
 gboolean
@@ -163,10 +161,9 @@ char *
 pf_test_vmm_cmd(PfTestVmm *v, const char *cmd)
 {
     g_autoptr(GError) error = NULL;
-    g_autofree char *line = g_strconcat(cmd, "\n", NULL);
     char *reply;
 
-    g_assert_true(g_output_stream_write_all(v->in, line, strlen(line), NULL, NULL, &error));
+    g_assert_true(pf_test_vmm_send(v, cmd, &error));
     reply = g_data_input_stream_read_line(v->out, NULL, NULL, &error);
     g_assert_no_error(error);
     g_assert_nonnull(reply);
