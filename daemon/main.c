@@ -33,6 +33,7 @@ main(int argc, char **argv)
     g_autofree char *socket_path = NULL;
     g_autofree char *agent_path = NULL;
     g_autofree char *hash_name = NULL;
+    g_autofree char *agent_group = NULL;
     g_auto(GStrv) attach = NULL;
     g_auto(GStrv) sets = NULL;
     gboolean version = FALSE;
@@ -42,6 +43,9 @@ main(int argc, char **argv)
           "Control socket (default " PF_DEFAULT_SOCKET ")", "PATH" },
         { "agent-socket", 0, 0, G_OPTION_ARG_FILENAME, &agent_path,
           "Socket the agents in QEMU connect to (default " PF_DEFAULT_AGENT_SOCKET ")", "PATH" },
+        { "agent-group", 0, 0, G_OPTION_ARG_STRING, &agent_group,
+          "Let this group's processes connect to the agent socket too (mode 0660), "
+          "e.g. libvirt-qemu (default: root only)", "GROUP" },
         { "hash", 0, 0, G_OPTION_ARG_STRING, &hash_name,
           "Page checksum: xxh3 (default), xxh64, crc32c, jhash2", "NAME" },
         { "set", 0, 0, G_OPTION_ARG_STRING_ARRAY, &sets,
@@ -118,6 +122,10 @@ main(int argc, char **argv)
     links = pf_link_server_new(scanner, agent_path ? agent_path : PF_DEFAULT_AGENT_SOCKET, &error);
     if (links == NULL) {
         g_printerr("pagefoldd: %s\n", error->message);
+        return 1;
+    }
+    if (agent_group != NULL && !pf_link_server_allow_group(links, agent_group, &error)) {
+        g_printerr("pagefoldd: --agent-group: %s\n", error->message);
         return 1;
     }
     pf_link_server_set_answer_timeout(links, (guint)agent_timeout * 1000);
