@@ -676,16 +676,18 @@ on_ready(PfLink *l, const PfMsg *msg)
      * The agent knows this VM better than /proc did: it replaces a VM
      * attached by pid. */
     old = pf_scanner_find_vm_by_pid(s, l->peer_pid);
-    if (old != NULL) {
-        if (old->link != NULL) {
-            return link_refuse(l, "process %d already has an agent connected", l->peer_pid);
-        }
-        pf_scanner_remove_vm(s, old);
+    if (old != NULL && old->link != NULL) {
+        return link_refuse(l, "process %d already has an agent connected", l->peer_pid);
     }
     vm = pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name, l->hello.uuid,
                               l->regions, &error);
     if (vm == NULL) {
         return link_refuse(l, "%s", error->message);
+    }
+    if (old != NULL) {
+        /* Whom it may share with was said of the process (libvirt's hook). */
+        vm->domain = old->domain;
+        pf_scanner_remove_vm(s, old);
     }
     if (m->mode == PF_MODE_MERGE) {
         vm->mode = "merge";

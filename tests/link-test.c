@@ -1319,8 +1319,10 @@ connect_as(PfTestDaemon *d, uid_t uid, gid_t gid, gboolean dac_override, const c
         h.version = PF_PROTO_VERSION;
         h.pid = (guint32)getpid();
         pf_wire_set_string(h.name, sizeof(h.name), "unprivileged");
-        if (!pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL) ||
-            !pf_proto_recv(fd, m, NULL)) {
+        /* A refused peer finds the socket closed under its HELLO: what
+         * it is told waits to be read all the same. */
+        pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL);
+        if (!pf_proto_recv(fd, m, NULL)) {
             _exit(3);
         }
         if (m->header.type == PF_MSG_WELCOME) {
@@ -1370,15 +1372,20 @@ test_agent_group(void)
     }
     {
         /* A group that does not exist: a clear error, no daemon. */
+        g_autofree char *dir = g_dir_make_tmp("pagefold-test-XXXXXX", NULL);
+        g_autofree char *ctl = g_build_filename(dir, "ctl.sock", NULL);
+        g_autofree char *agent = g_build_filename(dir, "agent.sock", NULL);
         g_autoptr(GSubprocess) p = g_subprocess_new(
-            G_SUBPROCESS_FLAGS_STDERR_PIPE, NULL, g_getenv("PAGEFOLDD"), "--socket",
-            "/nonexistent/ctl.sock", "--agent-group", "no-such-group-pf", NULL);
+            G_SUBPROCESS_FLAGS_STDERR_PIPE, NULL, g_getenv("PAGEFOLDD"), "--socket", ctl,
+            "--agent-socket", agent, "--agent-group", "no-such-group-pf", NULL);
         g_autofree char *err = NULL;
 
         g_assert_nonnull(p);
         g_assert_true(g_subprocess_communicate_utf8(p, NULL, NULL, NULL, &err, NULL));
         g_assert_false(g_subprocess_get_successful(p));
         g_assert_nonnull(strstr(err, "--agent-group"));
+        g_assert_false(g_file_test(agent, G_FILE_TEST_EXISTS));
+        rmdir(dir);
     }
 }
 
