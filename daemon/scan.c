@@ -2206,8 +2206,7 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
                 c->metadata_bytes += pf_region_record_bytes(r);
             }
         }
-        c->general_profit = (gint64)((c->pages_sharing + c->zero_pages) * PF_PAGE_SIZE) -
-                            (gint64)c->metadata_bytes;
+        c->general_profit = (gint64)pf_counters_saved_bytes(c) - (gint64)c->metadata_bytes;
         pf_counters_add(total, c);
     }
     /* A pass covers all VMs: the total counts passes, not their sum. */
