@@ -6,15 +6,12 @@
  * no or could not be reached, 2 bad usage.  It never changes what pagefoldd
  * answers, only how it is shown.
  */
-#include <errno.h>
 #include <glib.h>
 #include <json-glib/json-glib.h>
 #include <locale.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
 
+#include "client.h"
 #include "stats.h"
 #include "util.h"
 
@@ -35,87 +32,6 @@ usage_error(const char *msg)
 {
     g_printerr("pagefoldctl: %s\n%s", msg, usage_text);
     return 2;
-}
-
-static gboolean
-read_line(int fd, GString *buf, char **line, GError **error)
-{
-    for (;;) {
-        char *nl = memchr(buf->str, '\n', buf->len);
-        char chunk[65536];
-        ssize_t n;
-
-        if (nl != NULL) {
-            *line = g_strndup(buf->str, (gsize)(nl - buf->str));
-            g_string_erase(buf, 0, nl - buf->str + 1);
-            return TRUE;
-        }
-        n = read(fd, chunk, sizeof(chunk));
-        if (n < 0 && errno == EINTR) {
-            continue;
-        }
-        if (n <= 0) {
-            g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                        "pagefoldd closed the connection%s%s",
-                        n < 0 ? ": " : "", n < 0 ? g_strerror(errno) : "");
-            return FALSE;
-        }
-        g_string_append_len(buf, chunk, n);
-    }
-}
-
-static JsonNode *
-call(const char *path, JsonNode *request, GError **error)
-{
-    struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    g_autoptr(GString) buf = g_string_new(NULL);
-    g_autofree char *greeting = NULL;
-    g_autofree char *reply = NULL;
-    g_autofree char *text = json_to_string(request, FALSE);
-    g_autoptr(JsonParser) parser = json_parser_new();
-    int fd;
-    gsize off = 0;
-
-    if (strlen(path) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long");
-        return NULL;
-    }
-    strcpy(addr.sun_path, path);
-    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
-        int e = errno;
-
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                    "cannot connect to %s: %s (is pagefoldd running?)", path, g_strerror(e));
-        if (fd >= 0) {
-            close(fd);
-        }
-        return NULL;
-    }
-    text = g_realloc(text, strlen(text) + 2);
-    strcat(text, "\n");
-    while (off < strlen(text)) {
-        ssize_t n = send(fd, text + off, strlen(text) - off, MSG_NOSIGNAL);
-
-        if (n < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "send: %s", g_strerror(errno));
-            close(fd);
-            return NULL;
-        }
-        off += (gsize)n;
-    }
-    if (!read_line(fd, buf, &greeting, error) || !read_line(fd, buf, &reply, error)) {
-        close(fd);
-        return NULL;
-    }
-    close(fd);
-    if (!json_parser_load_from_data(parser, reply, -1, error)) {
-        return NULL;
-    }
-    return json_node_copy(json_parser_get_root(parser));
 }
 
 static void
@@ -278,7 +194,7 @@ main(int argc, char **argv)
     json_builder_end_object(b);
     request = json_builder_get_root(b);
 
-    reply = call(socket_path ? socket_path : PF_DEFAULT_SOCKET, request, &error);
+    reply = pf_client_call(socket_path ? socket_path : PF_DEFAULT_SOCKET, request, -1, &error);
     if (reply == NULL) {
         g_printerr("pagefoldctl: %s\n", error->message);
         return 1;
