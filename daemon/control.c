@@ -303,18 +303,27 @@ static gboolean
 cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
     gint64 pid;
-    const char *name;
+    const char *name, *uuid_text;
+    guint8 uuid[16];
     g_autoptr(PfVm) vm = NULL;
     GPtrArray *vms = pf_scanner_get_vms(c->scanner);
 
     pid = arg_int(args, "pid", 0);
     name = arg_str(args, "name");
+    uuid_text = arg_str(args, "uuid");
     if (pid <= 0 || pid > G_MAXINT) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "pid must be a positive process id, not %" G_GINT64_FORMAT, pid);
         return FALSE;
     }
     if (name != NULL && !name_is_valid(name, error)) {
+        return FALSE;
+    }
+    /* The caller's UUID (libvirt's, from the domain XML through its hook)
+     * labels the VM rather than what QEMU's -uuid says, if anything. */
+    if (uuid_text != NULL && !pf_uuid_parse(uuid_text, uuid)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "uuid must be 32 hex digits, dashes or not, not '%s'", uuid_text);
         return FALSE;
     }
     for (guint i = 0; i < vms->len; i++) {
@@ -331,6 +340,9 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     vm = pf_vm_attach((int)pid, name, error);
     if (vm == NULL) {
         return FALSE;
+    }
+    if (uuid_text != NULL) {
+        memcpy(vm->uuid, uuid, sizeof(vm->uuid));
     }
     g_message("VM %s (pid %d) attached in mode %s: %u region(s), %zu pages",
               vm->name, vm->pid, vm->mode, vm->regions->len, pf_vm_n_pages(vm));
@@ -500,7 +512,8 @@ static const struct {
     const ArgSpec *args;
 } commands[] = {
     { "qmp_capabilities", cmd_capabilities, ARGS() },
-    { "attach", cmd_attach, ARGS({ "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE }, ) },
+    { "attach", cmd_attach, ARGS({ "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE },
+                                 { "uuid", ARG_STRING, FALSE }, ) },
     { "detach", cmd_detach, ARGS({ "vm", ARG_STRING, TRUE }, ) },
     { "merge-domain", cmd_merge_domain,
       ARGS({ "vm", ARG_STRING, TRUE }, { "name", ARG_STRING, FALSE }, ) },
