@@ -24,7 +24,6 @@
 #include <gio/gio.h>
 #include <glib-unix.h>
 #include <glib.h>
-#include <glib/gstdio.h>
 #include <grp.h>
 #include <json-glib/json-glib.h>
 #include <linux/close_range.h>

@@ -928,7 +928,8 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
     f->spawned = started_pid(&r);
     /* It answers (by the hook's deadline or a little after: its own
      * log said which). */
-    for (int i = 0; i < 1000 && (listener = listener_pid(f->sock)) == 0; i++) {
+    for (int i = 0; i < 1000 && ((listener = listener_pid(f->sock)) == 0 ||
+                                 !g_file_test(agent_sock, G_FILE_TEST_EXISTS)); i++) {
         g_usleep(10000);
     }
     g_assert_cmpint(listener, ==, f->spawned);
