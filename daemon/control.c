@@ -303,14 +303,16 @@ static gboolean
 cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
     gint64 pid;
-    const char *name, *uuid_text;
+    const char *name, *uuid_text, *domain;
     guint8 uuid[16];
     g_autoptr(PfVm) vm = NULL;
+    PfVm *added;
     GPtrArray *vms = pf_scanner_get_vms(c->scanner);
 
     pid = arg_int(args, "pid", 0);
     name = arg_str(args, "name");
     uuid_text = arg_str(args, "uuid");
+    domain = arg_str(args, "merge-domain");
     if (pid <= 0 || pid > G_MAXINT) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "pid must be a positive process id, not %" G_GINT64_FORMAT, pid);
@@ -324,6 +326,9 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     if (uuid_text != NULL && !pf_uuid_parse(uuid_text, uuid)) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "uuid must be 32 hex digits, dashes or not, not '%s'", uuid_text);
+        return FALSE;
+    }
+    if (domain != NULL && !label_is_valid("a merge domain", domain, error)) {
         return FALSE;
     }
     for (guint i = 0; i < vms->len; i++) {
@@ -346,8 +351,16 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     }
     g_message("VM %s (pid %d) attached in mode %s: %u region(s), %zu pages",
               vm->name, vm->pid, vm->mode, vm->regions->len, pf_vm_n_pages(vm));
-    vm_to_json(vm, b);
-    pf_scanner_add_vm(c->scanner, g_steal_pointer(&vm));
+    added = g_steal_pointer(&vm);
+    pf_scanner_add_vm(c->scanner, added);
+    /* In its domain before the scanner sees a page of it (the libvirt
+     * hook's case): set later, it could be refused, having shared pages
+     * in the default one.  Nothing shared yet: it cannot fail. */
+    if (domain != NULL && !pf_scanner_set_merge_domain(c->scanner, added, domain, error)) {
+        pf_scanner_remove_vm(c->scanner, added);
+        return FALSE;
+    }
+    vm_to_json(added, b);
     return TRUE;
 }
 
@@ -513,7 +526,8 @@ static const struct {
 } commands[] = {
     { "qmp_capabilities", cmd_capabilities, ARGS() },
     { "attach", cmd_attach, ARGS({ "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE },
-                                 { "uuid", ARG_STRING, FALSE }, ) },
+                                 { "uuid", ARG_STRING, FALSE },
+                                 { "merge-domain", ARG_STRING, FALSE }, ) },
     { "detach", cmd_detach, ARGS({ "vm", ARG_STRING, TRUE }, ) },
     { "merge-domain", cmd_merge_domain,
       ARGS({ "vm", ARG_STRING, TRUE }, { "name", ARG_STRING, FALSE }, ) },

@@ -372,6 +372,49 @@ test_attach_uuid(Fixture *f, gconstpointer data)
                     ==, "vm-a");
 }
 
+/*
+ * attach's "merge-domain" (the libvirt hook sends the domain XML's): the
+ * VM is in it from the start, before any page of it is seen; a malformed
+ * one is refused and nothing is attached.
+ */
+static void
+test_attach_merge_domain(Fixture *f, gconstpointer data)
+{
+    g_autofree char *empty = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"merge-domain\": \"\"}}",
+        f->pid[0]);
+    g_autofree char *ctrl = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"merge-domain\": \"a\\nb\"}}",
+        f->pid[0]);
+    g_autofree char *a = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"merge-domain\": "
+        "\"tenant-a\"}}", f->pid[0]);
+    g_autofree char *b = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d}}", f->pid[1]);
+    g_autoptr(JsonObject) r = NULL;
+    g_autoptr(JsonObject) r2 = NULL;
+    g_autoptr(JsonObject) s = NULL;
+    JsonArray *vms;
+
+    fails(f, empty, "GenericError", "a merge domain must be 1 to");
+    fails(f, ctrl, "GenericError", "a merge domain must not contain control characters");
+    s = ok(f, "{\"execute\": \"list\"}");
+    g_assert_cmpuint(json_array_get_length(json_object_get_array_member(s, "return")), ==, 0);
+
+    r = ok(f, a);
+    g_assert_cmpstr(json_object_get_string_member(json_object_get_object_member(r, "return"),
+                                                  "merge_domain"), ==, "tenant-a");
+    r2 = ok(f, b);
+    g_clear_pointer(&s, json_object_unref);
+    s = ok(f, "{\"execute\": \"list\"}");
+    vms = json_object_get_array_member(s, "return");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 2);
+    g_assert_cmpstr(json_object_get_string_member(json_array_get_object_element(vms, 0),
+                                                  "merge_domain"), ==, "tenant-a");
+    g_assert_cmpstr(json_object_get_string_member(json_array_get_object_element(vms, 1),
+                                                  "merge_domain"), ==, "default");
+}
+
 static void
 test_bad_requests(Fixture *f, gconstpointer data)
 {
@@ -492,6 +535,8 @@ main(int argc, char **argv)
                teardown);
     g_test_add("/control/same-name", Fixture, NULL, setup, test_same_name, teardown);
     g_test_add("/control/attach-uuid", Fixture, NULL, setup, test_attach_uuid, teardown);
+    g_test_add("/control/attach-merge-domain", Fixture, NULL, setup, test_attach_merge_domain,
+               teardown);
     g_test_add("/control/bad-requests", Fixture, NULL, setup, test_bad_requests, teardown);
     g_test_add("/control/huge-request", Fixture, NULL, setup, test_huge_request, teardown);
     g_test_add("/control/clients", Fixture, NULL, setup, test_clients, teardown);
