@@ -1193,6 +1193,60 @@ find_by_pid(JsonArray *vms, int pid)
     return NULL;
 }
 
+static JsonNode *
+request_vm(const char *command, const char *vm, const char *name)
+{
+    g_autoptr(JsonBuilder) args = json_builder_new();
+
+    json_builder_begin_object(args);
+    json_builder_set_member_name(args, "vm");
+    json_builder_add_string_value(args, vm);
+    if (name != NULL) {
+        json_builder_set_member_name(args, "name");
+        json_builder_add_string_value(args, name);
+    }
+    json_builder_end_object(args);
+    return request_new(command, args);
+}
+
+/*
+ * A VM attached before the hook (by its agent, as QEMU started) is in
+ * the default merge domain: moved into the XML's.  pagefoldd refuses
+ * once it shares pages there; it is then detached, so that it shares no
+ * more with VMs it must not (those it shares stay until QEMU exits).
+ */
+static void
+set_merge_domain(Hook *h, int pid, JsonObject *vm, const char *domain)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *key = g_strdup_printf("%d", pid);
+    g_autoptr(JsonNode) req = request_vm("merge-domain", key, domain);
+    g_autoptr(JsonNode) ret = control(h, req, &error);
+    g_autoptr(JsonNode) dreq = NULL;
+    g_autoptr(JsonNode) done = NULL;
+
+    if (ret != NULL) {
+        say(h, "pid %d moved from merge domain '%s' to '%s'", pid,
+            member_str(vm, "merge_domain") ? member_str(vm, "merge_domain") : "?", domain);
+        return;
+    }
+    if (!g_error_matches(error, HOOK_DAEMON_ERROR, 0)) {
+        say(h, "cannot put pid %d in merge domain '%s': %s", pid, domain, error->message);
+        return;
+    }
+    say(h, "pagefoldd did not put pid %d in merge domain '%s': %s", pid, domain,
+        error->message);
+    g_clear_error(&error);
+    dreq = request_vm("detach", key, NULL);
+    done = control(h, dreq, &error);
+    if (done != NULL) {
+        say(h, "detached pid %d rather than let it share pages outside merge domain '%s'",
+            pid, domain);
+    } else {
+        say(h, "detach of pid %d failed too: %s", pid, error->message);
+    }
+}
+
 /* started, reconnect, attach: QEMU runs; attach it by pid. */
 static void
 op_attach(Hook *h, const Domain *dom)
@@ -1274,6 +1328,10 @@ op_attach(Hook *h, const Domain *dom)
                 member_str(vm, "name") ? member_str(vm, "name") : "?",
                 member_str(vm, "uuid") ? member_str(vm, "uuid") : "none",
                 member_str(vm, "mode") ? member_str(vm, "mode") : "?");
+            if (dom->merge_domain != NULL &&
+                g_strcmp0(member_str(vm, "merge_domain"), dom->merge_domain) != 0) {
+                set_merge_domain(h, pid, vm, dom->merge_domain);
+            }
             return;
         }
         say(h, "pagefoldd did not attach pid %d: %s", pid, error->message);
@@ -1289,8 +1347,6 @@ op_detach(Hook *h, const Domain *dom)
     g_autoptr(GError) pid_error = NULL;
     g_autoptr(JsonNode) lreq = request_new("list", NULL);
     g_autoptr(JsonNode) list = NULL;
-    g_autoptr(JsonBuilder) sargs = json_builder_new();
-    g_autoptr(JsonBuilder) dargs = json_builder_new();
     g_autoptr(JsonNode) sreq = NULL;
     g_autoptr(JsonNode) dreq = NULL;
     g_autoptr(JsonNode) stats = NULL;
@@ -1348,11 +1404,7 @@ op_detach(Hook *h, const Domain *dom)
     pid = (int)member_int(mine, "pid");
     key = g_strdup_printf("%d", pid);
 
-    json_builder_begin_object(sargs);
-    json_builder_set_member_name(sargs, "vm");
-    json_builder_add_string_value(sargs, key);
-    json_builder_end_object(sargs);
-    sreq = request_new("stats", sargs);
+    sreq = request_vm("stats", key, NULL);
     stats = control(h, sreq, &error);
     if (stats != NULL && JSON_NODE_HOLDS_OBJECT(stats)) {
         JsonObject *vm = find_by_pid(
@@ -1374,11 +1426,7 @@ op_detach(Hook *h, const Domain *dom)
     }
     g_clear_error(&error);
 
-    json_builder_begin_object(dargs);
-    json_builder_set_member_name(dargs, "vm");
-    json_builder_add_string_value(dargs, key);
-    json_builder_end_object(dargs);
-    dreq = request_new("detach", dargs);
+    dreq = request_vm("detach", key, NULL);
     done = control(h, dreq, &error);
     if (done != NULL) {
         say(h, "detached VM '%s' (pid %d); final figures: %s",

@@ -194,9 +194,11 @@ start_guest(Fixture *f, const char *name, const char *uuid)
 {
     g_autoptr(GError) error = NULL;
     g_autofree char *guestarg = g_strdup_printf("guest=%s", name);
+    g_autofree char *seed = g_strdup_printf("%u", f->guests->len + 1);
+    /* Half their pages the same in every guest. */
     const char *argv[] = {
         pf_test_bin("STANDIN_GUEST"), "-name", guestarg, "--mib", "16", "--identical", "50",
-        "--zero", "20", "--volatile", "0", "--churn-ms", "0", "--stdin",
+        "--zero", "20", "--volatile", "0", "--churn-ms", "0", "--seed", seed, "--stdin",
         uuid != NULL ? "-uuid" : NULL, uuid, NULL
     };
     GSubprocess *p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDIN_PIPE,
@@ -312,7 +314,9 @@ fixture_init(Fixture *f, gboolean with_daemon)
     g_assert_cmpint(g_mkdir(f->log_dir, 0700), ==, 0);
     f->guests = g_ptr_array_new();
     if (with_daemon) {
-        f->d = pf_test_daemon_start("--set", "run=0", NULL);
+        /* Nothing of the host's libvirt touched. */
+        f->d = pf_test_daemon_start("--set", "run=0", "--set", "libvirt_metadata_millisecs=0",
+                                    NULL);
         f->sock = g_strdup(f->d->sock);
     } else {
         f->sock = g_build_filename(f->dir, "pagefoldd.sock", NULL);
@@ -567,6 +571,88 @@ test_started_attached_already(Fixture *f, gconstpointer data)
     vms = list_vms(f);
     g_assert_cmpuint(json_array_get_length(vms), ==, 1);
     g_assert_cmpstr(json_object_get_string_member(vm_by_pid(vms, pid), "name"), ==, "other");
+}
+
+#define TENANT(d) "<metadata><pagefold:config xmlns:pagefold='urn:pagefold:domain:1' " \
+                  "merge-domain='" d "'/></metadata>"
+
+static const char *
+merge_domain_of(Fixture *f, int pid)
+{
+    static char buf[256];
+    g_autoptr(JsonArray) vms = list_vms(f);
+    JsonObject *vm = vm_by_pid(vms, pid);
+
+    g_assert_nonnull(vm);
+    g_strlcpy(buf, json_object_get_string_member(vm, "merge_domain"), sizeof(buf));
+    return buf;
+}
+
+/*
+ * The XML's merge domain: the hook attaches the VM into it; a VM its
+ * agent attached first (in the default one) is moved into it; one that
+ * shares pages there already is detached rather than left sharing across
+ * the boundary.
+ */
+static void
+test_started_merge_domain(Fixture *f, gconstpointer data)
+{
+    int pid1 = start_guest(f, "web1", NULL);
+    int pid2 = start_guest(f, "web2", NULL);
+    int pid3 = start_guest(f, "web3", NULL);
+    g_autofree char *arg2 = g_strdup_printf("%d", pid2);
+    g_autofree char *arg3 = g_strdup_printf("%d", pid3);
+    g_autofree char *xml1 = domain_xml("web1", UUID_GIVEN, TENANT("tenant-a") MEMFD_SHARED);
+    g_autofree char *xml2 = domain_xml("web2", "00000000-0000-0000-0000-000000000002",
+                                       TENANT("tenant-b") MEMFD_SHARED);
+    g_autofree char *xml3 = domain_xml("web3", "00000000-0000-0000-0000-000000000003",
+                                       TENANT("tenant-b") MEMFD_SHARED);
+    g_autofree char *moved = g_strdup_printf("web2 started begin: pid %d moved from merge domain "
+                                             "'default' to 'tenant-b'", pid2);
+    g_autofree char *refused = g_strdup_printf("web3 started begin: pagefoldd did not put pid %d "
+                                               "in merge domain 'tenant-b': VM web3 (pid %d) "
+                                               "shares", pid3, pid3);
+    g_autofree char *detached = g_strdup_printf("detached pid %d rather than let it share pages "
+                                                "outside merge domain 'tenant-b'", pid3);
+    g_autoptr(JsonNode) a2 = NULL;
+    g_autoptr(JsonNode) scan = NULL;
+    g_autoptr(JsonArray) vms = NULL;
+    g_auto(Run) r = { 0 };
+
+    write_pid(f, "web1", pid1);
+    hook(f, &r, xml1, "web1", "started", "begin", "-", NULL);
+    assert_said(f, &r, "web1", "(uuid " UUID_CANON ", merge domain tenant-a) in mode advise");
+    g_assert_cmpstr(merge_domain_of(f, pid1), ==, "tenant-a");
+
+    /* Attached first, sharing nothing yet: moved. */
+    a2 = pf_test_ctl_json(f->d, "attach", arg2, NULL);
+    g_assert_cmpstr(merge_domain_of(f, pid2), ==, "default");
+    write_pid(f, "web2", pid2);
+    hook(f, &r, xml2, "web2", "started", "begin", "-", NULL);
+    assert_said(f, &r, "web2", moved);
+    g_assert_cmpstr(merge_domain_of(f, pid2), ==, "tenant-b");
+    /* Said again (libvirtd restarted): in it already, nothing to do. */
+    hook(f, &r, xml2, "web2", "reconnect", "begin", "-", NULL);
+    g_assert_null(strstr(r.err, "moved"));
+    g_assert_cmpstr(merge_domain_of(f, pid2), ==, "tenant-b");
+
+    /* Attached first and sharing pages in the default domain by now
+     * (with web3's twin below): refused, so detached. */
+    {
+        g_autoptr(JsonNode) a3 = pf_test_ctl_json(f->d, "attach", arg3, NULL);
+        int twin = start_guest(f, "twin", NULL);
+        g_autofree char *argt = g_strdup_printf("%d", twin);
+        g_autoptr(JsonNode) at = pf_test_ctl_json(f->d, "attach", argt, NULL);
+
+        scan = pf_test_ctl_json(f->d, "scan-now", "2", NULL);
+    }
+    write_pid(f, "web3", pid3);
+    hook(f, &r, xml3, "web3", "started", "begin", "-", NULL);
+    assert_said(f, &r, "web3", refused);
+    assert_said(f, &r, "web3", detached);
+    vms = list_vms(f);
+    g_assert_null(vm_by_pid(vms, pid3));
+    g_assert_cmpuint(json_array_get_length(vms), ==, 3);
 }
 
 /* ---- stopped, release ---- */
@@ -922,6 +1008,7 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
 
     hook(f, &r, xml, "--pagefoldd", pf_test_bin("PAGEFOLDD"), "--pagefoldd-arg",
          "--agent-socket", agent_arg, "--pagefoldd-arg", "--set", "--pagefoldd-arg", "run=0",
+         "--pagefoldd-arg", "--set", "--pagefoldd-arg", "libvirt_metadata_millisecs=0",
          "--pagefoldd-log", pflog, "--agent-group", group, "web1", "prepare", "begin", "-", NULL);
     assert_said(f, &r, "web1", "web1 prepare begin: pagefoldd does not answer (");
     assert_said(f, &r, "web1", "started pagefoldd (pid ");
@@ -1298,6 +1385,8 @@ main(int argc, char **argv)
     g_test_add("/hook/started/attaches", Fixture, NULL, setup, test_started_attaches, teardown);
     g_test_add("/hook/started/attached-already", Fixture, NULL, setup,
                test_started_attached_already, teardown);
+    g_test_add("/hook/started/merge-domain", Fixture, NULL, setup, test_started_merge_domain,
+               teardown);
     g_test_add("/hook/stopped/detaches", Fixture, NULL, setup, test_stopped_detaches, teardown);
     g_test_add("/hook/stopped/exited", Fixture, NULL, setup, test_stopped_exited, teardown);
     g_test_add("/hook/stopped/other-uuid", Fixture, NULL, setup, test_stopped_other_uuid,
