@@ -1098,10 +1098,6 @@ op_ensure_daemon(Hook *h, const Domain *dom)
         }
         return;
     }
-    if (dom->nosharepages) {
-        say(h, "<memoryBacking><nosharepages/>: pagefold leaves this VM's RAM alone");
-        return;
-    }
     if (ping(h, &error)) {
         say(h, "pagefoldd answers on %s", h->socket_path);
         return;
@@ -1265,9 +1261,12 @@ op_attach(Hook *h, const Domain *dom)
         }
         return;
     }
+    /* Attached all the same, as kernel KSM lists what it will not merge:
+     * QEMU's mem-merge=off keeps its agent in advise mode, saying why, and
+     * a QEMU without one is attached in advise mode, which changes
+     * nothing. */
     if (dom->nosharepages) {
-        say(h, "<memoryBacking><nosharepages/>: not attaching it");
-        return;
+        say(h, "<memoryBacking><nosharepages/>: advise mode, never merged");
     }
     /* A merge domain pagefoldd did not hear of would let the VM share
      * pages with VMs it must not: no merge rather than that. */
