@@ -16,12 +16,9 @@
 
 typedef struct {
     char uuid[37];
+    int pid;         /* the VM's process: the domain's QEMU must be it */
     char *element;
 } Entry;
-
-typedef struct {
-    char text[37];
-} UuidText;
 
 typedef struct {
     guint64 gen;
@@ -36,6 +33,7 @@ static Snapshot stop_marker;
  * last (the worker may outlive pf_libvirt_metadata_free()). */
 typedef struct {
     char *uri;
+    char *pid_dir;        /* lock */
     GAsyncQueue *queue;   /* Snapshot*, at most one, or STOP */
     gint stopping;        /* atomic: stop between calls */
     GMutex lock;
@@ -80,6 +78,7 @@ shared_clear(gpointer data)
     Shared *sh = data;
 
     g_free(sh->uri);
+    g_free(sh->pid_dir);
     g_async_queue_unref(sh->queue);
     g_mutex_clear(&sh->lock);
     g_cond_clear(&sh->cond);
@@ -152,6 +151,10 @@ typedef struct {
     gboolean trouble_told;  /* that libvirt cannot be reached */
     GHashTable *published;  /* UUIDs whose element is set */
     GHashTable *told;       /* UUID -> the failure last said for it */
+    GHashTable *foreign;    /* "UUID pid": said that the domain's QEMU is
+                             * not that VM's process; only pairs of the
+                             * last snapshot */
+    char *pid_dir;          /* the snapshot's */
 } Worker;
 
 /* libvirt prints every error on stderr unless told otherwise; the worker
@@ -225,9 +228,10 @@ disconnect_libvirt(Worker *w)
 
 /* What became of a call about one domain. */
 typedef enum {
-    CALL_DONE,   /* done, or nothing to do: not a running libvirt domain */
-    CALL_FAILED, /* the domain's failure: tried again with the next snapshot */
-    CALL_LOST,   /* the connection is gone */
+    CALL_DONE,    /* done, or nothing to do: not a running libvirt domain */
+    CALL_FAILED,  /* the domain's failure: tried again with the next snapshot */
+    CALL_LOST,    /* the connection is gone */
+    CALL_NOT_ITS, /* not done: the domain's QEMU is not the VM's process */
 } CallOutcome;
 
 /*
@@ -265,12 +269,90 @@ not_ours(int code)
     return code == VIR_ERR_NO_DOMAIN || code == VIR_ERR_OPERATION_INVALID;
 }
 
-/* Sets (element) or removes (NULL) the element of one domain. */
+static char *
+foreign_key(const Entry *e)
+{
+    return g_strdup_printf("%s %d", e->uuid, e->pid);
+}
+
+/*
+ * The pid of the running domain name's QEMU, as libvirt's qemu driver keeps
+ * it in dir/<name>.pid ("4242\n"); 0, saying why, when there is none to
+ * be read.
+ */
+static int
+domain_qemu_pid(const char *dir, const char *name, char **why)
+{
+    g_autofree char *file = NULL;
+    g_autofree char *text = NULL;
+    g_autoptr(GError) error = NULL;
+    guint64 pid;
+
+    /* libvirt refuses a '/' in a domain's name; one would lead elsewhere. */
+    if (strchr(name, '/') != NULL) {
+        *why = g_strdup("its name is not a file name");
+        return 0;
+    }
+    file = g_strdup_printf("%s/%s.pid", dir, name);
+    if (!g_file_get_contents(file, &text, NULL, &error)) {
+        *why = g_strdup(error->message);
+        return 0;
+    }
+    if (!pf_parse_u64(g_strstrip(text), 1, G_MAXINT, &pid, &error)) {
+        *why = g_strdup_printf("%s: %s", file, error->message);
+        return 0;
+    }
+    return (int)pid;
+}
+
+/*
+ * Whether dom's QEMU is e's VM's process: a VM's UUID is only what its QEMU
+ * claims (see libvirt-metadata.h).  When it is not, or which it is cannot
+ * be told, says so once for this UUID and pid: a VM that claims a UUID not
+ * its own would otherwise say it at every interval.
+ */
+static gboolean
+is_its_process(Worker *w, virDomainPtr dom, const Entry *e)
+{
+    const char *name = virDomainGetName(dom);
+    g_autofree char *why = NULL;
+    g_autofree char *key = NULL;
+    int pid = 0;
+
+    if (name == NULL) {
+        why = g_strdup_printf("its name cannot be had: %s", virGetLastErrorMessage());
+    } else {
+        pid = domain_qemu_pid(w->pid_dir, name, &why);
+    }
+    if (pid == e->pid) {
+        return TRUE;
+    }
+    count(w->sh, &w->sh->counts.other_process);
+    key = foreign_key(e);
+    if (g_hash_table_contains(w->foreign, key)) {
+        return FALSE;
+    }
+    if (pid != 0) {
+        g_message("libvirt domain %s (%s): not putting VM pid %d's figures in its "
+                  "metadata, though that VM claims its UUID: its QEMU is another "
+                  "process (pid %d)", name, e->uuid, e->pid, pid);
+    } else {
+        g_message("libvirt domain %s (%s): not putting VM pid %d's figures in its "
+                  "metadata, though that VM claims its UUID: which process is its "
+                  "QEMU is not known (%s)", name != NULL ? name : "?", e->uuid, e->pid,
+                  why);
+    }
+    g_hash_table_add(w->foreign, g_steal_pointer(&key));
+    return FALSE;
+}
+
+/* Sets e's element in the domain of uuid (e->uuid), where the domain's
+ * QEMU is e's VM's process, or removes the element (e NULL). */
 static CallOutcome
-set_one(Worker *w, const char *uuid, const char *element)
+set_one(Worker *w, const char *uuid, const Entry *e)
 {
     Shared *sh = w->sh;
-    const char *what = element != NULL ? "set" : "remove";
+    const char *what = e != NULL ? "set" : "remove";
     virDomainPtr dom = virDomainLookupByUUIDString(w->conn, uuid);
     g_autofree char *message = NULL;
     int code, rc;
@@ -278,16 +360,28 @@ set_one(Worker *w, const char *uuid, const char *element)
     if (dom == NULL) {
         code = virGetLastErrorCode();
         message = g_strdup(virGetLastErrorMessage());
+    } else if (e != NULL && (rc = virDomainIsActive(dom)) != 1) {
+        /* A domain that is defined but not running has no QEMU to ask
+         * about: skipped quietly, as setting its live metadata would. */
+        code = rc == 0 ? VIR_ERR_OPERATION_INVALID : virGetLastErrorCode();
+        message = g_strdup(rc == 0 ? "domain is not running" : virGetLastErrorMessage());
+        virDomainFree(dom);
+    } else if (e != NULL && !is_its_process(w, dom, e)) {
+        virDomainFree(dom);
+        return CALL_NOT_ITS;
     } else {
-        rc = virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, element,
-                                  element != NULL ? PF_LIBVIRT_METADATA_PREFIX : NULL,
+        /* Removing needs no such check: the element is pagefold's own,
+         * set only where the check held, and it only goes. */
+        rc = virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT,
+                                  e != NULL ? e->element : NULL,
+                                  e != NULL ? PF_LIBVIRT_METADATA_PREFIX : NULL,
                                   PF_LIBVIRT_METADATA_NS, VIR_DOMAIN_AFFECT_LIVE);
         code = rc < 0 ? virGetLastErrorCode() : VIR_ERR_OK;
         message = rc < 0 ? g_strdup(virGetLastErrorMessage()) : NULL;
         virDomainFree(dom);
     }
     if (code == VIR_ERR_OK) {
-        if (element != NULL) {
+        if (e != NULL) {
             g_hash_table_add(w->published, g_strdup(uuid));
             count(sh, &sh->counts.published);
         } else {
@@ -298,7 +392,7 @@ set_one(Worker *w, const char *uuid, const char *element)
     }
     if (not_ours(code)) {
         g_debug("libvirt domain %s: %s (skipped)", uuid, message);
-        if (element != NULL) {
+        if (e != NULL) {
             count(sh, &sh->counts.skipped);
         }
         return CALL_DONE;
@@ -310,9 +404,10 @@ static void
 publish(Worker *w, const Snapshot *snap)
 {
     g_autoptr(GHashTable) now = g_hash_table_new(g_str_hash, g_str_equal);
+    g_autoptr(GHashTable) claims = g_hash_table_new_full(g_str_hash, g_str_equal, g_free, NULL);
     g_autoptr(GPtrArray) gone = g_ptr_array_new_with_free_func(g_free);
     GHashTableIter it;
-    gpointer uuid;
+    gpointer uuid, key;
 
     /* No VM to publish nor element to remove: no connection needed, and
      * pagefoldd on a host without libvirt stays quiet. */
@@ -322,17 +417,39 @@ publish(Worker *w, const Snapshot *snap)
     if (!connect_libvirt(w)) {
         return;
     }
+    g_mutex_lock(&w->sh->lock);
+    g_free(w->pid_dir);
+    w->pid_dir = g_strdup(w->sh->pid_dir);
+    g_mutex_unlock(&w->sh->lock);
     for (guint i = 0; i < snap->entries->len; i++) {
         const Entry *e = &g_array_index(snap->entries, Entry, i);
+        CallOutcome out;
 
-        g_hash_table_add(now, (gpointer)e->uuid);
-        if (stopping(w->sh) || set_one(w, e->uuid, e->element) == CALL_LOST) {
+        g_hash_table_add(claims, foreign_key(e));
+        if (stopping(w->sh) || (out = set_one(w, e->uuid, e)) == CALL_LOST) {
             return;
+        }
+        /* The element stays where it was set unless the domain's QEMU
+         * is not this VM's: of VMs that claim one UUID, only the
+         * domain's own keeps it (all do when libvirt could not be
+         * asked: kept till it can). */
+        if (out != CALL_NOT_ITS) {
+            g_hash_table_add(now, (gpointer)e->uuid);
+        }
+    }
+    /* That a VM claims another's UUID is said again only if it claims it
+     * anew: the table stays as small as the snapshot. */
+    g_hash_table_iter_init(&it, w->foreign);
+    while (g_hash_table_iter_next(&it, &key, NULL)) {
+        if (!g_hash_table_contains(claims, key)) {
+            g_hash_table_iter_remove(&it);
         }
     }
     /* Elements of VMs no longer attached would show figures that are not
-     * kept any more.  A domain that stopped took its live metadata along:
-     * removing finds it not running, which is as good. */
+     * kept any more, and those of a VM whose domain's QEMU is another
+     * process now are not that domain's figures.  A domain that stopped
+     * took its live metadata along: removing finds it not running, which
+     * is as good. */
     g_hash_table_iter_init(&it, w->published);
     while (g_hash_table_iter_next(&it, &uuid, NULL)) {
         if (!g_hash_table_contains(now, uuid)) {
@@ -368,6 +485,7 @@ worker_main(gpointer data)
         .sh = data,
         .published = g_hash_table_new_full(g_str_hash, g_str_equal, g_free, NULL),
         .told = g_hash_table_new_full(g_str_hash, g_str_equal, g_free, g_free),
+        .foreign = g_hash_table_new_full(g_str_hash, g_str_equal, g_free, NULL),
     };
 
     for (;;) {
@@ -383,6 +501,8 @@ worker_main(gpointer data)
     disconnect_libvirt(&w);
     g_hash_table_unref(w.published);
     g_hash_table_unref(w.told);
+    g_hash_table_unref(w.foreign);
+    g_free(w.pid_dir);
     g_mutex_lock(&w.sh->lock);
     w.sh->finished = TRUE;
     g_cond_broadcast(&w.sh->cond);
@@ -422,31 +542,26 @@ take_snapshot(PfLibvirtMetadata *m)
 {
     GPtrArray *vms = pf_scanner_get_vms(m->scanner);
     g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(vms->len, 1));
-    g_autofree UuidText *uuids = g_new0(UuidText, MAX(vms->len, 1));
-    g_autoptr(GHashTable) claims = g_hash_table_new(g_str_hash, g_str_equal);
     g_autoptr(GDateTime) when = g_date_time_new_now_utc();
     Snapshot *snap = g_new0(Snapshot, 1);
     PfCounters total;
 
     /* The figures `pagefoldctl stats` shows, from the same collection. */
     pf_scanner_collect(m->scanner, &total, per_vm);
-    for (guint i = 0; i < vms->len; i++) {
-        if (pf_vm_uuid_string(g_ptr_array_index(vms, i), uuids[i].text) != NULL) {
-            g_hash_table_insert(claims, uuids[i].text,
-                GUINT_TO_POINTER(GPOINTER_TO_UINT(g_hash_table_lookup(claims, uuids[i].text)) + 1));
-        }
-    }
     snap->entries = g_array_new(FALSE, TRUE, sizeof(Entry));
     g_array_set_clear_func(snap->entries, entry_clear);
+    /* Every VM with a UUID, those that claim the same one too: the worker
+     * publishes only where the domain's QEMU is the VM's process, which
+     * is at most one of them. */
     for (guint i = 0; i < vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(vms, i);
         Entry e;
 
-        if (uuids[i].text[0] == '\0' ||
-            GPOINTER_TO_UINT(g_hash_table_lookup(claims, uuids[i].text)) != 1) {
+        if (pf_vm_uuid_string(vm, e.uuid) == NULL) {
             continue;
         }
-        memcpy(e.uuid, uuids[i].text, sizeof(e.uuid));
-        e.element = pf_libvirt_metadata_element(g_ptr_array_index(vms, i), &per_vm[i], when);
+        e.pid = vm->pid;
+        e.element = pf_libvirt_metadata_element(vm, &per_vm[i], when);
         g_array_append_val(snap->entries, e);
     }
     g_mutex_lock(&m->sh->lock);
@@ -503,6 +618,7 @@ pf_libvirt_metadata_new(PfScanner *scanner, const char *uri, GError **error)
     Shared *sh = g_atomic_rc_box_new0(Shared);
 
     sh->uri = g_strdup(uri != NULL ? uri : PF_DEFAULT_LIBVIRT_URI);
+    sh->pid_dir = g_strdup(PF_LIBVIRT_QEMU_PID_DIR);
     sh->queue = g_async_queue_new_full(snapshot_free);
     g_mutex_init(&sh->lock);
     g_cond_init(&sh->cond);
@@ -566,6 +682,15 @@ pf_libvirt_metadata_free(PfLibvirtMetadata *m)
     }
     shared_unref(sh);
     g_free(m);
+}
+
+void
+pf_libvirt_metadata_set_pid_dir(PfLibvirtMetadata *m, const char *dir)
+{
+    g_mutex_lock(&m->sh->lock);
+    g_free(m->sh->pid_dir);
+    m->sh->pid_dir = g_strdup(dir);
+    g_mutex_unlock(&m->sh->lock);
 }
 
 void

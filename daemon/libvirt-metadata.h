@@ -15,18 +15,32 @@
  *
  * Every libvirt_metadata_millisecs (a knob; 0: off), the main loop takes a
  * snapshot: for each VM that has a UUID (libvirt names its QEMUs with
- * -uuid), its UUID and its element's text, the figures taken from
+ * -uuid), its UUID, its pid and its element's text, the figures taken from
  * pf_scanner_collect() as `pagefoldctl stats VM --json` takes them.  VMs
- * without a UUID are left out, and so are UUIDs more than one attached VM
- * claims (they are labels: which process is the domain's is not known
- * here).  The worker takes the newest snapshot (older ones not yet taken
- * are dropped), connects if it is not connected, looks each UUID up (one
- * libvirt does not know, or whose domain is not running, is not a libvirt
- * domain: skipped quietly), sets the element, and keeps the connection.
- * An element it set for a VM that is no longer attached is removed.  When
- * libvirt cannot be reached or the connection drops it says so once and
- * tries again with the next snapshot, quietly, until it is connected
- * again.
+ * without a UUID are left out.  The worker takes the newest snapshot
+ * (older ones not yet taken are dropped), connects if it is not connected,
+ * looks each UUID up (one libvirt does not know, or whose domain is not
+ * running, is not a libvirt domain: skipped quietly), and sets the element
+ * only where the domain's QEMU is the VM's process, then keeps the
+ * connection.  An element it set for a VM that is no longer attached, or
+ * whose domain's QEMU is no longer its process, is removed.  When libvirt
+ * cannot be reached or the connection drops it says so once and tries
+ * again with the next snapshot, quietly, until it is connected again.
+ *
+ * Must never publish a VM's figures by its UUID alone: a UUID is only what
+ * the VM's QEMU (or its agent) claims, and a compromised QEMU can claim
+ * any domain's, to put its own figures in that domain's metadata.  So the
+ * worker reads which process the domain's QEMU is where libvirt's qemu
+ * driver keeps it: PF_LIBVIRT_QEMU_PID_DIR/<domain name>.pid, a file
+ * libvirtd (root) writes for each running domain in a directory only root
+ * may write, so that no QEMU can change it.  The VM's pid is pagefoldd's own
+ * (the agent's socket peer, or the pid it was attached by), not a claim.
+ * A domain whose pid file names another process, or that has none to be
+ * read (not the qemu driver, or not yet written), is skipped, said once
+ * per UUID and pid while that VM claims it.  So of VMs that claim one
+ * UUID, the domain's own is published and the others are skipped.  (With
+ * another driver than qemu:///system's, qemu:///session's included, there
+ * is no pid file there: nothing is published.)
  *
  * The element (one, namespace urn:pagefold:stats:1, prefix "pagefold"):
  *   <stats pid="4242" updated="2026-12-01T10:00:00Z">
@@ -51,6 +65,9 @@
 #define PF_LIBVIRT_METADATA_NS "urn:pagefold:stats:1"
 #define PF_LIBVIRT_METADATA_PREFIX "pagefold"
 #define PF_DEFAULT_LIBVIRT_URI "qemu:///system"
+/* Where libvirt's qemu driver (qemu:///system) keeps each running domain's
+ * QEMU pid, in <domain name>.pid. */
+#define PF_LIBVIRT_QEMU_PID_DIR "/run/libvirt/qemu"
 
 typedef struct _PfLibvirtMetadata PfLibvirtMetadata;
 
@@ -84,6 +101,11 @@ void pf_libvirt_metadata_refresh(PfLibvirtMetadata *m);
  * gives them), taken at when. */
 char *pf_libvirt_metadata_element(const PfVm *vm, const PfCounters *c, GDateTime *when);
 
+/* For tests (libvirt's test driver has no pid files): where the worker
+ * reads domains' QEMU pids from, instead of PF_LIBVIRT_QEMU_PID_DIR, from
+ * the next snapshot on. */
+void pf_libvirt_metadata_set_pid_dir(PfLibvirtMetadata *m, const char *dir);
+
 /* What the worker did so far, cumulative. */
 typedef struct {
     guint64 snapshots;        /* handed to the worker */
@@ -91,6 +113,9 @@ typedef struct {
     guint64 removed;          /* elements removed (their VM detached) */
     guint64 skipped;          /* UUIDs libvirt does not know, or domains
                                * not running */
+    guint64 other_process;    /* domains skipped because their QEMU is not
+                               * the VM's process (or which it is is not
+                               * known: no pid file) */
     guint64 failed;           /* other failures of a call */
     guint64 connect_failures; /* connections that could not be made */
     gboolean connected;

@@ -4,7 +4,9 @@
  * keeps one state per process, with a running domain named "test", which
  * the publisher's connection and the test's own both see.  VMs are
  * synthetic guests held by child processes, attached by pid, given the
- * domain's UUID (or none, or one libvirt does not know).
+ * domain's UUID (or none, or one libvirt does not know).  The test driver
+ * keeps no QEMU pid files: the test writes the domain's, test.pid, in a
+ * folder of its own, naming the domain VM's process (or another one).
  *
  * Built without libvirt, only the knob's refusal is tested; the rest is
  * skipped, saying so.
@@ -48,6 +50,7 @@ test_knob(void)
 
 #if PF_HAVE_LIBVIRT
 
+#include <errno.h>
 #include <libvirt/libvirt.h>
 #include <libvirt/virterror.h>
 #include <stdlib.h>
@@ -67,6 +70,8 @@ static const PfLayout layout = {
 };
 
 enum { VM_DOMAIN, VM_NO_UUID, VM_UNKNOWN, N_VMS };
+/* await_element(): the domain has no element. */
+#define NO_VM (-1)
 
 typedef struct {
     PfGuest *guest[N_VMS];
@@ -76,6 +81,7 @@ typedef struct {
     virConnectPtr conn;  /* the test's own */
     virDomainPtr dom;    /* "test" */
     char uuid[VIR_UUID_STRING_BUFLEN];
+    char *pid_dir;       /* the domain's pid file, test.pid, is there */
 } Fixture;
 
 static void
@@ -83,12 +89,65 @@ quiet_error(void *user, virErrorPtr err)
 {
 }
 
+/* What the worker said of VMs whose domain's QEMU is not their process
+ * (it says it from its own thread). */
+static gint told_other;   /* atomic: "is another process" */
+static gint told_unknown; /* atomic: "is not known" */
+
+static void
+count_told(const char *domain, GLogLevelFlags level, const char *message, gpointer user)
+{
+    if (strstr(message, "not putting VM pid") != NULL) {
+        if (strstr(message, "its QEMU is another process") != NULL) {
+            g_atomic_int_inc(&told_other);
+        } else if (strstr(message, "which process is its QEMU is not known") != NULL) {
+            g_atomic_int_inc(&told_unknown);
+        }
+    }
+    g_log_default_handler(domain, level, message, user);
+}
+
+/* Makes the domain's pid file name pid, as libvirt's qemu driver writes it
+ * for the domain's QEMU; 0: no pid file. */
+static void
+write_pid_file(Fixture *f, int pid)
+{
+    g_autofree char *path = g_build_filename(f->pid_dir, "test.pid", NULL);
+    g_autofree char *text = g_strdup_printf("%d\n", pid);
+    g_autoptr(GError) error = NULL;
+
+    if (pid == 0) {
+        g_assert_true(g_unlink(path) == 0 || errno == ENOENT);
+        return;
+    }
+    g_assert_true(g_file_set_contents(path, text, -1, &error));
+    g_assert_no_error(error);
+}
+
+/* A publisher that reads the domain's pid file where the test keeps it. */
+static PfLibvirtMetadata *
+publisher_new(Fixture *f, const char *uri)
+{
+    g_autoptr(GError) error = NULL;
+    PfLibvirtMetadata *m = pf_libvirt_metadata_new(f->scanner, uri, &error);
+
+    g_assert_no_error(error);
+    pf_libvirt_metadata_set_pid_dir(m, f->pid_dir);
+    return m;
+}
+
 static void
 fixture_setup(Fixture *f, gconstpointer data)
 {
     static const char *const names[N_VMS] = { "test", "no-uuid", "unknown" };
 
+    g_autoptr(GError) dir_error = NULL;
+
     virSetErrorFunc(NULL, quiet_error);
+    g_atomic_int_set(&told_other, 0);
+    g_atomic_int_set(&told_unknown, 0);
+    f->pid_dir = g_dir_make_tmp("pf-libvirt-run-XXXXXX", &dir_error);
+    g_assert_no_error(dir_error);
     f->conn = virConnectOpen(TEST_URI);
     g_assert_nonnull(f->conn);
     f->dom = virDomainLookupByName(f->conn, "test");
@@ -116,6 +175,8 @@ fixture_setup(Fixture *f, gconstpointer data)
         }
         pf_scanner_add_vm(f->scanner, f->vm[i]);
     }
+    /* The domain's QEMU is the domain VM's process. */
+    write_pid_file(f, f->pid[VM_DOMAIN]);
     pf_scanner_get_knobs(f->scanner)->libvirt_metadata_millisecs = 1000;
 }
 
@@ -129,6 +190,9 @@ fixture_teardown(Fixture *f, gconstpointer data)
     }
     virDomainFree(f->dom);
     virConnectClose(f->conn);
+    write_pid_file(f, 0);
+    g_assert_cmpint(g_rmdir(f->pid_dir), ==, 0);
+    g_free(f->pid_dir);
     /* Every worker joined, none left behind. */
     g_assert_cmpuint(pf_libvirt_metadata_workers(), ==, 0);
 }
@@ -156,26 +220,32 @@ figure(const char *xml, const char *name)
     return p != NULL ? g_ascii_strtoll(p + strlen(open), NULL, 10) : -1;
 }
 
-/* The domain VM's figures, as `pagefoldctl stats` has them. */
+/* VM which's figures, as `pagefoldctl stats` has them. */
 static PfCounters
-domain_counters(Fixture *f)
+vm_counters(Fixture *f, int which)
 {
     GPtrArray *vms = pf_scanner_get_vms(f->scanner);
     g_autofree PfCounters *per_vm = g_new0(PfCounters, vms->len);
     PfCounters total;
     guint idx;
 
-    g_assert_true(g_ptr_array_find(vms, f->vm[VM_DOMAIN], &idx));
+    g_assert_true(g_ptr_array_find(vms, f->vm[which], &idx));
     pf_scanner_collect(f->scanner, &total, per_vm);
     return per_vm[idx];
 }
 
-/* Whether the element shows exactly the domain VM's figures now. */
-static gboolean
-element_matches(Fixture *f, const char *xml)
+static PfCounters
+domain_counters(Fixture *f)
 {
-    PfCounters c = domain_counters(f);
-    g_autofree char *pid = g_strdup_printf("pid=\"%d\"", f->pid[VM_DOMAIN]);
+    return vm_counters(f, VM_DOMAIN);
+}
+
+/* Whether the element shows exactly VM which's figures now. */
+static gboolean
+element_matches(Fixture *f, int which, const char *xml)
+{
+    PfCounters c = vm_counters(f, which);
+    g_autofree char *pid = g_strdup_printf("pid=\"%d\"", f->pid[which]);
 
     return xml != NULL && strstr(xml, pid) != NULL &&
            figure(xml, "pages_shared") == (gint64)c.pages_shared &&
@@ -185,17 +255,17 @@ element_matches(Fixture *f, const char *xml)
            figure(xml, "saved_bytes") == (gint64)pf_counters_saved_bytes(&c);
 }
 
-/* Runs the main loop until the domain's element shows the figures now
- * (or, want_none, has none), at most timeout_ms. */
+/* Runs the main loop until the domain's element shows VM which's figures
+ * now (or, NO_VM, it has none), at most timeout_ms. */
 static char *
-await_element(Fixture *f, gboolean want_none, guint timeout_ms)
+await_element(Fixture *f, int which, guint timeout_ms)
 {
     gint64 deadline = g_get_monotonic_time() + (gint64)timeout_ms * 1000;
 
     for (;;) {
         char *xml = element_now(f);
 
-        if (want_none ? xml == NULL : element_matches(f, xml)) {
+        if (which == NO_VM ? xml == NULL : element_matches(f, which, xml)) {
             return xml;
         }
         free(xml);
@@ -260,18 +330,16 @@ test_element(void)
 static void
 test_publish(Fixture *f, gconstpointer data)
 {
-    g_autoptr(GError) error = NULL;
     g_autoptr(PfLibvirtMetadata) m = NULL;
     PfLibvirtMetadataCounts n;
     PfCounters before;
     char *xml;
 
     pf_scanner_run_passes(f->scanner, 1);
-    m = pf_libvirt_metadata_new(f->scanner, TEST_URI, &error);
-    g_assert_no_error(error);
+    m = publisher_new(f, TEST_URI);
 
     /* The first snapshot comes at the first tick. */
-    xml = await_element(f, FALSE, 5000);
+    xml = await_element(f, VM_DOMAIN, 5000);
     g_assert_nonnull(xml);
     g_test_message("virsh metadata test %s:\n%s", PF_LIBVIRT_METADATA_NS, xml);
     g_assert_nonnull(strstr(xml, "<mode>advise</mode>"));
@@ -287,6 +355,7 @@ test_publish(Fixture *f, gconstpointer data)
     g_assert_true(n.connected);
     g_assert_cmpuint(n.published, >=, 1);
     g_assert_cmpuint(n.skipped, ==, n.published);
+    g_assert_cmpuint(n.other_process, ==, 0);
     g_assert_cmpuint(n.failed, ==, 0);
     g_assert_cmpuint(n.connect_failures, ==, 0);
 
@@ -296,20 +365,42 @@ test_publish(Fixture *f, gconstpointer data)
     pf_scanner_run_passes(f->scanner, 2);
     g_assert_cmpuint(domain_counters(f).pages_sharing, >, before.pages_sharing);
     g_assert_cmpuint(domain_counters(f).zero_pages, >, before.zero_pages);
-    xml = await_element(f, FALSE, 5000);
+    xml = await_element(f, VM_DOMAIN, 5000);
     g_assert_nonnull(xml);
     g_test_message("after 3 passes:\n%s", xml);
     free(xml);
 
-    /* A UUID two attached VMs claim is not published (which of them is
-     * the domain's is not known), and the element goes. */
+    /* A UUID two attached VMs claim: the one that is the domain's QEMU
+     * (its pid file says which) is published, the other is skipped, said
+     * once however many snapshots come. */
     memcpy(f->vm[VM_UNKNOWN]->uuid, f->vm[VM_DOMAIN]->uuid, 16);
-    xml = await_element(f, TRUE, 5000);
+    for (int i = 0; i < 3; i++) {
+        pf_libvirt_metadata_refresh(m);
+        g_assert_true(pf_libvirt_metadata_wait(m, 5000));
+        xml = element_now(f);
+        g_assert_true(element_matches(f, VM_DOMAIN, xml));
+        free(xml);
+    }
+    pf_libvirt_metadata_get_counts(m, &n);
+    g_assert_cmpuint(n.other_process, ==, 3);
+    g_assert_cmpuint(n.removed, ==, 0);
+    g_assert_cmpint(g_atomic_int_get(&told_other), ==, 1);
+    /* The other VM's QEMU is the domain's now: its figures replace the
+     * first one's, which is skipped in turn. */
+    write_pid_file(f, f->pid[VM_UNKNOWN]);
+    xml = await_element(f, VM_UNKNOWN, 5000);
+    g_assert_nonnull(xml);
+    free(xml);
+    g_assert_cmpint(g_atomic_int_get(&told_other), ==, 2);
+    /* Neither: the element goes. */
+    write_pid_file(f, f->pid[VM_NO_UUID]);
+    xml = await_element(f, NO_VM, 5000);
     g_assert_null(xml);
     pf_libvirt_metadata_get_counts(m, &n);
     g_assert_cmpuint(n.removed, ==, 1);
+    write_pid_file(f, f->pid[VM_DOMAIN]);
     g_assert_true(pf_uuid_parse(UNKNOWN_UUID, f->vm[VM_UNKNOWN]->uuid));
-    xml = await_element(f, FALSE, 5000);
+    xml = await_element(f, VM_DOMAIN, 5000);
     g_assert_nonnull(xml);
     free(xml);
 
@@ -322,7 +413,7 @@ test_publish(Fixture *f, gconstpointer data)
     pf_libvirt_metadata_refresh(m);
     g_assert_true(pf_libvirt_metadata_wait(m, 5000));
     xml = element_now(f);
-    g_assert_true(element_matches(f, xml));
+    g_assert_true(element_matches(f, VM_DOMAIN, xml));
     free(xml);
 
     /* A VM that detaches takes its element along. */
@@ -337,16 +428,14 @@ test_publish(Fixture *f, gconstpointer data)
 static void
 test_interval_off(Fixture *f, gconstpointer data)
 {
-    g_autoptr(GError) error = NULL;
     g_autoptr(PfLibvirtMetadata) m = NULL;
     PfLibvirtMetadataCounts n;
     guint64 snapshots;
     char *xml;
 
     pf_scanner_run_passes(f->scanner, 2);
-    m = pf_libvirt_metadata_new(f->scanner, TEST_URI, &error);
-    g_assert_no_error(error);
-    xml = await_element(f, FALSE, 5000);
+    m = publisher_new(f, TEST_URI);
+    xml = await_element(f, VM_DOMAIN, 5000);
     g_assert_nonnull(xml);
     free(xml);
 
@@ -369,9 +458,101 @@ test_interval_off(Fixture *f, gconstpointer data)
 
     /* Back on: within a second or so. */
     pf_scanner_get_knobs(f->scanner)->libvirt_metadata_millisecs = 1000;
-    xml = await_element(f, FALSE, 3000);
+    xml = await_element(f, VM_DOMAIN, 3000);
     g_assert_nonnull(xml);
     free(xml);
+}
+
+/* The domain's pid file names another process than the VM that claims
+ * the domain's UUID (a compromised QEMU can claim any): nothing is
+ * published, and that is said once. */
+static void
+test_other_process(Fixture *f, gconstpointer data)
+{
+    g_autoptr(PfLibvirtMetadata) m = NULL;
+    PfLibvirtMetadataCounts n;
+    char *xml;
+
+    write_pid_file(f, f->pid[VM_NO_UUID]);
+    pf_scanner_run_passes(f->scanner, 2);
+    m = publisher_new(f, TEST_URI);
+    for (int i = 0; i < 3; i++) {
+        pf_libvirt_metadata_refresh(m);
+        g_assert_true(pf_libvirt_metadata_wait(m, 5000));
+    }
+    xml = element_now(f);
+    g_assert_null(xml);
+    pf_libvirt_metadata_get_counts(m, &n);
+    g_assert_true(n.connected);
+    g_assert_cmpuint(n.published, ==, 0);
+    g_assert_cmpuint(n.other_process, ==, 3);
+    g_assert_cmpuint(n.skipped, ==, 3);  /* the UUID libvirt does not know */
+    g_assert_cmpuint(n.failed, ==, 0);
+    g_assert_cmpint(g_atomic_int_get(&told_other), ==, 1);
+    g_assert_cmpint(g_atomic_int_get(&told_unknown), ==, 0);
+
+    /* It is the pid file that held it back. */
+    write_pid_file(f, f->pid[VM_DOMAIN]);
+    pf_libvirt_metadata_refresh(m);
+    g_assert_true(pf_libvirt_metadata_wait(m, 5000));
+    xml = element_now(f);
+    g_assert_true(element_matches(f, VM_DOMAIN, xml));
+    free(xml);
+
+    /* The domain's QEMU is another process again (it was restarted, say):
+     * the element set for the VM goes. */
+    write_pid_file(f, f->pid[VM_UNKNOWN]);
+    pf_libvirt_metadata_refresh(m);
+    g_assert_true(pf_libvirt_metadata_wait(m, 5000));
+    xml = element_now(f);
+    g_assert_null(xml);
+    pf_libvirt_metadata_get_counts(m, &n);
+    g_assert_cmpuint(n.published, ==, 1);
+    g_assert_cmpuint(n.removed, ==, 1);
+    g_assert_cmpuint(n.other_process, ==, 4);
+    /* Said once for this UUID and pid already. */
+    g_assert_cmpint(g_atomic_int_get(&told_other), ==, 1);
+}
+
+/* No pid file (not the qemu driver, or not written yet), or one that names
+ * no process: which process the domain's QEMU is is not known, so nothing
+ * is published. */
+static void
+test_no_pid_file(Fixture *f, gconstpointer data)
+{
+    g_autoptr(PfLibvirtMetadata) m = NULL;
+    PfLibvirtMetadataCounts n;
+    g_autofree char *path = g_build_filename(f->pid_dir, "test.pid", NULL);
+    g_autoptr(GError) error = NULL;
+    char *xml;
+
+    write_pid_file(f, 0);
+    pf_scanner_run_passes(f->scanner, 1);
+    m = publisher_new(f, TEST_URI);
+    for (int i = 0; i < 2; i++) {
+        pf_libvirt_metadata_refresh(m);
+        g_assert_true(pf_libvirt_metadata_wait(m, 5000));
+    }
+    xml = element_now(f);
+    g_assert_null(xml);
+    pf_libvirt_metadata_get_counts(m, &n);
+    g_assert_cmpuint(n.published, ==, 0);
+    g_assert_cmpuint(n.other_process, ==, 2);
+    g_assert_cmpuint(n.failed, ==, 0);
+    g_assert_cmpint(g_atomic_int_get(&told_unknown), ==, 1);
+
+    /* Not a pid: not known either, and not said again for this VM. */
+    g_assert_true(g_file_set_contents(path, "4242x\n", -1, &error));
+    g_assert_no_error(error);
+    pf_libvirt_metadata_refresh(m);
+    g_assert_true(pf_libvirt_metadata_wait(m, 5000));
+    xml = element_now(f);
+    g_assert_null(xml);
+    pf_libvirt_metadata_get_counts(m, &n);
+    g_assert_cmpuint(n.published, ==, 0);
+    g_assert_cmpuint(n.other_process, ==, 3);
+    g_assert_cmpint(g_atomic_int_get(&told_unknown), ==, 1);
+    g_assert_cmpint(g_atomic_int_get(&told_other), ==, 0);
 }
 
 static void
@@ -386,8 +567,7 @@ test_unreachable(Fixture *f, gconstpointer data)
     gint64 start;
 
     g_assert_no_error(error);
-    m = pf_libvirt_metadata_new(f->scanner, uri, &error);
-    g_assert_no_error(error);
+    m = publisher_new(f, uri);
     /* Tried at every interval, said once (on stderr), the main loop never
      * held up. */
     g_assert_cmpint(run_loop_for(3500), <, 500);
@@ -425,8 +605,7 @@ test_hung(Fixture *f, gconstpointer data)
     g_assert_cmpint(bind(fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
     g_assert_cmpint(listen(fd, 8), ==, 0);
 
-    m = pf_libvirt_metadata_new(f->scanner, uri, &error);
-    g_assert_no_error(error);
+    m = publisher_new(f, uri);
     g_assert_cmpint(run_loop_for(2500), <, 500);
     g_assert_false(pf_libvirt_metadata_wait(m, 100));
     pf_libvirt_metadata_get_counts(m, &n);
@@ -468,11 +647,14 @@ main(int argc, char **argv)
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/libvirt-metadata/knob", test_knob);
 #if PF_HAVE_LIBVIRT
+    g_log_set_handler(G_LOG_DOMAIN, G_LOG_LEVEL_MESSAGE, count_told, NULL);
     g_test_add_func("/libvirt-metadata/element", test_element);
 #define T(path, func) \
     g_test_add("/libvirt-metadata/" path, Fixture, NULL, fixture_setup, func, fixture_teardown)
     T("publish", test_publish);
     T("interval-off", test_interval_off);
+    T("other-process", test_other_process);
+    T("no-pid-file", test_no_pid_file);
     T("unreachable", test_unreachable);
     T("hung", test_hung);
 #undef T
