@@ -25,7 +25,9 @@ static const char usage_text[] =
     "  knobs                      the knobs and their values\n"
     "  set KNOB VALUE             set a knob (KSM's names)\n"
     "  scan-now [PASSES]          run full passes now, then print stats\n"
-    "  unmerge [VM]               put every merged page back in its VM's memory\n";
+    "  unmerge [VM]               put every merged page back in its VM's memory\n"
+    "  merge-domain VM [NAME]     the VMs it may share pages with; NAME sets it\n"
+    "                             (refused while it shares pages; 'default': all)\n";
 
 static int
 usage_error(const char *msg)
@@ -151,6 +153,16 @@ main(int argc, char **argv)
         }
         json_builder_set_member_name(b, "vm");
         json_builder_add_string_value(b, argv[2]);
+    } else if (g_str_equal(cmd, "merge-domain")) {
+        if (argc != 3 && argc != 4) {
+            return usage_error("merge-domain takes VM [NAME]");
+        }
+        json_builder_set_member_name(b, "vm");
+        json_builder_add_string_value(b, argv[2]);
+        if (argc == 4) {
+            json_builder_set_member_name(b, "name");
+            json_builder_add_string_value(b, argv[3]);
+        }
     } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "unmerge")) {
         if (argc > 3) {
             return usage_error("this command takes at most one VM");
@@ -246,6 +258,12 @@ main(int argc, char **argv)
                 (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0);
     } else if (g_str_equal(cmd, "detach")) {
         g_print("detached VM %s\n", argv[2]);
+    } else if (g_str_equal(cmd, "merge-domain")) {
+        JsonObject *vm = json_node_get_object(ret);
+
+        g_print("VM %s (pid %" G_GINT64_FORMAT "): merge domain %s\n",
+                json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
+                json_object_get_string_member(vm, "merge_domain"));
     }
     return 0;
 }
