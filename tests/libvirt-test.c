@@ -255,6 +255,8 @@ domain_xml(const DomSpec *s, const char *uuid, const char *console)
         "    <kernel>%s</kernel><initrd>%s</initrd>\n"
         "    <cmdline>console=ttyS0 quiet pfguest.mib=64 pfguest.seed=%d pfguest.seconds=%d "
         "pfguest.check_s=3 pfguest.reboot=%d</cmdline>\n  </os>\n"
+        /* Without ACPI (libvirt's default) a guest's power-off only halts. */
+        "  <features><acpi/></features>\n"
         "  <on_poweroff>destroy</on_poweroff><on_reboot>restart</on_reboot>\n"
         "  <devices>\n    <emulator>%s</emulator>\n"
         "    <serial type='file'><source path='%s'/></serial>\n"
@@ -881,14 +883,15 @@ teardown(void)
     g_rmdir(lv.dir);
 }
 
-/* A failed assertion aborts: the domains, the hook and the daemons must
- * not outlive it (a libvirtd with a test's hook would run it for good). */
+/* A failed assertion aborts, and meson's timeout terminates: the domains,
+ * the hook and the daemons must not outlive either (a libvirtd with a
+ * test's hook would run it for good). */
 static void
-on_abort(int sig)
+on_fatal(int sig)
 {
-    signal(SIGABRT, SIG_DFL);
+    signal(sig, SIG_DFL);
     teardown();
-    abort();
+    raise(sig);
 }
 
 int
@@ -903,7 +906,9 @@ main(int argc, char **argv)
         g_test_add_data_func("/libvirt/skipped", why, skip_all);
         return g_test_run();
     }
-    signal(SIGABRT, on_abort);
+    signal(SIGABRT, on_fatal);
+    signal(SIGTERM, on_fatal);
+    signal(SIGINT, on_fatal);
     setup();
     g_test_add_func("/libvirt/merge", test_merge);
     g_test_add_func("/libvirt/merge-domains", test_merge_domains);
