@@ -8,6 +8,7 @@
 #include <glib-unix.h>
 #include <glib.h>
 #include <locale.h>
+#include <signal.h>
 #include <stdlib.h>
 
 #include "control.h"
@@ -77,6 +78,10 @@ main(int argc, char **argv)
     const PfHashAlgo *hash = pf_hash_default();
 
     setlocale(LC_ALL, "");
+    /* A peer that hangs up is an error on the write, not the end of
+     * pagefoldd: libvirt's client library writes without MSG_NOSIGNAL (a
+     * libvirtd killed or restarted), as any library may. */
+    signal(SIGPIPE, SIG_IGN);
     g_option_context_add_main_entries(ctx, entries, NULL);
     g_option_context_set_description(ctx,
         "Knobs (KSM's names): pages_to_scan, sleep_millisecs, cpu_percent,\n"

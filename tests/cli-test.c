@@ -3,6 +3,7 @@
  * stand-in guests (standin-guest: memfd RAM like QEMU's, not a VM).
  */
 #include <gio/gio.h>
+#include <gio/gunixsocketaddress.h>
 #include <glib.h>
 #include <glib/gstdio.h>
 #include <json-glib/json-glib.h>
@@ -11,6 +12,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 
+#include "pf-config.h"
 #include "testproc.h"
 
 typedef struct {
@@ -406,6 +408,67 @@ test_merge_domain(Fixture *f, gconstpointer data)
     g_assert_cmpint(ctl(f, &out, &err, "merge-domain", NULL), ==, 2);
 }
 
+/* A libvirtd that hangs up on pagefoldd (killed, restarted): each
+ * connection to it is closed as soon as it is made. */
+static gpointer
+hang_up_thread(gpointer data)
+{
+    GSocket *listener = data;
+
+    for (;;) {
+        g_autoptr(GSocket) s = g_socket_accept(listener, NULL, NULL);
+
+        if (s == NULL) {
+            return NULL;
+        }
+        g_socket_close(s, NULL);
+    }
+}
+
+/* pagefoldd publishing to a libvirtd that goes away (it writes to a socket
+ * the other end closed: SIGPIPE, unless ignored) goes on answering. */
+static void
+test_libvirt_gone(void)
+{
+#if PF_HAVE_LIBVIRT
+    g_autofree char *dir = g_dir_make_tmp("pagefold-test-XXXXXX", NULL);
+    g_autofree char *path = g_build_filename(dir, "libvirt-sock", NULL);
+    g_autofree char *uri = g_strdup_printf("qemu+unix:///system?socket=%s", path);
+    g_autoptr(GSocket) listener = g_socket_new(G_SOCKET_FAMILY_UNIX, G_SOCKET_TYPE_STREAM, 0,
+                                               NULL);
+    g_autoptr(GSocketAddress) addr = g_unix_socket_address_new(path);
+    g_autoptr(PfTestDaemon) d = NULL;
+    g_autoptr(GSubprocess) guest = NULL;
+    g_autoptr(GThread) t = NULL;
+    g_autoptr(JsonNode) list = NULL;
+    int pid;
+
+    g_assert_true(g_socket_bind(listener, addr, TRUE, NULL));
+    g_assert_true(g_socket_listen(listener, NULL));
+    t = g_thread_new("hang-up", hang_up_thread, listener);
+    d = pf_test_daemon_start("--libvirt-uri", uri, "--set", "libvirt_metadata_millisecs=1000",
+                             NULL);
+    guest = start_guest_uuid("gamma", "8a6a8a3c-6f3e-4a52-9a2e-0c1d2e3f4a5b", 3, &pid);
+    {
+        g_autofree char *pidarg = g_strdup_printf("%d", pid);
+
+        json_node_unref(pf_test_ctl_json(d, "attach", pidarg, NULL));
+    }
+    /* A few rounds of publishing, each hung up on. */
+    g_usleep(4 * G_USEC_PER_SEC);
+    list = pf_test_ctl_json(d, "list", NULL);
+    g_assert_nonnull(pf_test_find_vm(json_node_get_array(list), "gamma"));
+    g_socket_shutdown(listener, TRUE, TRUE, NULL);
+    g_socket_close(listener, NULL);
+    g_thread_join(g_steal_pointer(&t));
+    g_subprocess_force_exit(guest);
+    g_subprocess_wait(guest, NULL, NULL);
+    g_unlink(path);
+#else
+    g_test_skip("built without libvirt");
+#endif
+}
+
 int
 main(int argc, char **argv)
 {
@@ -415,5 +478,6 @@ main(int argc, char **argv)
     g_test_add("/cli/background-scan", Fixture, NULL, setup, test_background_scan, teardown);
     g_test_add("/cli/same-name", Fixture, NULL, setup, test_same_name, teardown);
     g_test_add("/cli/merge-domain", Fixture, NULL, setup, test_merge_domain, teardown);
+    g_test_add_func("/cli/libvirt-gone", test_libvirt_gone);
     return g_test_run();
 }

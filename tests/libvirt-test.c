@@ -671,10 +671,23 @@ test_hook_bad_input(void)
         "", "<domain", "<domain><name>other</name><uuid>x</uuid></domain>",
         "<notadomain/>",
     };
-    g_autoptr(JsonNode) before = pf_test_ctl_json(&lv.ctl, "list", NULL);
+    g_autoptr(JsonNode) before = NULL;
     g_autoptr(JsonNode) after = NULL;
     g_autofree char *b = NULL, *a = NULL;
 
+    {
+        /* pagefoldd runs, as the hook starts it for a domain to come. */
+        const char *argv[] = { HOOK_FILE, "pf-test-x", "prepare", "begin", "-", NULL };
+        g_autoptr(GSubprocess) p = g_subprocess_newv(argv, G_SUBPROCESS_FLAGS_STDIN_PIPE, NULL);
+        g_autofree char *uuid = g_uuid_string_random();
+        g_autofree char *xml = g_strdup_printf(
+            "<domain type='qemu'><name>pf-test-x</name><uuid>%s</uuid><memoryBacking>"
+            "<source type='memfd'/><access mode='shared'/></memoryBacking></domain>", uuid);
+
+        g_assert_true(g_subprocess_communicate_utf8(p, xml, NULL, NULL, NULL, NULL));
+        g_assert_cmpint(pagefoldd_pid(), >, 0);
+    }
+    before = pf_test_ctl_json(&lv.ctl, "list", NULL);
     for (gsize i = 0; i < G_N_ELEMENTS(bad); i++) {
         for (gsize j = 0; j < G_N_ELEMENTS(xmls); j++) {
             g_autoptr(GSubprocess) p = g_subprocess_newv(
