@@ -366,6 +366,7 @@ domain_xml_parse(const char *name, const GString *xml, Domain *dom, GError **err
         g_markup_parse_context_new(&parser, G_MARKUP_PREFIX_ERROR_POSITION, &p, NULL);
     g_autoptr(GError) local = NULL;
     guint8 uuid[16];
+    char text[37];
 
     if (!g_markup_parse_context_parse(ctx, xml->str, (gssize)xml->len, &local) ||
         !g_markup_parse_context_end_parse(ctx, &local)) {
@@ -397,11 +398,7 @@ domain_xml_parse(const char *name, const GString *xml, Domain *dom, GError **err
         return FALSE;
     }
     g_free(dom->uuid);
-    dom->uuid = g_strdup_printf("%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
-                                "%02x%02x%02x%02x%02x%02x",
-                                uuid[0], uuid[1], uuid[2], uuid[3], uuid[4], uuid[5], uuid[6],
-                                uuid[7], uuid[8], uuid[9], uuid[10], uuid[11], uuid[12],
-                                uuid[13], uuid[14], uuid[15]);
+    dom->uuid = g_strdup(pf_uuid_format(uuid, text));
     return TRUE;
 }
 
@@ -409,18 +406,4 @@ gboolean
 domain_is_ours(const Domain *d)
 {
     return d->memfd && (d->access_shared || d->numa_shared);
-}
-
-gboolean
-merge_domain_is_valid(const char *md)
-{
-    if (*md == '\0' || strlen(md) > MAX_MERGE_DOMAIN_LEN) {
-        return FALSE;
-    }
-    for (const char *p = md; *p; p++) {
-        if (g_ascii_iscntrl(*p)) {
-            return FALSE;
-        }
-    }
-    return TRUE;
 }

@@ -14,9 +14,6 @@
 
 #include <glib.h>
 
-/* A merge domain is a label, as a VM's name is. */
-#define MAX_MERGE_DOMAIN_LEN 128
-
 /* pagefold's namespace in a domain's <metadata>. */
 #define PAGEFOLD_NS "urn:pagefold:domain:1"
 
@@ -47,6 +44,3 @@ gboolean domain_xml_parse(const char *name, const GString *xml, Domain *dom, GEr
 /* RAM pagefold can merge: memfd, shared (all of it, or some NUMA cells;
  * pagefoldd takes what it finds shared). */
 gboolean domain_is_ours(const Domain *d);
-/* A merge domain pagefoldd takes: 1 to MAX_MERGE_DOMAIN_LEN bytes, no
- * control characters. */
-gboolean merge_domain_is_valid(const char *md);

@@ -40,6 +40,7 @@
 #include "hook.h"
 #include "start-pagefoldd.h"
 #include "util.h"
+#include "vm.h"
 
 /* The longest wait for one control call, within HOOK_DEADLINE_MS. */
 #define CALL_TIMEOUT_MS 1000
@@ -453,11 +454,13 @@ op_attach(Hook *h, const Domain *dom)
         hook_say(h, "<memoryBacking><nosharepages/>: advise mode, never merged");
     }
     /* A merge domain pagefoldd did not hear of would let the VM share
-     * pages with VMs it must not: no merge rather than that. */
-    if (dom->has_config &&
-        (dom->merge_domain == NULL || !merge_domain_is_valid(dom->merge_domain))) {
+     * pages with VMs it must not: no merge rather than that.  A merge
+     * domain is a label, as a VM's name is: pagefoldd's rule (the XML is
+     * UTF-8 already). */
+    if (dom->has_config && (dom->merge_domain == NULL ||
+                            !pf_label_is_valid("a merge domain", dom->merge_domain, NULL))) {
         hook_say(h, "<pagefold:config> (%s) wants merge-domain=\"NAME\" (1 to %d bytes, no "
-            "control characters): not attaching it", PAGEFOLD_NS, MAX_MERGE_DOMAIN_LEN);
+            "control characters): not attaching it", PAGEFOLD_NS, PF_MAX_LABEL_LEN);
         return;
     }
     pid = read_pid(h, &error);
