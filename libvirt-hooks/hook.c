@@ -63,12 +63,6 @@ static const char usage_text[] =
     "  --run-dir DIR          where libvirt keeps NAME.pid (" DEFAULT_RUN_DIR ")\n"
     "  --log-dir DIR          libvirt's per-domain logs (" DEFAULT_LOG_DIR ")\n";
 
-/* pagefoldd's own refusals ({"error": ...} replies), apart from failing
- * to reach it. */
-#define HOOK_DAEMON_ERROR (hook_daemon_error_quark())
-static GQuark hook_daemon_error_quark(void);
-G_DEFINE_QUARK(pagefold-hook-daemon-error, hook_daemon_error)
-
 /* ---- saying what it does ---- */
 
 int
@@ -222,14 +216,13 @@ request_new(const char *command, JsonBuilder *args)
 /*
  * One control call within what is left of the deadline; returns a copy of
  * the reply's "return".  Errors: pagefoldd's own refusal is
- * HOOK_DAEMON_ERROR with its desc; not reaching it is pf_client_call()'s.
+ * PF_CLIENT_ERROR_REFUSED with its desc; not reaching it is
+ * pf_client_call()'s (pf_client_execute()).
  */
 static JsonNode *
 control(Hook *h, JsonNode *request, GError **error)
 {
     int timeout = MIN(hook_ms_left(h->deadline), CALL_TIMEOUT_MS);
-    g_autoptr(JsonNode) reply = NULL;
-    JsonObject *o;
 
     if (timeout <= 0) {
         g_set_error(error, G_IO_ERROR, G_IO_ERROR_TIMED_OUT,
@@ -237,25 +230,7 @@ control(Hook *h, JsonNode *request, GError **error)
                     HOOK_DEADLINE_MS);
         return NULL;
     }
-    reply = pf_client_call(h->socket_path, request, timeout, error);
-    if (reply == NULL) {
-        return NULL;
-    }
-    o = JSON_NODE_HOLDS_OBJECT(reply) ? json_node_get_object(reply) : NULL;
-    if (o != NULL && json_object_has_member(o, "error")) {
-        JsonNode *e = json_object_get_member(o, "error");
-        const char *desc = JSON_NODE_HOLDS_OBJECT(e)
-            ? json_object_get_string_member_with_default(json_node_get_object(e), "desc", NULL)
-            : NULL;
-
-        g_set_error(error, HOOK_DAEMON_ERROR, 0, "%s", desc ? desc : "(no description)");
-        return NULL;
-    }
-    if (o == NULL || !json_object_has_member(o, "return")) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pagefoldd sent a reply without 'return'");
-        return NULL;
-    }
-    return json_node_copy(json_object_get_member(o, "return"));
+    return pf_client_execute(h->socket_path, request, timeout, error);
 }
 
 gboolean
@@ -411,7 +386,7 @@ set_merge_domain(Hook *h, int pid, JsonObject *vm, const char *domain)
             member_str(vm, "merge_domain") ? member_str(vm, "merge_domain") : "?", domain);
         return;
     }
-    if (!g_error_matches(error, HOOK_DAEMON_ERROR, 0)) {
+    if (!g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
         hook_say(h, "cannot put pid %d in merge domain '%s': %s", pid, domain, error->message);
         return;
     }
@@ -496,7 +471,7 @@ op_attach(Hook *h, const Domain *dom)
             pages > 0 ? (double)pages * PF_PAGE_SIZE / 1048576.0 : 0.0);
         return;
     }
-    if (!g_error_matches(error, HOOK_DAEMON_ERROR, 0)) {
+    if (!g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
         hook_say(h, "cannot attach pid %d: %s; the VM runs unmerged", pid, error->message);
         return;
     }
