@@ -207,3 +207,32 @@ pf_client_call(const char *socket_path, JsonNode *request, int timeout_ms, GErro
     }
     return json_node_copy(json_parser_get_root(parser));
 }
+
+G_DEFINE_QUARK(pagefold-client-error-quark, pf_client_error)
+
+JsonNode *
+pf_client_execute(const char *socket_path, JsonNode *request, int timeout_ms, GError **error)
+{
+    g_autoptr(JsonNode) reply = pf_client_call(socket_path, request, timeout_ms, error);
+    JsonObject *o;
+
+    if (reply == NULL) {
+        return NULL;
+    }
+    o = JSON_NODE_HOLDS_OBJECT(reply) ? json_node_get_object(reply) : NULL;
+    if (o != NULL && json_object_has_member(o, "error")) {
+        JsonNode *e = json_object_get_member(o, "error");
+        const char *desc = JSON_NODE_HOLDS_OBJECT(e)
+            ? json_object_get_string_member_with_default(json_node_get_object(e), "desc", NULL)
+            : NULL;
+
+        g_set_error(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED, "%s",
+                    desc ? desc : "(no description)");
+        return NULL;
+    }
+    if (o == NULL || !json_object_has_member(o, "return")) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pagefoldd sent a reply without 'return'");
+        return NULL;
+    }
+    return json_node_copy(json_object_get_member(o, "return"));
+}

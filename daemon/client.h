@@ -1,7 +1,7 @@
 /*
  * client.h - the client end of pagefoldd's control socket: connect, send
- * one request, read the greeting and the one reply.  pagefoldctl and the
- * libvirt hook use it.
+ * one request, read the greeting and the one reply, and tell its "return"
+ * from pagefoldd's refusal.  pagefoldctl and the libvirt hook use it.
  *
  * Owns the connection for the length of one call, nothing after.  Must
  * never wait past the caller's deadline: the libvirt hook runs while
@@ -24,3 +24,22 @@
  */
 JsonNode *pf_client_call(const char *socket_path, JsonNode *request, int timeout_ms,
                          GError **error);
+
+/* pagefoldd's own refusals ({"error": ...} replies), apart from failing
+ * to reach it. */
+#define PF_CLIENT_ERROR (pf_client_error_quark())
+
+typedef enum {
+    PF_CLIENT_ERROR_REFUSED, /* the message is the error's desc */
+} PfClientError;
+
+GQuark pf_client_error_quark(void);
+
+/*
+ * pf_client_call(), the reply looked at: returns a copy of its "return".
+ * Errors: pagefoldd's own refusal is PF_CLIENT_ERROR_REFUSED with its
+ * desc; a reply with neither "error" nor "return" is PF_ERROR_FAILED; not
+ * reaching it is pf_client_call()'s.
+ */
+JsonNode *pf_client_execute(const char *socket_path, JsonNode *request, int timeout_ms,
+                            GError **error);

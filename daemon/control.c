@@ -19,7 +19,6 @@
 
 #define MAX_CLIENTS 64
 #define MAX_PENDING_OUTPUT (16u << 20)
-#define MAX_NAME_LEN 128
 #define MAX_SCAN_NOW_PASSES 1000
 
 struct _PfControl {
@@ -274,31 +273,6 @@ stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b, GPtrArray *detached,
     json_builder_end_object(b);
 }
 
-/* what: "a VM name", "a merge domain" */
-static gboolean
-label_is_valid(const char *what, const char *name, GError **error)
-{
-    if (*name == '\0' || strlen(name) > MAX_NAME_LEN || !g_utf8_validate(name, -1, NULL)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "%s must be 1 to %d bytes of UTF-8", what, MAX_NAME_LEN);
-        return FALSE;
-    }
-    for (const char *p = name; *p; p++) {
-        if (g_ascii_iscntrl(*p)) {
-            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                        "%s must not contain control characters", what);
-            return FALSE;
-        }
-    }
-    return TRUE;
-}
-
-static gboolean
-name_is_valid(const char *name, GError **error)
-{
-    return label_is_valid("a VM name", name, error);
-}
-
 static gboolean
 cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
@@ -318,7 +292,7 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
                     "pid must be a positive process id, not %" G_GINT64_FORMAT, pid);
         return FALSE;
     }
-    if (name != NULL && !name_is_valid(name, error)) {
+    if (name != NULL && !pf_label_is_valid("a VM name", name, error)) {
         return FALSE;
     }
     /* The caller's UUID (libvirt's, from the domain XML through its hook)
@@ -328,7 +302,7 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
                     "uuid must be 32 hex digits, dashes or not, not '%s'", uuid_text);
         return FALSE;
     }
-    if (domain != NULL && !label_is_valid("a merge domain", domain, error)) {
+    if (domain != NULL && !pf_label_is_valid("a merge domain", domain, error)) {
         return FALSE;
     }
     for (guint i = 0; i < vms->len; i++) {
@@ -371,7 +345,7 @@ cmd_merge_domain(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     PfVm *vm = find_vm(c, arg_str(args, "vm"), error);
     const char *name = arg_str(args, "name");
 
-    if (vm == NULL || (name != NULL && !label_is_valid("a merge domain", name, error)) ||
+    if (vm == NULL || (name != NULL && !pf_label_is_valid("a merge domain", name, error)) ||
         (name != NULL && !pf_scanner_set_merge_domain(c->scanner, vm, name, error))) {
         return FALSE;
     }

@@ -110,9 +110,7 @@ main(int argc, char **argv)
     g_autoptr(GError) error = NULL;
     g_autoptr(JsonBuilder) b = json_builder_new();
     g_autoptr(JsonNode) request = NULL;
-    g_autoptr(JsonNode) reply = NULL;
-    JsonObject *robj;
-    JsonNode *ret;
+    g_autoptr(JsonNode) ret = NULL;
     const char *cmd;
     guint64 num = 0;
 
@@ -206,23 +204,15 @@ main(int argc, char **argv)
     json_builder_end_object(b);
     request = json_builder_get_root(b);
 
-    reply = pf_client_call(socket_path ? socket_path : PF_DEFAULT_SOCKET, request, -1, &error);
-    if (reply == NULL) {
+    ret = pf_client_execute(socket_path ? socket_path : PF_DEFAULT_SOCKET, request, -1, &error);
+    if (ret == NULL && g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
+        g_printerr("pagefoldctl: %s: %s\n", cmd, error->message);
+        return 1;
+    }
+    if (ret == NULL) {
         g_printerr("pagefoldctl: %s\n", error->message);
         return 1;
     }
-    robj = JSON_NODE_HOLDS_OBJECT(reply) ? json_node_get_object(reply) : NULL;
-    if (robj != NULL && json_object_has_member(robj, "error")) {
-        JsonObject *e = json_object_get_object_member(robj, "error");
-
-        g_printerr("pagefoldctl: %s: %s\n", cmd, json_object_get_string_member(e, "desc"));
-        return 1;
-    }
-    if (robj == NULL || !json_object_has_member(robj, "return")) {
-        g_printerr("pagefoldctl: pagefoldd sent a reply without 'return'\n");
-        return 1;
-    }
-    ret = json_object_get_member(robj, "return");
     for (guint k = 0; k < 2 && JSON_NODE_HOLDS_OBJECT(ret); k++) {
         static const char *const notes[] = { "detached", "passed_over" };
         JsonObject *r = json_node_get_object(ret);

@@ -1,0 +1,49 @@
+/*
+ * hook.h - what the files of the libvirt hook (pagefold-libvirt-hook; see
+ * hook.c) share: the Hook, that is its options, libvirt's arguments, the
+ * domain's log and the one deadline; saying what it does; asking whether
+ * pagefoldd answers.
+ *
+ * Owns nothing at run time: main() fills the Hook once.  Must never grow
+ * into a second home for what one file is about: only what more than one
+ * of them needs.  Whatever uses it keeps the hook's rules (hook.c): every
+ * wait bounded by the deadline, nothing on stdout.
+ */
+#pragma once
+
+#include <glib.h>
+
+/* All the hook may take, from start to exit: libvirtd waits for it. */
+#define HOOK_DEADLINE_MS 1500
+
+typedef struct {
+    /* Options. */
+    const char *socket_path;
+    const char *pagefoldd;
+    gboolean pagefoldd_given;
+    GPtrArray *pagefoldd_args;
+    const char *pagefoldd_log;
+    const char *agent_group;
+    const char *run_dir;
+    const char *log_dir;
+    /* libvirt's arguments. */
+    const char *name;
+    const char *op;
+    const char *subop;
+    int log_fd;     /* libvirt's log of the domain, or -1 */
+    gint64 deadline; /* monotonic µs */
+} Hook;
+
+/* Milliseconds left until deadline (monotonic µs), rounded up; 0 once it
+ * passed. */
+int hook_ms_left(gint64 deadline);
+/*
+ * One line, "pagefold-hook: NAME OP SUBOP: what", on stderr and appended
+ * to libvirt's log of the domain.  Control characters (from XML or
+ * pagefoldd's answers) become '?': a line is a line.
+ */
+void hook_say(Hook *h, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+/* Whether pagefoldd answers on h->socket_path (qmp_capabilities) within
+ * what is left of h->deadline.  Errors are those of a control call:
+ * G_IO_ERROR_TIMED_OUT where something listens but does not answer. */
+gboolean hook_ping(Hook *h, GError **error);

@@ -1,0 +1,365 @@
+/*
+ * start-pagefoldd.c - see start-pagefoldd.h.
+ */
+#include "start-pagefoldd.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <glib-unix.h>
+#include <grp.h>
+#include <linux/close_range.h>
+#include <poll.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "util.h"
+
+/* How long a pagefoldd it started may take to answer, within
+ * HOOK_DEADLINE_MS. */
+#define READY_WAIT_MS 1000
+#define READY_POLL_MS 50
+
+/* Runs a short program (systemctl), its output into the log, within the
+ * deadline; killed if it takes longer. */
+static void
+run_bounded(Hook *h, const char *const *argv)
+{
+    g_autoptr(GError) error = NULL;
+    g_autoptr(GString) out = g_string_new(NULL);
+    g_autofree char *cmd = g_strjoinv(" ", (char **)argv);
+    int fds[2];
+    GPid pid;
+    int status = 0;
+    gboolean done = FALSE;
+
+    if (!g_unix_open_pipe(fds, FD_CLOEXEC, &error)) {
+        hook_say(h, "cannot run %s: %s", cmd, error->message);
+        return;
+    }
+    if (!g_spawn_async_with_pipes_and_fds(NULL, argv, NULL,
+                                         G_SPAWN_DO_NOT_REAP_CHILD | G_SPAWN_SEARCH_PATH |
+                                             G_SPAWN_STDIN_FROM_DEV_NULL,
+                                         NULL, NULL, -1, fds[1], fds[1], NULL, NULL, 0, &pid,
+                                         NULL, NULL, NULL, &error)) {
+        close(fds[0]);
+        close(fds[1]);
+        hook_say(h, "cannot run %s: %s", cmd, error->message);
+        return;
+    }
+    close(fds[1]);
+    for (;;) {
+        struct pollfd p = { .fd = fds[0], .events = POLLIN };
+        char buf[4096];
+        int r = poll(&p, 1, hook_ms_left(h->deadline));
+        ssize_t n;
+
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            break;
+        }
+        n = read(fds[0], buf, sizeof(buf));
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            done = TRUE;
+            break;
+        }
+        if (out->len < 4096) {
+            g_string_append_len(out, buf, n);
+        }
+    }
+    close(fds[0]);
+    while (done && waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (!done) {
+        kill(pid, SIGKILL);
+        while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+        }
+        hook_say(h, "%s did not finish within the hook's deadline: killed", cmd);
+        return;
+    }
+    g_strstrip(out->str);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+        hook_say(h, "asked systemd to start pagefoldd (%s)%s%s", cmd, out->str[0] ? ": " : "",
+            out->str);
+    } else {
+        hook_say(h, "%s failed (status %d)%s%s", cmd, status, out->str[0] ? ": " : "", out->str);
+    }
+}
+
+typedef struct {
+    int kind;  /* 0: the pid of pagefoldd; 1: exec failed, errno */
+    int value;
+} SpawnNote;
+
+/* Marks every descriptor from 3 on close-on-exec: pagefoldd takes nothing
+ * of the hook's, libvirt's pipes least of all. */
+static void
+cloexec_from_3(void)
+{
+    long max;
+
+    if (syscall(SYS_close_range, 3u, ~0u, CLOSE_RANGE_CLOEXEC) == 0) {
+        return;
+    }
+    max = sysconf(_SC_OPEN_MAX);
+    for (long fd = 3; fd < MIN(max < 0 ? 65536 : max, 1 << 20); fd++) {
+        fcntl((int)fd, F_SETFD, FD_CLOEXEC);
+    }
+}
+
+/*
+ * Starts pagefoldd as a daemon of its own: forked twice, its own session
+ * (no terminal, no process group of libvirtd's), stdin /dev/null, output
+ * appended to out_fd, nothing else of the hook's.  Returns its pid, or 0
+ * with error.
+ */
+static pid_t
+spawn_detached(Hook *h, char **argv, int out_fd, GError **error)
+{
+    int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    int note[2];
+    pid_t mid;
+    int status;
+    pid_t daemon_pid = 0;
+
+    if (null_fd < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "/dev/null: %s", g_strerror(errno));
+        return 0;
+    }
+    if (!g_unix_open_pipe(note, FD_CLOEXEC, error)) {
+        close(null_fd);
+        return 0;
+    }
+    mid = fork();
+    if (mid < 0) {
+        int e = errno;
+
+        close(null_fd);
+        close(note[0]);
+        close(note[1]);
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "fork: %s", g_strerror(e));
+        return 0;
+    }
+    if (mid == 0) {
+        /* Only system calls from here: this is a copy of the hook. */
+        pid_t grand;
+        SpawnNote n = { 0, 0 };
+        sigset_t none;
+
+        setsid();
+        grand = fork();
+        if (grand != 0) {
+            n.kind = grand < 0 ? 1 : 0;
+            n.value = grand < 0 ? errno : grand;
+            (void)!write(note[1], &n, sizeof(n));
+            _exit(0);
+        }
+        /* Not a session leader: it can never take a terminal. */
+        if (chdir("/") < 0 || dup2(null_fd, STDIN_FILENO) < 0 ||
+            dup2(out_fd, STDOUT_FILENO) < 0 || dup2(out_fd, STDERR_FILENO) < 0) {
+            n.kind = 1;
+            n.value = errno;
+            (void)!write(note[1], &n, sizeof(n));
+            _exit(127);
+        }
+        /* dup2() onto itself would have kept close-on-exec. */
+        fcntl(STDIN_FILENO, F_SETFD, 0);
+        fcntl(STDOUT_FILENO, F_SETFD, 0);
+        fcntl(STDERR_FILENO, F_SETFD, 0);
+        cloexec_from_3();
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        signal(SIGPIPE, SIG_DFL); /* the hook ignores it; exec keeps that */
+        execv(argv[0], argv);
+        n.kind = 1;
+        n.value = errno;
+        (void)!write(note[1], &n, sizeof(n));
+        _exit(127);
+    }
+    close(null_fd);
+    close(note[1]);
+    while (waitpid(mid, &status, 0) < 0 && errno == EINTR) {
+    }
+    /* The pid, then EOF once exec closed the pipe, or why exec failed. */
+    for (;;) {
+        struct pollfd p = { .fd = note[0], .events = POLLIN };
+        SpawnNote n;
+        ssize_t got;
+        int r = poll(&p, 1, hook_ms_left(h->deadline));
+
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            break; /* exec still not done: it will answer, or not */
+        }
+        got = read(note[0], &n, sizeof(n));
+        if (got < 0 && errno == EINTR) {
+            continue;
+        }
+        if (got != sizeof(n)) {
+            break;
+        }
+        if (n.kind == 0) {
+            daemon_pid = n.value;
+            continue;
+        }
+        close(note[0]);
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot run %s: %s", argv[0],
+                    g_strerror(n.value));
+        return 0;
+    }
+    close(note[0]);
+    if (daemon_pid == 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot start %s", argv[0]);
+    }
+    return daemon_pid;
+}
+
+/* Makes the folder of pagefoldd's log, 0750 as a log folder is; one
+ * that exists is left as it is. */
+static gboolean
+make_log_folder(const char *file, GError **error)
+{
+    g_autofree char *dir = g_path_get_dirname(file);
+
+    if (g_file_test(dir, G_FILE_TEST_IS_DIR)) {
+        return TRUE;
+    }
+    if (g_mkdir_with_parents(dir, 0750) < 0 || chmod(dir, 0750) < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot make %s: %s", dir,
+                    g_strerror(errno));
+        return FALSE;
+    }
+    return TRUE;
+}
+
+/* Waits until pagefoldd answers, a READY_WAIT_MS at most. */
+static gboolean
+wait_ready(Hook *h)
+{
+    gint64 until = MIN(h->deadline, g_get_monotonic_time() + READY_WAIT_MS * 1000);
+
+    for (;;) {
+        g_autoptr(GError) error = NULL;
+        Hook bounded = *h;
+
+        bounded.deadline = until;
+        if (hook_ping(&bounded, &error)) {
+            return TRUE;
+        }
+        if (g_get_monotonic_time() + READY_POLL_MS * 1000 >= until) {
+            return FALSE;
+        }
+        g_usleep(READY_POLL_MS * 1000);
+    }
+}
+
+/* Spawns pagefoldd itself, one hook at a time. */
+static void
+spawn_pagefoldd(Hook *h)
+{
+    g_autoptr(GError) error = NULL;
+    g_autoptr(GPtrArray) argv = g_ptr_array_new_with_free_func(g_free);
+    g_autofree char *cmd = NULL;
+    g_autofree char *header = NULL;
+    int lock_fd, out_fd;
+    pid_t pid;
+
+    if (!make_log_folder(h->pagefoldd_log, &error)) {
+        hook_say(h, "cannot start pagefoldd: %s", error->message);
+        return;
+    }
+    /*
+     * Hooks of VMs starting together take turns, so that one pagefoldd
+     * starts, not two racing for the socket.  The lock is on a
+     * description of the log of its own: pagefoldd's copy of the log
+     * must not hold it.  Held until pagefoldd answers (or the wait ends).
+     */
+    lock_fd = open(h->pagefoldd_log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, 0640);
+    if (lock_fd < 0) {
+        hook_say(h, "cannot start pagefoldd: %s: %s", h->pagefoldd_log, g_strerror(errno));
+        return;
+    }
+    while (flock(lock_fd, LOCK_EX | LOCK_NB) < 0) {
+        if (errno != EWOULDBLOCK && errno != EINTR) {
+            break; /* no locking there: start it all the same */
+        }
+        if (hook_ms_left(h->deadline) <= 0) {
+            hook_say(h, "another hook is starting pagefoldd; it did not finish within the "
+                     "deadline");
+            close(lock_fd);
+            return;
+        }
+        g_usleep(10 * 1000);
+    }
+    if (hook_ping(h, NULL)) {
+        hook_say(h, "pagefoldd answers on %s (another hook started it)", h->socket_path);
+        close(lock_fd);
+        return;
+    }
+    g_ptr_array_add(argv, g_strdup(h->pagefoldd));
+    g_ptr_array_add(argv, g_strdup("--socket"));
+    g_ptr_array_add(argv, g_strdup(h->socket_path));
+    /* libvirt's QEMUs run as libvirt-qemu: their agents need the agent
+     * socket opened to that group. */
+    if (*h->agent_group != '\0' && getgrnam(h->agent_group) != NULL) {
+        g_ptr_array_add(argv, g_strdup("--agent-group"));
+        g_ptr_array_add(argv, g_strdup(h->agent_group));
+    }
+    for (guint i = 0; i < h->pagefoldd_args->len; i++) {
+        g_ptr_array_add(argv, g_strdup(g_ptr_array_index(h->pagefoldd_args, i)));
+    }
+    g_ptr_array_add(argv, NULL);
+    cmd = g_strjoinv(" ", (char **)argv->pdata);
+    out_fd = open(h->pagefoldd_log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, 0640);
+    if (out_fd < 0) {
+        hook_say(h, "cannot start pagefoldd: %s: %s", h->pagefoldd_log, g_strerror(errno));
+        close(lock_fd);
+        return;
+    }
+    header = g_strdup_printf("pagefold-hook: for domain %s: %s\n", h->name, cmd);
+    (void)!write(out_fd, header, strlen(header));
+    pid = spawn_detached(h, (char **)argv->pdata, out_fd, &error);
+    close(out_fd);
+    if (pid == 0) {
+        hook_say(h, "cannot start pagefoldd: %s", error->message);
+        close(lock_fd);
+        return;
+    }
+    hook_say(h, "started pagefoldd (pid %d): %s; its log: %s", (int)pid, cmd, h->pagefoldd_log);
+    if (wait_ready(h)) {
+        hook_say(h, "pagefoldd answers on %s", h->socket_path);
+    } else {
+        hook_say(h, "pagefoldd does not answer on %s yet; the VM is attached if it does by the "
+            "time QEMU runs (see %s)", h->socket_path, h->pagefoldd_log);
+    }
+    close(lock_fd);
+}
+void
+hook_start_pagefoldd(Hook *h)
+{
+    if (!h->pagefoldd_given && h->pagefoldd_args->len == 0 &&
+        g_file_test("/run/systemd/system", G_FILE_TEST_IS_DIR)) {
+        const char *const sc[] = { "systemctl", "start", "--no-block", SYSTEMD_UNIT, NULL };
+
+        run_bounded(h, sc);
+        if (wait_ready(h)) {
+            hook_say(h, "pagefoldd answers on %s", h->socket_path);
+        } else {
+            hook_say(h, "pagefoldd does not answer on %s yet; the VM is attached if it does by "
+                "the time QEMU runs (see journalctl -u " SYSTEMD_UNIT ")", h->socket_path);
+        }
+        return;
+    }
+    spawn_pagefoldd(h);
+}
