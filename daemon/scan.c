@@ -758,8 +758,9 @@ join_still(PfScanner *s, const Joining *j)
     PfRegion *r = region_of(s, j->page);
     const PfStableNode *n = node_at(s, j->node);
 
+    /* Its VM may have changed merge domain since it was found equal. */
     return pf_region_page_state(r, j->page - r->base) == PF_PAGE_UNSHARED && can_merge(r->vm) &&
-           n->live && n->next == 0 && n->slot == j->slot &&
+           n->live && n->next == 0 && n->slot == j->slot && n->domain == r->vm->domain &&
            node_sharers(s, n) < s->knobs.max_page_sharing;
 }
 
@@ -1933,6 +1934,13 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
                     vm->name, vm->pid, vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_PENDING],
                     pf_scanner_merge_domain(s, vm), vm->pid);
         return FALSE;
+    }
+    /* Pages found equal to content of the old domain, waiting for the
+     * pass's end to join it, join nothing now. */
+    for (guint i = s->joins->len; i-- > 0;) {
+        if (g_array_index(s->joins, Joining, i).vm == vm->serial) {
+            g_array_remove_index_fast(s->joins, i);
+        }
     }
     g_message("VM %s (pid %d): merge domain '%s' (was '%s')", vm->name, vm->pid,
               id == 0 ? "default" : (const char *)g_ptr_array_index(s->domains, id - 1),

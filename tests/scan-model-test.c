@@ -1008,8 +1008,42 @@ totals(Model *m)
 
 /* ---- the cases ---- */
 
-/* 1 MiB of pages every guest has: the smallest region vm.c takes. */
+/* Defined below. */
+static const PfLayout identical_only;
 #define N_IDENTICAL 256
+
+/*
+ * A VM put in a merge domain of its own in the middle of a pass, when some
+ * of its pages were found equal to content of the default domain (a and
+ * b's) and wait for the pass's end to join it (it holds none of its chunk):
+ * they must not join.  Nor may it share anything else with a and b.
+ */
+static void
+test_merge_domain_mid_pass(void)
+{
+    Model *m = model_new();
+    ModelVm *c;
+    PfCounters t;
+
+    model_add_vm(m, &identical_only, 1);
+    model_add_vm(m, &identical_only, 2);
+    run_passes(m, 3, "a and b share");
+    c = model_add_vm(m, &identical_only, 3);
+    run_passes(m, 1, "c seen once");
+    /* a's and b's pages, then c's: all found equal, waiting. */
+    pf_scanner_scan(m->s, 3 * N_IDENTICAL);
+    g_assert_cmpuint(m->s->joins->len, ==, N_IDENTICAL);
+    g_assert_true(pf_scanner_set_merge_domain(m->s, c->vm, "tenant", NULL));
+    run_passes(m, 3, "c in a domain of its own");
+    g_assert_cmpuint(c->vm->count[PF_PAGE_SHARED] + c->vm->count[PF_PAGE_PENDING], ==, 0);
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
+    g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL);
+    model_end(m);
+    model_free(m);
+}
+
+/* 1 MiB of pages every guest has: the smallest region vm.c takes. */
 static const PfLayout identical_only = { .identical = N_IDENTICAL };
 /* The first half of identical_only's pages, then pages of its own. */
 static const PfLayout half_identical = { .identical = N_IDENTICAL / 2,
@@ -1831,6 +1865,7 @@ main(int argc, char **argv)
     g_test_add_data_func("/scan-model/region-gone-in-flight/lying", GINT_TO_POINTER(TRUE),
                          test_region_gone_in_flight);
     g_test_add_func("/scan-model/region-gone-during-move", test_region_gone_during_move);
+    g_test_add_func("/scan-model/merge-domain-mid-pass", test_merge_domain_mid_pass);
     for (gsize i = 0; i < G_N_ELEMENTS(fuzz_modes); i++) {
         g_autofree char *path = g_strdup_printf("/scan-model/fuzz/%s", fuzz_modes[i].name);
 

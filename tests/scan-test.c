@@ -318,6 +318,22 @@ test_merge_domains(Fixture *f, gconstpointer data)
     g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
     g_assert_cmpuint(f->total.pages_sharing, ==, 64 + 8);
 
+    /* A third VM with the same content, in the default domain: it finds
+     * a and b's nodes (the stable tree) and must not join them. */
+    {
+        PfGuest *g = pf_guest_new("memory-backend-memfd", data, 3);
+        int pid = pf_guest_hold(g);
+        PfVm *c = pf_vm_attach(pid, "c", &error);
+
+        g_assert_no_error(error);
+        pf_scanner_add_vm(f->scanner, c);
+        pf_scanner_run_passes(f->scanner, 3);
+        g_assert_cmpuint(c->count[PF_PAGE_SHARED], ==, 0);
+        g_assert_cmpuint(c->count[PF_PAGE_UNSHARED], ==, 64 + 64 + 8);
+        pf_scanner_detach(f->scanner, c, "test over");
+        pf_guest_release(pid);
+        pf_guest_free(g);
+    }
     g_assert_false(pf_scanner_set_merge_domain(f->scanner, a, "default", &error));
     g_assert_error(error, PF_ERROR, PF_ERROR_EXISTS);
     g_assert_nonnull(strstr(error->message, "unmerge"));
