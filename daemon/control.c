@@ -148,6 +148,9 @@ vm_identity_to_json(PfVm *vm, JsonBuilder *b)
     } else {
         json_builder_add_null_value(b);
     }
+    json_builder_set_member_name(b, "merge_domain");
+    json_builder_add_string_value(b, vm->scanner ? pf_scanner_merge_domain(vm->scanner, vm)
+                                                 : "default");
     json_builder_set_member_name(b, "mode");
     json_builder_add_string_value(b, vm->mode);
     if (vm->mode_reason != NULL) {
@@ -271,18 +274,19 @@ stats_to_json(PfControl *c, PfVm *only, JsonBuilder *b, GPtrArray *detached,
     json_builder_end_object(b);
 }
 
+/* what: "a VM name", "a merge domain" */
 static gboolean
-name_is_valid(const char *name, GError **error)
+label_is_valid(const char *what, const char *name, GError **error)
 {
     if (*name == '\0' || strlen(name) > MAX_NAME_LEN || !g_utf8_validate(name, -1, NULL)) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "a VM name must be 1 to %d bytes of UTF-8", MAX_NAME_LEN);
+                    "%s must be 1 to %d bytes of UTF-8", what, MAX_NAME_LEN);
         return FALSE;
     }
     for (const char *p = name; *p; p++) {
         if (g_ascii_iscntrl(*p)) {
             g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                        "a VM name must not contain control characters");
+                        "%s must not contain control characters", what);
             return FALSE;
         }
     }
@@ -290,21 +294,41 @@ name_is_valid(const char *name, GError **error)
 }
 
 static gboolean
+name_is_valid(const char *name, GError **error)
+{
+    return label_is_valid("a VM name", name, error);
+}
+
+static gboolean
 cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
 {
     gint64 pid;
-    const char *name;
+    const char *name, *uuid_text, *domain;
+    guint8 uuid[16];
     g_autoptr(PfVm) vm = NULL;
+    PfVm *added;
     GPtrArray *vms = pf_scanner_get_vms(c->scanner);
 
     pid = arg_int(args, "pid", 0);
     name = arg_str(args, "name");
+    uuid_text = arg_str(args, "uuid");
+    domain = arg_str(args, "merge-domain");
     if (pid <= 0 || pid > G_MAXINT) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "pid must be a positive process id, not %" G_GINT64_FORMAT, pid);
         return FALSE;
     }
     if (name != NULL && !name_is_valid(name, error)) {
+        return FALSE;
+    }
+    /* The caller's UUID (libvirt's, from the domain XML through its hook)
+     * labels the VM rather than what QEMU's -uuid says, if anything. */
+    if (uuid_text != NULL && !pf_uuid_parse(uuid_text, uuid)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "uuid must be 32 hex digits, dashes or not, not '%s'", uuid_text);
+        return FALSE;
+    }
+    if (domain != NULL && !label_is_valid("a merge domain", domain, error)) {
         return FALSE;
     }
     for (guint i = 0; i < vms->len; i++) {
@@ -322,10 +346,38 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
     if (vm == NULL) {
         return FALSE;
     }
+    if (uuid_text != NULL) {
+        memcpy(vm->uuid, uuid, sizeof(vm->uuid));
+    }
     g_message("VM %s (pid %d) attached in mode %s: %u region(s), %zu pages",
               vm->name, vm->pid, vm->mode, vm->regions->len, pf_vm_n_pages(vm));
-    vm_to_json(vm, b);
-    pf_scanner_add_vm(c->scanner, g_steal_pointer(&vm));
+    added = g_steal_pointer(&vm);
+    pf_scanner_add_vm(c->scanner, added);
+    /* In its domain before the scanner sees a page of it (the libvirt
+     * hook's case): set later, it could be refused, having shared pages
+     * in the default one.  Nothing shared yet: it cannot fail. */
+    if (domain != NULL && !pf_scanner_set_merge_domain(c->scanner, added, domain, error)) {
+        pf_scanner_remove_vm(c->scanner, added);
+        return FALSE;
+    }
+    vm_to_json(added, b);
+    return TRUE;
+}
+
+/* Reads a VM's merge domain, or sets it (name). */
+static gboolean
+cmd_merge_domain(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    PfVm *vm = find_vm(c, arg_str(args, "vm"), error);
+    const char *name = arg_str(args, "name");
+
+    if (vm == NULL || (name != NULL && !label_is_valid("a merge domain", name, error)) ||
+        (name != NULL && !pf_scanner_set_merge_domain(c->scanner, vm, name, error))) {
+        return FALSE;
+    }
+    json_builder_begin_object(b);
+    vm_identity_to_json(vm, b);
+    json_builder_end_object(b);
     return TRUE;
 }
 
@@ -473,8 +525,12 @@ static const struct {
     const ArgSpec *args;
 } commands[] = {
     { "qmp_capabilities", cmd_capabilities, ARGS() },
-    { "attach", cmd_attach, ARGS({ "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE }, ) },
+    { "attach", cmd_attach, ARGS({ "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE },
+                                 { "uuid", ARG_STRING, FALSE },
+                                 { "merge-domain", ARG_STRING, FALSE }, ) },
     { "detach", cmd_detach, ARGS({ "vm", ARG_STRING, TRUE }, ) },
+    { "merge-domain", cmd_merge_domain,
+      ARGS({ "vm", ARG_STRING, TRUE }, { "name", ARG_STRING, FALSE }, ) },
     { "list", cmd_list, ARGS() },
     { "stats", cmd_stats, ARGS({ "vm", ARG_STRING, FALSE }, ) },
     { "knobs", cmd_knobs, ARGS() },

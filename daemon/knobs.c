@@ -3,6 +3,7 @@
  */
 #include "knobs.h"
 
+#include "pf-config.h"
 #include "util.h"
 
 typedef struct {
@@ -25,6 +26,10 @@ static const KnobInfo knob_info[] = {
     K(use_zero_pages, 0, 1, "treat all-zero pages apart"),
     K(run, 0, 2, "0: stop scanning, 1: scan, 2: unmerge all pages and stop"),
     K(max_vma_percent, 1, 90, "share of vm.max_map_count a VM may reach through merges"),
+    /* Each refresh is a libvirt call per VM, each of which makes libvirtd
+     * write the domain's status XML: not more than once a second. */
+    K(libvirt_metadata_millisecs, 0, 86400000,
+      "if not 0, how often each VM's figures go into its libvirt domain's live metadata"),
 };
 
 #undef K
@@ -42,6 +47,7 @@ pf_knobs_init_default(PfKnobs *k)
     k->use_zero_pages = TRUE;
     k->run = TRUE;
     k->max_vma_percent = 50;
+    k->libvirt_metadata_millisecs = PF_HAVE_LIBVIRT ? 10000 : 0;
 }
 
 static guint *
@@ -71,6 +77,19 @@ pf_knobs_set(PfKnobs *k, const char *name, guint64 value, GError **error)
             g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                         "target_pass_millisecs must be 0 (off) or at least 10");
             return FALSE;
+        }
+        if (g_str_equal(name, "libvirt_metadata_millisecs") && value != 0) {
+            if (!PF_HAVE_LIBVIRT) {
+                g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                            "libvirt_metadata_millisecs can only be 0: this pagefoldd "
+                            "was built without libvirt (meson -Dlibvirt)");
+                return FALSE;
+            }
+            if (value < 1000) {
+                g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                            "libvirt_metadata_millisecs must be 0 (off) or at least 1000");
+                return FALSE;
+            }
         }
         *knob_field(k, ki) = (guint)value;
         return TRUE;

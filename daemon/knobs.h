@@ -22,6 +22,10 @@ typedef struct {
     gboolean run;                /* 0: stopped, 1: scanning (KSM) */
     guint max_vma_percent;       /* share of vm.max_map_count a VM may
                                   * reach through merges */
+    guint libvirt_metadata_millisecs; /* 0: off; else how often each VM's
+                                  * figures go into its libvirt domain's
+                                  * live metadata (libvirt-metadata.h);
+                                  * always 0 in a build without libvirt */
 } PfKnobs;
 
 void pf_knobs_init_default(PfKnobs *k);

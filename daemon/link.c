@@ -38,6 +38,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <gio/gio.h>
 #include <glib-unix.h>
 #include <glib/gstdio.h>
@@ -90,6 +91,8 @@ struct _PfLinkServer {
     int uffd_dev; /* /dev/userfaultfd, for agents that cannot make one */
     GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
     guint answer_timeout_ms;
+    gboolean group_allowed; /* besides root and pagefoldd's own user */
+    gid_t group;
 };
 
 typedef struct {
@@ -673,16 +676,18 @@ on_ready(PfLink *l, const PfMsg *msg)
      * The agent knows this VM better than /proc did: it replaces a VM
      * attached by pid. */
     old = pf_scanner_find_vm_by_pid(s, l->peer_pid);
-    if (old != NULL) {
-        if (old->link != NULL) {
-            return link_refuse(l, "process %d already has an agent connected", l->peer_pid);
-        }
-        pf_scanner_remove_vm(s, old);
+    if (old != NULL && old->link != NULL) {
+        return link_refuse(l, "process %d already has an agent connected", l->peer_pid);
     }
     vm = pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name, l->hello.uuid,
                               l->regions, &error);
     if (vm == NULL) {
         return link_refuse(l, "%s", error->message);
+    }
+    if (old != NULL) {
+        /* Whom it may share with was said of the process (libvirt's hook). */
+        vm->domain = old->domain;
+        pf_scanner_remove_vm(s, old);
     }
     if (m->mode == PF_MODE_MERGE) {
         vm->mode = "merge";
@@ -1100,6 +1105,36 @@ pin_peer(int sock, pid_t pid, int *pidfd_out, int *proc_dir_out, GError **error)
     return TRUE;
 }
 
+/* Whether the connecting process may be an agent: root, pagefoldd's own
+ * user, or a member of the group the socket is opened to.  The socket's
+ * mode says the same; this holds even where it was loosened by hand. */
+static gboolean
+peer_permitted(PfLinkServer *srv, int sock, const struct ucred *cred)
+{
+    gid_t groups[256];
+    socklen_t len = sizeof(groups);
+
+    if (cred->uid == 0 || cred->uid == geteuid()) {
+        return TRUE;
+    }
+    if (!srv->group_allowed) {
+        return FALSE;
+    }
+    if (cred->gid == srv->group) {
+        return TRUE;
+    }
+    /* More supplementary groups than that: the peer is refused. */
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0) {
+        return FALSE;
+    }
+    for (gsize i = 0; i < len / sizeof(gid_t); i++) {
+        if (groups[i] == srv->group) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
 static guint
 handshakes_of(PfLinkServer *srv, pid_t pid)
 {
@@ -1128,6 +1163,13 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     /* pid 0: a process outside pagefoldd's pid namespace. */
     if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.pid <= 0) {
         refuse_socket(sock, "no process id for this connection");
+        return G_SOURCE_CONTINUE;
+    }
+    if (!peer_permitted(srv, sock, &cred)) {
+        refuse_socket(sock, "process %d (uid %u, gid %u) may not be an agent: only root%s%s",
+                      cred.pid, (guint)cred.uid, (guint)cred.gid,
+                      srv->group_allowed ? " and the members of the agent socket's group" : "",
+                      srv->group_allowed ? "" : " (pagefoldd --agent-group opens it to a group)");
         return G_SOURCE_CONTINUE;
     }
     /* A process that holds its places idle only loses its own time. */
@@ -1189,6 +1231,28 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     srv->path = g_strdup(path);
     srv->watch = g_unix_fd_add(srv->fd, G_IO_IN, listen_cb, srv);
     return g_steal_pointer(&srv);
+}
+
+gboolean
+pf_link_server_allow_group(PfLinkServer *srv, const char *group, GError **error)
+{
+    struct group *gr = getgrnam(group);
+    int e;
+
+    if (gr == NULL) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no group '%s'", group);
+        return FALSE;
+    }
+    /* Mode 0600 until the group is right: never open to the wrong one. */
+    if (chown(srv->path, (uid_t)-1, gr->gr_gid) < 0 || chmod(srv->path, 0660) < 0) {
+        e = errno;
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot open %s to group %s: %s",
+                    srv->path, group, g_strerror(e));
+        return FALSE;
+    }
+    srv->group = gr->gr_gid;
+    srv->group_allowed = TRUE;
+    return TRUE;
 }
 
 void

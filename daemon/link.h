@@ -30,6 +30,12 @@ PfLinkServer *pf_link_server_new(PfScanner *s, const char *path, GError **error)
 void pf_link_server_free(PfLinkServer *srv);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfLinkServer, pf_link_server_free)
 
+/* Opens the agent socket to one group besides root (mode 0660), so that an
+ * unprivileged QEMU of that group (libvirt's libvirt-qemu) can connect; a
+ * peer is then checked by its credentials at connect (SO_PEERCRED,
+ * SO_PEERGROUPS) as well as by the socket's mode. */
+gboolean pf_link_server_allow_group(PfLinkServer *srv, const char *group, GError **error);
+
 /* An agent that has requests to answer and answers none for this long is
  * given up, its VM detached (default 30 s). */
 void pf_link_server_set_answer_timeout(PfLinkServer *srv, guint ms);

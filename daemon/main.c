@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "control.h"
+#include "libvirt-metadata.h"
 #include "link.h"
 #include "pf-config.h"
 #include "scan.h"
@@ -33,6 +34,8 @@ main(int argc, char **argv)
     g_autofree char *socket_path = NULL;
     g_autofree char *agent_path = NULL;
     g_autofree char *hash_name = NULL;
+    g_autofree char *agent_group = NULL;
+    g_autofree char *libvirt_uri = NULL;
     g_auto(GStrv) attach = NULL;
     g_auto(GStrv) sets = NULL;
     gboolean version = FALSE;
@@ -42,6 +45,9 @@ main(int argc, char **argv)
           "Control socket (default " PF_DEFAULT_SOCKET ")", "PATH" },
         { "agent-socket", 0, 0, G_OPTION_ARG_FILENAME, &agent_path,
           "Socket the agents in QEMU connect to (default " PF_DEFAULT_AGENT_SOCKET ")", "PATH" },
+        { "agent-group", 0, 0, G_OPTION_ARG_STRING, &agent_group,
+          "Let this group's processes connect to the agent socket too (mode 0660), "
+          "e.g. libvirt-qemu (default: root only)", "GROUP" },
         { "hash", 0, 0, G_OPTION_ARG_STRING, &hash_name,
           "Page checksum: xxh3 (default), xxh64, crc32c, jhash2", "NAME" },
         { "set", 0, 0, G_OPTION_ARG_STRING_ARRAY, &sets,
@@ -49,6 +55,9 @@ main(int argc, char **argv)
         { "agent-timeout", 0, 0, G_OPTION_ARG_INT, &agent_timeout,
           "Detach a VM whose agent answers none of its requests for this long "
           "(default 30)", "SECONDS" },
+        { "libvirt-uri", 0, 0, G_OPTION_ARG_STRING, &libvirt_uri,
+          "libvirt to put each VM's figures in its domain's metadata through "
+          "(default qemu:///system)", "URI" },
         { "attach", 'a', 0, G_OPTION_ARG_STRING_ARRAY, &attach,
           "Attach a VM at start: PID or PID:NAME (repeatable)", "PID[:NAME]" },
         { "version", 0, 0, G_OPTION_ARG_NONE, &version, "Print the version", NULL },
@@ -58,6 +67,10 @@ main(int argc, char **argv)
         g_option_context_new("- memory deduplication for QEMU VMs with shared memfd RAM");
     g_autoptr(GError) error = NULL;
     g_autoptr(PfScanner) scanner = NULL;
+#if PF_HAVE_LIBVIRT
+    /* After the scanner: freed before it. */
+    g_autoptr(PfLibvirtMetadata) metadata = NULL;
+#endif
     g_autoptr(PfControl) control = NULL;
     g_autoptr(PfLinkServer) links = NULL;
     g_autoptr(GMainLoop) loop = NULL;
@@ -68,7 +81,7 @@ main(int argc, char **argv)
     g_option_context_set_description(ctx,
         "Knobs (KSM's names): pages_to_scan, sleep_millisecs, cpu_percent,\n"
         "target_pass_millisecs, max_page_sharing, smart_scan, use_zero_pages, run,\n"
-        "max_vma_percent.\n"
+        "max_vma_percent, libvirt_metadata_millisecs.\n"
         "A VM whose QEMU runs the pagefold agent is merged (mode=merge); a VM\n"
         "attached by pid is in mode=advise: pagefoldd reports what merging would\n"
         "save and changes no guest memory.");
@@ -88,6 +101,12 @@ main(int argc, char **argv)
         g_printerr("pagefoldd: --agent-timeout must be between 1 and 3600 seconds\n");
         return 2;
     }
+#if !PF_HAVE_LIBVIRT
+    if (libvirt_uri != NULL) {
+        g_printerr("pagefoldd: --libvirt-uri: this pagefoldd was built without libvirt\n");
+        return 2;
+    }
+#endif
     if (hash_name != NULL && (hash = pf_hash_lookup(hash_name)) == NULL) {
         g_printerr("pagefoldd: unknown --hash '%s' (xxh3, xxh64, crc32c, jhash2)\n", hash_name);
         return 2;
@@ -120,6 +139,10 @@ main(int argc, char **argv)
         g_printerr("pagefoldd: %s\n", error->message);
         return 1;
     }
+    if (agent_group != NULL && !pf_link_server_allow_group(links, agent_group, &error)) {
+        g_printerr("pagefoldd: --agent-group: %s\n", error->message);
+        return 1;
+    }
     pf_link_server_set_answer_timeout(links, (guint)agent_timeout * 1000);
     for (char **a = attach; a && *a; a++) {
         g_auto(GStrv) pn = g_strsplit(*a, ":", 2);
@@ -142,6 +165,13 @@ main(int argc, char **argv)
     g_unix_signal_add(SIGTERM, on_signal, loop);
     g_unix_signal_add(SIGINT, on_signal, loop);
     pf_scanner_start(scanner);
+#if PF_HAVE_LIBVIRT
+    metadata = pf_libvirt_metadata_new(scanner, libvirt_uri, &error);
+    if (metadata == NULL) {
+        g_printerr("pagefoldd: %s\n", error->message);
+        return 1;
+    }
+#endif
     g_message("pagefoldd %s: control socket %s, agent socket %s, hash %s", PF_VERSION,
               socket_path ? socket_path : PF_DEFAULT_SOCKET,
               agent_path ? agent_path : PF_DEFAULT_AGENT_SOCKET, hash->name);

@@ -6,15 +6,12 @@
  * no or could not be reached, 2 bad usage.  It never changes what pagefoldd
  * answers, only how it is shown.
  */
-#include <errno.h>
 #include <glib.h>
 #include <json-glib/json-glib.h>
 #include <locale.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
 
+#include "client.h"
 #include "stats.h"
 #include "util.h"
 
@@ -28,94 +25,15 @@ static const char usage_text[] =
     "  knobs                      the knobs and their values\n"
     "  set KNOB VALUE             set a knob (KSM's names)\n"
     "  scan-now [PASSES]          run full passes now, then print stats\n"
-    "  unmerge [VM]               put every merged page back in its VM's memory\n";
+    "  unmerge [VM]               put every merged page back in its VM's memory\n"
+    "  merge-domain VM [NAME]     the VMs it may share pages with; NAME sets it\n"
+    "                             (refused while it shares pages; 'default': all)\n";
 
 static int
 usage_error(const char *msg)
 {
     g_printerr("pagefoldctl: %s\n%s", msg, usage_text);
     return 2;
-}
-
-static gboolean
-read_line(int fd, GString *buf, char **line, GError **error)
-{
-    for (;;) {
-        char *nl = memchr(buf->str, '\n', buf->len);
-        char chunk[65536];
-        ssize_t n;
-
-        if (nl != NULL) {
-            *line = g_strndup(buf->str, (gsize)(nl - buf->str));
-            g_string_erase(buf, 0, nl - buf->str + 1);
-            return TRUE;
-        }
-        n = read(fd, chunk, sizeof(chunk));
-        if (n < 0 && errno == EINTR) {
-            continue;
-        }
-        if (n <= 0) {
-            g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                        "pagefoldd closed the connection%s%s",
-                        n < 0 ? ": " : "", n < 0 ? g_strerror(errno) : "");
-            return FALSE;
-        }
-        g_string_append_len(buf, chunk, n);
-    }
-}
-
-static JsonNode *
-call(const char *path, JsonNode *request, GError **error)
-{
-    struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    g_autoptr(GString) buf = g_string_new(NULL);
-    g_autofree char *greeting = NULL;
-    g_autofree char *reply = NULL;
-    g_autofree char *text = json_to_string(request, FALSE);
-    g_autoptr(JsonParser) parser = json_parser_new();
-    int fd;
-    gsize off = 0;
-
-    if (strlen(path) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "socket path too long");
-        return NULL;
-    }
-    strcpy(addr.sun_path, path);
-    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
-        int e = errno;
-
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                    "cannot connect to %s: %s (is pagefoldd running?)", path, g_strerror(e));
-        if (fd >= 0) {
-            close(fd);
-        }
-        return NULL;
-    }
-    text = g_realloc(text, strlen(text) + 2);
-    strcat(text, "\n");
-    while (off < strlen(text)) {
-        ssize_t n = send(fd, text + off, strlen(text) - off, MSG_NOSIGNAL);
-
-        if (n < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "send: %s", g_strerror(errno));
-            close(fd);
-            return NULL;
-        }
-        off += (gsize)n;
-    }
-    if (!read_line(fd, buf, &greeting, error) || !read_line(fd, buf, &reply, error)) {
-        close(fd);
-        return NULL;
-    }
-    close(fd);
-    if (!json_parser_load_from_data(parser, reply, -1, error)) {
-        return NULL;
-    }
-    return json_node_copy(json_parser_get_root(parser));
 }
 
 static void
@@ -235,6 +153,16 @@ main(int argc, char **argv)
         }
         json_builder_set_member_name(b, "vm");
         json_builder_add_string_value(b, argv[2]);
+    } else if (g_str_equal(cmd, "merge-domain")) {
+        if (argc != 3 && argc != 4) {
+            return usage_error("merge-domain takes VM [NAME]");
+        }
+        json_builder_set_member_name(b, "vm");
+        json_builder_add_string_value(b, argv[2]);
+        if (argc == 4) {
+            json_builder_set_member_name(b, "name");
+            json_builder_add_string_value(b, argv[3]);
+        }
     } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "unmerge")) {
         if (argc > 3) {
             return usage_error("this command takes at most one VM");
@@ -278,7 +206,7 @@ main(int argc, char **argv)
     json_builder_end_object(b);
     request = json_builder_get_root(b);
 
-    reply = call(socket_path ? socket_path : PF_DEFAULT_SOCKET, request, &error);
+    reply = pf_client_call(socket_path ? socket_path : PF_DEFAULT_SOCKET, request, -1, &error);
     if (reply == NULL) {
         g_printerr("pagefoldctl: %s\n", error->message);
         return 1;
@@ -330,6 +258,12 @@ main(int argc, char **argv)
                 (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0);
     } else if (g_str_equal(cmd, "detach")) {
         g_print("detached VM %s\n", argv[2]);
+    } else if (g_str_equal(cmd, "merge-domain")) {
+        JsonObject *vm = json_node_get_object(ret);
+
+        g_print("VM %s (pid %" G_GINT64_FORMAT "): merge domain %s\n",
+                json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
+                json_object_get_string_member(vm, "merge_domain"));
     }
     return 0;
 }

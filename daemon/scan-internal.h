@@ -42,6 +42,7 @@ struct _PfScanner {
     guint64 zero_checksum;
 
     GPtrArray *vms;     /* PfVm*, owned */
+    GPtrArray *domains; /* char*: merge domain i + 1's name (0: default) */
     GPtrArray *regions; /* PfRegion* of all VMs, sorted by base */
     PfRegion *last_region;
 

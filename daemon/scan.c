@@ -653,7 +653,7 @@ move_node(PfScanner *s, guint32 id, PfVm *joiner)
         return 0;
     }
     members = g_memdup2(n->members, n_members * sizeof(guint32));
-    to = pf_stable_tree_create(&s->stable, checksum, slot); /* n may move */
+    to = pf_stable_tree_create(&s->stable, checksum, slot, n->domain); /* n may move */
     pf_stable_tree_retire(&s->stable, id, to);
     for (guint32 i = 0; i < n_members; i++) {
         PfRegion *mr = region_of(s, members[i]);
@@ -936,6 +936,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
         /* Full nodes are not listed, unless max_page_sharing was lowered
          * this pass (begin_pass()). */
         if ((n->slot != PF_POOL_SLOT_NONE) != merge_domain ||
+            n->domain != r->vm->domain ||
             node_sharers(s, n) >= s->knobs.max_page_sharing ||
             !node_equal(s, data, n)) {
             continue;
@@ -975,6 +976,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
         o = page_of(other, s);
         if (other == id || o->state != PF_PAGE_UNSHARED ||
             can_merge(orr->vm) != merging || pf_vm_merges(orr->vm) != merge_domain ||
+            orr->vm->domain != r->vm->domain ||
             /* The pair's other request goes to its own agent, which has
              * as much to answer as its link takes: not now. */
             (merging && pf_link_room(orr->vm->link) == 0) || !page_equal(s, data, other)) {
@@ -1003,7 +1005,7 @@ visit(PfScanner *s, PfRegion *r, gsize idx)
             }
         }
         pf_table_remove(&s->unstable.table, c, other);
-        node = pf_stable_tree_create(&s->stable, c, slot);
+        node = pf_stable_tree_create(&s->stable, c, slot, r->vm->domain);
         if (merging) {
             pf_pool_ref(s->pool, slot);
             request(s, orr, o, other, PF_ITEM_MERGE, slot, node, 0);
@@ -1878,12 +1880,65 @@ pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index)
 void
 pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 {
-    g_message("VM %s (pid %d) detached: %s", vm->name, vm->pid, why);
+    g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(s->vms->len, 1));
+    PfCounters total;
+    char uuid[37];
+    guint i;
+
+    /* Its last figures, for whoever asks how much it saved (a VM that
+     * stops is dropped by pagefoldd before libvirt's hook could ask). */
+    pf_scanner_collect(s, &total, per_vm);
+    if (g_ptr_array_find(s->vms, vm, &i)) {
+        g_message("VM %s (pid %d%s%s) detached: %s; mode %s, pages_shared %" G_GUINT64_FORMAT
+                  ", pages_sharing %" G_GUINT64_FORMAT ", zero_pages %" G_GUINT64_FORMAT
+                  ", cow %" G_GUINT64_FORMAT,
+                  vm->name, vm->pid, pf_vm_uuid_string(vm, uuid) ? ", uuid " : "",
+                  pf_vm_uuid_string(vm, uuid) ? uuid : "", why, vm->mode, per_vm[i].pages_shared,
+                  per_vm[i].pages_sharing, per_vm[i].zero_pages, per_vm[i].cow);
+    }
     pf_scan_jobs_vm_gone(s, vm, why);
     if (s->vm_gone != NULL) {
         s->vm_gone(s, vm, why, s->vm_gone_user);
     }
     pf_scanner_remove_vm(s, vm);
+}
+
+const char *
+pf_scanner_merge_domain(PfScanner *s, const PfVm *vm)
+{
+    return vm->domain == 0 ? "default" : g_ptr_array_index(s->domains, vm->domain - 1);
+}
+
+gboolean
+pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError **error)
+{
+    guint id = 0;
+
+    if (domain != NULL && *domain != '\0' && !g_str_equal(domain, "default")) {
+        if (!g_ptr_array_find_with_equal_func(s->domains, domain, g_str_equal, &id)) {
+            g_ptr_array_add(s->domains, g_strdup(domain));
+            id = s->domains->len - 1;
+        }
+        id++;
+    }
+    if (id == vm->domain) {
+        return TRUE;
+    }
+    /* A page it shares now would stay shared across the new boundary;
+     * zero pages are every VM's, in any domain. */
+    if (vm->count[PF_PAGE_SHARED] > 0 || vm->count[PF_PAGE_PENDING] > 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
+                    "VM %s (pid %d) shares %zu page(s) in merge domain '%s' already: unmerge it "
+                    "first (pagefoldctl unmerge %d)",
+                    vm->name, vm->pid, vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_PENDING],
+                    pf_scanner_merge_domain(s, vm), vm->pid);
+        return FALSE;
+    }
+    g_message("VM %s (pid %d): merge domain '%s' (was '%s')", vm->name, vm->pid,
+              id == 0 ? "default" : (const char *)g_ptr_array_index(s->domains, id - 1),
+              pf_scanner_merge_domain(s, vm));
+    vm->domain = id;
+    return TRUE;
 }
 
 GPtrArray *
@@ -2151,8 +2206,7 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
                 c->metadata_bytes += pf_region_record_bytes(r);
             }
         }
-        c->general_profit = (gint64)((c->pages_sharing + c->zero_pages) * PF_PAGE_SIZE) -
-                            (gint64)c->metadata_bytes;
+        c->general_profit = (gint64)pf_counters_saved_bytes(c) - (gint64)c->metadata_bytes;
         pf_counters_add(total, c);
     }
     /* A pass covers all VMs: the total counts passes, not their sum. */
@@ -2187,6 +2241,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->regions = g_ptr_array_new();
     s->leftovers = g_ptr_array_new_with_free_func(leftover_free);
     s->jobs = g_ptr_array_new();
+    s->domains = g_ptr_array_new_with_free_func(g_free);
     s->max_map_count = 65530;
     s->kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
     s->cow = pf_cow_new();
@@ -2246,6 +2301,7 @@ pf_scanner_free(PfScanner *s)
         pf_scanner_remove_vm(s, g_ptr_array_index(s->vms, s->vms->len - 1));
     }
     g_ptr_array_unref(s->vms);
+    g_ptr_array_unref(s->domains);
     g_ptr_array_unref(s->regions);
     g_ptr_array_unref(s->leftovers);
     g_clear_pointer(&s->pool, pf_pool_free);

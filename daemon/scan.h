@@ -64,6 +64,14 @@ void pf_scanner_set_vm_gone_func(PfScanner *s, PfVmGoneFunc func, gpointer user)
 void pf_scanner_add_vm(PfScanner *s, PfVm *vm);
 /* Releases everything the VM holds in the trees, then frees it. */
 void pf_scanner_remove_vm(PfScanner *s, PfVm *vm);
+
+/* A VM's merge domain: it shares pages only with VMs of the same one (zero
+ * pages excepted: every VM has them).  NULL, "" or "default": the host's
+ * default, where every VM starts.  Refused for a VM that shares pages
+ * already (they would stay shared across the boundary): unmerge it first. */
+gboolean pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain,
+                                     GError **error);
+const char *pf_scanner_merge_domain(PfScanner *s, const PfVm *vm);
 GPtrArray *pf_scanner_get_vms(PfScanner *s);
 PfVm *pf_scanner_find_vm_by_pid(PfScanner *s, int pid);
 /* The VM a user means by key: a pid (digits), a UUID, or a name that only

@@ -126,6 +126,12 @@ pf_counters_add(PfCounters *sum, const PfCounters *c)
     }
 }
 
+guint64
+pf_counters_saved_bytes(const PfCounters *c)
+{
+    return (c->pages_sharing + c->zero_pages) * PF_PAGE_SIZE;
+}
+
 void
 pf_counters_to_json(const PfCounters *c, JsonBuilder *b)
 {
@@ -158,8 +164,12 @@ member_str(JsonObject *o, const char *name)
 static double
 saved_mib(JsonObject *o)
 {
-    return (double)(member_int(o, "pages_sharing") + member_int(o, "zero_pages")) *
-           PF_PAGE_SIZE / (1024.0 * 1024.0);
+    PfCounters c = {
+        .pages_sharing = (guint64)member_int(o, "pages_sharing"),
+        .zero_pages = (guint64)member_int(o, "zero_pages"),
+    };
+
+    return (double)pf_counters_saved_bytes(&c) / (1024.0 * 1024.0);
 }
 
 static void

@@ -53,6 +53,11 @@ typedef struct {
 void pf_apportion(guint64 total, const double *shares, gsize n, guint64 *parts);
 
 void pf_counters_add(PfCounters *sum, const PfCounters *c);
+/* The bytes merging saves (or, in advise mode, would save): a page each
+ * that shares a canonical page beyond it, and each zero page, KSM's
+ * general_profit before the metadata is taken off.  The SAVED_MIB column
+ * and libvirt's metadata (libvirt-metadata.h) show it. */
+guint64 pf_counters_saved_bytes(const PfCounters *c);
 void pf_counters_to_json(const PfCounters *c, JsonBuilder *b);
 
 /* The field names of PfCounters in output order, NULL-terminated. */

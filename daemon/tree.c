@@ -313,7 +313,7 @@ pf_stable_tree_destroy(PfStableTree *t)
 }
 
 guint32
-pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot)
+pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot, guint32 domain)
 {
     guint32 id;
     PfStableNode *n;
@@ -333,6 +333,7 @@ pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot)
     n->next = 0;
     n->live = TRUE;
     n->full = FALSE;
+    n->domain = domain;
     pf_table_insert(&t->table, checksum, id);
     t->n_nodes++;
     return id;

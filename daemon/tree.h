@@ -92,6 +92,7 @@ typedef struct {
                         * fuller chunk, hold); it is out of the table */
     gboolean live;
     gboolean full;     /* takes no more sharers: out of the table too */
+    guint32 domain;    /* the merge domain of every page it has (vm.h) */
 } PfStableNode;
 
 typedef struct {
@@ -107,7 +108,7 @@ typedef struct {
 
 void pf_stable_tree_init(PfStableTree *t, PfPageFunc page_of, gpointer user);
 void pf_stable_tree_destroy(PfStableTree *t);
-guint32 pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot);
+guint32 pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot, guint32 domain);
 void pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id);
 /* Takes the page out of its node; TRUE when the node has no member left.
  * The node stays until pf_stable_tree_drop(): in merge mode pages still on

@@ -100,6 +100,9 @@ struct _PfVm {
                           * until it is seen to have */
     guint stats_index;   /* scratch for the scanner's attribution */
     guint unmerging;     /* unmerges of it running: no merges meanwhile */
+    guint32 domain;      /* its merge domain: it shares pages only with VMs
+                          * of the same one; 0 is the host's default
+                          * (pf_scanner_set_merge_domain()) */
 };
 
 PfVm *pf_vm_attach(int pid, const char *name, GError **error);

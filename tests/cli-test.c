@@ -361,6 +361,51 @@ test_background_scan(Fixture *f, gconstpointer data)
     g_assert_cmpint(sharing, ==, 2048);
 }
 
+/* pagefoldctl merge-domain: two VMs in different domains share nothing;
+ * put in the same one, they do; one that shares pages cannot leave. */
+static void
+test_merge_domain(Fixture *f, gconstpointer data)
+{
+    g_autofree char *pid0 = g_strdup_printf("%d", f->pid[0]);
+    g_autofree char *pid1 = g_strdup_printf("%d", f->pid[1]);
+    g_autofree char *out = NULL, *err = NULL;
+
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid0, NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid1, NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "merge-domain", "alpha", NULL), ==, 0);
+    {
+        g_autofree char *want = g_strdup_printf("VM alpha (pid %d): merge domain default\n",
+                                                f->pid[0]);
+
+        g_assert_cmpstr(out, ==, want);
+    }
+    g_assert_cmpint(ctl(f, &out, &err, "merge-domain", "alpha", "red", NULL), ==, 0);
+    g_assert_nonnull(strstr(out, "merge domain red"));
+    g_assert_cmpint(ctl(f, &out, &err, "scan-now", "3", "--json", NULL), ==, 0);
+    {
+        g_autoptr(JsonObject) s = ctl_json(f, "stats", NULL);
+
+        g_assert_cmpint(json_object_get_int_member(json_object_get_object_member(s, "total"),
+                                                   "pages_sharing"), ==, 0);
+    }
+    g_assert_cmpint(ctl(f, &out, &err, "merge-domain", "beta", "red", NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "scan-now", "3", "--json", NULL), ==, 0);
+    {
+        g_autoptr(JsonObject) s = ctl_json(f, "stats", NULL);
+        JsonArray *vms = json_object_get_array_member(s, "vms");
+
+        g_assert_cmpint(json_object_get_int_member(json_object_get_object_member(s, "total"),
+                                                   "pages_sharing"), ==, 2048);
+        g_assert_cmpstr(json_object_get_string_member(pf_test_find_vm(vms, "beta"),
+                                                      "merge_domain"), ==, "red");
+    }
+    g_assert_cmpint(ctl(f, &out, &err, "merge-domain", "beta", "default", NULL), ==, 1);
+    g_assert_nonnull(strstr(err, "unmerge"));
+    g_assert_cmpint(ctl(f, &out, &err, "merge-domain", "beta", "", NULL), ==, 1);
+    g_assert_nonnull(strstr(err, "merge domain must be"));
+    g_assert_cmpint(ctl(f, &out, &err, "merge-domain", NULL), ==, 2);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -369,5 +414,6 @@ main(int argc, char **argv)
     g_test_add("/cli/bad-command-lines", Fixture, NULL, setup, test_bad_command_lines, teardown);
     g_test_add("/cli/background-scan", Fixture, NULL, setup, test_background_scan, teardown);
     g_test_add("/cli/same-name", Fixture, NULL, setup, test_same_name, teardown);
+    g_test_add("/cli/merge-domain", Fixture, NULL, setup, test_merge_domain, teardown);
     return g_test_run();
 }

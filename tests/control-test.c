@@ -322,6 +322,99 @@ test_same_name(Fixture *f, gconstpointer data)
                     ==, getpid());
 }
 
+/*
+ * attach's "uuid" (the libvirt hook sends the domain's): the VM takes it,
+ * in place of anything QEMU's -uuid says; a malformed one is refused and
+ * nothing is attached.
+ */
+static void
+test_attach_uuid(Fixture *f, gconstpointer data)
+{
+    g_autofree char *bad = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"uuid\": \"12345\"}}",
+        f->pid[0]);
+    g_autofree char *wrong_type = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"uuid\": 7}}", f->pid[0]);
+    g_autofree char *a = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"name\": \"vm-a\", "
+        "\"uuid\": \"0B1C2D3E-4F50-6172-8394-A5B6C7D8E9F0\"}}", f->pid[0]);
+    g_autofree char *b = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, "
+        "\"uuid\": \"00112233445566778899aabbccddeeff\"}}", f->pid[1]);
+    g_autoptr(JsonObject) r = NULL;
+    g_autoptr(JsonObject) r2 = NULL;
+    g_autoptr(JsonObject) s = NULL;
+    JsonArray *vms;
+
+    fails(f, bad, "GenericError", "uuid must be 32 hex digits");
+    fails(f, wrong_type, "GenericError", "parameter 'uuid' must be a string");
+    s = ok(f, "{\"execute\": \"list\"}");
+    g_assert_cmpuint(json_array_get_length(json_object_get_array_member(s, "return")), ==, 0);
+
+    r = ok(f, a);
+    g_assert_cmpstr(json_object_get_string_member(json_object_get_object_member(r, "return"),
+                                                  "uuid"),
+                    ==, "0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0");
+    r2 = ok(f, b);
+    g_clear_pointer(&s, json_object_unref);
+    s = ok(f, "{\"execute\": \"list\"}");
+    vms = json_object_get_array_member(s, "return");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 2);
+    g_assert_cmpstr(json_object_get_string_member(json_array_get_object_element(vms, 1), "uuid"),
+                    ==, "00112233-4455-6677-8899-aabbccddeeff");
+    /* And names it, as a UUID from QEMU's -uuid does. */
+    g_clear_pointer(&s, json_object_unref);
+    s = ok(f, "{\"execute\": \"stats\", \"arguments\": "
+              "{\"vm\": \"0b1c2d3e4f5061728394a5b6c7d8e9f0\"}}");
+    vms = json_object_get_array_member(json_object_get_object_member(s, "return"), "vms");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 1);
+    g_assert_cmpstr(json_object_get_string_member(json_array_get_object_element(vms, 0), "name"),
+                    ==, "vm-a");
+}
+
+/*
+ * attach's "merge-domain" (the libvirt hook sends the domain XML's): the
+ * VM is in it from the start, before any page of it is seen; a malformed
+ * one is refused and nothing is attached.
+ */
+static void
+test_attach_merge_domain(Fixture *f, gconstpointer data)
+{
+    g_autofree char *empty = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"merge-domain\": \"\"}}",
+        f->pid[0]);
+    g_autofree char *ctrl = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"merge-domain\": \"a\\nb\"}}",
+        f->pid[0]);
+    g_autofree char *a = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"merge-domain\": "
+        "\"tenant-a\"}}", f->pid[0]);
+    g_autofree char *b = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d}}", f->pid[1]);
+    g_autoptr(JsonObject) r = NULL;
+    g_autoptr(JsonObject) r2 = NULL;
+    g_autoptr(JsonObject) s = NULL;
+    JsonArray *vms;
+
+    fails(f, empty, "GenericError", "a merge domain must be 1 to");
+    fails(f, ctrl, "GenericError", "a merge domain must not contain control characters");
+    s = ok(f, "{\"execute\": \"list\"}");
+    g_assert_cmpuint(json_array_get_length(json_object_get_array_member(s, "return")), ==, 0);
+
+    r = ok(f, a);
+    g_assert_cmpstr(json_object_get_string_member(json_object_get_object_member(r, "return"),
+                                                  "merge_domain"), ==, "tenant-a");
+    r2 = ok(f, b);
+    g_clear_pointer(&s, json_object_unref);
+    s = ok(f, "{\"execute\": \"list\"}");
+    vms = json_object_get_array_member(s, "return");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 2);
+    g_assert_cmpstr(json_object_get_string_member(json_array_get_object_element(vms, 0),
+                                                  "merge_domain"), ==, "tenant-a");
+    g_assert_cmpstr(json_object_get_string_member(json_array_get_object_element(vms, 1),
+                                                  "merge_domain"), ==, "default");
+}
+
 static void
 test_bad_requests(Fixture *f, gconstpointer data)
 {
@@ -441,6 +534,9 @@ main(int argc, char **argv)
     g_test_add("/control/attach-stats-detach", Fixture, NULL, setup, test_attach_stats_detach,
                teardown);
     g_test_add("/control/same-name", Fixture, NULL, setup, test_same_name, teardown);
+    g_test_add("/control/attach-uuid", Fixture, NULL, setup, test_attach_uuid, teardown);
+    g_test_add("/control/attach-merge-domain", Fixture, NULL, setup, test_attach_merge_domain,
+               teardown);
     g_test_add("/control/bad-requests", Fixture, NULL, setup, test_bad_requests, teardown);
     g_test_add("/control/huge-request", Fixture, NULL, setup, test_huge_request, teardown);
     g_test_add("/control/clients", Fixture, NULL, setup, test_clients, teardown);

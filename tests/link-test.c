@@ -12,7 +12,10 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <gio/gio.h>
 #include <glib.h>
+#include <grp.h>
+#include <linux/capability.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
 #include <signal.h>
@@ -21,6 +24,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -1277,6 +1281,114 @@ test_no_region(void)
     close(fd);
 }
 
+/*
+ * A forked child that takes on uid and gid (no supplementary groups),
+ * keeping CAP_DAC_OVERRIDE if dac_override (so that the socket's mode lets
+ * it through and only pagefoldd's own check of its credentials is left),
+ * connects, says HELLO and reports what came back: 0 WELCOME, 1 ERROR
+ * containing want, 2 connect() refused by the socket's mode, 3 other.
+ */
+static int
+connect_as(PfTestDaemon *d, uid_t uid, gid_t gid, gboolean dac_override, const char *want)
+{
+    pid_t pid = fork();
+    int status;
+
+    g_assert_cmpint(pid, >=, 0);
+    if (pid == 0) {
+        struct __user_cap_header_struct hdr = { _LINUX_CAPABILITY_VERSION_3, 0 };
+        struct __user_cap_data_struct caps[2] = { { 0 } };
+        struct sockaddr_un addr = { .sun_family = AF_UNIX };
+        g_autofree PfMsg *m = g_new0(PfMsg, 1);
+        PfWireHello h = { 0 };
+        int fd;
+
+        if (prctl(PR_SET_KEEPCAPS, 1) < 0 || setgroups(0, NULL) < 0 || setgid(gid) < 0 ||
+            setuid(uid) < 0) {
+            _exit(3);
+        }
+        caps[0].effective = caps[0].permitted = 1u << CAP_DAC_OVERRIDE;
+        if (dac_override && syscall(SYS_capset, &hdr, caps) < 0) {
+            _exit(3);
+        }
+        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
+        if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+            _exit(errno == EACCES ? 2 : 3);
+        }
+        h.version = PF_PROTO_VERSION;
+        h.pid = (guint32)getpid();
+        pf_wire_set_string(h.name, sizeof(h.name), "unprivileged");
+        /* A refused peer finds the socket closed under its HELLO: what
+         * it is told waits to be read all the same. */
+        pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL);
+        if (!pf_proto_recv(fd, m, NULL)) {
+            _exit(3);
+        }
+        if (m->header.type == PF_MSG_WELCOME) {
+            _exit(0);
+        }
+        _exit(m->header.type == PF_MSG_ERROR &&
+              g_strstr_len((const char *)m->payload, m->header.length, want) ? 1 : 3);
+    }
+    g_assert_cmpint(waitpid(pid, &status, 0), ==, pid);
+    g_assert_true(WIFEXITED(status));
+    return WEXITSTATUS(status);
+}
+
+/* --agent-group opens the agent socket to one group (libvirt's QEMU runs as
+ * libvirt-qemu): its members connect, others are stopped by the socket's
+ * mode and, should that be loosened, by pagefoldd's check of their
+ * credentials; without it only root may be an agent. */
+static void
+test_agent_group(void)
+{
+    struct group *gr = getgrnam("nogroup");
+    struct stat st;
+
+    if (geteuid() != 0 || gr == NULL) {
+        g_test_skip("needs root and a group 'nogroup'");
+        return;
+    }
+    {
+        g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--agent-group", "nogroup", NULL);
+
+        /* The test's directory must let others reach the socket. */
+        g_assert_cmpint(chmod(d->dir, 0755), ==, 0);
+        g_assert_cmpint(stat(d->agent_sock, &st), ==, 0);
+        g_assert_cmpuint(st.st_mode & 07777, ==, 0660);
+        g_assert_cmpuint(st.st_gid, ==, gr->gr_gid);
+        g_assert_cmpint(stat(d->sock, &st), ==, 0);
+        g_assert_cmpuint(st.st_mode & 07777, ==, 0600);
+        g_assert_cmpint(connect_as(d, 65534, gr->gr_gid, FALSE, NULL), ==, 0);
+        g_assert_cmpint(connect_as(d, 1, 1, FALSE, NULL), ==, 2);
+        g_assert_cmpint(connect_as(d, 1, 1, TRUE, "may not be an agent"), ==, 1);
+    }
+    {
+        g_autoptr(PfTestDaemon) d = pf_test_daemon_start(NULL, NULL);
+
+        g_assert_cmpint(chmod(d->dir, 0755), ==, 0);
+        g_assert_cmpint(connect_as(d, 65534, gr->gr_gid, TRUE, "only root"), ==, 1);
+    }
+    {
+        /* A group that does not exist: a clear error, no daemon. */
+        g_autofree char *dir = g_dir_make_tmp("pagefold-test-XXXXXX", NULL);
+        g_autofree char *ctl = g_build_filename(dir, "ctl.sock", NULL);
+        g_autofree char *agent = g_build_filename(dir, "agent.sock", NULL);
+        g_autoptr(GSubprocess) p = g_subprocess_new(
+            G_SUBPROCESS_FLAGS_STDERR_PIPE, NULL, g_getenv("PAGEFOLDD"), "--socket", ctl,
+            "--agent-socket", agent, "--agent-group", "no-such-group-pf", NULL);
+        g_autofree char *err = NULL;
+
+        g_assert_nonnull(p);
+        g_assert_true(g_subprocess_communicate_utf8(p, NULL, NULL, NULL, &err, NULL));
+        g_assert_false(g_subprocess_get_successful(p));
+        g_assert_nonnull(strstr(err, "--agent-group"));
+        g_assert_false(g_file_test(agent, G_FILE_TEST_EXISTS));
+        rmdir(dir);
+    }
+}
+
 int
 main(int argc, char **argv)
 {
@@ -1293,5 +1405,6 @@ main(int argc, char **argv)
     g_test_add_func("/link/bad-region-kept", test_bad_region_kept);
     g_test_add_func("/link/region-join", test_region_join);
     g_test_add_func("/link/region-gone", test_region_gone);
+    g_test_add_func("/link/agent-group", test_agent_group);
     return g_test_run();
 }

@@ -292,6 +292,40 @@ test_use_zero_pages_off(Fixture *f, gconstpointer data)
     g_assert_cmpuint(f->total.pages_sharing, ==, 64 + 8 + 15);
 }
 
+/* VMs in different merge domains share no page, however equal (zero pages
+ * excepted: every VM has them); in the same one they do.  A VM that shares
+ * pages keeps its domain: moving it would leave them shared across. */
+static void
+test_merge_domains(Fixture *f, gconstpointer data)
+{
+    GPtrArray *vms = pf_scanner_get_vms(f->scanner);
+    PfVm *a = g_ptr_array_index(vms, 0), *b = g_ptr_array_index(vms, 1);
+    g_autoptr(GError) error = NULL;
+
+    pf_scanner_get_knobs(f->scanner)->smart_scan = FALSE;
+    g_assert_cmpstr(pf_scanner_merge_domain(f->scanner, a), ==, "default");
+    g_assert_true(pf_scanner_set_merge_domain(f->scanner, a, "tenant-a", &error));
+    g_assert_cmpstr(pf_scanner_merge_domain(f->scanner, a), ==, "tenant-a");
+    pf_scanner_run_passes(f->scanner, 3);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_shared + f->total.pages_sharing, ==, 0);
+    g_assert_cmpuint(f->total.zero_pages, ==, 2 * 8);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 2 * (64 + 64 + 8));
+
+    g_assert_true(pf_scanner_set_merge_domain(f->scanner, b, "tenant-a", &error));
+    pf_scanner_run_passes(f->scanner, 2);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 64 + 8);
+
+    g_assert_false(pf_scanner_set_merge_domain(f->scanner, a, "default", &error));
+    g_assert_error(error, PF_ERROR, PF_ERROR_EXISTS);
+    g_assert_nonnull(strstr(error->message, "unmerge"));
+    g_assert_cmpstr(pf_scanner_merge_domain(f->scanner, a), ==, "tenant-a");
+    /* The same domain again is no change. */
+    g_assert_true(pf_scanner_set_merge_domain(f->scanner, a, "tenant-a", NULL));
+}
+
 /* Detaching a VM releases its pages from every node; the other VM's
  * counters stay exact. */
 static void
@@ -504,6 +538,8 @@ main(int argc, char **argv)
                test_volatile_never_merge, fixture_teardown);
     g_test_add("/scan/use-zero-pages-off", Fixture, &layout_small, fixture_setup,
                test_use_zero_pages_off, fixture_teardown);
+    g_test_add("/scan/merge-domains", Fixture, &layout_small, fixture_setup,
+               test_merge_domains, fixture_teardown);
     g_test_add("/scan/detach", Fixture, &layout_small, fixture_setup, test_detach,
                fixture_teardown);
     g_test_add("/scan/full-nodes", Fixture, &layout_dups, fixture_setup, test_full_nodes,

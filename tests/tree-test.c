@@ -116,7 +116,7 @@ test_stable_tree_members(void)
     const PfStableNode *node;
 
     pf_stable_tree_init(&t, page_of, NULL);
-    n = pf_stable_tree_create(&t, 42, 0);
+    n = pf_stable_tree_create(&t, 42, 0, 0);
     for (guint32 id = 10; id < 20; id++) {
         pf_stable_tree_add(&t, n, id);
     }
@@ -147,7 +147,7 @@ test_stable_tree_members(void)
     g_assert_cmpuint(t.table.n, ==, 0);
     g_assert_cmpuint(t.member_bytes, ==, 0);
     /* Its id is reused. */
-    g_assert_cmpuint(pf_stable_tree_create(&t, 43, 0), ==, n);
+    g_assert_cmpuint(pf_stable_tree_create(&t, 43, 0, 0), ==, n);
     pf_stable_tree_destroy(&t);
 }
 
@@ -176,8 +176,8 @@ test_stable_tree_full(void)
     guint32 a, b;
 
     pf_stable_tree_init(&t, page_of, NULL);
-    a = pf_stable_tree_create(&t, 42, 0);
-    b = pf_stable_tree_create(&t, 42, 0);
+    a = pf_stable_tree_create(&t, 42, 0, 0);
+    b = pf_stable_tree_create(&t, 42, 0, 0);
     pf_stable_tree_add(&t, a, 100);
     pf_stable_tree_set_full(&t, a, TRUE);
     g_assert_false(found(&t, 42, a));
@@ -202,7 +202,7 @@ test_stable_tree_full(void)
     pf_stable_tree_remove(&t, 100);
     pf_stable_tree_drop(&t, a);
     g_assert_cmpuint(t.table.n, ==, 1);
-    g_assert_cmpuint(pf_stable_tree_create(&t, 43, 0), ==, a);
+    g_assert_cmpuint(pf_stable_tree_create(&t, 43, 0, 0), ==, a);
     g_assert_true(found(&t, 43, a));
     g_assert_false(pf_stable_tree_node(&t, a)->full);
     pf_stable_tree_destroy(&t);

@@ -1,0 +1,925 @@
+/*
+ * libvirt-test.c - pagefold under a real libvirtd (Debian 12's 9.0): the
+ * patched QEMU as the domains' <emulator>, run by libvirt as libvirt-qemu
+ * under TCG, the hook in /etc/libvirt/hooks/qemu.d, pagefoldd started by
+ * that hook on the default sockets.  Domains are defined from the XML a
+ * user would write (memfd shared RAM, nothing else), and every guest checks
+ * every byte it wrote while pages merge.
+ *
+ * It needs root, libvirt's daemons installed (not running: it starts its
+ * own libvirtd, which reads hooks only when it starts) and no pagefoldd on
+ * the default sockets; otherwise it skips and says why.  It leaves no
+ * domain, hook or daemon behind.  meson runs it alone (is_parallel false):
+ * a patched QEMU of another suite would join its pagefoldd of its own
+ * accord.
+ *
+ * Stand-ins, named as such: the tiny guest (tests/guest/pfguest.c) cannot
+ * answer ACPI, so `virsh shutdown` and `virsh reboot` are played by the
+ * guest powering itself off and rebooting itself (which is what those
+ * commands ask a guest to do); `virsh destroy` is the real thing.
+ */
+#include <errno.h>
+#include <gio/gio.h>
+#include <glib.h>
+#include <glib/gstdio.h>
+#include <pwd.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "testproc.h"
+#include "util.h"
+
+#define HOOK_DIR "/etc/libvirt/hooks/qemu.d"
+#define HOOK_FILE HOOK_DIR "/zz-pagefold-test"
+#define LIBVIRTD_PID "/run/libvirtd.pid"
+#define STOCK_QEMU "/usr/bin/qemu-system-x86_64"
+#define DOMAIN_LOG_DIR "/var/log/libvirt/qemu"
+#define PAGEFOLDD_LOG "/var/log/pagefold/pagefoldd.log"
+/* TCG boots and fills are slow on two loaded cores. */
+#define BOOT_S 180
+
+static struct {
+    char *dir;          /* 0755: libvirt-qemu reads the kernel there */
+    char *kernel, *initrd;
+    PfTestDaemon ctl;   /* only its sock: pagefoldd is the hook's */
+    gboolean libvirtd_was_running;
+    GPtrArray *domains; /* names defined, undefined at the end */
+} lv;
+
+typedef struct {
+    const char *name;
+    const char *emulator;   /* NULL: the patched QEMU */
+    gboolean memfd;         /* shared memfd RAM */
+    gboolean nosharepages;
+    int seconds, reboot;    /* pfguest.seconds, pfguest.reboot */
+    int seed;
+    const char *merge_domain; /* from <metadata>, or NULL */
+} DomSpec;
+
+typedef struct {
+    char *name;
+    char *uuid;
+    char *console;
+    gsize console_seen; /* bytes of the console already looked at */
+} Dom;
+
+static void
+dom_free(Dom *d)
+{
+    g_free(d->name);
+    g_free(d->uuid);
+    g_free(d->console);
+    g_free(d);
+}
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(Dom, dom_free)
+
+/* Runs argv; its stdout, or NULL with *err filled if it failed. */
+static char *
+run(char **err, const char *const *argv)
+{
+    g_autofree char *out = NULL, *e = NULL;
+    g_autoptr(GError) error = NULL;
+    gint status = 0;
+
+    if (!g_spawn_sync(NULL, (char **)argv, NULL, G_SPAWN_SEARCH_PATH, NULL, NULL, &out, &e,
+                      &status, &error)) {
+        if (err) {
+            *err = g_strdup(error->message);
+        }
+        return NULL;
+    }
+    if (!g_spawn_check_wait_status(status, NULL)) {
+        if (err) {
+            *err = g_steal_pointer(&e);
+        }
+        return NULL;
+    }
+    return g_steal_pointer(&out);
+}
+
+static char *
+virsh_try(char **err, const char *a1, const char *a2, const char *a3, const char *a4)
+{
+    const char *argv[] = { "virsh", "-q", "-c", "qemu:///system", a1, a2, a3, a4, NULL };
+
+    return run(err, argv);
+}
+
+/* virsh with up to three arguments, which must succeed. */
+static char *
+virsh(const char *a1, const char *a2, const char *a3)
+{
+    g_autofree char *err = NULL;
+    char *out = virsh_try(&err, a1, a2, a3, NULL);
+
+    if (out == NULL) {
+        g_error("virsh %s %s %s: %s", a1, a2 ? a2 : "", a3 ? a3 : "", err);
+    }
+    return out;
+}
+
+static int
+pid_from_file(const char *path)
+{
+    g_autofree char *text = NULL;
+
+    if (!g_file_get_contents(path, &text, NULL, NULL)) {
+        return 0;
+    }
+    return atoi(text);
+}
+
+static gboolean
+alive(int pid)
+{
+    return pid > 0 && kill(pid, 0) == 0;
+}
+
+static void
+wait_gone(int pid)
+{
+    for (int i = 0; i < 300 && alive(pid); i++) {
+        g_usleep(100000);
+    }
+    g_assert_false(alive(pid));
+}
+
+static void
+libvirtd_start(void)
+{
+    const char *virtlogd[] = { "/usr/sbin/virtlogd", "-d", NULL };
+    const char *libvirtd[] = { "/usr/sbin/libvirtd", "-d", NULL };
+    g_autofree char *err = NULL;
+    g_autofree char *out = NULL;
+
+    if (!alive(pid_from_file("/run/virtlogd.pid"))) {
+        g_free(run(NULL, virtlogd));
+    }
+    g_assert_nonnull(run(NULL, libvirtd));
+    for (int i = 0; i < 300 && out == NULL; i++) {
+        g_clear_pointer(&err, g_free);
+        out = virsh_try(&err, "list", "--all", NULL, NULL);
+        if (out == NULL) {
+            g_usleep(100000);
+        }
+    }
+    if (out == NULL) {
+        g_error("libvirtd does not answer: %s", err);
+    }
+}
+
+static void
+libvirtd_stop(int sig)
+{
+    int pid = pid_from_file(LIBVIRTD_PID);
+
+    if (alive(pid)) {
+        kill(pid, sig);
+        wait_gone(pid);
+    }
+    if (sig == SIGKILL) {
+        g_unlink(LIBVIRTD_PID);
+    }
+}
+
+/* pagefoldd's process, found by its control socket's peer. */
+static int
+pagefoldd_pid(void)
+{
+    g_autoptr(GSocket) s = g_socket_new(G_SOCKET_FAMILY_UNIX, G_SOCKET_TYPE_STREAM, 0, NULL);
+    g_autoptr(GSocketAddress) a = g_unix_socket_address_new(PF_DEFAULT_SOCKET);
+    g_autoptr(GCredentials) c = NULL;
+
+    if (s == NULL || !g_socket_connect(s, a, NULL, NULL)) {
+        return 0;
+    }
+    c = g_socket_get_credentials(s, NULL);
+    return c ? (int)g_credentials_get_unix_pid(c, NULL) : 0;
+}
+
+static void
+pagefoldd_stop(void)
+{
+    int pid = pagefoldd_pid();
+
+    if (pid > 0) {
+        kill(pid, SIGTERM);
+        wait_gone(pid);
+    }
+}
+
+/* The hook libvirt runs: the one built here, with pagefoldd built here.
+ * pagefoldd_path NULL: one that is not there. */
+static void
+install_hook(const char *pagefoldd_path)
+{
+    g_autofree char *script = g_strdup_printf(
+        "#!/bin/sh\n# Installed by pagefold's libvirt-test; removed when it ends.\n"
+        "exec '%s' --pagefoldd '%s' --pagefoldd-arg=--set --pagefoldd-arg=pages_to_scan=4000 "
+        "--pagefoldd-arg=--set --pagefoldd-arg=sleep_millisecs=10 "
+        "--pagefoldd-arg=--set --pagefoldd-arg=libvirt_metadata_millisecs=1000 \"$@\"\n",
+        pf_test_bin("PAGEFOLD_HOOK"),
+        pagefoldd_path ? pagefoldd_path : "/nonexistent/pagefoldd");
+    g_autoptr(GError) error = NULL;
+
+    g_assert_cmpint(g_mkdir_with_parents(HOOK_DIR, 0755), ==, 0);
+    g_file_set_contents(HOOK_FILE, script, -1, &error);
+    g_assert_no_error(error);
+    g_assert_cmpint(g_chmod(HOOK_FILE, 0755), ==, 0);
+}
+
+static char *
+domain_xml(const DomSpec *s, const char *uuid, const char *console)
+{
+    g_autoptr(GString) x = g_string_new(NULL);
+
+    g_string_append_printf(x, "<domain type='qemu'>\n  <name>%s</name>\n  <uuid>%s</uuid>\n",
+                           s->name, uuid);
+    g_string_append(x, "  <memory unit='MiB'>192</memory>\n  <vcpu>1</vcpu>\n");
+    if (s->merge_domain != NULL) {
+        g_string_append_printf(x,
+                               "  <metadata><pagefold:config xmlns:pagefold='urn:pagefold:domain:1' "
+                               "merge-domain='%s'/></metadata>\n",
+                               s->merge_domain);
+    }
+    if (s->memfd || s->nosharepages) {
+        g_string_append_printf(x, "  <memoryBacking>%s%s</memoryBacking>\n",
+                               s->nosharepages ? "<nosharepages/>" : "",
+                               s->memfd ? "<source type='memfd'/><access mode='shared'/>" : "");
+    }
+    g_string_append_printf(
+        x,
+        "  <os><type arch='x86_64' machine='pc'>hvm</type>\n"
+        "    <kernel>%s</kernel><initrd>%s</initrd>\n"
+        "    <cmdline>console=ttyS0 quiet pfguest.mib=64 pfguest.seed=%d pfguest.seconds=%d "
+        "pfguest.check_s=3 pfguest.reboot=%d</cmdline>\n  </os>\n"
+        /* Without ACPI (libvirt's default) a guest's power-off only halts. */
+        "  <features><acpi/></features>\n"
+        "  <on_poweroff>destroy</on_poweroff><on_reboot>restart</on_reboot>\n"
+        "  <devices>\n    <emulator>%s</emulator>\n"
+        "    <serial type='file'><source path='%s'/></serial>\n"
+        "    <memballoon model='none'/>\n  </devices>\n</domain>\n",
+        lv.kernel, lv.initrd, s->seed, s->seconds, s->reboot,
+        s->emulator ? s->emulator : pf_test_bin("QEMU_BINARY"), console);
+    return g_string_free(g_steal_pointer(&x), FALSE);
+}
+
+static Dom *
+dom_start(const DomSpec *s)
+{
+    Dom *d = g_new0(Dom, 1);
+    g_autofree char *xml_path = g_strdup_printf("%s/%s.xml", lv.dir, s->name);
+    g_autofree char *xml = NULL;
+    g_autoptr(GError) error = NULL;
+
+    d->name = g_strdup(s->name);
+    d->uuid = g_uuid_string_random();
+    d->console = g_strdup_printf("%s/%s.console", lv.dir, s->name);
+    g_unlink(d->console);
+    xml = domain_xml(s, d->uuid, d->console);
+    g_file_set_contents(xml_path, xml, -1, &error);
+    g_assert_no_error(error);
+    g_free(virsh("define", xml_path, NULL));
+    if (!g_ptr_array_find_with_equal_func(lv.domains, s->name, g_str_equal, NULL)) {
+        g_ptr_array_add(lv.domains, g_strdup(s->name));
+    }
+    g_free(virsh("start", s->name, NULL));
+    return d;
+}
+
+static int
+dom_pid(const Dom *d)
+{
+    g_autofree char *path = g_strdup_printf("/run/libvirt/qemu/%s.pid", d->name);
+
+    return pid_from_file(path);
+}
+
+static void
+dom_destroy(const Dom *d)
+{
+    int pid = dom_pid(d);
+
+    g_free(virsh("destroy", d->name, NULL));
+    wait_gone(pid);
+}
+
+/* The domain's console from where the last call stopped, until a line that
+ * starts with want; a FAIL line fails the test. */
+static void
+dom_expect(Dom *d, const char *want)
+{
+    gint64 end = g_get_monotonic_time() + BOOT_S * G_USEC_PER_SEC;
+
+    while (g_get_monotonic_time() < end) {
+        g_autofree char *text = NULL;
+        gsize len = 0;
+        char *line, *nl;
+
+        if (g_file_get_contents(d->console, &text, &len, NULL)) {
+            for (line = text + d->console_seen; (nl = strchr(line, '\n')) != NULL;
+                 line = nl + 1) {
+                *nl = '\0';
+                d->console_seen = (gsize)(nl + 1 - text);
+                if (strstr(line, "FAIL") != NULL) {
+                    g_error("%s: %s", d->name, line);
+                }
+                if (g_str_has_prefix(line, want)) {
+                    g_test_message("%s: %s", d->name, line);
+                    return;
+                }
+            }
+        }
+        g_usleep(200000);
+    }
+    g_error("%s: no '%s' on its console within %d s", d->name, want, BOOT_S);
+}
+
+/* The domain's own log: libvirt's, with the hook's lines in it. */
+static char *
+dom_log(const Dom *d)
+{
+    g_autofree char *path = g_strdup_printf("%s/%s.log", DOMAIN_LOG_DIR, d->name);
+    char *text = NULL;
+
+    g_file_get_contents(path, &text, NULL, NULL);
+    return text ? text : g_strdup("");
+}
+
+static JsonObject *
+listed(const char *name)
+{
+    g_autoptr(JsonNode) list = pf_test_ctl_json(&lv.ctl, "list", NULL);
+    JsonObject *vm = pf_test_find_vm(json_node_get_array(list), name);
+
+    return vm ? json_object_ref(vm) : NULL;
+}
+
+/* Waits for the VM to be listed with mode; returns its entry. */
+static JsonObject *
+wait_listed(const Dom *d, const char *mode)
+{
+    for (int i = 0; i < BOOT_S * 5; i++) {
+        g_autoptr(JsonObject) vm = pagefoldd_pid() > 0 ? listed(d->name) : NULL;
+
+        if (vm != NULL && g_str_equal(json_object_get_string_member(vm, "mode"), mode)) {
+            return g_steal_pointer(&vm);
+        }
+        g_usleep(200000);
+    }
+    g_error("%s: not listed by pagefoldd in mode %s", d->name, mode);
+}
+
+static void
+wait_unlisted(const Dom *d)
+{
+    for (int i = 0; i < 300; i++) {
+        g_autoptr(JsonObject) vm = listed(d->name);
+
+        if (vm == NULL) {
+            return;
+        }
+        g_usleep(100000);
+    }
+    g_error("%s: still listed by pagefoldd", d->name);
+}
+
+static gint64
+stat_of(const char *vm_name, const char *counter)
+{
+    g_autoptr(JsonNode) st = pf_test_ctl_json(&lv.ctl, "stats", NULL);
+    JsonObject *o = json_node_get_object(st);
+
+    if (vm_name == NULL) {
+        return json_object_has_member(o, counter)
+                   ? json_object_get_int_member(o, counter)
+                   : json_object_get_int_member(json_object_get_object_member(o, "total"),
+                                                counter);
+    }
+    o = pf_test_find_vm(json_object_get_array_member(o, "vms"), vm_name);
+    return o ? json_object_get_int_member(o, counter) : -1;
+}
+
+static void
+wait_sharing(const char *vm_name, gint64 at_least)
+{
+    for (int i = 0; i < BOOT_S * 2; i++) {
+        if (stat_of(vm_name, "pages_sharing") >= at_least) {
+            return;
+        }
+        g_usleep(500000);
+    }
+    g_error("%s: pages_sharing stayed below %" G_GINT64_FORMAT, vm_name ? vm_name : "total",
+            at_least);
+}
+
+static guint
+uid_of(int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/status", pid);
+    g_autofree char *text = NULL;
+    char *uid;
+
+    g_assert_true(g_file_get_contents(path, &text, NULL, NULL));
+    uid = strstr(text, "\nUid:");
+    g_assert_nonnull(uid);
+    return (guint)strtoul(uid + 5, NULL, 10);
+}
+
+/* Two domains with nothing but memfd shared RAM in their XML: the patched
+ * QEMU makes its agent, pagefoldd (started by the hook) knows them by
+ * libvirt's names and UUIDs, their pages merge while both guests check
+ * theirs; destroyed, they leave nothing attached and no pool page taken. */
+static void
+test_merge(void)
+{
+    DomSpec s1 = { .name = "pf-test-1", .memfd = TRUE, .seed = 1 };
+    DomSpec s2 = { .name = "pf-test-2", .memfd = TRUE, .seed = 2 };
+    g_autoptr(Dom) d1 = dom_start(&s1);
+    g_autoptr(Dom) d2 = dom_start(&s2);
+    struct passwd *qemu_user = getpwnam("libvirt-qemu");
+    g_autofree char *log = NULL;
+
+    for (Dom **d = (Dom *[]){ d1, d2, NULL }; *d != NULL; d++) {
+        g_autoptr(JsonObject) vm = wait_listed(*d, "merge");
+
+        g_assert_cmpstr(json_object_get_string_member(vm, "uuid"), ==, (*d)->uuid);
+        g_assert_cmpint(json_object_get_int_member(vm, "pid"), ==, dom_pid(*d));
+        if (qemu_user != NULL) {
+            g_assert_cmpuint(uid_of(dom_pid(*d)), ==, qemu_user->pw_uid);
+        }
+        dom_expect(*d, "PFGUEST READY");
+    }
+    /* Half of each guest's 64 MiB fill is the same in both. */
+    wait_sharing(NULL, 4096);
+    dom_expect(d1, "PFGUEST CHECK ok");
+    dom_expect(d2, "PFGUEST CHECK ok");
+    dom_expect(d1, "PFGUEST CHECK ok");
+    dom_expect(d2, "PFGUEST CHECK ok");
+    log = dom_log(d1);
+    g_assert_nonnull(strstr(log, "pagefold-hook: "));
+    g_assert_nonnull(strstr(log, "x-pagefold-agent: created for shared memfd guest RAM"));
+    dom_destroy(d1);
+    dom_destroy(d2);
+    wait_unlisted(d1);
+    wait_unlisted(d2);
+    g_assert_cmpint(stat_of(NULL, "pool_slots"), ==, 0);
+}
+
+/* A merge domain from each domain's <metadata>: the two of tenant-a share
+ * pages, the one of tenant-b shares none with them, however equal. */
+static void
+test_merge_domains(void)
+{
+    DomSpec sa1 = { .name = "pf-test-a1", .memfd = TRUE, .seed = 12, .merge_domain = "tenant-a" };
+    DomSpec sb = { .name = "pf-test-b", .memfd = TRUE, .seed = 13, .merge_domain = "tenant-b" };
+    DomSpec sa2 = { .name = "pf-test-a2", .memfd = TRUE, .seed = 14, .merge_domain = "tenant-a" };
+    g_autoptr(Dom) a1 = dom_start(&sa1);
+    g_autoptr(Dom) b = dom_start(&sb);
+    g_autoptr(Dom) a2 = dom_start(&sa2);
+    Dom *all[] = { a1, b, a2 };
+    const DomSpec *specs[] = { &sa1, &sb, &sa2 };
+
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        g_autoptr(JsonObject) vm = wait_listed(all[i], "merge");
+
+        for (int t = 0; t < 50 && !g_str_equal(json_object_get_string_member(vm, "merge_domain"),
+                                                specs[i]->merge_domain); t++) {
+            g_usleep(100000);
+            json_object_unref(vm);
+            vm = listed(all[i]->name);
+        }
+        g_assert_cmpstr(json_object_get_string_member(vm, "merge_domain"), ==,
+                        specs[i]->merge_domain);
+        dom_expect(all[i], "PFGUEST READY");
+    }
+    /* Half of each guest's 64 MiB fill (8192 pages) is the same in all
+     * three: a1 and a2 share most of it. */
+    wait_sharing(a1->name, 3072);
+    wait_sharing(a2->name, 3072);
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        dom_expect(all[i], "PFGUEST CHECK ok");
+    }
+    /* b shares none of it: what it shares is its own guest's duplicates
+     * (about a thousand here), as a1 and a2 share theirs besides (zero
+     * pages are every VM's, counted apart). */
+    g_test_message("pages_sharing: a1 %" G_GINT64_FORMAT ", a2 %" G_GINT64_FORMAT
+                   ", b %" G_GINT64_FORMAT, stat_of(a1->name, "pages_sharing"),
+                   stat_of(a2->name, "pages_sharing"), stat_of(b->name, "pages_sharing"));
+    for (int i = 0; i < BOOT_S && stat_of(b->name, "pages_sharing") + 3072 >=
+                                      MIN(stat_of(a1->name, "pages_sharing"),
+                                          stat_of(a2->name, "pages_sharing"));
+         i++) {
+        g_usleep(G_USEC_PER_SEC);
+    }
+    g_assert_cmpint(stat_of(b->name, "pages_sharing") + 3072, <,
+                    MIN(stat_of(a1->name, "pages_sharing"), stat_of(a2->name, "pages_sharing")));
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        dom_destroy(all[i]);
+        wait_unlisted(all[i]);
+    }
+}
+
+/* <nosharepages/>: QEMU's mem-merge=off, which the agent honours as kernel
+ * KSM does: advise mode with that reason, no page remapped. */
+static void
+test_nosharepages(void)
+{
+    DomSpec s = { .name = "pf-test-noshare", .memfd = TRUE, .nosharepages = TRUE, .seed = 3 };
+    g_autoptr(Dom) d = dom_start(&s);
+    g_autoptr(JsonObject) vm = wait_listed(d, "advise");
+    g_autofree char *q = NULL;
+
+    g_assert_nonnull(strstr(json_object_get_string_member(vm, "mode_reason"), "mem-merge=off"));
+    dom_expect(d, "PFGUEST READY");
+    dom_expect(d, "PFGUEST CHECK ok");
+    q = virsh("qemu-monitor-command", d->name, "{\"execute\":\"x-query-pagefold\"}");
+    g_test_message("%s", q);
+    g_assert_nonnull(strstr(q, "\"mode\":\"advise\""));
+    g_assert_nonnull(strstr(q, "\"merged\":0,"));
+    g_assert_nonnull(strstr(q, "\"remapped\":0,"));
+    dom_destroy(d);
+    wait_unlisted(d);
+}
+
+/* Debian's own QEMU, no agent: the hook attaches it by pid, advise mode. */
+static void
+test_stock_qemu(void)
+{
+    DomSpec s = { .name = "pf-test-stock", .emulator = STOCK_QEMU, .memfd = TRUE, .seed = 4 };
+    g_autoptr(Dom) d = NULL;
+    g_autoptr(JsonObject) vm = NULL;
+
+    if (!g_file_test(STOCK_QEMU, G_FILE_TEST_IS_EXECUTABLE)) {
+        g_test_skip("no " STOCK_QEMU " (Debian's qemu-system-x86)");
+        return;
+    }
+    d = dom_start(&s);
+    vm = wait_listed(d, "advise");
+    g_assert_cmpstr(json_object_get_string_member(vm, "uuid"), ==, d->uuid);
+    g_assert_cmpint(json_object_get_int_member(vm, "pid"), ==, dom_pid(d));
+    dom_expect(d, "PFGUEST READY");
+    dom_destroy(d);
+    wait_unlisted(d);
+}
+
+/* The guest reboots itself (what `virsh reboot` asks of it): the same QEMU
+ * goes on, attached, merging what the new boot writes.  The other powers
+ * itself off (`virsh shutdown`): libvirt stops it, pagefoldd lets it go. */
+static void
+test_reboot_shutdown(void)
+{
+    DomSpec sr = { .name = "pf-test-reboot", .memfd = TRUE, .seed = 5, .seconds = 20, .reboot = 1 };
+    DomSpec so = { .name = "pf-test-off", .memfd = TRUE, .seed = 6, .seconds = 20 };
+    g_autoptr(Dom) r = dom_start(&sr);
+    g_autoptr(Dom) o = dom_start(&so);
+    int rpid, opid;
+
+    json_object_unref(wait_listed(r, "merge"));
+    json_object_unref(wait_listed(o, "merge"));
+    rpid = dom_pid(r);
+    opid = dom_pid(o);
+    dom_expect(r, "PFGUEST READY");
+    dom_expect(o, "PFGUEST READY");
+    wait_sharing(NULL, 2048);
+    /* Each ends its run with a last check of every page. */
+    dom_expect(o, "PFGUEST PASS");
+    wait_gone(opid);
+    wait_unlisted(o);
+    dom_expect(r, "PFGUEST PASS");
+    dom_expect(r, "PFGUEST READY");
+    g_assert_cmpint(dom_pid(r), ==, rpid);
+    json_object_unref(wait_listed(r, "merge"));
+    dom_expect(r, "PFGUEST CHECK ok");
+    dom_destroy(r);
+    wait_unlisted(r);
+    g_assert_cmpint(stat_of(NULL, "pool_slots"), ==, 0);
+}
+
+/* libvirtd killed and started again while a domain runs: its `reconnect`
+ * hook keeps the VM attached (the same process) and merging goes on. */
+static void
+test_libvirtd_restart(void)
+{
+    DomSpec s1 = { .name = "pf-test-r1", .memfd = TRUE, .seed = 7 };
+    DomSpec s2 = { .name = "pf-test-r2", .memfd = TRUE, .seed = 8 };
+    g_autoptr(Dom) d1 = dom_start(&s1);
+    g_autoptr(Dom) d2 = dom_start(&s2);
+    g_autofree char *log = NULL;
+    gint64 scanned;
+    int pid;
+
+    json_object_unref(wait_listed(d1, "merge"));
+    json_object_unref(wait_listed(d2, "merge"));
+    dom_expect(d1, "PFGUEST READY");
+    dom_expect(d2, "PFGUEST READY");
+    pid = dom_pid(d1);
+    libvirtd_stop(SIGKILL);
+    libvirtd_start();
+    g_assert_cmpint(dom_pid(d1), ==, pid);
+    json_object_unref(wait_listed(d1, "merge"));
+    log = dom_log(d1);
+    g_assert_nonnull(strstr(log, "reconnect"));
+    scanned = stat_of(d1->name, "pages_scanned");
+    wait_sharing(NULL, 4096);
+    dom_expect(d1, "PFGUEST CHECK ok");
+    dom_expect(d2, "PFGUEST CHECK ok");
+    g_assert_cmpint(stat_of(d1->name, "pages_scanned"), >, scanned);
+    dom_destroy(d1);
+    dom_destroy(d2);
+    wait_unlisted(d1);
+    wait_unlisted(d2);
+}
+
+/* pagefoldd down and not startable: the domain starts and runs all the
+ * same, and libvirt's log for it says why it is not merged. */
+static void
+test_no_pagefoldd(void)
+{
+    DomSpec s = { .name = "pf-test-alone", .memfd = TRUE, .seed = 9 };
+    g_autoptr(Dom) d = NULL;
+    g_autofree char *log = NULL;
+
+    pagefoldd_stop();
+    install_hook(NULL);
+    d = dom_start(&s);
+    dom_expect(d, "PFGUEST READY");
+    dom_expect(d, "PFGUEST CHECK ok");
+    g_assert_cmpint(pagefoldd_pid(), ==, 0);
+    log = dom_log(d);
+    g_test_message("%s", log);
+    g_assert_nonnull(strstr(log, "pagefold-hook: "));
+    g_assert_nonnull(strstr(log, "cannot be reached"));
+    dom_destroy(d);
+    install_hook(pf_test_bin("PAGEFOLDD"));
+}
+
+/* The hook as libvirt would call it, with input it must refuse: a clear
+ * message, exit 0, nothing changed. */
+static void
+test_hook_bad_input(void)
+{
+    const char *const bad[][6] = {
+        { HOOK_FILE, NULL },
+        { HOOK_FILE, "pf-x", "started", NULL },
+        { HOOK_FILE, "pf-x", "started", "begin", "-", "extra" },
+        { HOOK_FILE, "pf-x", "no-such-op", "begin", "-", NULL },
+    };
+    const char *const xmls[] = {
+        "", "<domain", "<domain><name>other</name><uuid>x</uuid></domain>",
+        "<notadomain/>",
+    };
+    g_autoptr(JsonNode) before = pf_test_ctl_json(&lv.ctl, "list", NULL);
+    g_autoptr(JsonNode) after = NULL;
+    g_autofree char *b = NULL, *a = NULL;
+
+    for (gsize i = 0; i < G_N_ELEMENTS(bad); i++) {
+        for (gsize j = 0; j < G_N_ELEMENTS(xmls); j++) {
+            g_autoptr(GSubprocess) p = g_subprocess_newv(
+                bad[i], G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE |
+                            G_SUBPROCESS_FLAGS_STDERR_PIPE, NULL);
+            g_autofree char *out = NULL, *err = NULL;
+
+            g_assert_nonnull(p);
+            g_assert_true(g_subprocess_communicate_utf8(p, xmls[j], NULL, &out, &err, NULL));
+            g_assert_true(g_subprocess_get_if_exited(p));
+            g_assert_cmpint(g_subprocess_get_exit_status(p), ==, 0);
+            g_assert_cmpstr(out, ==, "");
+            g_assert_cmpstr(err, !=, "");
+        }
+    }
+    {
+        /* started for a domain whose name is not the XML's. */
+        const char *argv[] = { HOOK_FILE, "pf-x", "started", "begin", "-", NULL };
+        g_autoptr(GSubprocess) p = g_subprocess_newv(
+            argv, G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE, NULL);
+        g_autofree char *err = NULL;
+
+        g_assert_true(g_subprocess_communicate_utf8(
+            p, "<domain type='qemu'><name>pf-y</name></domain>", NULL, NULL, &err, NULL));
+        g_assert_cmpint(g_subprocess_get_exit_status(p), ==, 0);
+        g_test_message("%s", err);
+        g_assert_nonnull(strstr(err, "pf-y"));
+    }
+    after = pf_test_ctl_json(&lv.ctl, "list", NULL);
+    b = json_to_string(before, FALSE);
+    a = json_to_string(after, FALSE);
+    g_assert_cmpstr(a, ==, b);
+}
+
+/* Whether pid runs the pagefoldd built here: one a crashed run left. */
+static gboolean
+ours(int pid)
+{
+    g_autofree char *link = g_strdup_printf("/proc/%d/exe", pid);
+    g_autofree char *exe = g_file_read_link(link, NULL);
+    g_autofree char *want = g_canonicalize_filename(pf_test_bin("PAGEFOLDD"), NULL);
+
+    return exe != NULL && g_str_equal(exe, want);
+}
+
+/* The number in <name>N</name> of libvirt's metadata element, or -1. */
+static gint64
+element_number(const char *xml, const char *name)
+{
+    g_autofree char *open = g_strdup_printf("<%s>", name);
+    const char *p = strstr(xml, open);
+
+    return p ? g_ascii_strtoll(p + strlen(open), NULL, 10) : -1;
+}
+
+/* Each running domain's figures in its live libvirt metadata, refreshed
+ * by pagefoldd: what `virsh metadata` shows is what `pagefoldctl stats`
+ * says (scanning stopped, so that neither moves between the two looks). */
+static void
+test_metadata(void)
+{
+    DomSpec s1 = { .name = "pf-test-m1", .memfd = TRUE, .seed = 10 };
+    DomSpec s2 = { .name = "pf-test-m2", .memfd = TRUE, .seed = 11 };
+    g_autoptr(Dom) d1 = dom_start(&s1);
+    g_autoptr(Dom) d2 = dom_start(&s2);
+    const char *counters[] = { "pages_shared", "pages_sharing", "zero_pages", "cow" };
+    g_autofree char *xml = NULL;
+
+    json_object_unref(wait_listed(d1, "merge"));
+    json_object_unref(wait_listed(d2, "merge"));
+    dom_expect(d1, "PFGUEST READY");
+    dom_expect(d2, "PFGUEST READY");
+    wait_sharing(NULL, 4096);
+    json_node_unref(pf_test_ctl_json(&lv.ctl, "set", "run", "0", NULL));
+    /* The publisher's next round, and the one after, see run=0's figures. */
+    g_usleep(3 * G_USEC_PER_SEC);
+    xml = virsh("metadata", d1->name, "urn:pagefold:stats:1");
+    g_test_message("%s", xml);
+    g_assert_nonnull(strstr(xml, "<mode>merge</mode>"));
+    for (gsize i = 0; i < G_N_ELEMENTS(counters); i++) {
+        g_assert_cmpint(element_number(xml, counters[i]), ==, stat_of(d1->name, counters[i]));
+    }
+    g_assert_cmpint(element_number(xml, "pages_sharing"), >, 0);
+    g_assert_cmpint(element_number(xml, "saved_bytes"), ==,
+                    (stat_of(d1->name, "pages_sharing") + stat_of(d1->name, "zero_pages")) *
+                        PF_PAGE_SIZE);
+    json_node_unref(pf_test_ctl_json(&lv.ctl, "set", "run", "1", NULL));
+    dom_expect(d1, "PFGUEST CHECK ok");
+    dom_destroy(d1);
+    dom_destroy(d2);
+    wait_unlisted(d1);
+    wait_unlisted(d2);
+}
+
+/* Why the suite cannot run here, or NULL. */
+static const char *
+cannot_run(void)
+{
+    if (geteuid() != 0) {
+        return "needs root (libvirtd, its hooks, pagefoldd)";
+    }
+    if (!g_file_test("/usr/sbin/libvirtd", G_FILE_TEST_IS_EXECUTABLE) ||
+        !g_file_test("/usr/bin/virsh", G_FILE_TEST_IS_EXECUTABLE)) {
+        return "libvirt is not installed (libvirt-daemon-system, libvirt-clients)";
+    }
+    if (!g_getenv("QEMU_BINARY") || !g_getenv("GUEST_KERNEL") || !g_getenv("GUEST_INITRD")) {
+        return "needs QEMU_BINARY, GUEST_KERNEL, GUEST_INITRD (scripts/build-qemu, "
+               "scripts/build-guest)";
+    }
+    if (pagefoldd_pid() > 0 && !ours(pagefoldd_pid())) {
+        return "a pagefoldd already listens on " PF_DEFAULT_SOCKET
+               ": this suite runs its own there";
+    }
+    return NULL;
+}
+
+static void
+skip_all(gconstpointer why)
+{
+    g_test_skip(why);
+}
+
+static void
+setup(void)
+{
+    g_autoptr(GError) error = NULL;
+    const char *bins[] = { "GUEST_KERNEL", "GUEST_INITRD" };
+    char **paths[] = { &lv.kernel, &lv.initrd };
+
+    lv.dir = g_dir_make_tmp("pagefold-libvirt-XXXXXX", &error);
+    g_assert_no_error(error);
+    g_assert_cmpint(g_chmod(lv.dir, 0755), ==, 0);
+    for (gsize i = 0; i < G_N_ELEMENTS(bins); i++) {
+        g_autofree char *text = NULL;
+        gsize len;
+
+        g_assert_true(g_file_get_contents(pf_test_bin(bins[i]), &text, &len, NULL));
+        *paths[i] = g_build_filename(lv.dir, i == 0 ? "vmlinuz" : "initrd", NULL);
+        g_file_set_contents(*paths[i], text, (gssize)len, &error);
+        g_assert_no_error(error);
+        g_assert_cmpint(g_chmod(*paths[i], 0644), ==, 0);
+    }
+    lv.ctl.sock = g_strdup(PF_DEFAULT_SOCKET);
+    lv.domains = g_ptr_array_new_with_free_func(g_free);
+    /* What a run that crashed may have left. */
+    pagefoldd_stop();
+    install_hook(pf_test_bin("PAGEFOLDD"));
+    lv.libvirtd_was_running = alive(pid_from_file(LIBVIRTD_PID));
+    /* Hooks are read when libvirtd starts. */
+    libvirtd_stop(SIGTERM);
+    libvirtd_start();
+    {
+        g_autofree char *names = virsh("list", "--all", "--name");
+        g_auto(GStrv) v = g_strsplit(names, "\n", -1);
+
+        for (char **n = v; *n != NULL; n++) {
+            if (g_str_has_prefix(*n, "pf-test-")) {
+                g_free(virsh_try(NULL, "destroy", *n, NULL, NULL));
+                g_free(virsh_try(NULL, "undefine", *n, NULL, NULL));
+            }
+        }
+    }
+}
+
+static void
+teardown(void)
+{
+    static gboolean done;
+
+    if (done) {
+        return;
+    }
+    done = TRUE;
+    for (guint i = 0; i < lv.domains->len; i++) {
+        const char *name = g_ptr_array_index(lv.domains, i);
+
+        g_free(virsh_try(NULL, "destroy", name, NULL, NULL));
+        g_free(virsh_try(NULL, "undefine", name, NULL, NULL));
+    }
+    g_unlink(HOOK_FILE);
+    libvirtd_stop(SIGTERM);
+    if (lv.libvirtd_was_running) {
+        libvirtd_start();
+    }
+    pagefoldd_stop();
+    if (g_file_test(PAGEFOLDD_LOG, G_FILE_TEST_EXISTS)) {
+        g_autofree char *text = NULL;
+
+        g_file_get_contents(PAGEFOLDD_LOG, &text, NULL, NULL);
+        g_test_message("pagefoldd's log (%s), last part:\n%s", PAGEFOLDD_LOG,
+                       text && strlen(text) > 4000 ? text + strlen(text) - 4000 : text);
+    }
+    for (gsize i = 0; i < 2; i++) {
+        g_unlink(i == 0 ? lv.kernel : lv.initrd);
+    }
+    {
+        g_autoptr(GDir) dir = g_dir_open(lv.dir, 0, NULL);
+        const char *f;
+
+        while (dir != NULL && (f = g_dir_read_name(dir)) != NULL) {
+            g_autofree char *p = g_build_filename(lv.dir, f, NULL);
+
+            g_unlink(p);
+        }
+    }
+    g_rmdir(lv.dir);
+}
+
+/* A failed assertion aborts, and meson's timeout terminates: the domains,
+ * the hook and the daemons must not outlive either (a libvirtd with a
+ * test's hook would run it for good). */
+static void
+on_fatal(int sig)
+{
+    signal(sig, SIG_DFL);
+    teardown();
+    raise(sig);
+}
+
+int
+main(int argc, char **argv)
+{
+    const char *why;
+    int rc;
+
+    g_test_init(&argc, &argv, NULL);
+    why = cannot_run();
+    if (why != NULL) {
+        g_test_add_data_func("/libvirt/skipped", why, skip_all);
+        return g_test_run();
+    }
+    signal(SIGABRT, on_fatal);
+    signal(SIGTERM, on_fatal);
+    signal(SIGINT, on_fatal);
+    setup();
+    g_test_add_func("/libvirt/merge", test_merge);
+    g_test_add_func("/libvirt/merge-domains", test_merge_domains);
+    g_test_add_func("/libvirt/nosharepages", test_nosharepages);
+    g_test_add_func("/libvirt/stock-qemu", test_stock_qemu);
+    g_test_add_func("/libvirt/reboot-shutdown", test_reboot_shutdown);
+    g_test_add_func("/libvirt/libvirtd-restart", test_libvirtd_restart);
+    g_test_add_func("/libvirt/metadata", test_metadata);
+    g_test_add_func("/libvirt/hook-bad-input", test_hook_bad_input);
+    g_test_add_func("/libvirt/no-pagefoldd", test_no_pagefoldd);
+    rc = g_test_run();
+    teardown();
+    return rc;
+}
