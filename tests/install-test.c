@@ -2,8 +2,8 @@
  * install-test.c - scripts/install and the packaging it installs, staged:
  * `scripts/install --destdir TMP` into a temporary tree (never the real
  * system), the tree it makes, the systemd unit and the tmpfiles.d entry
- * checked offline (packaging/check-unit, systemd-tmpfiles --root), the
- * AppArmor rules compiled without loading them (packaging/check-apparmor),
+ * checked offline (tests/check-unit, systemd-tmpfiles --root), the
+ * AppArmor rules compiled without loading them (tests/check-apparmor),
  * and `--uninstall` leaving exactly the tree that was there before.
  *
  * QEMU_BINARY (scripts/run-tests sets it) is installed when set, and then
@@ -466,7 +466,7 @@ test_staged_unit(Fixture *f, gconstpointer data)
     if (skipped(f)) {
         return;
     }
-    check = g_build_filename(env("PAGEFOLD_SOURCE_DIR"), "packaging", "check-unit", NULL);
+    check = g_build_filename(env("PAGEFOLD_SOURCE_DIR"), "tests", "check-unit", NULL);
     unit = find_entry(f, "file", "/pagefoldd.service");
     {
         g_autofree char *p = at(f, unit);
@@ -523,7 +523,7 @@ test_unit_check_fails(Fixture *f, gconstpointer data)
     if (skipped(f)) {
         return;
     }
-    check = g_build_filename(env("PAGEFOLD_SOURCE_DIR"), "packaging", "check-unit", NULL);
+    check = g_build_filename(env("PAGEFOLD_SOURCE_DIR"), "tests", "check-unit", NULL);
     unit = find_entry(f, "file", "/pagefoldd.service");
     p = at(f, unit);
     g_file_get_contents(p, &text, NULL, &error);
@@ -553,7 +553,7 @@ test_staged_apparmor(Fixture *f, gconstpointer data)
     if (skipped(f)) {
         return;
     }
-    check = g_build_filename(env("PAGEFOLD_SOURCE_DIR"), "packaging", "check-apparmor", NULL);
+    check = g_build_filename(env("PAGEFOLD_SOURCE_DIR"), "tests", "check-apparmor", NULL);
     staged = at(f, "etc/apparmor.d");
     rc = run(&out, check, staged, NULL);
     if (rc == SKIP_STATUS) {

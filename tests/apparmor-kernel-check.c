@@ -1,5 +1,5 @@
 /*
- * apparmor-kernel-check.c - the program packaging/apparmor-kernel-check
+ * apparmor-kernel-check.c - the program tests/apparmor-kernel-check
  * runs in a guest under AppArmor profiles: passes descriptors over
  * SCM_RIGHTS as pagefoldd does (a pool memfd, /dev/userfaultfd, and a plain
  * file as a control), receives them as the agent in QEMU does, connects to
