@@ -9,6 +9,7 @@
 #include <libvirt/virterror.h>
 #include <string.h>
 
+#include "libvirt-status.h"
 #include "util.h"
 
 /* How often the timer looks at the knob when it has nothing due sooner. */
@@ -275,34 +276,18 @@ foreign_key(const Entry *e)
     return g_strdup_printf("%s %d", e->uuid, e->pid);
 }
 
-/*
- * The pid of the running domain name's QEMU, as libvirt's qemu driver keeps
- * it in dir/<name>.pid ("4242\n"); 0, saying why, when there is none to
- * be read.
- */
+/* The pid of the running domain name's QEMU (libvirt-status.h); 0, saying
+ * why, when it cannot be told. */
 static int
 domain_qemu_pid(const char *dir, const char *name, char **why)
 {
-    g_autofree char *file = NULL;
-    g_autofree char *text = NULL;
     g_autoptr(GError) error = NULL;
-    guint64 pid;
+    int pid = pf_libvirt_domain_pid(dir, name, &error);
 
-    /* libvirt refuses a '/' in a domain's name; one would lead elsewhere. */
-    if (strchr(name, '/') != NULL) {
-        *why = g_strdup("its name is not a file name");
-        return 0;
-    }
-    file = g_strdup_printf("%s/%s.pid", dir, name);
-    if (!g_file_get_contents(file, &text, NULL, &error)) {
+    if (pid == 0) {
         *why = g_strdup(error->message);
-        return 0;
     }
-    if (!pf_parse_u64(g_strstrip(text), 1, G_MAXINT, &pid, &error)) {
-        *why = g_strdup_printf("%s: %s", file, error->message);
-        return 0;
-    }
-    return (int)pid;
+    return pid;
 }
 
 /*

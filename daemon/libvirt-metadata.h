@@ -30,17 +30,17 @@
  * Must never publish a VM's figures by its UUID alone: a UUID is only what
  * the VM's QEMU (or its agent) claims, and a compromised QEMU can claim
  * any domain's, to put its own figures in that domain's metadata.  So the
- * worker reads which process the domain's QEMU is where libvirt's qemu
- * driver keeps it: PF_LIBVIRT_QEMU_PID_DIR/<domain name>.pid, a file
- * libvirtd (root) writes for each running domain in a directory only root
- * may write, so that no QEMU can change it.  The VM's pid is pagefoldd's own
- * (the agent's socket peer, or the pid it was attached by), not a claim.
- * A domain whose pid file names another process, or that has none to be
- * read (not the qemu driver, or not yet written), is skipped, said once
- * per UUID and pid while that VM claims it.  So of VMs that claim one
- * UUID, the domain's own is published and the others are skipped.  (With
- * another driver than qemu:///system's, qemu:///session's included, there
- * is no pid file there: nothing is published.)
+ * worker reads which process the domain's QEMU is from libvirt's qemu
+ * driver's status file for it, which only libvirtd (root) writes
+ * (libvirt-status.h; not <name>.pid, which the QEMU holds open for
+ * writing).  The VM's pid is pagefoldd's own (the agent's socket peer, or
+ * the pid it was attached by), not a claim.  A domain whose status names
+ * another process, or that has none to be read (not the qemu driver, or
+ * not yet written), is skipped, said once per UUID and pid while that VM
+ * claims it.  So of VMs that claim one UUID, the domain's own is published
+ * and the others are skipped.  (With another driver than qemu:///system's,
+ * qemu:///session's included, there is no status file there: nothing is
+ * published.)
  *
  * The element (one, namespace urn:pagefold:stats:1, prefix "pagefold"):
  *   <stats pid="4242" updated="2026-12-01T10:00:00Z">
@@ -60,14 +60,16 @@
 
 #include <glib.h>
 
+#include "libvirt-status.h"
+
 #include "scan.h"
 
 #define PF_LIBVIRT_METADATA_NS "urn:pagefold:stats:1"
 #define PF_LIBVIRT_METADATA_PREFIX "pagefold"
 #define PF_DEFAULT_LIBVIRT_URI "qemu:///system"
 /* Where libvirt's qemu driver (qemu:///system) keeps each running domain's
- * QEMU pid, in <domain name>.pid. */
-#define PF_LIBVIRT_QEMU_PID_DIR "/run/libvirt/qemu"
+ * status, <domain name>.xml (libvirt-status.h). */
+#define PF_LIBVIRT_QEMU_PID_DIR PF_LIBVIRT_QEMU_RUN_DIR
 
 typedef struct _PfLibvirtMetadata PfLibvirtMetadata;
 
@@ -101,9 +103,9 @@ void pf_libvirt_metadata_refresh(PfLibvirtMetadata *m);
  * gives them), taken at when. */
 char *pf_libvirt_metadata_element(const PfVm *vm, const PfCounters *c, GDateTime *when);
 
-/* For tests (libvirt's test driver has no pid files): where the worker
- * reads domains' QEMU pids from, instead of PF_LIBVIRT_QEMU_PID_DIR, from
- * the next snapshot on. */
+/* For tests (libvirt's test driver keeps no status files): where the
+ * worker reads domains' status files from, instead of
+ * PF_LIBVIRT_QEMU_PID_DIR, from the next snapshot on. */
 void pf_libvirt_metadata_set_pid_dir(PfLibvirtMetadata *m, const char *dir);
 
 /* What the worker did so far, cumulative. */
@@ -115,7 +117,7 @@ typedef struct {
                                * not running */
     guint64 other_process;    /* domains skipped because their QEMU is not
                                * the VM's process (or which it is is not
-                               * known: no pid file) */
+                               * known: no status file) */
     guint64 failed;           /* other failures of a call */
     guint64 connect_failures; /* connections that could not be made */
     gboolean connected;

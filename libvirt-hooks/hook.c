@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "client.h"
+#include "libvirt-status.h"
 #include "domain-xml.h"
 #include "hook-config.h"
 #include "hook.h"
@@ -60,7 +61,7 @@ static const char usage_text[] =
     "  --pagefoldd-log FILE   where a pagefoldd it starts writes (" DEFAULT_PAGEFOLDD_LOG ")\n"
     "  --agent-group GROUP    the agent socket's group, if it exists (" DEFAULT_AGENT_GROUP
     "; '' none)\n"
-    "  --run-dir DIR          where libvirt keeps NAME.pid (" DEFAULT_RUN_DIR ")\n"
+    "  --run-dir DIR          where libvirt keeps NAME.xml, the domain's status (" DEFAULT_RUN_DIR ")\n"
     "  --log-dir DIR          libvirt's per-domain logs (" DEFAULT_LOG_DIR ")\n";
 
 /* ---- saying what it does ---- */
@@ -271,36 +272,12 @@ op_ensure_daemon(Hook *h, const Domain *dom)
     hook_start_pagefoldd(h);
 }
 
-/* QEMU's pid, from libvirt's pid file. */
+/* QEMU's pid, from libvirt's status file for the domain (libvirt-status.h:
+ * not NAME.pid, which that QEMU may write). */
 static int
 read_pid(Hook *h, GError **error)
 {
-    g_autofree char *base = g_strconcat(h->name, ".pid", NULL);
-    g_autofree char *path = g_build_filename(h->run_dir, base, NULL);
-    char buf[32];
-    ssize_t n;
-    guint64 pid;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-
-    if (fd < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "cannot read %s: %s", path,
-                    g_strerror(errno));
-        return 0;
-    }
-    n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot read %s: %s", path,
-                    g_strerror(errno));
-        return 0;
-    }
-    buf[n] = '\0';
-    g_strstrip(buf);
-    if (!pf_parse_u64(buf, 1, G_MAXINT, &pid, NULL)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "%s holds no pid", path);
-        return 0;
-    }
-    return (int)pid;
+    return pf_libvirt_domain_pid(h->run_dir, h->name, error);
 }
 
 static const char *
@@ -535,8 +512,8 @@ op_detach(Hook *h, const Domain *dom)
         const char *uuid = member_str(vm, "uuid");
 
         if (pid != 0 && member_int(vm, "pid") == pid) {
-            /* A pid file may outlive its QEMU, and the pid be another's
-             * by now: the UUID must agree where the VM has one. */
+            /* A status file may outlive its QEMU, and the pid be
+             * another's by now: the UUID must agree where the VM has one. */
             if (uuid != NULL && !g_str_equal(uuid, dom->uuid)) {
                 hook_say(h, "pid %d is attached as another VM ('%s', uuid %s): left alone", pid,
                     member_str(vm, "name") ? member_str(vm, "name") : "?", uuid);
@@ -558,7 +535,7 @@ op_detach(Hook *h, const Domain *dom)
         return;
     }
     if (n_mine > 1) {
-        hook_say(h, "%u VMs have uuid %s and there is no pid file (%s): none detached", n_mine,
+        hook_say(h, "%u VMs have uuid %s and there is no status file (%s): none detached", n_mine,
             dom->uuid, pid_error->message);
         return;
     }

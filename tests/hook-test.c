@@ -215,15 +215,20 @@ start_guest(Fixture *f, const char *name, const char *uuid)
     return atoi(line + 6);
 }
 
+/* libvirt's record of the domain's QEMU: its status file.  Its pid file
+ * is written too, naming another process: the QEMU holds that one open
+ * for writing, so a compromised one can make it say anything, and the
+ * hook must not read it. */
 static void
 write_pid(Fixture *f, const char *name, int pid)
 {
     g_autofree char *base = g_strconcat(name, ".pid", NULL);
     g_autofree char *path = g_build_filename(f->run_dir, base, NULL);
-    g_autofree char *text = g_strdup_printf("%d\n", pid);
+    g_autofree char *text = g_strdup_printf("%d", pid);
     g_autoptr(GError) error = NULL;
 
-    g_file_set_contents(path, text, -1, &error);
+    pf_test_write_libvirt_status(f->run_dir, name, text);
+    g_file_set_contents(path, "1\n", -1, &error);
     g_assert_no_error(error);
 }
 
@@ -234,6 +239,7 @@ remove_pid(Fixture *f, const char *name)
     g_autofree char *path = g_build_filename(f->run_dir, base, NULL);
 
     g_unlink(path);
+    pf_test_write_libvirt_status(f->run_dir, name, NULL);
 }
 
 static JsonArray *
@@ -512,6 +518,32 @@ assert_attach_request(const char *line, int pid, const char *name, const char *u
 }
 
 /* ---- started, reconnect, attach ---- */
+
+/* Which process a domain's QEMU is comes from libvirt's status file only:
+ * one that is not root's alone (here: group-writable), or a symbolic
+ * link, names nobody; its pid file is never read. */
+static void
+test_started_status_file(Fixture *f, gconstpointer data)
+{
+    int pid = start_guest(f, "web1", NULL);
+    g_autofree char *xml = domain_xml("web1", UUID_GIVEN, MEMFD_SHARED);
+    g_autofree char *status = g_build_filename(f->run_dir, "web1.xml", NULL);
+    g_autofree char *moved = g_build_filename(f->run_dir, "other.xml", NULL);
+    g_auto(Run) r = { 0 };
+
+    write_pid(f, "web1", pid);
+    g_assert_cmpint(g_chmod(status, 0620), ==, 0);
+    hook(f, &r, xml, "web1", "started", "begin", "-", NULL);
+    assert_said(f, &r, "web1", "is not libvirt's status file");
+    g_assert_cmpuint(n_attached(f), ==, 0);
+
+    g_assert_cmpint(g_chmod(status, 0600), ==, 0);
+    g_assert_cmpint(g_rename(status, moved), ==, 0);
+    g_assert_cmpint(symlink(moved, status), ==, 0);
+    hook(f, &r, xml, "web1", "started", "begin", "-", NULL);
+    assert_said(f, &r, "web1", "cannot read");
+    g_assert_cmpuint(n_attached(f), ==, 0);
+}
 
 static void
 test_started_attaches(Fixture *f, gconstpointer data)
@@ -1385,6 +1417,8 @@ main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     g_test_init(&argc, &argv, NULL);
     g_test_add("/hook/started/attaches", Fixture, NULL, setup, test_started_attaches, teardown);
+    g_test_add("/hook/started/status-file", Fixture, NULL, setup, test_started_status_file,
+               teardown);
     g_test_add("/hook/started/attached-already", Fixture, NULL, setup,
                test_started_attached_already, teardown);
     g_test_add("/hook/started/merge-domain", Fixture, NULL, setup, test_started_merge_domain,

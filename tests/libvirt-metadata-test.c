@@ -19,6 +19,7 @@
 #include "pf-config.h"
 #include "scan.h"
 #include "util.h"
+#include "testproc.h"
 
 static void
 test_knob(void)
@@ -112,16 +113,9 @@ count_told(const char *domain, GLogLevelFlags level, const char *message, gpoint
 static void
 write_pid_file(Fixture *f, int pid)
 {
-    g_autofree char *path = g_build_filename(f->pid_dir, "test.pid", NULL);
-    g_autofree char *text = g_strdup_printf("%d\n", pid);
-    g_autoptr(GError) error = NULL;
+    g_autofree char *text = g_strdup_printf("%d", pid);
 
-    if (pid == 0) {
-        g_assert_true(g_unlink(path) == 0 || errno == ENOENT);
-        return;
-    }
-    g_assert_true(g_file_set_contents(path, text, -1, &error));
-    g_assert_no_error(error);
+    pf_test_write_libvirt_status(f->pid_dir, "test", pid == 0 ? NULL : text);
 }
 
 /* A publisher that reads the domain's pid file where the test keeps it. */
@@ -542,8 +536,7 @@ test_no_pid_file(Fixture *f, gconstpointer data)
     g_assert_cmpint(g_atomic_int_get(&told_unknown), ==, 1);
 
     /* Not a pid: not known either, and not said again for this VM. */
-    g_assert_true(g_file_set_contents(path, "4242x\n", -1, &error));
-    g_assert_no_error(error);
+    pf_test_write_libvirt_status(f->pid_dir, "test", "4242x");
     pf_libvirt_metadata_refresh(m);
     g_assert_true(pf_libvirt_metadata_wait(m, 5000));
     xml = element_now(f);

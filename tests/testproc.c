@@ -644,3 +644,23 @@ pf_test_memfd_kib(int pid)
     }
     return -1;
 }
+
+void
+pf_test_write_libvirt_status(const char *dir, const char *name, const char *pid)
+{
+    g_autofree char *base = g_strconcat(name, ".xml", NULL);
+    g_autofree char *path = g_build_filename(dir, base, NULL);
+    g_autofree char *text = NULL;
+    g_autoptr(GError) error = NULL;
+
+    if (pid == NULL) {
+        g_assert_true(g_unlink(path) == 0 || errno == ENOENT);
+        return;
+    }
+    text = g_strdup_printf("<!--\nWARNING: THIS IS AN AUTO-GENERATED FILE.\n-->\n\n"
+                           "<domstatus state='running' reason='booted' pid='%s'>\n"
+                           "  <domain type='qemu'><name>%s</name></domain>\n"
+                           "</domstatus>\n", pid, name);
+    g_file_set_contents_full(path, text, -1, G_FILE_SET_CONTENTS_CONSISTENT, 0600, &error);
+    g_assert_no_error(error);
+}

@@ -99,6 +99,12 @@ G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestPeer, pf_test_peer_free)
 /* A pool chunk as pagefoldd makes it: sealed after its writable mapping. */
 int pf_test_pool_chunk(guint32 n_slots, gboolean seal, guint8 **map);
 
+/* Writes libvirt's status file for domain name in dir, NAME.xml, as
+ * libvirt's qemu driver does for a running domain (<domstatus pid='PID'>,
+ * root's, 0600), with pid as its text ("4242x": not a pid); NULL removes
+ * it. */
+void pf_test_write_libvirt_status(const char *dir, const char *name, const char *pid);
+
 /* Writes a sysfs knob in place (g_file_set_contents would rename). */
 gboolean pf_test_write_sysfs(const char *path, const char *value);
 

@@ -1,0 +1,23 @@
+/*
+ * libvirt-status.h - which process is a running libvirt domain's QEMU, as
+ * libvirt's qemu driver records it in the domain's status file,
+ * RUN_DIR/NAME.xml (<domstatus state='running' ... pid='N'>).
+ *
+ * Not RUN_DIR/NAME.pid: libvirt hands that file's descriptor, open for
+ * writing, to the QEMU (which holds its lock), so a compromised QEMU can
+ * make it name any process.  The status file is root's (0600), written by
+ * libvirtd alone.  Used by the libvirt hook (which VM to attach) and by
+ * libvirt-metadata.c (which domain a VM's figures may go to).
+ *
+ * Must never read more than the file's head, follow a symbolic link, block
+ * on a FIFO, or believe a file that anyone but root could have written.
+ */
+#pragma once
+
+#include <glib.h>
+
+#define PF_LIBVIRT_QEMU_RUN_DIR "/run/libvirt/qemu"
+
+/* The pid of domain name's QEMU, or 0 with error saying why (no such
+ * domain running, a name that is no file name, a file not libvirt's). */
+int pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error);
