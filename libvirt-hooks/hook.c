@@ -398,13 +398,6 @@ op_attach(Hook *h, const Domain *dom)
         }
         return;
     }
-    /* Attached all the same, as kernel KSM lists what it will not merge:
-     * QEMU's mem-merge=off keeps its agent in advise mode, saying why, and
-     * a QEMU without one is attached in advise mode, which changes
-     * nothing. */
-    if (dom->nosharepages) {
-        hook_say(h, "<memoryBacking><nosharepages/>: advise mode, never merged");
-    }
     /* A merge domain pagefoldd did not hear of would let the VM share
      * pages with VMs it must not: no merge rather than that.  A merge
      * domain is a label, as a VM's name is: pagefoldd's rule (the XML is
@@ -418,6 +411,19 @@ op_attach(Hook *h, const Domain *dom)
     pid = read_pid(h, &error);
     if (pid == 0) {
         hook_say(h, "no QEMU pid (%s): not attached", error->message);
+        return;
+    }
+    /* Never merged, and not even read, as kernel KSM never scans it: a
+     * patched QEMU's agent (mem-merge=off) has attached it in advise mode,
+     * with no RAM to scan, to say so; no other QEMU is attached. */
+    if (dom->nosharepages) {
+        g_autoptr(JsonNode) lreq = request_new("list", NULL);
+        g_autoptr(JsonNode) list = control(h, lreq, &error);
+
+        hook_say(h, "<memoryBacking><nosharepages/>: never merged; %s",
+                 find_by_pid(as_array(list), pid) != NULL
+                     ? "its agent keeps it in advise mode (mem-merge=off)"
+                     : "not attached");
         return;
     }
     json_builder_begin_object(args);

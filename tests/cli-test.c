@@ -464,6 +464,7 @@ test_libvirt_gone(void)
     g_subprocess_force_exit(guest);
     g_subprocess_wait(guest, NULL, NULL);
     g_unlink(path);
+    g_rmdir(dir);
 #else
     g_test_skip("built without libvirt");
 #endif

@@ -1282,15 +1282,19 @@ test_no_region(void)
 }
 
 /*
- * A forked child that takes on uid and gid (no supplementary groups),
- * keeping CAP_DAC_OVERRIDE if dac_override (so that the socket's mode lets
- * it through and only pagefoldd's own check of its credentials is left),
- * connects, says HELLO and reports what came back: 0 WELCOME, 1 ERROR
- * containing want, 2 connect() refused by the socket's mode, 3 other.
+ * A forked child that takes on uid and gid (and supplementary group
+ * extra, unless it is 0), keeping CAP_DAC_OVERRIDE if dac_override (so
+ * that the socket's mode lets it through and only pagefoldd's own check
+ * of its credentials is left), connects, says HELLO and reports what came
+ * back: 0 WELCOME, 1 ERROR containing want, 2 connect() refused by the
+ * socket's mode, 3 other.  The child makes only system calls (the test
+ * has threads): its message buffer is static.
  */
 static int
-connect_as(PfTestDaemon *d, uid_t uid, gid_t gid, gboolean dac_override, const char *want)
+connect_as(PfTestDaemon *d, uid_t uid, gid_t gid, gid_t extra, gboolean dac_override,
+           const char *want)
 {
+    static PfMsg msg;
     pid_t pid = fork();
     int status;
 
@@ -1299,12 +1303,12 @@ connect_as(PfTestDaemon *d, uid_t uid, gid_t gid, gboolean dac_override, const c
         struct __user_cap_header_struct hdr = { _LINUX_CAPABILITY_VERSION_3, 0 };
         struct __user_cap_data_struct caps[2] = { { 0 } };
         struct sockaddr_un addr = { .sun_family = AF_UNIX };
-        g_autofree PfMsg *m = g_new0(PfMsg, 1);
+        PfMsg *m = &msg;
         PfWireHello h = { 0 };
         int fd;
 
-        if (prctl(PR_SET_KEEPCAPS, 1) < 0 || setgroups(0, NULL) < 0 || setgid(gid) < 0 ||
-            setuid(uid) < 0) {
+        if (prctl(PR_SET_KEEPCAPS, 1) < 0 || setgroups(extra != 0, &extra) < 0 ||
+            setgid(gid) < 0 || setuid(uid) < 0) {
             _exit(3);
         }
         caps[0].effective = caps[0].permitted = 1u << CAP_DAC_OVERRIDE;
@@ -1360,15 +1364,17 @@ test_agent_group(void)
         g_assert_cmpuint(st.st_gid, ==, gr->gr_gid);
         g_assert_cmpint(stat(d->sock, &st), ==, 0);
         g_assert_cmpuint(st.st_mode & 07777, ==, 0600);
-        g_assert_cmpint(connect_as(d, 65534, gr->gr_gid, FALSE, NULL), ==, 0);
-        g_assert_cmpint(connect_as(d, 1, 1, FALSE, NULL), ==, 2);
-        g_assert_cmpint(connect_as(d, 1, 1, TRUE, "may not be an agent"), ==, 1);
+        g_assert_cmpint(connect_as(d, 65534, gr->gr_gid, 0, FALSE, NULL), ==, 0);
+        g_assert_cmpint(connect_as(d, 1, 1, 0, FALSE, NULL), ==, 2);
+        g_assert_cmpint(connect_as(d, 1, 1, 0, TRUE, "may not be an agent"), ==, 1);
+        /* The group as a supplementary one (SO_PEERGROUPS). */
+        g_assert_cmpint(connect_as(d, 1, 1, gr->gr_gid, FALSE, NULL), ==, 0);
     }
     {
         g_autoptr(PfTestDaemon) d = pf_test_daemon_start(NULL, NULL);
 
         g_assert_cmpint(chmod(d->dir, 0755), ==, 0);
-        g_assert_cmpint(connect_as(d, 65534, gr->gr_gid, TRUE, "only root"), ==, 1);
+        g_assert_cmpint(connect_as(d, 65534, gr->gr_gid, 0, TRUE, "only root"), ==, 1);
     }
     {
         /* A group that does not exist: a clear error, no daemon. */

@@ -266,6 +266,10 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
     g_ptr_array_add(argv, d->sock);
     g_ptr_array_add(argv, (char *)"--agent-socket");
     g_ptr_array_add(argv, d->agent_sock);
+    /* The host's libvirtd is none of a test's business (a test that wants
+     * the publisher sets the knob after this). */
+    g_ptr_array_add(argv, (char *)"--set");
+    g_ptr_array_add(argv, (char *)"libvirt_metadata_millisecs=0");
     for (a = first_arg; a != NULL; a = va_arg(ap, const char *)) {
         g_ptr_array_add(argv, (char *)a);
     }
