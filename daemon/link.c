@@ -116,6 +116,7 @@ struct _PfLink {
     guint watch;
     int state;
     pid_t peer_pid;
+    uid_t peer_uid;       /* at connect (SO_PEERCRED) */
     int pidfd;            /* the peer's process, from accept on */
     int proc_dir;         /* its /proc/PID */
     guint handshake_timer;
@@ -688,6 +689,10 @@ on_ready(PfLink *l, const PfMsg *msg)
         /* Whom it may share with was said of the process (libvirt's hook). */
         vm->domain = old->domain;
         pf_scanner_remove_vm(s, old);
+    } else if (l->peer_uid != 0 && l->peer_uid != geteuid()) {
+        /* Any process of the socket's group may connect: a VM no root
+         * process vouched for shares with nobody until one does. */
+        pf_scanner_set_unlabelled(s, vm);
     }
     if (m->mode == PF_MODE_MERGE) {
         vm->mode = "merge";
@@ -1195,6 +1200,7 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     l->srv = srv;
     l->sock = sock;
     l->peer_pid = cred.pid;
+    l->peer_uid = cred.uid;
     l->pidfd = pidfd;
     l->proc_dir = proc_dir;
     l->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);

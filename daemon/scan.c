@@ -1703,6 +1703,10 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
 {
     vm->scanner = s;
     vm->serial = ++s->next_serial;
+    if (vm->domain == PF_DOMAIN_UNLABELLED) {
+        /* Set before it had a serial: its own domain is named by it. */
+        vm->domain |= vm->serial;
+    }
     for (guint k = 0; k < vm->regions->len;) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
 
@@ -1902,7 +1906,17 @@ pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 const char *
 pf_scanner_merge_domain(PfScanner *s, const PfVm *vm)
 {
+    if (vm->domain & PF_DOMAIN_UNLABELLED) {
+        return "unlabelled";
+    }
     return vm->domain == 0 ? "default" : g_ptr_array_index(s->domains, vm->domain - 1);
+}
+
+void
+pf_scanner_set_unlabelled(PfScanner *s, PfVm *vm)
+{
+    /* Serials are never reused, nor reach this bit. */
+    vm->domain = PF_DOMAIN_UNLABELLED | vm->serial;
 }
 
 gboolean
@@ -1921,8 +1935,10 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
         return TRUE;
     }
     /* A page it shares now would stay shared across the new boundary;
-     * zero pages are every VM's, in any domain. */
-    if (vm->count[PF_PAGE_SHARED] > 0 || vm->count[PF_PAGE_PENDING] > 0) {
+     * zero pages are every VM's, in any domain.  Unlabelled, it shares
+     * pages only with itself: they may stay so. */
+    if (!(vm->domain & PF_DOMAIN_UNLABELLED) &&
+        (vm->count[PF_PAGE_SHARED] > 0 || vm->count[PF_PAGE_PENDING] > 0)) {
         g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
                     "VM %s (pid %d) shares %zu page(s) in merge domain '%s' already: unmerge it "
                     "first (pagefoldctl unmerge %d)",

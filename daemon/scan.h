@@ -72,6 +72,12 @@ void pf_scanner_remove_vm(PfScanner *s, PfVm *vm);
 gboolean pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain,
                                      GError **error);
 const char *pf_scanner_merge_domain(PfScanner *s, const PfVm *vm);
+/* Puts the VM in a merge domain of its own ("unlabelled"), until root
+ * gives it one (pf_scanner_set_merge_domain()): for the agent of a QEMU
+ * that is not root's, which may be any process of the agent socket's
+ * group (a compromised QEMU reconnecting, or forking another agent, to
+ * leave its domain) until libvirt's hook says which domain it is. */
+void pf_scanner_set_unlabelled(PfScanner *s, PfVm *vm);
 GPtrArray *pf_scanner_get_vms(PfScanner *s);
 PfVm *pf_scanner_find_vm_by_pid(PfScanner *s, int pid);
 /* The VM a user means by key: a pid (digits), a UUID, or a name that only

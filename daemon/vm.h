@@ -70,6 +70,9 @@ typedef struct {
     gint64 usec;  /* monotonic time when told */
 } PfDropped;
 
+/* A merge domain of one VM's own: an agent no root process vouched for. */
+#define PF_DOMAIN_UNLABELLED 0x80000000u
+
 struct _PfVm {
     char *name;          /* a label: VMs may share one (the pid is who) */
     int pid;
@@ -101,7 +104,8 @@ struct _PfVm {
     guint stats_index;   /* scratch for the scanner's attribution */
     guint unmerging;     /* unmerges of it running: no merges meanwhile */
     guint32 domain;      /* its merge domain: it shares pages only with VMs
-                          * of the same one; 0 is the host's default
+                          * of the same one; 0 is the host's default,
+                          * PF_DOMAIN_UNLABELLED | serial one of its own
                           * (pf_scanner_set_merge_domain()) */
 };
 

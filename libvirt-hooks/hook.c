@@ -472,9 +472,11 @@ op_attach(Hook *h, const Domain *dom)
                 member_str(vm, "name") ? member_str(vm, "name") : "?",
                 member_str(vm, "uuid") ? member_str(vm, "uuid") : "none",
                 member_str(vm, "mode") ? member_str(vm, "mode") : "?");
-            if (dom->merge_domain != NULL &&
-                g_strcmp0(member_str(vm, "merge_domain"), dom->merge_domain) != 0) {
-                set_merge_domain(h, pid, vm, dom->merge_domain);
+            /* Its agent (not root's) shares with nobody until told which
+             * domain it is in: the XML's, or the host's default. */
+            if (g_strcmp0(member_str(vm, "merge_domain"),
+                          dom->merge_domain ? dom->merge_domain : "default") != 0) {
+                set_merge_domain(h, pid, vm, dom->merge_domain ? dom->merge_domain : "default");
             }
             return;
         }
