@@ -1243,14 +1243,23 @@ gboolean
 pf_link_server_allow_group(PfLinkServer *srv, const char *group, GError **error)
 {
     struct group *gr = getgrnam(group);
+    struct stat st;
     int e;
 
     if (gr == NULL) {
         g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no group '%s'", group);
         return FALSE;
     }
-    /* Mode 0600 until the group is right: never open to the wrong one. */
-    if (chown(srv->path, (uid_t)-1, gr->gr_gid) < 0 || chmod(srv->path, 0660) < 0) {
+    /* Mode 0600 until the group is right: never open to the wrong one.
+     * The path is the socket just bound, not a link someone put there in
+     * a directory others may write. */
+    if (lstat(srv->path, &st) < 0 || !S_ISSOCK(st.st_mode)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "%s is no longer pagefoldd's socket",
+                    srv->path);
+        return FALSE;
+    }
+    if (fchownat(AT_FDCWD, srv->path, (uid_t)-1, gr->gr_gid, AT_SYMLINK_NOFOLLOW) < 0 ||
+        chmod(srv->path, 0660) < 0) {
         e = errno;
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot open %s to group %s: %s",
                     srv->path, group, g_strerror(e));

@@ -237,20 +237,6 @@ test_bad_command_lines(Fixture *f, gconstpointer data)
     }
 }
 
-/* The object of the pid in a list of VM objects, or NULL. */
-static JsonObject *
-vm_of_pid(JsonArray *vms, int pid)
-{
-    for (guint i = 0; i < json_array_get_length(vms); i++) {
-        JsonObject *vm = json_array_get_object_element(vms, i);
-
-        if (json_object_get_int_member(vm, "pid") == pid) {
-            return vm;
-        }
-    }
-    return NULL;
-}
-
 /*
  * A VM is its process; its name is a label.  Two QEMUs of one name (all
  * are "qemu" without -name) both attach; a command that names one by that
@@ -287,11 +273,11 @@ test_same_name(Fixture *f, gconstpointer data)
         g_assert_true(json_parser_load_from_data(p, out, -1, NULL));
         vms = json_node_get_array(json_parser_get_root(p));
         g_assert_cmpuint(json_array_get_length(vms), ==, 2);
-        g_assert_cmpstr(json_object_get_string_member(vm_of_pid(vms, pid[0]), "name"), ==,
+        g_assert_cmpstr(json_object_get_string_member(pf_test_find_vm_pid(vms, pid[0]), "name"), ==,
                         "twin");
-        g_assert_cmpstr(json_object_get_string_member(vm_of_pid(vms, pid[0]), "uuid"), ==,
+        g_assert_cmpstr(json_object_get_string_member(pf_test_find_vm_pid(vms, pid[0]), "uuid"), ==,
                         uuids[0]);
-        g_assert_cmpstr(json_object_get_string_member(vm_of_pid(vms, pid[1]), "uuid"), ==,
+        g_assert_cmpstr(json_object_get_string_member(pf_test_find_vm_pid(vms, pid[1]), "uuid"), ==,
                         "01234567-89ab-cdef-0123-456789abcdef");
     }
 
@@ -308,12 +294,12 @@ test_same_name(Fixture *f, gconstpointer data)
     s = ctl_json(f, "stats", pid1);
     vms = json_object_get_array_member(s, "vms");
     g_assert_cmpuint(json_array_get_length(vms), ==, 1);
-    g_assert_nonnull(vm_of_pid(vms, pid[1]));
+    g_assert_nonnull(pf_test_find_vm_pid(vms, pid[1]));
     g_clear_pointer(&s, json_object_unref);
     s = ctl_json(f, "stats", "6F2A8C1E0D4B4E599A3C2B7D1E5F8A90");
     vms = json_object_get_array_member(s, "vms");
     g_assert_cmpuint(json_array_get_length(vms), ==, 1);
-    g_assert_nonnull(vm_of_pid(vms, pid[0]));
+    g_assert_nonnull(pf_test_find_vm_pid(vms, pid[0]));
     g_assert_cmpint(ctl(f, &out, &err, "stats", "00000000-0000-0000-0000-000000000001", NULL),
                     ==, 1);
     g_assert_nonnull(strstr(err, "no VM"));
@@ -333,7 +319,7 @@ test_same_name(Fixture *f, gconstpointer data)
     s = ctl_json(f, "stats", "twin");
     vms = json_object_get_array_member(s, "vms");
     g_assert_cmpuint(json_array_get_length(vms), ==, 1);
-    g_assert_nonnull(vm_of_pid(vms, pid[0]));
+    g_assert_nonnull(pf_test_find_vm_pid(vms, pid[0]));
     g_subprocess_force_exit(twin0);
     g_subprocess_force_exit(twin1);
     g_subprocess_wait(twin0, NULL, NULL);

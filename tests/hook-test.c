@@ -258,39 +258,6 @@ n_attached(Fixture *f)
     return json_array_get_length(vms);
 }
 
-static JsonObject *
-vm_by_pid(JsonArray *vms, int pid)
-{
-    for (guint i = 0; i < json_array_get_length(vms); i++) {
-        JsonObject *vm = json_array_get_object_element(vms, i);
-
-        if (json_object_get_int_member(vm, "pid") == pid) {
-            return vm;
-        }
-    }
-    return NULL;
-}
-
-/* The pid of whoever listens on a UNIX socket (a pagefoldd the hook
- * started, which is not our child), or 0. */
-static int
-listener_pid(const char *path)
-{
-    struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    struct ucred cred;
-    socklen_t len = sizeof(cred);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int pid = 0;
-
-    g_strlcpy(addr.sun_path, path, sizeof(addr.sun_path));
-    if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0 &&
-        getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
-        pid = cred.pid;
-    }
-    close(fd);
-    return pid;
-}
-
 /* Ends a process that is not our child and waits until it is gone. */
 static void
 kill_and_wait(int pid)
@@ -562,7 +529,7 @@ test_started_attaches(Fixture *f, gconstpointer data)
     assert_said(f, &r, "web1", want);
     vms = list_vms(f);
     g_assert_cmpuint(json_array_get_length(vms), ==, 1);
-    vm = vm_by_pid(vms, pid);
+    vm = pf_test_find_vm_pid(vms, pid);
     g_assert_nonnull(vm);
     g_assert_cmpstr(json_object_get_string_member(vm, "name"), ==, "web1");
     /* The guest has no -uuid: this one is the XML's, by the hook. */
@@ -602,7 +569,7 @@ test_started_attached_already(Fixture *f, gconstpointer data)
     assert_said(f, &r, "web1", want);
     vms = list_vms(f);
     g_assert_cmpuint(json_array_get_length(vms), ==, 1);
-    g_assert_cmpstr(json_object_get_string_member(vm_by_pid(vms, pid), "name"), ==, "other");
+    g_assert_cmpstr(json_object_get_string_member(pf_test_find_vm_pid(vms, pid), "name"), ==, "other");
 }
 
 #define TENANT(d) "<metadata><pagefold:config xmlns:pagefold='urn:pagefold:domain:1' " \
@@ -613,7 +580,7 @@ merge_domain_of(Fixture *f, int pid)
 {
     static char buf[256];
     g_autoptr(JsonArray) vms = list_vms(f);
-    JsonObject *vm = vm_by_pid(vms, pid);
+    JsonObject *vm = pf_test_find_vm_pid(vms, pid);
 
     g_assert_nonnull(vm);
     g_strlcpy(buf, json_object_get_string_member(vm, "merge_domain"), sizeof(buf));
@@ -683,7 +650,7 @@ test_started_merge_domain(Fixture *f, gconstpointer data)
     assert_said(f, &r, "web3", refused);
     assert_said(f, &r, "web3", detached);
     vms = list_vms(f);
-    g_assert_null(vm_by_pid(vms, pid3));
+    g_assert_null(pf_test_find_vm_pid(vms, pid3));
     g_assert_cmpuint(json_array_get_length(vms), ==, 3);
 }
 
@@ -1049,7 +1016,7 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
     f->spawned = started_pid(&r);
     /* It answers (by the hook's deadline or a little after: its own
      * log said which). */
-    for (int i = 0; i < 1000 && ((listener = listener_pid(f->sock)) == 0 ||
+    for (int i = 0; i < 1000 && ((listener = pf_test_listener_pid(f->sock)) == 0 ||
                                  !g_file_test(agent_sock, G_FILE_TEST_EXISTS)); i++) {
         g_usleep(10000);
     }
@@ -1068,7 +1035,7 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
          "web1", "prepare", "begin", "-", NULL);
     assert_said(f, &r, "web1", answers);
     g_assert_null(strstr(r.err, "started pagefoldd"));
-    g_assert_cmpint(listener_pid(f->sock), ==, f->spawned);
+    g_assert_cmpint(pf_test_listener_pid(f->sock), ==, f->spawned);
     kill_and_wait(f->spawned);
     f->spawned = 0;
 }

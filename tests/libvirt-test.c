@@ -188,15 +188,7 @@ libvirtd_stop(int sig)
 static int
 pagefoldd_pid(void)
 {
-    g_autoptr(GSocket) s = g_socket_new(G_SOCKET_FAMILY_UNIX, G_SOCKET_TYPE_STREAM, 0, NULL);
-    g_autoptr(GSocketAddress) a = g_unix_socket_address_new(PF_DEFAULT_SOCKET);
-    g_autoptr(GCredentials) c = NULL;
-
-    if (s == NULL || !g_socket_connect(s, a, NULL, NULL)) {
-        return 0;
-    }
-    c = g_socket_get_credentials(s, NULL);
-    return c ? (int)g_credentials_get_unix_pid(c, NULL) : 0;
+    return pf_test_listener_pid(PF_DEFAULT_SOCKET);
 }
 
 static void

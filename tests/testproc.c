@@ -668,3 +668,34 @@ pf_test_write_libvirt_status(const char *dir, const char *name, const char *pid)
     g_file_set_contents_full(path, text, -1, G_FILE_SET_CONTENTS_CONSISTENT, 0600, &error);
     g_assert_no_error(error);
 }
+
+JsonObject *
+pf_test_find_vm_pid(JsonArray *vms, int pid)
+{
+    for (guint i = 0; vms != NULL && i < json_array_get_length(vms); i++) {
+        JsonObject *vm = json_array_get_object_element(vms, i);
+
+        if (json_object_get_int_member(vm, "pid") == pid) {
+            return vm;
+        }
+    }
+    return NULL;
+}
+
+int
+pf_test_listener_pid(const char *path)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    struct ucred cred;
+    socklen_t len = sizeof(cred);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int pid = 0;
+
+    g_strlcpy(addr.sun_path, path, sizeof(addr.sun_path));
+    if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0 &&
+        getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+        pid = cred.pid;
+    }
+    close(fd);
+    return pid;
+}

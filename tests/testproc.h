@@ -79,6 +79,11 @@ JsonNode *pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...) G_GNUC_N
 /* The VM of that name in an array of VM objects (list's, or stats' "vms"),
  * or NULL. */
 JsonObject *pf_test_find_vm(JsonArray *vms, const char *name);
+/* The same by pid. */
+JsonObject *pf_test_find_vm_pid(JsonArray *vms, int pid);
+/* The pid of whoever listens on a UNIX stream socket (a pagefoldd that is
+ * not the test's child), or 0. */
+int pf_test_listener_pid(const char *path);
 
 /* The daemon's end of the agent protocol, played by hand: for tests and
  * benchmarks of the agent library alone. */
