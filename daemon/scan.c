@@ -1953,6 +1953,22 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
             g_array_remove_index_fast(s->joins, i);
         }
     }
+    /* Its pages have other partners now: smart scan's back-off, earned
+     * failing to merge in the old domain, starts over. */
+    for (guint k = 0; k < vm->regions->len; k++) {
+        PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+        for (gsize i = pf_region_live(r) ? pf_region_next_recorded(r, 0, r->n_pages)
+                                          : r->n_pages;
+             i < r->n_pages; i = pf_region_next_recorded(r, i + 1, r->n_pages)) {
+            PfPage *p = pf_region_page(r, i);
+
+            if (p != NULL) {
+                p->age = 0;
+                p->skips = 0;
+            }
+        }
+    }
     g_message("VM %s (pid %d): merge domain '%s' (was '%s')", vm->name, vm->pid,
               id == 0 ? "default" : (const char *)g_ptr_array_index(s->domains, id - 1),
               pf_scanner_merge_domain(s, vm));

@@ -1292,7 +1292,12 @@ test_unprivileged(void)
     g_clear_pointer(&s, json_object_unref);
     json_node_unref(pf_test_ctl_json(d, "merge-domain", "u0", "default", NULL));
     json_node_unref(pf_test_ctl_json(d, "merge-domain", "u1", "default", NULL));
-    s = stats(d, "scan-now", "3");
+    /* Passes until they share (on Debian 12's 6.1 under TCG, three were
+     * not always enough for the writers' churn). */
+    for (int i = 0; i < 10 && (s == NULL || total(s, "pages_sharing") <= IDENTICAL / 2); i++) {
+        g_clear_pointer(&s, json_object_unref);
+        s = stats(d, "scan-now", "1");
+    }
     g_assert_cmpint(total(s, "pages_sharing"), >, IDENTICAL / 2);
     pf_test_vmm_verify(a);
     pf_test_vmm_verify(b);

@@ -189,9 +189,11 @@ setup(Fixture *f, gconstpointer data)
     g_autoptr(GError) error = NULL;
     g_autofree char *out = NULL;
     const char *qemu = g_getenv("QEMU_BINARY");
+    g_autofree char *meson = g_find_program_in_path("meson");
+    g_autofree char *python3 = g_find_program_in_path("python3");
     int rc;
 
-    if (g_find_program_in_path("meson") == NULL || g_find_program_in_path("python3") == NULL) {
+    if (meson == NULL || python3 == NULL) {
         return; /* the test skips */
     }
     f->tmp = g_dir_make_tmp("pagefold-install-XXXXXX", &error);
@@ -460,6 +462,7 @@ static void
 test_staged_unit(Fixture *f, gconstpointer data)
 {
     g_autofree char *check = NULL, *unit = NULL, *tmpfiles = NULL, *out = NULL, *run_dir = NULL;
+    g_autofree char *tmpfiles_prog = NULL;
     struct stat st;
     int rc;
 
@@ -480,7 +483,8 @@ test_staged_unit(Fixture *f, gconstpointer data)
     g_test_message("%s", out);
     g_assert_cmpint(rc, ==, 0);
 
-    if (g_find_program_in_path("systemd-tmpfiles") == NULL || geteuid() != 0) {
+    tmpfiles_prog = g_find_program_in_path("systemd-tmpfiles");
+    if (tmpfiles_prog == NULL || geteuid() != 0) {
         g_test_message("the tmpfiles.d entry is not applied: needs systemd-tmpfiles and root "
                        "(it makes /run/pagefold root's)");
         return;

@@ -342,6 +342,28 @@ test_merge_domains(Fixture *f, gconstpointer data)
     g_assert_true(pf_scanner_set_merge_domain(f->scanner, a, "tenant-a", NULL));
 }
 
+/* Smart scan backs off pages that keep failing to merge; put in the
+ * domain of the pages they equal, they merge at the next passes, not
+ * after the back-off they earned apart. */
+static void
+test_merge_domain_smart_scan(Fixture *f, gconstpointer data)
+{
+    GPtrArray *vms = pf_scanner_get_vms(f->scanner);
+    PfVm *a = g_ptr_array_index(vms, 0), *b = g_ptr_array_index(vms, 1);
+
+    g_assert_true(pf_scanner_get_knobs(f->scanner)->smart_scan);
+    g_assert_true(pf_scanner_set_merge_domain(f->scanner, a, "tenant-a", NULL));
+    pf_scanner_run_passes(f->scanner, 12);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_skipped, >, 0);
+    g_assert_cmpuint(f->total.pages_shared + f->total.pages_sharing, ==, 0);
+    g_assert_true(pf_scanner_set_merge_domain(f->scanner, b, "tenant-a", NULL));
+    pf_scanner_run_passes(f->scanner, 2);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 64 + 8);
+}
+
 /* Detaching a VM releases its pages from every node; the other VM's
  * counters stay exact. */
 static void
@@ -556,6 +578,8 @@ main(int argc, char **argv)
                test_use_zero_pages_off, fixture_teardown);
     g_test_add("/scan/merge-domains", Fixture, &layout_small, fixture_setup,
                test_merge_domains, fixture_teardown);
+    g_test_add("/scan/merge-domain-smart-scan", Fixture, &layout_small, fixture_setup,
+               test_merge_domain_smart_scan, fixture_teardown);
     g_test_add("/scan/detach", Fixture, &layout_small, fixture_setup, test_detach,
                fixture_teardown);
     g_test_add("/scan/full-nodes", Fixture, &layout_dups, fixture_setup, test_full_nodes,
