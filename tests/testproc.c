@@ -7,6 +7,8 @@
 #include <gio/gunixinputstream.h>
 #include <glib/gstdio.h>
 #include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -282,6 +284,19 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
         g_usleep(25000);
     }
     g_assert_true(g_file_test(d->sock, G_FILE_TEST_EXISTS));
+    {
+        /* Its greeting comes from its main loop, so once everything is
+         * set up (the agent socket's group given: the file exists, 0600,
+         * a moment before). */
+        struct sockaddr_un addr = { .sun_family = AF_UNIX };
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct pollfd p = { .fd = fd, .events = POLLIN };
+
+        g_strlcpy(addr.sun_path, d->sock, sizeof(addr.sun_path));
+        g_assert_cmpint(connect(fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
+        g_assert_cmpint(poll(&p, 1, 20000), ==, 1);
+        close(fd);
+    }
 }
 
 PfTestDaemon *
