@@ -1292,9 +1292,10 @@ test_unprivileged(void)
     g_clear_pointer(&s, json_object_unref);
     json_node_unref(pf_test_ctl_json(d, "merge-domain", "u0", "default", NULL));
     json_node_unref(pf_test_ctl_json(d, "merge-domain", "u1", "default", NULL));
-    /* Passes until they share (on Debian 12's 6.1 under TCG, three were
-     * not always enough for the writers' churn). */
-    for (int i = 0; i < 10 && (s == NULL || total(s, "pages_sharing") <= IDENTICAL / 2); i++) {
+    /* Passes until they share: on Debian 12's 6.1 under TCG three were not
+     * always enough, and once ten were not (85 pages sharing; not
+     * understood yet, see the issue's note). */
+    for (int i = 0; i < 40 && (s == NULL || total(s, "pages_sharing") <= IDENTICAL / 2); i++) {
         g_clear_pointer(&s, json_object_unref);
         s = stats(d, "scan-now", "1");
     }
