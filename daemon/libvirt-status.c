@@ -14,6 +14,13 @@
 /* <domstatus ...> comes right after a comment of a few hundred bytes. */
 #define HEAD_BYTES 8192
 
+gboolean
+pf_libvirt_name_is_file_name(const char *name)
+{
+    return *name != '\0' && strchr(name, '/') == NULL && !g_str_equal(name, ".") &&
+           !g_str_equal(name, "..");
+}
+
 int
 pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error)
 {
@@ -27,8 +34,7 @@ pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error)
     int fd, e;
 
     /* libvirt refuses these in a domain's name; they would lead elsewhere. */
-    if (*name == '\0' || strchr(name, '/') != NULL || g_str_equal(name, ".") ||
-        g_str_equal(name, "..")) {
+    if (!pf_libvirt_name_is_file_name(name)) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "domain name '%s' is not a file name", name);
         return 0;

@@ -18,6 +18,10 @@
 
 #define PF_LIBVIRT_QEMU_RUN_DIR "/run/libvirt/qemu"
 
+/* Whether a domain's name can name its files in RUN_DIR (libvirt refuses
+ * '/' in a name; ".", ".." and "" would lead elsewhere). */
+gboolean pf_libvirt_name_is_file_name(const char *name);
+
 /* The pid of domain name's QEMU, or 0 with error saying why (no such
  * domain running, a name that is no file name, a file not libvirt's). */
 int pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error);

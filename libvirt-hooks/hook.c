@@ -106,8 +106,7 @@ hook_say(Hook *h, const char *fmt, ...)
 static gboolean
 name_is_file_name(const char *name)
 {
-    if (*name == '\0' || strchr(name, '/') != NULL || g_str_equal(name, ".") ||
-        g_str_equal(name, "..")) {
+    if (!pf_libvirt_name_is_file_name(name)) {
         return FALSE;
     }
     for (const char *p = name; *p; p++) {
@@ -272,14 +271,6 @@ op_ensure_daemon(Hook *h, const Domain *dom)
     hook_start_pagefoldd(h);
 }
 
-/* QEMU's pid, from libvirt's status file for the domain (libvirt-status.h:
- * not NAME.pid, which that QEMU may write). */
-static int
-read_pid(Hook *h, GError **error)
-{
-    return pf_libvirt_domain_pid(h->run_dir, h->name, error);
-}
-
 static const char *
 member_str(JsonObject *o, const char *name)
 {
@@ -408,7 +399,7 @@ op_attach(Hook *h, const Domain *dom)
             "control characters): not attaching it", PAGEFOLD_NS, PF_MAX_LABEL_LEN);
         return;
     }
-    pid = read_pid(h, &error);
+    pid = pf_libvirt_domain_pid(h->run_dir, h->name, &error);
     if (pid == 0) {
         hook_say(h, "no QEMU pid (%s): not attached", error->message);
         return;
@@ -508,7 +499,7 @@ op_detach(Hook *h, const Domain *dom)
         return;
     }
     /* Gone by release; there during stopped, though QEMU has exited. */
-    pid = read_pid(h, &pid_error);
+    pid = pf_libvirt_domain_pid(h->run_dir, h->name, &pid_error);
     list = control(h, lreq, &error);
     if (list == NULL) {
         hook_say(h, "cannot ask pagefoldd (%s): nothing detached", error->message);

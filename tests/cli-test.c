@@ -57,36 +57,10 @@ ctl_json(Fixture *f, const char *cmd, const char *arg)
     return json_node_dup_object(json_parser_get_root(p));
 }
 
-/* uuid: QEMU's -uuid, or NULL for none. */
-static GSubprocess *
-start_guest_uuid(const char *name, const char *uuid, int seed, int *pid)
-{
-    g_autoptr(GError) error = NULL;
-    g_autofree char *guestarg = g_strdup_printf("guest=%s", name);
-    g_autofree char *seedarg = g_strdup_printf("%d", seed);
-    const char *argv[] = {
-        pf_test_bin("STANDIN_GUEST"), "-name", guestarg, "--mib", "16", "--identical", "50",
-        "--zero", "20", "--volatile", "0", "--churn-ms", "0", "--seed", seedarg, "--stdin",
-        uuid != NULL ? "-uuid" : NULL, uuid, NULL
-    };
-    GSubprocess *p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDIN_PIPE,
-                            argv, &error);
-    g_autoptr(GDataInputStream) in = NULL;
-    g_autofree char *line = NULL;
-
-    g_assert_no_error(error);
-    in = g_data_input_stream_new(g_subprocess_get_stdout_pipe(p));
-    line = g_data_input_stream_read_line(in, NULL, NULL, &error);
-    g_assert_no_error(error);
-    g_assert_true(g_str_has_prefix(line, "ready "));
-    *pid = atoi(line + 6);
-    return p;
-}
-
 static GSubprocess *
 start_guest(const char *name, int seed, int *pid)
 {
-    return start_guest_uuid(name, NULL, seed, pid);
+    return pf_test_standin_guest(name, NULL, seed, pid);
 }
 
 static void
@@ -257,8 +231,8 @@ test_same_name(Fixture *f, gconstpointer data)
     int pid[2];
     JsonArray *vms;
 
-    twin0 = start_guest_uuid("twin", uuids[0], 1, &pid[0]);
-    twin1 = start_guest_uuid("twin", uuids[1], 2, &pid[1]);
+    twin0 = pf_test_standin_guest("twin", uuids[0], 1, &pid[0]);
+    twin1 = pf_test_standin_guest("twin", uuids[1], 2, &pid[1]);
     pid0 = g_strdup_printf("%d", pid[0]);
     pid1 = g_strdup_printf("%d", pid[1]);
     g_assert_cmpint(ctl(f, &out, &err, "attach", pid0, NULL), ==, 0);
@@ -434,7 +408,7 @@ test_libvirt_gone(void)
     t = g_thread_new("hang-up", hang_up_thread, listener);
     d = pf_test_daemon_start("--libvirt-uri", uri, "--set", "libvirt_metadata_millisecs=1000",
                              NULL);
-    guest = start_guest_uuid("gamma", "8a6a8a3c-6f3e-4a52-9a2e-0c1d2e3f4a5b", 3, &pid);
+    guest = pf_test_standin_guest("gamma", "8a6a8a3c-6f3e-4a52-9a2e-0c1d2e3f4a5b", 3, &pid);
     {
         g_autofree char *pidarg = g_strdup_printf("%d", pid);
 

@@ -192,27 +192,10 @@ assert_said(Fixture *f, const Run *r, const char *name, const char *want)
 static int
 start_guest(Fixture *f, const char *name, const char *uuid)
 {
-    g_autoptr(GError) error = NULL;
-    g_autofree char *guestarg = g_strdup_printf("guest=%s", name);
-    g_autofree char *seed = g_strdup_printf("%u", f->guests->len + 1);
-    /* Half their pages the same in every guest. */
-    const char *argv[] = {
-        pf_test_bin("STANDIN_GUEST"), "-name", guestarg, "--mib", "16", "--identical", "50",
-        "--zero", "20", "--volatile", "0", "--churn-ms", "0", "--seed", seed, "--stdin",
-        uuid != NULL ? "-uuid" : NULL, uuid, NULL
-    };
-    GSubprocess *p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDIN_PIPE,
-                                    argv, &error);
-    g_autoptr(GDataInputStream) in = NULL;
-    g_autofree char *line = NULL;
+    int pid;
 
-    g_assert_no_error(error);
-    g_ptr_array_add(f->guests, p);
-    in = g_data_input_stream_new(g_subprocess_get_stdout_pipe(p));
-    line = g_data_input_stream_read_line(in, NULL, NULL, &error);
-    g_assert_no_error(error);
-    g_assert_true(g_str_has_prefix(line, "ready "));
-    return atoi(line + 6);
+    g_ptr_array_add(f->guests, pf_test_standin_guest(name, uuid, (int)f->guests->len + 1, &pid));
+    return pid;
 }
 
 /* libvirt's record of the domain's QEMU: its status file.  Its pid file

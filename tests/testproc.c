@@ -714,3 +714,28 @@ pf_test_listener_pid(const char *path)
     close(fd);
     return pid;
 }
+
+GSubprocess *
+pf_test_standin_guest(const char *name, const char *uuid, int seed, int *pid)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *guestarg = g_strdup_printf("guest=%s", name);
+    g_autofree char *seedarg = g_strdup_printf("%d", seed);
+    const char *argv[] = {
+        pf_test_bin("STANDIN_GUEST"), "-name", guestarg, "--mib", "16", "--identical", "50",
+        "--zero", "20", "--volatile", "0", "--churn-ms", "0", "--seed", seedarg, "--stdin",
+        uuid != NULL ? "-uuid" : NULL, uuid, NULL
+    };
+    GSubprocess *p = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDIN_PIPE,
+                                    argv, &error);
+    g_autoptr(GDataInputStream) in = NULL;
+    g_autofree char *line = NULL;
+
+    g_assert_no_error(error);
+    in = g_data_input_stream_new(g_subprocess_get_stdout_pipe(p));
+    line = g_data_input_stream_read_line(in, NULL, NULL, &error);
+    g_assert_no_error(error);
+    g_assert_true(g_str_has_prefix(line, "ready "));
+    *pid = atoi(line + 6);
+    return p;
+}

@@ -104,6 +104,11 @@ G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfTestPeer, pf_test_peer_free)
 /* A pool chunk as pagefoldd makes it: sealed after its writable mapping. */
 int pf_test_pool_chunk(guint32 n_slots, gboolean seal, guint8 **map);
 
+/* A stand-in guest (tests/standin-guest: memfd RAM like QEMU's, no
+ * agent) named name, with QEMU's -uuid uuid (NULL: none), 16 MiB of which
+ * half are the same in every guest; its pid in *pid once it is ready. */
+GSubprocess *pf_test_standin_guest(const char *name, const char *uuid, int seed, int *pid);
+
 /* Writes libvirt's status file for domain name in dir, NAME.xml, as
  * libvirt's qemu driver does for a running domain (<domstatus pid='PID'>,
  * root's, 0600), with pid as its text ("4242x": not a pid); NULL removes
