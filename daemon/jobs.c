@@ -349,6 +349,22 @@ pf_scan_jobs_passed_over(PfScanner *s, PfVm *vm)
     }
 }
 
+/* The job's passes are the scanning while it runs.  Were the timer's
+ * batches to go on, a pass would begin before the last one's answers were
+ * in, and a VM whose writer churns (a new request for every answer) would
+ * keep requests in flight for as long as the job looked: on a slow guest
+ * it never saw none, and scan-now never replied. */
+gboolean
+pf_scan_jobs_scanning(PfScanner *s)
+{
+    for (guint i = 0; i < s->jobs->len; i++) {
+        if (((PfScanJob *)g_ptr_array_index(s->jobs, i))->kind == JOB_PASSES) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
 PfScanJob *
 pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done, gpointer user)
 {

@@ -113,4 +113,6 @@ void pf_scanner_end_sharing(PfScanner *s, PfRegion *r, gsize idx);
 void pf_scan_jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why);
 /* The scanner passed over the rest of a VM whose agent is not answering. */
 void pf_scan_jobs_passed_over(PfScanner *s, PfVm *vm);
+/* Whether a scan-now job scans: the timer's batches wait meanwhile. */
+gboolean pf_scan_jobs_scanning(PfScanner *s);
 void pf_scan_jobs_end(PfScanner *s);

@@ -2123,7 +2123,7 @@ scanner_tick(gpointer user)
     guint64 sleep_ms = s->knobs.sleep_millisecs;
 
     s->timer_id = 0;
-    if (s->knobs.run && s->vms->len > 0) {
+    if (s->knobs.run && s->vms->len > 0 && !pf_scan_jobs_scanning(s)) {
         gint64 cpu;
 
         if (s->batch_left == 0) {

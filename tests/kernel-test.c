@@ -3,7 +3,7 @@
  * on another kernel than the host's: Debian 12's own 6.1 (GUEST_KERNEL),
  * booted once under QEMU from an initramfs of this build's programs
  * (scripts/build-test-initrd).  Inside, each test path runs on its own
- * under `timeout`; here each becomes one case, /kernel/6.1/agent/...,
+ * under a watchdog; here each becomes one case, /kernel/6.1/agent/...,
  * that passes, skips or fails as it did in the guest, with its output's
  * tail and the kernel's messages meanwhile.
  *
