@@ -295,22 +295,27 @@ typedef struct {
  * did with it, the page maps no pool slot now (the agent mapped all of the
  * region from its memfd before it said GONE), so what the request held
  * (pf_scanner_complete()'s references) is let go now, once, and its answer,
- * if it comes, changes nothing. */
+ * if it comes, changes nothing.  It is marked settled before its
+ * references go: the last of them may free its node, its slot and the
+ * slot's chunk, and the chunk's DROP goes out (drop_chunk_cb()) while the
+ * link still has the request, which must then read as holding nothing
+ * (pool.h: a chunk goes only when no request holds a slot of it). */
 static gboolean
 settle_gone_cb(PfPending *pd, gpointer user)
 {
     GoneRange *g = user;
+    PfPending held = *pd;
 
     if (pd->kind == PF_PENDING_SETTLED || pd->page - g->first >= g->n_pages) {
         return FALSE;
     }
-    if (pd->kind != PF_ITEM_COLLAPSE) {
-        put_slot(g->s, pd->slot, pd->node);
-        if (pd->from != 0) {
-            put_slot(g->s, node_at(g->s, pd->from)->slot, pd->from);
+    pd->kind = PF_PENDING_SETTLED;
+    if (held.kind != PF_ITEM_COLLAPSE) {
+        put_slot(g->s, held.slot, held.node);
+        if (held.from != 0) {
+            put_slot(g->s, node_at(g->s, held.from)->slot, held.from);
         }
     }
-    pd->kind = PF_PENDING_SETTLED;
     return TRUE;
 }
 
