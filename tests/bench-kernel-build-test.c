@@ -51,6 +51,7 @@ test_bad_options(void)
     };
     g_autofree char *path = script();
     g_autoptr(GHashTable) before = work_dirs();
+    g_autoptr(GHashTable) after = NULL;
 
     for (gsize i = 0; i < G_N_ELEMENTS(cases); i++) {
         const char *argv[] = { path, cases[i][0], cases[i][1], NULL };
@@ -68,7 +69,8 @@ test_bad_options(void)
         g_assert_nonnull(strstr(err, "usage: bench-kernel-build"));
         g_assert_nonnull(strstr(err, cases[i][2]));
     }
-    g_assert_cmpuint(g_hash_table_size(work_dirs()), ==, g_hash_table_size(before));
+    after = work_dirs();
+    g_assert_cmpuint(g_hash_table_size(after), ==, g_hash_table_size(before));
 }
 
 static char *
