@@ -3,6 +3,8 @@
  */
 #include "control.h"
 
+#include "jobs.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <glib-unix.h>
@@ -151,7 +153,7 @@ vm_identity_to_json(PfVm *vm, JsonBuilder *b)
     json_builder_add_string_value(b, vm->scanner ? pf_scanner_merge_domain(vm->scanner, vm)
                                                  : "default");
     json_builder_set_member_name(b, "mode");
-    json_builder_add_string_value(b, vm->mode);
+    json_builder_add_string_value(b, pf_vm_mode_name(vm));
     if (vm->mode_reason != NULL) {
         json_builder_set_member_name(b, "mode_reason");
         json_builder_add_string_value(b, vm->mode_reason);
@@ -324,7 +326,7 @@ cmd_attach(PfControl *c, JsonObject *args, JsonBuilder *b, GError **error)
         memcpy(vm->uuid, uuid, sizeof(vm->uuid));
     }
     g_message("VM %s (pid %d) attached in mode %s: %u region(s), %zu pages",
-              vm->name, vm->pid, vm->mode, vm->regions->len, pf_vm_n_pages(vm));
+              vm->name, vm->pid, pf_vm_mode_name(vm), vm->regions->len, pf_vm_n_pages(vm));
     added = g_steal_pointer(&vm);
     pf_scanner_add_vm(c->scanner, added);
     /* In its domain before the scanner sees a page of it (the libvirt

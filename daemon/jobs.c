@@ -1,17 +1,12 @@
 /*
- * jobs.c - what takes as long as the agents take: scan-now's passes and
- * their answers, and unmerge (KSM's run=2 too), run a step at a time from
- * the main loop (scan.h).
- *
- * The main loop reads the agents' answers and the control socket between
- * steps, and the caller is told when the job is really done, or why not.
- * A job never waits in a call, never decides a merge (it asks the
- * scanner), and never outlives the VMs it names: a VM that goes leaves its
- * jobs first.
+ * jobs.c - scan-now and unmerge as jobs (jobs.h): a step at a time from the
+ * main loop, which reads the agents' answers and the control socket between
+ * steps.  Owns the jobs, kept in a list that is the scanner's listener, so
+ * that VMs that go leave their jobs first and jobs end with the scanner.
+ * Never waits in a call, never decides a merge (it asks the scanner).
  */
-#include "scan-internal.h"
+#include "jobs.h"
 
-#include "link.h"
 #include "util.h"
 
 typedef enum {
@@ -26,8 +21,15 @@ typedef enum {
     STEP_DONE,
 } StepResult;
 
+/* The jobs of one scanner: its listener. */
+typedef struct {
+    PfScanner *s;
+    GPtrArray *jobs; /* PfScanJob*, running */
+} JobList;
+
 struct _PfScanJob {
     PfScanner *s;
+    JobList *list;
     JobKind kind;
     guint64 target;     /* JOB_PASSES: full_scans to reach */
     GPtrArray *targets; /* JOB_UNMERGE: the VMs (PfVm*) still attached */
@@ -62,15 +64,16 @@ struct _PfScanJob {
 
 /* Whether any request to an agent of vms is still to be answered (by an
  * agent that answers: not counting those stopped for a while, if
- * answering). */
+ * answering).  Requests still in an open batch go with the next scan
+ * slice, which forms them as it ends: not waited for. */
 static gboolean
 answers_due(GPtrArray *vms, gboolean answering)
 {
     for (guint i = 0; i < vms->len; i++) {
         PfVm *vm = g_ptr_array_index(vms, i);
 
-        if (vm->link != NULL && pf_link_in_flight(vm->link) > 0 &&
-            !(answering && pf_agent_silent(vm))) {
+        if (vm->outbox != NULL && pf_outbox_n_batched(vm->outbox) > 0 &&
+            !(answering && pf_scanner_agent_silent(vm))) {
             return TRUE;
         }
     }
@@ -95,35 +98,36 @@ note_passed_over(PfScanJob *j, PfVm *vm, const char *why)
  * do (its merges are made as it scans): a pass sees what the last one
  * did.  The job ends when every request is answered, or its agent has
  * answered nothing for SETTLE_USEC: an agent that answers, however slowly,
- * is waited for (what it has to answer is bounded by its link's room); one
+ * is waited for (what it has to answer is bounded by its outbox's room); one
  * that stopped, but not for long enough to be given up, is noted. */
 static StepResult
 passes_step(PfScanJob *j)
 {
     PfScanner *s = j->s;
+    GPtrArray *vms = pf_scanner_get_vms(s);
     gboolean due = FALSE;
 
-    if (s->full_scans < j->target && s->vms->len > 0) {
-        if (!s->in_pass && answers_due(s->vms, TRUE)) {
+    if (pf_scanner_full_scans(s) < j->target && vms->len > 0) {
+        if (!pf_scanner_in_pass(s) && answers_due(vms, TRUE)) {
             return STEP_WAIT;
         }
         return pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC) > 0 ? STEP_AGAIN : STEP_WAIT;
     }
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(vms, i);
 
-        if (vm->link == NULL || pf_link_in_flight(vm->link) == 0) {
+        if (vm->outbox == NULL || pf_outbox_in_flight(vm->outbox) == 0) {
             continue;
         }
         /* Requests an answer called for, to another VM (a node that
          * moved), go now. */
-        pf_link_flush(vm->link);
-        if (pf_link_waiting_usec(vm->link) < SETTLE_USEC) {
+        pf_outbox_flush(vm->outbox);
+        if (pf_outbox_waiting_usec(vm->outbox) < SETTLE_USEC) {
             due = TRUE;
         } else {
             g_autofree char *why = g_strdup_printf("%zu request item(s) not answered: its "
                                                    "agent answered nothing for %d s",
-                                                   pf_link_in_flight(vm->link),
+                                                   pf_outbox_in_flight(vm->outbox),
                                                    (int)(SETTLE_USEC / G_USEC_PER_SEC));
 
             note_passed_over(j, vm, why);
@@ -146,6 +150,75 @@ still_merged(PfScanJob *j)
     return n;
 }
 
+/* Asks for every merged page of r from page j->page on, within the step;
+ * FALSE when it stops before the end (an outbox full, or the step's time
+ * up: *result says which). */
+static gboolean
+sweep_region(PfScanJob *j, PfVm *vm, PfRegion *r, gint64 end, StepResult *result)
+{
+    while (j->page < r->n_pages) {
+        gsize stop = MIN(r->n_pages, j->page + SWEEP_PAGES);
+
+        if (vm->outbox != NULL && pf_outbox_room(vm->outbox) == 0) {
+            pf_outbox_flush(vm->outbox);
+            *result = STEP_WAIT;
+            return FALSE;
+        }
+        for (j->page = pf_region_next_recorded(r, j->page, stop); j->page < stop;
+             j->page = pf_region_next_recorded(r, j->page + 1, stop)) {
+            PfPageState st = pf_region_page_state(r, j->page);
+
+            if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
+                pf_scanner_end_sharing(j->s, r, j->page);
+                if (vm->outbox != NULL && pf_outbox_room(vm->outbox) == 0) {
+                    j->page++;
+                    break;
+                }
+            }
+        }
+        if (g_get_monotonic_time() >= end) {
+            if (vm->outbox != NULL) {
+                pf_outbox_flush(vm->outbox);
+            }
+            *result = STEP_AGAIN;
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
+/* Whether the next sweep may begin (*result: else what to do). */
+static gboolean
+sweep_due(PfScanJob *j, StepResult *result)
+{
+    gsize left;
+
+    if (answers_due(j->targets, FALSE)) {
+        *result = STEP_WAIT;
+        return FALSE;
+    }
+    if ((left = still_merged(j)) == 0) {
+        *result = STEP_DONE;
+        return FALSE;
+    }
+    /* Pages still merged after a sweep and its answers: merges that were
+     * in flight, or pages their agents refused to unmerge (in DMA: EBUSY),
+     * asked again a little later, a bounded number of times. */
+    if (j->sweeps > RETRIES) {
+        g_string_append_printf(j->trouble, "%s%zu page(s) could not be unmerged: their "
+                               "agents refused %u times (in DMA?)",
+                               j->trouble->len ? "; " : "", left, RETRIES);
+        *result = STEP_DONE;
+        return FALSE;
+    }
+    if (j->sweeps > 0 && !j->paused) {
+        j->paused = TRUE;
+        *result = STEP_RETRY;
+        return FALSE;
+    }
+    return TRUE;
+}
+
 /*
  * Sweeps the targets' pages and asks their agents to unmerge every merged
  * one, as fast as the agents answer.  Merges in flight land meanwhile (the
@@ -155,30 +228,12 @@ still_merged(PfScanJob *j)
 static StepResult
 unmerge_step(PfScanJob *j)
 {
-    PfScanner *s = j->s;
     gint64 end = g_get_monotonic_time() + STEP_USEC;
-    gsize left;
+    StepResult result;
 
     if (!j->sweeping) {
-        if (answers_due(j->targets, FALSE)) {
-            return STEP_WAIT;
-        }
-        if ((left = still_merged(j)) == 0) {
-            return STEP_DONE;
-        }
-        /* Pages still merged after a sweep and its answers: merges that
-         * were in flight, or pages their agents refused to unmerge (in
-         * DMA: EBUSY), asked again a little later, a bounded number of
-         * times. */
-        if (j->sweeps > RETRIES) {
-            g_string_append_printf(j->trouble, "%s%zu page(s) could not be unmerged: their "
-                                   "agents refused %u times (in DMA?)",
-                                   j->trouble->len ? "; " : "", left, RETRIES);
-            return STEP_DONE;
-        }
-        if (j->sweeps > 0 && !j->paused) {
-            j->paused = TRUE;
-            return STEP_RETRY;
+        if (!sweep_due(j, &result)) {
+            return result;
         }
         j->paused = FALSE;
         j->sweeps++;
@@ -190,37 +245,13 @@ unmerge_step(PfScanJob *j)
         PfVm *vm = g_ptr_array_index(j->targets, j->vm_idx);
 
         for (; j->region_idx < vm->regions->len; j->region_idx++, j->page = 0) {
-            PfRegion *r = g_ptr_array_index(vm->regions, j->region_idx);
-
-            while (j->page < r->n_pages) {
-                gsize stop = MIN(r->n_pages, j->page + SWEEP_PAGES);
-
-                if (vm->link != NULL && pf_link_room(vm->link) == 0) {
-                    pf_link_flush(vm->link);
-                    return STEP_WAIT;
-                }
-                for (j->page = pf_region_next_recorded(r, j->page, stop); j->page < stop;
-                     j->page = pf_region_next_recorded(r, j->page + 1, stop)) {
-                    PfPageState st = pf_region_page_state(r, j->page);
-
-                    if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
-                        pf_scanner_end_sharing(s, r, j->page);
-                        if (vm->link != NULL && pf_link_room(vm->link) == 0) {
-                            j->page++;
-                            break;
-                        }
-                    }
-                }
-                if (g_get_monotonic_time() >= end) {
-                    if (vm->link != NULL) {
-                        pf_link_flush(vm->link);
-                    }
-                    return STEP_AGAIN;
-                }
+            if (!sweep_region(j, vm, g_ptr_array_index(vm->regions, j->region_idx), end,
+                              &result)) {
+                return result;
             }
         }
-        if (vm->link != NULL) {
-            pf_link_flush(vm->link);
+        if (vm->outbox != NULL) {
+            pf_outbox_flush(vm->outbox);
         }
     }
     j->sweeping = FALSE;
@@ -254,12 +285,95 @@ job_cb(gpointer user)
     return G_SOURCE_REMOVE;
 }
 
+/* ---- the scanner's listener ---- */
+
+/* A VM leaves while jobs run, its process alive: every job notes it, and
+ * an unmerge that was to unmerge it fails (its merged pages stay so in
+ * its process).  One whose process exited has nothing left to do. */
+static void
+list_vm_gone(PfScanner *s, PfVm *vm, const char *why, gpointer user)
+{
+    JobList *list = user;
+
+    for (guint i = 0; i < list->jobs->len; i++) {
+        PfScanJob *j = g_ptr_array_index(list->jobs, i);
+        gboolean target = g_ptr_array_remove(j->targets, vm);
+
+        if (target && j->kind == JOB_UNMERGE) {
+            pf_scanner_end_unmerge(s, vm);
+            /* Its place in the sweep is gone: the sweep starts again. */
+            j->sweeping = FALSE;
+        }
+        if (why == NULL || pf_vm_exited(vm)) {
+            continue;
+        }
+        g_ptr_array_add(j->detached, g_strdup_printf("VM %s (pid %d): %s", vm->name, vm->pid,
+                                                     why));
+        if (target) {
+            g_string_append_printf(j->trouble, "%sVM %s (pid %d) was detached: %s",
+                                   j->trouble->len ? "; " : "", vm->name, vm->pid, why);
+        }
+    }
+}
+
+static void
+list_passed_over(PfScanner *s, PfVm *vm, gpointer user)
+{
+    JobList *list = user;
+
+    for (guint i = 0; i < list->jobs->len; i++) {
+        PfScanJob *j = g_ptr_array_index(list->jobs, i);
+
+        if (j->kind == JOB_PASSES) {
+            note_passed_over(j, vm, "passed over: its agent was not answering");
+        }
+    }
+}
+
+/* The scanner goes: every job still running ends. */
+static void
+list_free(gpointer user)
+{
+    JobList *list = user;
+
+    while (list->jobs->len > 0) {
+        PfScanJob *j = g_ptr_array_index(list->jobs, 0);
+
+        g_string_assign(j->trouble, "pagefoldd is stopping");
+        job_finish(j);
+    }
+    g_ptr_array_unref(list->jobs);
+    g_free(list);
+}
+
+static const PfScanEvents list_events = {
+    .vm_gone = list_vm_gone,
+    .passed_over = list_passed_over,
+};
+
+static JobList *
+job_list(PfScanner *s)
+{
+    JobList *list = pf_scanner_find_listener(s, &list_events);
+
+    if (list == NULL) {
+        list = g_new0(JobList, 1);
+        list->s = s;
+        list->jobs = g_ptr_array_new();
+        pf_scanner_add_listener(s, &list_events, list, list_free);
+    }
+    return list;
+}
+
+/* ---- jobs ---- */
+
 static PfScanJob *
 job_new(PfScanner *s, JobKind kind, PfScanJobFunc done, gpointer user)
 {
     PfScanJob *j = g_new0(PfScanJob, 1);
 
     j->s = s;
+    j->list = job_list(s);
     j->kind = kind;
     j->targets = g_ptr_array_new();
     j->trouble = g_string_new(NULL);
@@ -268,19 +382,18 @@ job_new(PfScanner *s, JobKind kind, PfScanJobFunc done, gpointer user)
     j->done = done;
     j->user = user;
     j->source = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, job_cb, j, NULL);
-    g_ptr_array_add(s->jobs, j);
+    g_ptr_array_add(j->list->jobs, j);
     return j;
 }
 
 static void
 job_free(PfScanJob *j)
 {
-    for (guint i = 0; i < j->targets->len; i++) {
-        PfVm *vm = g_ptr_array_index(j->targets, i);
-
-        if (j->kind == JOB_UNMERGE) {
-            vm->unmerging--;
-        }
+    for (guint i = 0; i < j->targets->len && j->kind == JOB_UNMERGE; i++) {
+        pf_scanner_end_unmerge(j->s, g_ptr_array_index(j->targets, i));
+    }
+    if (j->kind == JOB_PASSES) {
+        pf_scanner_resume_batches(j->s);
     }
     g_clear_handle_id(&j->source, g_source_remove);
     g_ptr_array_unref(j->targets);
@@ -303,75 +416,26 @@ job_finish(PfScanJob *j)
     if (j->trouble->len > 0) {
         error = g_error_new(PF_ERROR, PF_ERROR_FAILED, "%s", j->trouble->str);
     }
-    g_ptr_array_remove(s->jobs, j);
+    g_ptr_array_remove(j->list->jobs, j);
     job_free(j);
     if (done != NULL) {
         done(s, error, detached, passed_over, user);
     }
 }
 
-/* A VM leaves while jobs run, its process alive: every job notes it, and
- * an unmerge that was to unmerge it fails (its merged pages stay so in
- * its process).  One whose process exited has nothing left to do. */
-void
-pf_scan_jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why)
-{
-    for (guint i = 0; i < s->jobs->len; i++) {
-        PfScanJob *j = g_ptr_array_index(s->jobs, i);
-        gboolean target = g_ptr_array_remove(j->targets, vm);
-
-        if (target && j->kind == JOB_UNMERGE) {
-            vm->unmerging--;
-            /* Its place in the sweep is gone: the sweep starts again. */
-            j->sweeping = FALSE;
-        }
-        if (why == NULL || pf_vm_exited(vm)) {
-            continue;
-        }
-        g_ptr_array_add(j->detached, g_strdup_printf("VM %s (pid %d): %s", vm->name, vm->pid,
-                                                     why));
-        if (target) {
-            g_string_append_printf(j->trouble, "%sVM %s (pid %d) was detached: %s",
-                                   j->trouble->len ? "; " : "", vm->name, vm->pid, why);
-        }
-    }
-}
-
-void
-pf_scan_jobs_passed_over(PfScanner *s, PfVm *vm)
-{
-    for (guint i = 0; i < s->jobs->len; i++) {
-        PfScanJob *j = g_ptr_array_index(s->jobs, i);
-
-        if (j->kind == JOB_PASSES) {
-            note_passed_over(j, vm, "passed over: its agent was not answering");
-        }
-    }
-}
-
-/* The job's passes are the scanning while it runs.  Were the timer's
+/* The job's passes are the scanning while it runs.  Were the scanner's
  * batches to go on, a pass would begin before the last one's answers were
  * in, and a VM whose writer churns (a new request for every answer) would
  * keep requests in flight for as long as the job looked: on a slow guest
  * it never saw none, and scan-now never replied. */
-gboolean
-pf_scan_jobs_scanning(PfScanner *s)
-{
-    for (guint i = 0; i < s->jobs->len; i++) {
-        if (((PfScanJob *)g_ptr_array_index(s->jobs, i))->kind == JOB_PASSES) {
-            return TRUE;
-        }
-    }
-    return FALSE;
-}
-
 PfScanJob *
 pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done, gpointer user)
 {
     PfScanJob *j = job_new(s, JOB_PASSES, done, user);
 
+    pf_scanner_pause_batches(s);
     /* The current pass counts if begun. */
-    j->target = s->full_scans + n + (s->in_pass ? 1 : 0);
+    j->target = pf_scanner_full_scans(s) + n + (pf_scanner_in_pass(s) ? 1 : 0);
     return j;
 }
 
@@ -379,13 +443,13 @@ PfScanJob *
 pf_scanner_unmerge_async(PfScanner *s, PfVm *only, PfScanJobFunc done, gpointer user)
 {
     PfScanJob *j = job_new(s, JOB_UNMERGE, done, user);
+    GPtrArray *vms = pf_scanner_get_vms(s);
 
-    g_array_set_size(s->joins, 0);
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(vms, i);
 
         if (only == NULL || vm == only) {
-            vm->unmerging++;
+            pf_scanner_begin_unmerge(s, vm);
             g_ptr_array_add(j->targets, vm);
         }
     }
@@ -430,15 +494,4 @@ pf_scanner_unmerge(PfScanner *s, PfVm *only)
 
     pf_scanner_unmerge_async(s, only, sync_done, &done);
     wait_job(&done);
-}
-
-void
-pf_scan_jobs_end(PfScanner *s)
-{
-    while (s->jobs->len > 0) {
-        PfScanJob *j = g_ptr_array_index(s->jobs, 0);
-
-        g_string_assign(j->trouble, "pagefoldd is stopping");
-        job_finish(j);
-    }
 }

@@ -128,7 +128,7 @@ pf_libvirt_metadata_element(const PfVm *vm, const PfCounters *c, GDateTime *when
      * figure a line.  The names are the JSON's (pagefoldctl stats). */
     g_string_append_printf(out, "<stats pid=\"%d\" updated=\"%s\">", vm->pid, updated);
     g_string_append(out, "<mode>");
-    append_text(out, vm->mode != NULL ? vm->mode : "");
+    append_text(out, pf_vm_mode_name(vm));
     g_string_append(out, "</mode>");
     if (vm->mode_reason != NULL) {
         g_string_append(out, "<mode_reason>");

@@ -1,5 +1,8 @@
 /*
- * link.c - see link.h.
+ * link.c - pagefoldd's end of the agent protocol (link.h): the socket, the
+ * handshake's checks, each link's send queue and timers.  Owns every
+ * PfLink and every descriptor a peer passed; must never decide a merge,
+ * believe what a peer has not shown, or wait for one on the main loop.
  *
  * A connection goes HELLO -> REGION x n -> WELCOME -> READY, then carries
  * REQUESTs and RESULTs, and REGION (RAM plugged in) and GONE (RAM that
@@ -28,11 +31,10 @@
  * HANDSHAKE_TIMEOUT_MS and one of a bounded number of places, a send that
  * the socket cannot take waits in the link's queue, a peer that takes
  * nothing for SEND_STALL_MS is given up, and one that answers none of its
- * requests for the answer timeout too.  Flow control: at most WINDOW_ITEMS
- * are sent and not answered, so that neither end ever blocks on the other
- * however many requests the scanner decides at once.  A refused peer
- * leaves nothing behind: its link owns every descriptor it passed or was
- * given.
+ * requests for the answer timeout too.  Flow control is the outbox's
+ * window (outbox.h): neither end ever blocks on the other however many
+ * requests the scanner decides at once.  A refused peer leaves nothing
+ * behind: its link owns every descriptor it passed or was given.
  */
 #include "link.h"
 
@@ -69,14 +71,6 @@
 #define SEND_STALL_MS 5000
 /* What the kernel may hold for a peer; the rest waits in the link. */
 #define SOCKET_SNDBUF (256 << 10)
-/*
- * Items sent and not answered yet, at most.  The agent answers on a
- * blocking socket: the answers to this many must fit in what its socket
- * holds (it asks for 256 KiB; a batch's answer is 16 KiB), or it would
- * wait for pagefoldd while pagefoldd waits for it.  Requests past it
- * wait in the link, formed and numbered when they go.
- */
-#define WINDOW_ITEMS (4 * PF_PROTO_MAX_ITEMS)
 /* An agent with requests to answer that answered nothing for this long is
  * not going to: pf_link_server_set_answer_timeout(). */
 #define DEFAULT_ANSWER_TIMEOUT_MS 30000
@@ -84,22 +78,19 @@
 enum { LINK_HELLO, LINK_REGIONS, LINK_READY, LINK_RUNNING };
 
 struct _PfLinkServer {
-    PfScanner *scanner;
+    PfScanner *scanner; /* NULL once freed: it went first */
     char *path;
     int fd;
     guint watch;
     int uffd_dev; /* /dev/userfaultfd, for agents that cannot make one */
     GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
+    GHashTable *running;   /* PfVm* -> its PfLink*, READY */
+    GPtrArray *ended;      /* PfLink* closed, freed from the main loop */
+    guint reap;
     guint answer_timeout_ms;
     gboolean group_allowed; /* besides root and pagefoldd's own user */
     gid_t group;
 };
-
-typedef struct {
-    guint32 seq;     /* given when it is sent */
-    GArray *pending; /* PfPending, one per item */
-    GArray *items;   /* PfWireItem, until it is sent */
-} Batch;
 
 /* A message the socket could not take yet. */
 typedef struct {
@@ -109,6 +100,8 @@ typedef struct {
     gsize len;
     int fd;       /* owned, or -1 */
 } OutMsg;
+
+typedef struct _PfLink PfLink;
 
 struct _PfLink {
     PfLinkServer *srv;
@@ -125,19 +118,8 @@ struct _PfLink {
     guint n_refused;         /* regions refused (placeholders) */
     PfWireHello hello;
     GPtrArray *regions; /* PfRegion*, during the handshake */
-    PfVm *vm;
-    guint32 next_seq;
-    guint32 answered_seq; /* of the last batch answered */
-    GArray *queue_items;   /* PfWireItem */
-    GArray *queue_pending; /* PfPending */
-    guint queue_collapses; /* PF_ITEM_COLLAPSE items queued */
-    GQueue held;           /* Batch*: formed, waiting for the window */
-    gsize n_held;
-    GQueue in_flight;      /* Batch*, sent, oldest first */
-    gsize n_in_flight;
-    gint64 last_answer;    /* monotonic: the last RESULT, or when the
-                            * window last opened from empty */
-    guint answer_timer;    /* while something is in flight */
+    PfVm *vm;           /* once READY: the scanner's, until it goes */
+    guint answer_timer; /* while requests are sent and not answered */
     GQueue out;            /* OutMsg*, oldest first */
     guint out_watch;       /* G_IO_OUT, while out is not empty */
     guint stall_timer;     /* while out is not empty */
@@ -146,16 +128,6 @@ struct _PfLink {
     char *broken_why;
     guint close_idle;
 };
-
-static void
-batch_free(Batch *b)
-{
-    g_array_unref(b->pending);
-    if (b->items != NULL) {
-        g_array_unref(b->items);
-    }
-    g_free(b);
-}
 
 static void
 out_msg_free(OutMsg *m)
@@ -209,91 +181,63 @@ link_send_error(PfLink *l, const char *text)
     pf_proto_send(l->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
 }
 
-/* Drops the requests of a list not sent yet that func settles; returns
- * how many are left. */
-static guint
-withdraw_unsent(GArray *pending, GArray *items, gboolean (*func)(PfPending *pd, gpointer user),
-                gpointer user)
+static void
+link_free(PfLink *l)
 {
-    guint kept = 0;
-
-    for (guint i = 0; i < pending->len; i++) {
-        if (!func(&g_array_index(pending, PfPending, i), user)) {
-            g_array_index(pending, PfPending, kept) = g_array_index(pending, PfPending, i);
-            g_array_index(items, PfWireItem, kept) = g_array_index(items, PfWireItem, i);
-            kept++;
-        }
-    }
-    g_array_set_size(pending, kept);
-    g_array_set_size(items, kept);
-    return kept;
+    g_free(l->broken_why);
+    g_free(l);
 }
 
-void
-pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpointer user)
+static gboolean
+reap_cb(gpointer user)
 {
-    for (GList *e = l->in_flight.head; e != NULL; e = e->next) {
-        Batch *b = e->data;
+    PfLinkServer *srv = user;
 
-        for (guint i = 0; i < b->pending->len; i++) {
-            func(&g_array_index(b->pending, PfPending, i), user);
-        }
-    }
-    for (GList *e = l->held.head, *next; e != NULL; e = next) {
-        Batch *b = e->data;
-        guint before = b->pending->len;
-
-        next = e->next;
-        l->n_held -= before - withdraw_unsent(b->pending, b->items, func, user);
-        if (b->pending->len == 0) {
-            g_queue_delete_link(&l->held, e);
-            batch_free(b);
-        }
-    }
-    withdraw_unsent(l->queue_pending, l->queue_items, func, user);
+    srv->reap = 0;
+    g_ptr_array_set_size(srv->ended, 0);
+    return G_SOURCE_REMOVE;
 }
 
-void
-pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gboolean sent, gpointer user),
-             gpointer user)
+/*
+ * The link is over: every source, descriptor and queued message goes now,
+ * the socket last (when the peer sees the hang-up, all it passed is
+ * closed); the record itself goes from the main loop, since this may run
+ * inside one of the link's own callbacks.
+ */
+static void
+link_end(PfLink *l)
 {
-    Batch *b;
+    PfLinkServer *srv = l->srv;
 
-    if (l == NULL) {
-        return;
-    }
-    while ((b = g_queue_pop_head(&l->in_flight)) != NULL ||
-           (b = g_queue_pop_head(&l->held)) != NULL) {
-        for (guint i = 0; func != NULL && i < b->pending->len; i++) {
-            func(&g_array_index(b->pending, PfPending, i), b->items == NULL, user);
-        }
-        batch_free(b);
-    }
-    for (guint i = 0; func != NULL && i < l->queue_pending->len; i++) {
-        func(&g_array_index(l->queue_pending, PfPending, i), FALSE, user);
-    }
     g_clear_handle_id(&l->watch, g_source_remove);
     g_clear_handle_id(&l->answer_timer, g_source_remove);
     g_clear_handle_id(&l->handshake_timer, g_source_remove);
     g_clear_handle_id(&l->close_idle, g_source_remove);
     out_clear(l);
-    g_ptr_array_unref(l->regions);
-    g_array_unref(l->queue_items);
-    g_array_unref(l->queue_pending);
+    if (l->vm != NULL) {
+        pf_outbox_set_drain(l->vm->outbox, NULL, NULL);
+        g_hash_table_remove(srv->running, l->vm);
+        l->vm = NULL;
+    } else {
+        g_ptr_array_remove(srv->handshakes, l);
+    }
+    g_clear_pointer(&l->regions, g_ptr_array_unref);
     if (l->pidfd >= 0) {
         close(l->pidfd);
     }
     if (l->proc_dir >= 0) {
         close(l->proc_dir);
     }
-    g_free(l->broken_why);
-    /* Last: when the peer sees the hang-up, all it passed is closed. */
     drain_socket(l->sock);
     close(l->sock);
-    g_free(l);
+    g_ptr_array_add(srv->ended, l);
+    if (srv->reap == 0) {
+        srv->reap = g_idle_add(reap_cb, srv);
+    }
 }
 
-/* Ends a link: its VM (if any) is detached, which frees the link. */
+/* Ends a link: its VM (if any) is detached, and the link with it (the
+ * scanner's vm_gone). */
 static void
 link_close(PfLink *l, const char *why)
 {
@@ -303,7 +247,7 @@ link_close(PfLink *l, const char *why)
     }
     g_message("agent connection of process %d closed during its handshake: %s", l->peer_pid,
               why);
-    g_ptr_array_remove(l->srv->handshakes, l);
+    link_end(l);
 }
 
 static gboolean
@@ -480,116 +424,22 @@ link_send(PfLink *l, PfMsgType type, guint32 seq, gconstpointer data, gsize len,
     out_flush(l);
 }
 
-void
-pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk)
-{
-    PfWirePool p = { chunk->id, chunk->n_slots };
-
-    link_send(l, PF_MSG_POOL, 0, &p, sizeof(p), chunk->fd);
-}
-
-void
-pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk)
-{
-    PfWirePool p = { chunk->id, chunk->n_slots };
-
-    /* Requests still queued may not name it: the pool drops a chunk only
-     * when no request holds a slot of it. */
-    link_send(l, PF_MSG_DROP, 0, &p, sizeof(p), -1);
-}
-
-/* Huge pages to make again, per batch at most: each is a compaction and a
- * 2 MiB copy in the agent, and a batch must be answered well within the
- * answer timeout. */
-#define MAX_COLLAPSES 32
-
-void
-pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd)
-{
-    g_array_append_vals(l->queue_items, item, 1);
-    g_array_append_vals(l->queue_pending, pd, 1);
-    l->queue_collapses += item->kind == PF_ITEM_COLLAPSE;
-    if (l->queue_items->len >= PF_PROTO_MAX_ITEMS || l->queue_collapses >= MAX_COLLAPSES) {
-        pf_link_flush(l);
-    }
-}
-
 static gboolean answer_timeout_cb(gpointer user);
 
-/* Sends held batches while the window has room for them. */
+/* The scanner's requests, as the outbox's window lets them go. */
 static void
-send_held(PfLink *l)
+link_drain_cb(PfOutbox *ob, gpointer user)
 {
-    Batch *b;
+    PfLink *l = user;
+    const PfOutBatch *b;
 
-    while ((b = g_queue_peek_head(&l->held)) != NULL && !l->broken &&
-           (l->n_in_flight == 0 || l->n_in_flight + b->pending->len <= WINDOW_ITEMS)) {
-        g_queue_pop_head(&l->held);
-        l->n_held -= b->pending->len;
-        b->seq = ++l->next_seq;
-        if (l->n_in_flight == 0) {
-            /* The agent's time to answer runs from now. */
-            l->last_answer = g_get_monotonic_time();
-        }
-        g_queue_push_tail(&l->in_flight, b);
-        l->n_in_flight += b->pending->len;
+    while (!l->broken && (b = pf_outbox_take(ob)) != NULL) {
         link_send(l, PF_MSG_REQUEST, b->seq, b->items->data,
                   b->items->len * sizeof(PfWireItem), -1);
-        g_clear_pointer(&b->items, g_array_unref);
         if (l->answer_timer == 0) {
             l->answer_timer = g_timeout_add(l->srv->answer_timeout_ms, answer_timeout_cb, l);
         }
     }
-}
-
-void
-pf_link_flush(PfLink *l)
-{
-    Batch *b;
-
-    l->queue_collapses = 0;
-    if (l->queue_items->len > 0) {
-        b = g_new0(Batch, 1);
-        b->pending = l->queue_pending;
-        b->items = l->queue_items;
-        l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
-        l->queue_items = g_array_new(FALSE, FALSE, sizeof(PfWireItem));
-        g_queue_push_tail(&l->held, b);
-        l->n_held += b->pending->len;
-    }
-    send_held(l);
-}
-
-gsize
-pf_link_in_flight(PfLink *l)
-{
-    return l->n_in_flight + l->n_held + l->queue_items->len;
-}
-
-gsize
-pf_link_room(PfLink *l)
-{
-    gsize outstanding = pf_link_in_flight(l);
-
-    return outstanding < 2 * WINDOW_ITEMS ? 2 * WINDOW_ITEMS - outstanding : 0;
-}
-
-gint64
-pf_link_waiting_usec(PfLink *l)
-{
-    return l->n_in_flight > 0 ? g_get_monotonic_time() - l->last_answer : 0;
-}
-
-guint32
-pf_link_sent_seq(PfLink *l)
-{
-    return l->next_seq;
-}
-
-gboolean
-pf_link_answered_since(PfLink *l, guint32 seq)
-{
-    return l->answered_seq - seq - 1 < G_MAXUINT32 / 2;
 }
 
 /* ---- messages ---- */
@@ -599,31 +449,18 @@ on_result(PfLink *l, const PfMsg *msg)
 {
     guint32 n;
     const PfWireResult *res = pf_msg_results(msg, &n);
-    Batch *b = g_queue_peek_head(&l->in_flight);
-    PfVm *vm = l->vm;
-    PfScanner *s = l->srv->scanner;
+    PfOutbox *ob = l->vm->outbox;
 
-    /* Agents answer in order, every item of every batch. */
-    if (b == NULL || b->seq != msg->header.seq || b->pending->len != n) {
+    if (!pf_outbox_answers(ob, msg->header.seq, n)) {
         return link_refuse(l, "RESULT %u with %u entries answers no request in flight",
                            msg->header.seq, n);
     }
-    g_queue_pop_head(&l->in_flight);
-    l->n_in_flight -= n;
-    l->answered_seq = b->seq;
-    l->last_answer = g_get_monotonic_time();
     g_clear_handle_id(&l->answer_timer, g_source_remove);
-    if (l->n_in_flight > 0) {
+    /* The answers may call for more, sent as the window opens again. */
+    pf_scanner_answer(l->srv->scanner, l->vm, res, n);
+    if (pf_outbox_n_sent(ob) > 0 && l->answer_timer == 0) {
         l->answer_timer = g_timeout_add(l->srv->answer_timeout_ms, answer_timeout_cb, l);
     }
-    for (guint32 i = 0; i < n; i++) {
-        pf_scanner_complete(s, vm, &g_array_index(b->pending, PfPending, i),
-                            (PfResultStatus)res[i].status, res[i].err);
-    }
-    batch_free(b);
-    /* The window has room again; and answers can call for more (a huge
-     * page to collapse): send them now. */
-    pf_link_flush(l);
     return TRUE;
 }
 
@@ -642,8 +479,7 @@ on_ready(PfLink *l, const PfMsg *msg)
     const PfWireMode *m = pf_msg_mode(msg);
     PfScanner *s = l->srv->scanner;
     g_autoptr(GError) error = NULL;
-    g_autoptr(PfVm) vm = NULL;
-    PfVm *old;
+    PfVm *vm, *old;
     guint idx;
 
     if (m->mode == PF_MODE_MERGE && !l->offered_merge) {
@@ -677,41 +513,40 @@ on_ready(PfLink *l, const PfMsg *msg)
      * The agent knows this VM better than /proc did: it replaces a VM
      * attached by pid. */
     old = pf_scanner_find_vm_by_pid(s, l->peer_pid);
-    if (old != NULL && old->link != NULL) {
+    if (old != NULL && old->outbox != NULL) {
         return link_refuse(l, "process %d already has an agent connected", l->peer_pid);
     }
     vm = pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name, l->hello.uuid,
-                              l->regions, &error);
+                              l->regions, m->mode == PF_MODE_MERGE ? PF_MODE_MERGE
+                                                                   : PF_MODE_ADVISE,
+                              m->reason[0] ? m->reason : "the agent chose advise mode", &error);
     if (vm == NULL) {
         return link_refuse(l, "%s", error->message);
     }
-    if (old != NULL) {
-        /* Whom it may share with was said of the process (libvirt's hook). */
-        vm->domain = old->domain;
-        pf_scanner_remove_vm(s, old);
-    } else if (l->peer_uid != 0 && l->peer_uid != geteuid()) {
-        /* Any process of the socket's group may connect: a VM no root
-         * process vouched for shares with nobody until one does. */
-        pf_scanner_set_unlabelled(s, vm);
-    }
-    if (m->mode == PF_MODE_MERGE) {
-        vm->mode = "merge";
-    } else {
-        vm->mode_reason = g_strdup(m->reason[0] ? m->reason : "the agent chose advise mode");
-    }
-    vm->link = l;
     l->vm = vm;
+    g_hash_table_insert(l->srv->running, vm, l);
+    pf_outbox_set_drain(vm->outbox, link_drain_cb, l);
     l->state = LINK_RUNNING;
     g_clear_handle_id(&l->handshake_timer, g_source_remove);
     if (g_ptr_array_find(l->srv->handshakes, l, &idx)) {
-        g_ptr_array_steal_index(l->srv->handshakes, idx);
+        g_ptr_array_remove_index(l->srv->handshakes, idx);
     }
     g_message("VM %s (pid %d) attached by its agent in mode %s%s%s: %u region(s) (%u "
               "refused), %zu pages",
-              vm->name, vm->pid, vm->mode, vm->mode_reason ? " because " : "",
+              vm->name, vm->pid, pf_vm_mode_name(vm), vm->mode_reason ? " because " : "",
               vm->mode_reason ? vm->mode_reason : "", vm->regions->len, l->n_refused,
               pf_vm_n_pages(vm));
-    pf_scanner_add_vm(s, g_steal_pointer(&vm));
+    if (old != NULL) {
+        /* Whom it may share with was said of the process (libvirt's hook). */
+        pf_scanner_replace_vm(s, old, vm);
+    } else {
+        pf_scanner_add_vm(s, vm);
+        if (l->peer_uid != 0 && l->peer_uid != geteuid()) {
+            /* Any process of the socket's group may connect: a VM no root
+             * process vouched for shares with nobody until one does. */
+            pf_scanner_set_unlabelled(s, vm);
+        }
+    }
     return TRUE;
 }
 
@@ -834,8 +669,7 @@ on_region(PfLink *l, PfMsg *msg)
     }
     r = take_region(l, vm->regions, wr, msg, TRUE);
     if (!pf_region_live(r)) {
-        r->vm = vm;
-        g_ptr_array_add(vm->regions, r);
+        pf_scanner_add_region(l->srv->scanner, vm, r);
         return TRUE;
     }
     if (pf_scanner_add_region(l->srv->scanner, vm, r)) {
@@ -1002,7 +836,7 @@ link_in_cb(gint fd, GIOCondition cond, gpointer user)
     PfLink *l = user;
 
     if (!link_read(l)) {
-        return G_SOURCE_REMOVE; /* the link is freed, and its watch with it */
+        return G_SOURCE_REMOVE; /* the link is over */
     }
     return G_SOURCE_CONTINUE;
 }
@@ -1018,16 +852,16 @@ answer_timeout_cb(gpointer user)
     gint64 left;
 
     l->answer_timer = 0;
-    left = l->last_answer + (gint64)l->srv->answer_timeout_ms * 1000 - g_get_monotonic_time();
-    if (l->n_in_flight == 0) {
+    if (l->vm == NULL || pf_outbox_n_sent(l->vm->outbox) == 0) {
         return G_SOURCE_REMOVE;
     }
+    left = (gint64)l->srv->answer_timeout_ms * 1000 - pf_outbox_waiting_usec(l->vm->outbox);
     if (left > 0) {
         l->answer_timer = g_timeout_add((guint)(left / 1000) + 1, answer_timeout_cb, l);
         return G_SOURCE_REMOVE;
     }
     why = g_strdup_printf("its agent answered none of %zu request item(s) in %u s",
-                          l->n_in_flight, l->srv->answer_timeout_ms / 1000);
+                          pf_outbox_n_sent(l->vm->outbox), l->srv->answer_timeout_ms / 1000);
     link_send_error(l, why);
     link_close(l, why);
     return G_SOURCE_REMOVE;
@@ -1204,10 +1038,6 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     l->pidfd = pidfd;
     l->proc_dir = proc_dir;
     l->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
-    l->queue_items = g_array_new(FALSE, FALSE, sizeof(PfWireItem));
-    l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
-    g_queue_init(&l->held);
-    g_queue_init(&l->in_flight);
     g_queue_init(&l->out);
     l->watch = g_unix_fd_add(sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
     l->handshake_timer = g_timeout_add(HANDSHAKE_TIMEOUT_MS, handshake_timeout_cb, l);
@@ -1215,25 +1045,65 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     return G_SOURCE_CONTINUE;
 }
 
+/* ---- the scanner's listener ---- */
+
+/* The VM of a link goes (its process exited, root detached it, or the
+ * link itself detached it): the link ends with it. */
 static void
-handshake_free(gpointer data)
+srv_vm_gone(PfScanner *s, PfVm *vm, const char *why, gpointer user)
 {
-    pf_link_free(data, NULL, NULL);
+    PfLinkServer *srv = user;
+    PfLink *l = g_hash_table_lookup(srv->running, vm);
+
+    if (l != NULL) {
+        link_end(l);
+    }
 }
+
+static void
+srv_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop, gpointer user)
+{
+    PfLinkServer *srv = user;
+    PfLink *l = g_hash_table_lookup(srv->running, vm);
+    PfWirePool p = { chunk->id, chunk->n_slots };
+
+    if (l == NULL) {
+        return;
+    }
+    /* A DROP never names a chunk a request still queued names: the pool
+     * drops a chunk only when no request holds a slot of it. */
+    link_send(l, drop ? PF_MSG_DROP : PF_MSG_POOL, 0, &p, sizeof(p), drop ? -1 : chunk->fd);
+}
+
+static void
+srv_scanner_gone(gpointer user)
+{
+    PfLinkServer *srv = user;
+
+    srv->scanner = NULL;
+}
+
+static const PfScanEvents srv_events = {
+    .vm_gone = srv_vm_gone,
+    .chunk = srv_chunk,
+};
 
 PfLinkServer *
 pf_link_server_new(PfScanner *s, const char *path, GError **error)
 {
     g_autoptr(PfLinkServer) srv = g_new0(PfLinkServer, 1);
 
-    srv->scanner = s;
     srv->answer_timeout_ms = DEFAULT_ANSWER_TIMEOUT_MS;
-    srv->handshakes = g_ptr_array_new_with_free_func(handshake_free);
+    srv->handshakes = g_ptr_array_new();
+    srv->running = g_hash_table_new(NULL, NULL);
+    srv->ended = g_ptr_array_new_with_free_func((GDestroyNotify)link_free);
     srv->uffd_dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
     srv->fd = pf_unix_listen(path, SOCK_SEQPACKET, error);
     if (srv->fd < 0) {
         return NULL;
     }
+    srv->scanner = s;
+    pf_scanner_add_listener(s, &srv_events, srv, srv_scanner_gone);
     srv->path = g_strdup(path);
     srv->watch = g_unix_fd_add(srv->fd, G_IO_IN, listen_cb, srv);
     return g_steal_pointer(&srv);
@@ -1285,6 +1155,23 @@ pf_link_server_free(PfLinkServer *srv)
     if (srv->watch != 0) {
         g_source_remove(srv->watch);
     }
+    /* Their VMs stay the scanner's, without an agent to send to. */
+    while (srv->handshakes->len > 0) {
+        link_end(g_ptr_array_index(srv->handshakes, 0));
+    }
+    {
+        g_autoptr(GList) running = g_hash_table_get_values(srv->running);
+
+        for (GList *e = running; e != NULL; e = e->next) {
+            link_end(e->data);
+        }
+    }
+    if (srv->scanner != NULL) {
+        pf_scanner_remove_listener(srv->scanner, &srv_events, srv);
+    }
+    g_clear_handle_id(&srv->reap, g_source_remove);
+    g_ptr_array_unref(srv->ended);
+    g_hash_table_unref(srv->running);
     g_ptr_array_unref(srv->handshakes);
     if (srv->fd >= 0) {
         close(srv->fd);

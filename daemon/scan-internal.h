@@ -1,14 +1,29 @@
 /*
- * scan-internal.h - the scanner's state, shared by the files that make it
- * up: scan.c (the pass loop, the visit, the merges and their answers) and
- * jobs.c (scan-now and unmerge, run from the main loop).  Nothing outside
- * daemon/scan*.c and daemon/jobs.c includes it.
+ * scan-internal.h - the scanner core's state and the calls between the
+ * files that make it up (scan.h):
+ *
+ *   scan.c          the scanner's life, its listeners, pacing, counters
+ *   scan-pass.c     the pass loop: the cursor, holes, slices, entering a VM
+ *   scan-visit.c    one visit of a page: KSM's stable and unstable search
+ *   scan-moves.c    who may read a slot: joins, node moves, evacuation
+ *   scan-requests.c requests to agents and their answers
+ *   scan-cow.c      copy-on-write found, sharing ended, pages back in memfd
+ *   scan-huge.c     transparent huge pages split by merging, made again
+ *   scan-vms.c      VMs and regions coming and going, merge domains
+ *   ledger.c        the slot/node ledger: the only place a pool slot's
+ *                   references or a stable node's life change
+ *
+ * They call only down (to each other below this header's line, and to the
+ * trees, the pool, the VM records, the outboxes, hashing and counters),
+ * and tell the layers above through listeners (scan_emit_*()).  Nothing
+ * outside the core includes this header but white-box tests that read it.
  */
 #pragma once
 
 #include "cow.h"
-#include "link.h"
+#include "pagespace.h"
 #include "scan.h"
+#include "util.h"
 
 /* A page found equal to node, whose slot its VM may not read. */
 typedef struct {
@@ -35,6 +50,12 @@ typedef struct {
     GArray *refs; /* HeldRef */
 } Leftover;
 
+typedef struct {
+    const PfScanEvents *events;
+    gpointer user;
+    GDestroyNotify destroy;
+} Listener;
+
 struct _PfScanner {
     PfKnobs knobs;
     const PfHashAlgo *algo;
@@ -43,8 +64,7 @@ struct _PfScanner {
 
     GPtrArray *vms;     /* PfVm*, owned */
     GPtrArray *domains; /* char*: merge domain i + 1's name (0: default) */
-    GPtrArray *regions; /* PfRegion* of all VMs, sorted by base */
-    PfRegion *last_region;
+    PfPageSpace space;  /* page ids of every VM's live regions */
 
     PfStableTree stable;
     PfUnstableTree unstable;
@@ -58,6 +78,7 @@ struct _PfScanner {
     guint64 max_map_count;
     PfCow *cow;            /* finds merged pages written since */
     int kpageflags_fd;     /* /proc/kpageflags: is a page part of a THP */
+    GArray *listeners;     /* Listener */
 
     /* cursor: the next page to visit */
     gboolean in_pass;
@@ -66,53 +87,200 @@ struct _PfScanner {
     guint cur_region;
     gsize cur_page;
     gsize data_end; /* end of the memfd data extent holding cur_page */
-    gboolean blocked; /* the last scan stopped at an agent's full link */
+    gboolean blocked; /* the last scan stopped at an agent's full outbox */
     gint64 slice_end; /* monotonic: a scan stops here (0: at max_pages) */
 
     guint64 full_scans;
     guint64 memcmp_calls;
     guint64 stable_nodes_examined;
     guint listed_sharing; /* the max_page_sharing that decided which nodes
-                           * are full (node_relist()) */
+                           * are full (ledger_relist()) */
     gint64 pass_start_usec;
     guint64 last_pass_usec;
 
-    GPtrArray *jobs;   /* PfScanJob*, running */
-
     guint timer_id;
+    guint batches_paused; /* pf_scanner_pause_batches() calls not resumed */
     gsize batch_left;  /* of the wake-up's batch, scanned in slices */
     gint64 batch_start;
     gint64 batch_cpu;  /* thread CPU time when it began */
     gint64 last_batch_usec;
-    PfVmGoneFunc vm_gone;
-    gpointer vm_gone_user;
 };
 
-/* Past this long without an answer, an agent whose window is full is
- * passed over for the rest of the pass: one stopped VM must not hold up
- * the scanning of the others (its link gives it up later). */
-#define STUCK_USEC (G_USEC_PER_SEC / 2)
+/* ---- small reads of the state ---- */
 
-/* Whether the VM's agent has had requests to answer and answered none of
- * them for STUCK_USEC: passed over, not waited for. */
-static inline gboolean
-pf_agent_silent(PfVm *vm)
+static inline PfRegion *
+region_of(PfScanner *s, guint32 id)
 {
-    return vm->link != NULL && pf_link_waiting_usec(vm->link) > STUCK_USEC;
+    return pf_page_space_region(&s->space, id);
 }
 
-/* Scans for about usec, or up to max_pages, or to the end of the pass;
- * returns the pages visited. */
-gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec);
-/* Ends a page's sharing: a merged page is asked back into its memfd, a
- * page of an advise-mode VM forgets its node. */
-void pf_scanner_end_sharing(PfScanner *s, PfRegion *r, gsize idx);
+static inline const guint8 *
+page_data(PfScanner *s, guint32 id)
+{
+    return pf_page_space_data(&s->space, id);
+}
 
-/* jobs.c: a VM leaves (why: NULL when it is only removed); and the end of
- * every job still running, as the scanner goes. */
-void pf_scan_jobs_vm_gone(PfScanner *s, PfVm *vm, const char *why);
-/* The scanner passed over the rest of a VM whose agent is not answering. */
-void pf_scan_jobs_passed_over(PfScanner *s, PfVm *vm);
-/* Whether a scan-now job scans: the timer's batches wait meanwhile. */
-gboolean pf_scan_jobs_scanning(PfScanner *s);
-void pf_scan_jobs_end(PfScanner *s);
+static inline const PfStableNode *
+node_at(PfScanner *s, guint32 id)
+{
+    return pf_stable_tree_node(&s->stable, id);
+}
+
+/* May this VM's pages be merged for real now?  Merging VMs group only with
+ * merging VMs: a pool node is physical sharing, an advise node is not. */
+static inline gboolean
+can_merge(const PfVm *vm)
+{
+    return pf_vm_merges(vm) && vm->vmas < vm->vma_budget && !vm->unmerging;
+}
+
+/* ---- page states: every change goes through these, which keep the
+ * VM's count of pages in each state true ---- */
+
+static inline void
+set_state(PfRegion *r, PfPage *p, PfPageState state)
+{
+    r->vm->count[p->state]--;
+    r->vm->count[state]++;
+    p->state = state;
+}
+
+/* Seen again from scratch: two stable visits before any decision. */
+static inline void
+reset_page(PfRegion *r, PfPage *p, PfPageState state)
+{
+    set_state(r, p, state);
+    p->checksum = 0;
+    p->age = 0;
+    p->skips = 0;
+}
+
+/* Merged (or, in advise mode, found shareable): smart scan starts over. */
+static inline void
+mark_merged(PfRegion *r, PfPage *p, PfPageState state)
+{
+    set_state(r, p, state);
+    p->age = 0;
+    p->skips = 0;
+}
+
+/* ---- ledger.c: slot references and node lives ---- */
+
+/* Guest pages already sharing the node, or on their way in. */
+guint32 ledger_sharers(PfScanner *s, const PfStableNode *n);
+/* A node with max_page_sharing sharers leaves the lookup table, and comes
+ * back once it has room (tree.h): called wherever its sharers change. */
+void ledger_relist(PfScanner *s, guint32 id);
+/* A node goes when no page shares it and no request or leftover holds
+ * its slot. */
+void ledger_maybe_drop(PfScanner *s, guint32 id);
+/* A new canonical slot for the VMs of serials vms (sorted) holding data,
+ * its one reference the node's to be; PF_POOL_SLOT_NONE on failure. */
+guint32 ledger_new_slot(PfScanner *s, const guint32 *vms, guint n_vms, const guint8 *data,
+                        GError **error);
+/* A page (or a request for one) takes a reference on node's slot. */
+void ledger_take(PfScanner *s, guint32 slot, guint32 node);
+/* A hold on a slot ends (its mapping is gone); its node may go. */
+void ledger_put(PfScanner *s, guint32 slot, guint32 node);
+/* A hold that must outlive the page's record: kept in keep when its
+ * process may still map the slot, else put now. */
+void ledger_hold_or_put(PfScanner *s, GArray *keep, guint32 slot, guint32 node);
+/* Forgets what the scanner knows of a page: its hold on a slot goes to
+ * keep (or is put), and it is absent from now on. */
+void ledger_forget_page(PfScanner *s, PfRegion *r, gsize idx, GArray *keep);
+
+/* ---- scan-visit.c ---- */
+
+/* Whether a guest page is in memory (never read otherwise: reading would
+ * allocate it, or swap it in). */
+gboolean visit_in_memory(const guint8 *page);
+/* One page of r, by KSM's rules (scan.h); r's VM has room for two
+ * requests. */
+void visit_page(PfScanner *s, PfRegion *r, gsize idx);
+
+/* ---- scan-moves.c ---- */
+
+/* Is the VM one of the chunk's (pool.h)?  It was sent the chunk then. */
+gboolean moves_chunk_is_for(const PfPoolChunk *chunk, const PfVm *vm);
+/* Page id (unmerged, or merged on another node) is to share node to. */
+void moves_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 to);
+/* The page waits for the pass's end to join node, whose slot its VM may
+ * not read (moves_make_joins()). */
+void moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 node);
+/* The joins waiting for the pass's end, made. */
+void moves_make_joins(PfScanner *s);
+/* Forgets the waiting joins of one VM, or of all (vm NULL). */
+void moves_forget_joins(PfScanner *s, const PfVm *vm);
+/* A merged page of a retired node follows the node's successor. */
+void moves_follow(PfScanner *s, PfRegion *r, gsize idx);
+/* Nodes whose slot is in a chunk being emptied move to fuller ones. */
+void moves_evacuate(PfScanner *s);
+
+/* ---- scan-requests.c ---- */
+
+/* Asks the page's agent to act; the page waits in PENDING.  from: see
+ * PfPending. */
+void request_page(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind,
+                  guint32 slot, guint32 node, guint32 from);
+/* Asks r's agent to make the 2 MiB extent at page idx a huge page. */
+void request_collapse(PfScanner *s, PfRegion *r, gsize idx);
+/* Every request for a page of r is settled: what it holds goes now, its
+ * answer changes nothing. */
+void requests_settle_region(PfScanner *s, PfRegion *r);
+/* Every request of the VM, answered or not, is let go: the slots it may
+ * have mapped go to keep (NULL: its process is gone). */
+void requests_abandon(PfScanner *s, PfVm *vm, GArray *keep);
+
+/* ---- scan-cow.c ---- */
+
+/* Merged pages of [from, to) written since: they leave their nodes. */
+void cow_check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to);
+/* Pages [from, to) of r are holes of the memfd, or not in memory. */
+void cow_leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to);
+/* A page found written since it was merged. */
+void cow_found(PfScanner *s, PfRegion *r, gsize idx);
+
+/* ---- scan-huge.c ---- */
+
+/* Before the first merge in an extent: is it a transparent huge page? */
+void huge_note(PfScanner *s, PfRegion *r, gsize idx);
+/* After an unmerge: an extent that was a huge page, with no merged page
+ * left, is made one again. */
+void huge_restore(PfScanner *s, PfRegion *r, gsize idx);
+
+/* ---- scan-vms.c ---- */
+
+/* Gives r page ids (FALSE: none left); its pages are absent. */
+gboolean vms_place_region(PfScanner *s, PfRegion *r);
+void vms_leftover_free(gpointer leftover);
+
+/* Takes the region out of the page space and the trees; the caller frees
+ * it or keeps it as a placeholder. */
+void vms_release_region(PfScanner *s, PfRegion *r, GArray *keep);
+/* A region that faulted when read leaves the scanner (and a VM attached
+ * by pid; an agent's keeps it as a placeholder). */
+void vms_drop_region(PfScanner *s, PfRegion *r);
+/* Pool slots a process may still map after its VM left: kept until it
+ * exits. */
+void vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep);
+
+/* ---- scan-pass.c ---- */
+
+/* The cursor's VM (index idx) left the scanner: the cursor stays right. */
+void pass_vm_removed(PfScanner *s, guint idx);
+/* The region at index k of the cursor's VM (if it is) left or changed. */
+void pass_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed);
+
+/* ---- scan.c: telling the layers above ---- */
+
+void scan_emit_vm_gone(PfScanner *s, PfVm *vm, const char *why);
+void scan_emit_passed_over(PfScanner *s, PfVm *vm);
+void scan_emit_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop);
+/* The VM's outbox, flushed: the batch formed so far may go. */
+static inline void
+scan_flush(PfVm *vm)
+{
+    if (vm->outbox != NULL) {
+        pf_outbox_flush(vm->outbox);
+    }
+}

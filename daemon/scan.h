@@ -28,9 +28,15 @@
  * The scanner runs on the main loop's thread and must never block there for
  * long: its batches are bounded by pages_to_scan (or the pass-time target)
  * and scanned in slices of a few milliseconds, its CPU by cpu_percent, and
- * the requests it makes of each agent by what that agent's link takes: it
- * never waits for an agent, it waits at one (and passes over one that has
- * stopped answering).
+ * the requests it makes of each agent by what that agent's outbox takes:
+ * it never waits for an agent, it waits at one (and passes over one that
+ * has stopped answering).
+ *
+ * The scanner is the core: it calls only down (trees, pool, VM records and
+ * their outboxes, hashing, counters).  The layers above (the agent links,
+ * the jobs, the control socket) call it, drain the outboxes it fills, and
+ * hear from it through listeners (PfScanEvents); it never calls them
+ * otherwise.  It owns every VM added to it, and frees it when it goes.
  */
 #pragma once
 
@@ -46,7 +52,22 @@
 
 typedef struct _PfScanner PfScanner;
 
-typedef void (*PfVmGoneFunc)(PfScanner *s, PfVm *vm, const char *why, gpointer user);
+/*
+ * What the scanner tells those above it, each call made from inside a
+ * scanner call: a listener must not call back into the scanner, only take
+ * note (or send).  Any member may be NULL.
+ */
+typedef struct {
+    /* A VM leaves the scanner, which frees it when this returns: detached
+     * (why says why) or removed (why NULL). */
+    void (*vm_gone)(PfScanner *s, PfVm *vm, const char *why, gpointer user);
+    /* The pass goes past the rest of a VM whose agent is not answering. */
+    void (*passed_over)(PfScanner *s, PfVm *vm, gpointer user);
+    /* The VM's agent is to map a pool chunk (drop FALSE), or to let go of
+     * one (drop TRUE); chunk->fd is valid during the call only. */
+    void (*chunk)(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop,
+                  gpointer user);
+} PfScanEvents;
 
 PfScanner *pf_scanner_new(const PfHashAlgo *hash);
 void pf_scanner_free(PfScanner *s);
@@ -57,14 +78,22 @@ void pf_scanner_set_hash_func(PfScanner *s, PfHashFunc func);
 const PfHashAlgo *pf_scanner_get_hash(PfScanner *s);
 
 PfKnobs *pf_scanner_get_knobs(PfScanner *s);
-/* Called when a VM leaves on its own (its process exited). */
-void pf_scanner_set_vm_gone_func(PfScanner *s, PfVmGoneFunc func, gpointer user);
+
+/* events (static: it names the listener) until removed, or until the
+ * scanner is freed, which calls destroy(user). */
+void pf_scanner_add_listener(PfScanner *s, const PfScanEvents *events, gpointer user,
+                             GDestroyNotify destroy);
+void pf_scanner_remove_listener(PfScanner *s, const PfScanEvents *events, gpointer user);
+/* The user of the first listener with these events, or NULL. */
+gpointer pf_scanner_find_listener(PfScanner *s, const PfScanEvents *events);
 
 /* Takes ownership of vm. */
 void pf_scanner_add_vm(PfScanner *s, PfVm *vm);
 /* Releases everything the VM holds in the trees, then frees it. */
 void pf_scanner_remove_vm(PfScanner *s, PfVm *vm);
-
+/* An agent's VM takes the place of old, attached by pid (the same
+ * process): it keeps old's merge domain, which was said of the process. */
+void pf_scanner_replace_vm(PfScanner *s, PfVm *old, PfVm *vm);
 /* A VM's merge domain: it shares pages only with VMs of the same one (zero
  * pages excepted: every VM has them).  NULL, "" or "default": the host's
  * default, where every VM starts.  Refused for a VM that shares pages
@@ -88,68 +117,42 @@ PfVm *pf_scanner_lookup_vm(PfScanner *s, const char *key, GError **error);
 PfVm *pf_scanner_find_vm(PfScanner *s, const char *key);
 
 /* Visits up to max_pages pages; stops early at the end of a pass, or at a
- * VM whose agent has as many requests to answer as its link takes.
+ * VM whose agent has as many requests to answer as its outbox takes.
  * Returns the pages visited, holes of the memfd stepped over included. */
 gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
-
-/*
- * What takes as long as the agents take runs as a job, a step at a time on
- * the default main context (which must run meanwhile: the agents' answers
- * come through it), and says when it is done: error NULL when it did all
- * it says, else why not (a VM to unmerge detached meanwhile, pages that
- * could not be unmerged); detached: the VMs detached while it ran, their
- * processes alive ("VM NAME (pid N): why"); passed_over: the VMs scan-now
- * did not scan all of (their agents stopped answering) or did not wait for
- * to the end (their agents answer, slowly).  The job is freed after done
- * is called.
- */
-typedef struct _PfScanJob PfScanJob;
-typedef void (*PfScanJobFunc)(PfScanner *s, const GError *error, GPtrArray *detached,
-                              GPtrArray *passed_over, gpointer user);
-
-/* Scans until n passes have ended (the current one counts if begun) and
- * every request they made is answered, but for agents that answered
- * nothing for 30 s (passed_over). */
-PfScanJob *pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done,
-                                       gpointer user);
-/* Unmerges every page of one VM, or of all (KSM's run=2): done when no
- * page of theirs is merged, merges that were in flight included.  They
- * take no new merges meanwhile. */
-PfScanJob *pf_scanner_unmerge_async(PfScanner *s, PfVm *only, PfScanJobFunc done,
-                                    gpointer user);
-/* Whoever was to be told is gone: done is not called; the job runs on. */
-void pf_scan_job_forget(PfScanJob *job);
-/* The same, waited for by iterating the default main context: for tests
- * and programs of their own; pagefoldd never waits so. */
-void pf_scanner_run_passes(PfScanner *s, guint n);
-void pf_scanner_unmerge(PfScanner *s, PfVm *only);
+/* Scans for about usec, or up to max_pages, or to the end of the pass;
+ * returns the pages visited. */
+gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec);
+/* Passes ended so far, and whether one is under way. */
+guint64 pf_scanner_full_scans(PfScanner *s);
+gboolean pf_scanner_in_pass(PfScanner *s);
+/* Whether the VM's agent has had requests to answer and answered none of
+ * them for a while (half a second): passed over, not waited for. */
+gboolean pf_scanner_agent_silent(PfVm *vm);
 
 /* Scans in the background on the default main context, paced by knobs. */
 void pf_scanner_start(PfScanner *s);
 void pf_scanner_stop(PfScanner *s);
 /* Call after changing knobs, to re-pace the next wake-up. */
 void pf_scanner_kick(PfScanner *s);
+/* While paused (as many resumes as pauses), the background batches wait:
+ * someone else drives the passes (a scan-now job, jobs.h). */
+void pf_scanner_pause_batches(PfScanner *s);
+void pf_scanner_resume_batches(PfScanner *s);
+/* The VM takes no new merges until as many ends as begins: it is being
+ * unmerged.  Pages waiting to join content at the pass's end forget it. */
+void pf_scanner_begin_unmerge(PfScanner *s, PfVm *vm);
+void pf_scanner_end_unmerge(PfScanner *s, PfVm *vm);
 
 /* Counters of all VMs, and of each (in pf_scanner_get_vms() order). */
 void pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm);
 
-/* What pagefoldd asked an agent to do with one page, kept until it answers. */
-/* PfPending.kind of a request settled before its answer (its region left
- * the VM): the answer, when it comes, changes nothing. */
-#define PF_PENDING_SETTLED 0u
-
-typedef struct {
-    guint32 page; /* page id */
-    guint32 slot; /* pool slot referenced for it, or PF_POOL_SLOT_NONE */
-    guint32 node; /* stable node, or 0 */
-    guint32 from; /* a merged page moving to node: the node it leaves,
-                   * whose slot it keeps a reference on until answered */
-    guint8 kind;  /* PfItemKind */
-} PfPending;
-
-/* The agent's answer for one page. */
-void pf_scanner_complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus status,
-                         int err);
+/* The agent's answers to the oldest batch sent to it (its outbox said they
+ * answer it: pf_outbox_answers()), one per item. */
+void pf_scanner_answer(PfScanner *s, PfVm *vm, const PfWireResult *res, guint32 n);
+/* Ends a page's sharing: a merged page is asked back into its memfd, a
+ * page of an advise-mode VM forgets its node. */
+void pf_scanner_end_sharing(PfScanner *s, PfRegion *r, gsize idx);
 /* The VM goes (its agent disconnected, or its process exited): counters
  * forget it; pool slots its process may still map stay taken until the
  * process is gone. */
@@ -159,8 +162,9 @@ PfPool *pf_scanner_get_pool(PfScanner *s);
  * migration, ...): every page it had remapped is back in its memfd. */
 void pf_scanner_step_back(PfScanner *s, PfVm *vm, const char *reason);
 /* A region an agent announced after READY, checked: appended to the VM's
- * regions (its index is the next), scanned from then on.  FALSE when it
- * could not be placed: it stays as a refused placeholder.  Takes r. */
+ * regions (its index is the next), scanned from then on if live.  FALSE
+ * when it could not be placed: it stays as a refused placeholder.  Takes
+ * r, a refused placeholder too. */
 gboolean pf_scanner_add_region(PfScanner *s, PfVm *vm, PfRegion *r);
 /* A live region of an agent's VM left it (GONE): its agent mapped all of it
  * from its memfd first.  What its pages and the requests for them hold is

@@ -240,8 +240,10 @@ static guint64
 unstable_key(guint32 page_id, gpointer user)
 {
     PfUnstableTree *t = user;
+    const PfPage *p = t->page_of(page_id, t->user);
 
-    return t->page_of(page_id, t->user)->checksum;
+    /* A page forgotten since it went in (its extent freed) is no match. */
+    return p != NULL ? p->checksum : 0;
 }
 
 void

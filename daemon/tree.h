@@ -25,7 +25,10 @@
 #include "page.h"
 
 /* Returns the record of a page id; the trees need it to re-key and to
- * keep page->node/slot right when members move. */
+ * keep page->node/slot right when members move.  NULL for a page that has
+ * none: the unstable tree may still name one (it is emptied at each pass,
+ * and a page it holds is forgotten only when the cursor comes back to it),
+ * which then matches nothing; the stable tree's members always have one. */
 typedef PfPage *(*PfPageFunc)(guint32 page_id, gpointer user);
 
 typedef guint64 (*PfTableKeyFunc)(guint32 value, gpointer user);

@@ -516,7 +516,7 @@ pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
                     "process %d has exited", vm->pid);
         return FALSE;
     }
-    if (vm->link != NULL) {
+    if (vm->outbox != NULL) {
         return TRUE; /* the agent says what its RAM is */
     }
     ranges = read_memfd_ranges(vm->pid, error);
@@ -540,7 +540,7 @@ pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
         if (found) {
             i++;
         } else {
-            g_ptr_array_add(gone, g_ptr_array_steal_index(vm->regions, i));
+            g_ptr_array_add(gone, pf_vm_steal_region(vm, i));
         }
     }
     for (guint k = 0; k < ranges->len; k++) {
@@ -562,7 +562,7 @@ pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
             g_propagate_error(error, g_steal_pointer(&local));
             return FALSE;
         }
-        g_ptr_array_add(vm->regions, r);
+        pf_vm_add_region(vm, r);
         g_ptr_array_add(added, r);
     }
     return TRUE;
@@ -702,7 +702,7 @@ vm_new(int pid, int pidfd, GError **error)
     vm->pid = pid;
     vm->pidfd = -1;
     vm->pagemap_fd = -1;
-    vm->mode = "advise";
+    vm->mode = PF_MODE_ADVISE;
     vm->mode_reason = g_strdup("attached by pid: no pagefold agent in this process");
     vm->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
     if (pid <= 0) {
@@ -726,7 +726,7 @@ vm_new(int pid, int pidfd, GError **error)
 
 PfVm *
 pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const guint8 uuid[16],
-                     GPtrArray *regions, GError **error)
+                     GPtrArray *regions, PfMode mode, const char *reason, GError **error)
 {
     g_autoptr(PfVm) vm = vm_new(pid, pidfd, error);
     g_autofree char *pagemap = g_strdup_printf("/proc/%d/pagemap", pid);
@@ -735,10 +735,7 @@ pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const g
         return NULL;
     }
     for (guint i = 0; i < regions->len; i++) {
-        PfRegion *r = g_ptr_array_index(regions, i);
-
-        r->vm = vm;
-        g_ptr_array_add(vm->regions, r);
+        pf_vm_add_region(vm, g_ptr_array_index(regions, i));
     }
     g_ptr_array_set_free_func(regions, NULL);
     g_ptr_array_set_size(regions, 0);
@@ -750,14 +747,43 @@ pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const g
     }
     vm->name = g_strdup(name);
     memcpy(vm->uuid, uuid, sizeof(vm->uuid));
-    g_clear_pointer(&vm->mode_reason, g_free);
+    vm->mode = mode;
+    g_free(vm->mode_reason);
+    vm->mode_reason = mode == PF_MODE_MERGE ? NULL : g_strdup(reason);
+    vm->outbox = pf_outbox_new();
     return g_steal_pointer(&vm);
+}
+
+const char *
+pf_vm_mode_name(const PfVm *vm)
+{
+    return vm->mode == PF_MODE_MERGE ? "merge" : "advise";
+}
+
+void
+pf_vm_add_region(PfVm *vm, PfRegion *r)
+{
+    r->vm = vm;
+    r->index = vm->regions->len;
+    g_ptr_array_add(vm->regions, r);
+}
+
+PfRegion *
+pf_vm_steal_region(PfVm *vm, guint k)
+{
+    PfRegion *r = g_ptr_array_steal_index(vm->regions, k);
+
+    g_return_val_if_fail(vm->outbox == NULL, r);
+    for (guint i = k; i < vm->regions->len; i++) {
+        ((PfRegion *)g_ptr_array_index(vm->regions, i))->index = i;
+    }
+    return r;
 }
 
 gboolean
 pf_vm_merges(const PfVm *vm)
 {
-    return vm->link != NULL && g_str_equal(vm->mode, "merge");
+    return vm->mode == PF_MODE_MERGE;
 }
 
 guint64
@@ -869,6 +895,7 @@ pf_vm_free(PfVm *vm)
         close(vm->pagemap_fd);
     }
     g_clear_pointer(&vm->dropped, g_array_unref);
+    pf_outbox_free(vm->outbox);
     g_free(vm->mode_reason);
     g_free(vm->name);
     g_free(vm);

@@ -15,7 +15,9 @@
 #include <glib.h>
 #include <sys/types.h>
 
+#include "outbox.h"
 #include "page.h"
+#include "proto.h"
 
 /* Smaller shared memfds are not guest RAM (QEMU's RAM blocks are MiBs). */
 #define PF_MIN_REGION_SIZE (1u << 20)
@@ -31,7 +33,6 @@
 #define PF_MAX_VM_REGIONS 256u
 
 typedef struct _PfVm PfVm;
-typedef struct _PfLink PfLink;
 
 /*
  * A region of guest RAM.  An agent's regions keep the index it gave them
@@ -42,6 +43,7 @@ typedef struct _PfLink PfLink;
  */
 typedef struct {
     PfVm *vm;
+    guint index;         /* in vm->regions (pf_vm_add_region()) */
     char *name;          /* memfd name, e.g. "memory-backend-memfd" */
     guint64 host_addr;   /* where the VM process maps it */
     guint64 file_offset; /* of host_addr in the memfd */
@@ -70,7 +72,9 @@ typedef struct {
     gint64 usec;  /* monotonic time when told */
 } PfDropped;
 
-/* A merge domain of one VM's own: an agent no root process vouched for. */
+/* The key of a merge domain of one VM's own (an agent no root process
+ * vouched for): this bit and the VM's serial.  Other keys are the index
+ * of a named domain, 0 the host's default. */
 #define PF_DOMAIN_UNLABELLED 0x80000000u
 
 struct _PfVm {
@@ -80,9 +84,10 @@ struct _PfVm {
                           * none.  A label too: a peer may claim any */
     int pidfd;
     GPtrArray *regions;  /* PfRegion*, owned */
-    const char *mode;    /* "merge" with a merging agent, else "advise" */
+    PfMode mode;         /* merge only with an agent that merges */
     char *mode_reason;   /* why advise, when it is */
-    PfLink *link;        /* the agent's connection, NULL if attached by pid */
+    PfOutbox *outbox;    /* an agent's VM: its requests, owned; NULL if
+                          * attached by pid */
     int pagemap_fd;      /* /proc/PID/pagemap, to see copy-on-write */
     /* pages of this VM in each PfPageState */
     gsize count[PF_PAGE_N_STATES];
@@ -103,20 +108,37 @@ struct _PfVm {
                           * until it is seen to have */
     guint stats_index;   /* scratch for the scanner's attribution */
     guint unmerging;     /* unmerges of it running: no merges meanwhile */
-    guint32 domain;      /* its merge domain: it shares pages only with VMs
-                          * of the same one; 0 is the host's default,
-                          * PF_DOMAIN_UNLABELLED | serial one of its own
-                          * (pf_scanner_set_merge_domain()) */
+    /* Its merge domain: it shares pages only with VMs of the same one
+     * (pf_scanner_set_merge_domain()). */
+    gboolean unlabelled; /* one of its own */
+    guint32 domain;      /* else: 0 the host's default, i the named
+                          * domain i */
 };
+
+/* The merge domain's key, as stable nodes keep it (PF_DOMAIN_UNLABELLED). */
+static inline guint32
+pf_vm_domain_key(const PfVm *vm)
+{
+    return vm->unlabelled ? PF_DOMAIN_UNLABELLED | vm->serial : vm->domain;
+}
 
 PfVm *pf_vm_attach(int pid, const char *name, GError **error);
 /* A VM announced by its agent: regions as the agent described them (each
- * checked by pf_region_check_mapping()), the memfds it passed.  pidfd and
- * proc_dir (its /proc/PID, opened while pidfd showed it alive) pin the
- * process the agent's socket came from; pidfd is duplicated.  Its regions
- * never change behind the agent's back. */
+ * checked by pf_region_check_mapping()), the memfds it passed, and the mode
+ * it chose (reason: why advise).  pidfd and proc_dir (its /proc/PID, opened
+ * while pidfd showed it alive) pin the process the agent's socket came
+ * from; pidfd is duplicated.  Its regions never change behind the agent's
+ * back; its requests go through its outbox. */
 PfVm *pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name,
-                           const guint8 uuid[16], GPtrArray *regions, GError **error);
+                           const guint8 uuid[16], GPtrArray *regions, PfMode mode,
+                           const char *reason, GError **error);
+/* "merge" or "advise", as users read it. */
+const char *pf_vm_mode_name(const PfVm *vm);
+/* Appends a region to the VM: its index is the next. */
+void pf_vm_add_region(PfVm *vm, PfRegion *r);
+/* Takes region k out of a VM attached by pid (an agent's keep their
+ * indexes), returning it; those after it move down. */
+PfRegion *pf_vm_steal_region(PfVm *vm, guint k);
 /* The VM's UUID as text (36 characters and a NUL into buf), or NULL if it
  * has none. */
 const char *pf_vm_uuid_string(const PfVm *vm, char buf[37]);

@@ -7,6 +7,7 @@
  */
 #include "bench-common.h"
 #include "guestmem.h"
+#include "jobs.h"
 #include "scan.h"
 #include "util.h"
 

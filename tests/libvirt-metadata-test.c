@@ -17,6 +17,7 @@
 
 #include "guestmem.h"
 #include "pf-config.h"
+#include "jobs.h"
 #include "scan.h"
 #include "util.h"
 #include "testproc.h"
@@ -297,7 +298,7 @@ test_element(void)
 {
     PfVm vm = {
         .pid = 4242,
-        .mode = "advise",
+        .mode = PF_MODE_ADVISE,
         .mode_reason = (char *)"a <vhost-user> & \"friends\"\x01!",
     };
     PfCounters c = {
@@ -314,7 +315,7 @@ test_element(void)
         "<zero_pages>3000</zero_pages><cow>7</cow><saved_bytes>30711808</saved_bytes>"
         "</stats>");
     g_assert_cmpuint(pf_counters_saved_bytes(&c), ==, (4498 + 3000) * 4096);
-    vm.mode = "merge";
+    vm.mode = PF_MODE_MERGE;
     vm.mode_reason = NULL;
     g_clear_pointer(&xml, g_free);
     xml = pf_libvirt_metadata_element(&vm, &c, when);

@@ -3,45 +3,50 @@
  * agents: after every step, each pool slot's references are exactly those
  * pagefoldd can account for, and once every VM is gone the pool is empty.
  *
- * White-box: this program includes daemon/scan.c itself, to read the stable
- * nodes, the leftovers and the requests in flight, and to play the copy on
- * write that pagefoldd finds in pagemap (cow_found()).  The link is a
- * stand-in: the pf_link_* functions scan.c calls are defined here, and
- * daemon/link.c is not linked (the static library's link.o is never pulled
- * in, since every symbol scan.c needs from it is defined here; should
- * scan.c come to need another, the link fails on a duplicate symbol, and
- * the stand-in must learn it too).  Its agents act as the real one does,
- * on the guest's memfd: they compare the page with its slot, punch a
- * merged page out of the memfd, write it back when unmerged or when they
- * step back to advise mode; and they answer as each test says, honestly,
- * with the errors a real agent meets, or lying, or go (hang up, or their
- * process exits) with requests unanswered.  Everything else is real:
- * the pool's sealed memfd chunks, the trees, the scanner, and the VMs,
- * attached by pid to child processes that hold memfd guest RAM
- * (guestmem.h).  Pages merged here are not remapped, so a guest's write
- * lands in its memfd, and the model tells the scanner of the copy on
- * write itself.
+ * The real scanner, linked as pagefoldd links it, played at the boundary
+ * the agent link plays it at: the model's agents drain each VM's outbox
+ * (outbox.h) when its drain callback says there is something to send, take
+ * the chunks and drops the scanner's listener call tells of, and answer
+ * through pf_scanner_answer().  It reads the scanner's state through
+ * scan-internal.h (white-box: the stable nodes, the leftovers, the
+ * waiting joins) and plays the copy on write that pagefoldd finds in
+ * pagemap (cow_found()); nothing of the scanner is replaced.  Its agents
+ * act as the real one does, on the guest's memfd: they compare the page
+ * with its slot, punch a merged page out of the memfd, write it back when
+ * unmerged or when they step back to advise mode; and they answer as each
+ * test says, honestly, with the errors a real agent meets, or lying, or go
+ * (hang up, or their process exits) with requests unanswered.  Everything
+ * else is real: the outboxes, the pool's sealed memfd chunks, the trees,
+ * the scanner, and the VMs, agents' VMs of child processes that hold
+ * memfd guest RAM (guestmem.h).  Pages merged here are not remapped, so a
+ * guest's write lands in its memfd, and the model tells the scanner of the
+ * copy on write itself.
  *
- * What is accounted for (pool.h, scan.h): a slot's references are its
+ * What is accounted for (pool.h, ledger.c): a slot's references are its
  * stable node's own, one per member page, one per request in flight that
  * names it (the slot of a merge or unmerge, the slot of the node a move
  * leaves), and one per reference a leftover holds (a VM detached while its
  * process lives, which may still map the slot).
  */
-#include "scan.c"
-
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "guestmem.h"
+#include "jobs.h"
+#include "scan-internal.h"
 
 /* ---- the model: guests, and what their agents do ---- */
 
+/* A batch of requests as the agent received it. */
 typedef struct {
     guint32 seq;
     GArray *items;   /* PfWireItem */
-    GArray *pending; /* PfPending, one per item */
+    GArray *pending; /* PfPending, one per item: the outbox's own, which
+                      * the scanner settles in place */
 } ModelBatch;
 
 /* One RAM region of a guest: a memfd its agent announced. */
@@ -53,34 +58,35 @@ typedef struct {
                        * it any more, and refuses items that name it */
 } ModelRegion;
 
+typedef struct _ModelAgent ModelAgent;
+
 typedef struct {
     int pid;          /* the process holding region 0; 0 once it exited */
     PfVm *vm;         /* NULL while not attached */
+    ModelAgent *agent; /* its agent, while attached */
     GPtrArray *regions; /* ModelRegion*, by the agent's index: [0] the RAM its
                          * process holds, then RAM plugged in since */
     GPtrArray *old;   /* ModelRegion* plugged in under an earlier agent */
 } ModelVm;
 
-struct _PfLink {
+/* A VM's agent: what it received and has not answered, the chunks it
+ * holds. */
+struct _ModelAgent {
     PfVm *vm;
     ModelVm *mv;
-    GArray *queue_items;   /* PfWireItem: queued, not sent yet */
-    GArray *queue_pending; /* PfPending */
     GQueue in_flight;      /* ModelBatch*, oldest first */
     gsize n_in_flight;
-    guint32 next_seq;
-    guint32 answered_seq;
     GHashTable *held;      /* ids of the pool chunks the agent holds */
     guint answer_source;   /* the agent answers from the main loop */
 };
 
 /* May change an answer before the agent acts on it. */
-typedef void (*ModelAnswerFunc)(PfLink *l, const PfWireItem *item, const PfPending *pd,
+typedef void (*ModelAnswerFunc)(ModelAgent *l, const PfWireItem *item, const PfPending *pd,
                                 PfResultStatus *status, int *err);
 /* What comes before an agent's answers to a batch: news (a step back),
- * or its end (it hung up, or its process exited).  FALSE when the link
+ * or its end (it hung up, or its process exited).  FALSE when the agent
  * went, with its VM. */
-typedef gboolean (*ModelBatchFunc)(PfLink *l, const ModelBatch *b);
+typedef gboolean (*ModelBatchFunc)(ModelAgent *l, const ModelBatch *b);
 
 typedef struct {
     PfScanner *s;
@@ -102,7 +108,7 @@ typedef struct {
     char context[64];        /* where we are, for failure messages */
 } Model;
 
-/* The stand-in link has no user pointer: scan.c calls it. */
+/* One model at a time: the scanner's callbacks find it here. */
 static Model *model;
 
 static void
@@ -147,7 +153,7 @@ fold_back(ModelRegion *mr, gsize idx)
 /* The agent's own compare, against the slot the item names in the chunk
  * it was sent: what makes a page merged (invariant 3). */
 static gboolean
-agent_compare(PfLink *l, const PfWireItem *item)
+agent_compare(ModelAgent *l, const PfWireItem *item)
 {
     const PfPoolChunk *c = pf_pool_chunk(pf_scanner_get_pool(model->s), item->chunk);
 
@@ -159,8 +165,8 @@ agent_compare(PfLink *l, const PfWireItem *item)
 
 /* The agent's answer to one item; what it does is left to the batch. */
 static void
-agent_answer(PfLink *l, const PfWireItem *item, const PfPending *pd, PfResultStatus *status,
-             int *err)
+agent_answer(ModelAgent *l, const PfWireItem *item, const PfPending *pd,
+             PfResultStatus *status, int *err)
 {
     ModelRegion *mr = model_region(l->mv, item->region);
 
@@ -202,7 +208,7 @@ punch(ModelRegion *mr, gsize first, gsize end)
  * pages it merged are punched out of the memfd (a run at a time), those
  * it unmerged written back. */
 static void
-agent_does(PfLink *l, const ModelBatch *b, const PfResultStatus *status)
+agent_does(ModelAgent *l, const ModelBatch *b, const PfWireResult *res)
 {
     ModelRegion *run = NULL;
     gsize first = 0, end = 0;
@@ -212,7 +218,7 @@ agent_does(PfLink *l, const ModelBatch *b, const PfResultStatus *status)
         ModelRegion *mr = model_region(l->mv, item->region);
 
         /* A gone region is not the agent's any more, whatever it says. */
-        if (status[i] != PF_RESULT_DONE || item->kind == PF_ITEM_COLLAPSE || mr->gone) {
+        if (res[i].status != PF_RESULT_DONE || item->kind == PF_ITEM_COLLAPSE || mr->gone) {
             continue;
         }
         if (item->kind == PF_ITEM_UNMERGE) {
@@ -236,71 +242,63 @@ agent_does(PfLink *l, const ModelBatch *b, const PfResultStatus *status)
 
 /* The agent answers up to max of the batches it was sent, in order. */
 static void
-answer_batches(PfLink *l, guint max)
+answer_batches(ModelAgent *l, guint max)
 {
     PfVm *vm = l->vm;
 
     for (guint n = 0; n < max && !g_queue_is_empty(&l->in_flight); n++) {
         ModelBatch *b = g_queue_peek_head(&l->in_flight);
-        g_autofree PfResultStatus *status = NULL;
-        g_autofree int *err = NULL;
+        g_autofree PfWireResult *res = NULL;
 
         if (model->before_answer != NULL && !model->before_answer(l, b)) {
             return;
         }
-        status = g_new(PfResultStatus, b->items->len);
-        err = g_new(int, b->items->len);
+        res = g_new0(PfWireResult, b->items->len);
         for (guint i = 0; i < b->items->len; i++) {
+            PfResultStatus status;
+            int err;
+
             agent_answer(l, &g_array_index(b->items, PfWireItem, i),
-                         &g_array_index(b->pending, PfPending, i), &status[i], &err[i]);
+                         &g_array_index(b->pending, PfPending, i), &status, &err);
+            res[i].status = (guint8)status;
+            res[i].err = err;
         }
-        agent_does(l, b, status);
+        agent_does(l, b, res);
         g_queue_pop_head(&l->in_flight);
-        l->n_in_flight -= b->pending->len;
-        l->answered_seq = b->seq;
-        for (guint i = 0; i < b->pending->len; i++) {
-            pf_scanner_complete(vm->scanner, vm, &g_array_index(b->pending, PfPending, i),
-                                status[i], err[i]);
-        }
+        l->n_in_flight -= b->items->len;
+        /* As the real link: the answer must answer the oldest batch. */
+        g_assert_true(pf_outbox_answers(vm->outbox, b->seq, b->items->len));
+        pf_scanner_answer(vm->scanner, vm, res, b->items->len);
         batch_free(b);
-        /* As the real link: what the answers called for goes now. */
-        pf_link_flush(l);
     }
 }
 
-/* Whether any request queued or in flight names the chunk (and holds a
- * slot of it: not one settled when its region went, which the agent
- * refuses if sent, and which is never sent if queued; pf_link_withdraw()
- * takes a queued one out only once the scanner has settled it, and its
- * references may take the chunk with them meanwhile). */
-static gboolean
-link_names_chunk(PfLink *l, guint32 chunk)
+/* Whether any request not answered names the chunk (and holds a slot of
+ * it: not one settled when its region went, which the agent refuses if
+ * sent, and which is never sent if not). */
+typedef struct {
+    guint32 chunk;
+    gboolean named;
+} NamesChunk;
+
+static void
+names_chunk_cb(const PfWireItem *it, const PfPending *pd, gboolean sent, gpointer user)
 {
-    for (GList *e = l->in_flight.head; e != NULL; e = e->next) {
-        ModelBatch *b = e->data;
+    NamesChunk *nc = user;
 
-        for (guint i = 0; i < b->items->len; i++) {
-            const PfWireItem *it = &g_array_index(b->items, PfWireItem, i);
-
-            if (g_array_index(b->pending, PfPending, i).kind == PF_PENDING_SETTLED) {
-                continue;
-            }
-            if ((it->kind == PF_ITEM_MERGE || it->kind == PF_ITEM_ZERO) && it->chunk == chunk) {
-                return TRUE;
-            }
-        }
+    if (!pd->settled && (it->kind == PF_ITEM_MERGE || it->kind == PF_ITEM_ZERO) &&
+        it->chunk == nc->chunk) {
+        nc->named = TRUE;
     }
-    for (guint i = 0; i < l->queue_items->len; i++) {
-        const PfWireItem *it = &g_array_index(l->queue_items, PfWireItem, i);
+}
 
-        if (g_array_index(l->queue_pending, PfPending, i).kind == PF_PENDING_SETTLED) {
-            continue;
-        }
-        if ((it->kind == PF_ITEM_MERGE || it->kind == PF_ITEM_ZERO) && it->chunk == chunk) {
-            return TRUE;
-        }
-    }
-    return FALSE;
+static gboolean
+outbox_names_chunk(PfOutbox *ob, guint32 chunk)
+{
+    NamesChunk nc = { chunk, FALSE };
+
+    pf_outbox_foreach(ob, names_chunk_cb, &nc);
+    return nc.named;
 }
 
 /* What the real agent does on its thread while pagefoldd's main loop
@@ -308,64 +306,42 @@ link_names_chunk(PfLink *l, guint32 chunk)
 static gboolean
 answer_idle(gpointer user)
 {
-    PfLink *l = user;
+    ModelAgent *l = user;
 
     l->answer_source = 0;
-    answer_batches(l, G_MAXUINT); /* may end the link */
+    answer_batches(l, G_MAXUINT); /* may end the agent */
     return G_SOURCE_REMOVE;
 }
 
-static PfLink *
-link_new(PfVm *vm, ModelVm *mv)
+/* The agent receives what the outbox lets go: as the real link sends it. */
+static void
+agent_drain(PfOutbox *ob, gpointer user)
 {
-    PfLink *l = g_new0(PfLink, 1);
+    ModelAgent *l = user;
+    const PfOutBatch *ob_batch;
 
-    l->vm = vm;
-    l->mv = mv;
-    l->queue_items = g_array_new(FALSE, FALSE, sizeof(PfWireItem));
-    l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
-    g_queue_init(&l->in_flight);
-    l->held = g_hash_table_new(NULL, NULL);
-    return l;
-}
+    while ((ob_batch = pf_outbox_take(ob)) != NULL) {
+        ModelBatch *b = g_new0(ModelBatch, 1);
 
-/* ---- the stand-in for link.c, as scan.c sees it (link.h) ---- */
+        b->seq = ob_batch->seq;
+        b->items = g_array_ref(ob_batch->items);
+        b->pending = g_array_ref(ob_batch->pending);
+        for (guint i = 0; i < b->items->len; i++) {
+            const PfWireItem *item = &g_array_index(b->items, PfWireItem, i);
 
-void
-pf_link_queue(PfLink *l, const PfWireItem *item, const PfPending *pd)
-{
-    /* Never a request for a region that is not the VM's any more. */
-    g_assert_false(model_region(l->mv, item->region)->gone);
-    g_assert_true(pf_region_live(g_ptr_array_index(l->vm->regions, item->region)));
-    /* An agent is sent a chunk before any request that names it. */
-    if (item->kind == PF_ITEM_MERGE || item->kind == PF_ITEM_ZERO) {
-        g_assert_true(g_hash_table_contains(l->held, GUINT_TO_POINTER(item->chunk)));
+            /* Never a request for a region that is not the VM's any more. */
+            g_assert_false(model_region(l->mv, item->region)->gone);
+            g_assert_true(pf_region_live(g_ptr_array_index(l->vm->regions, item->region)));
+            /* An agent is sent a chunk before any request that names it. */
+            if (item->kind == PF_ITEM_MERGE || item->kind == PF_ITEM_ZERO) {
+                g_assert_true(g_hash_table_contains(l->held, GUINT_TO_POINTER(item->chunk)));
+            }
+            model->moves += g_array_index(b->pending, PfPending, i).from != 0;
+        }
+        g_queue_push_tail(&l->in_flight, b);
+        l->n_in_flight += b->items->len;
     }
-    g_array_append_vals(l->queue_items, item, 1);
-    g_array_append_vals(l->queue_pending, pd, 1);
-    model->moves += pd->from != 0;
-    if (l->queue_items->len >= PF_PROTO_MAX_ITEMS) {
-        pf_link_flush(l);
-    }
-}
-
-void
-pf_link_flush(PfLink *l)
-{
-    ModelBatch *b;
-
-    if (l->queue_items->len == 0) {
-        return;
-    }
-    b = g_new0(ModelBatch, 1);
-    b->seq = ++l->next_seq;
-    b->items = l->queue_items;
-    b->pending = l->queue_pending;
-    l->queue_items = g_array_new(FALSE, FALSE, sizeof(PfWireItem));
-    l->queue_pending = g_array_new(FALSE, FALSE, sizeof(PfPending));
-    g_queue_push_tail(&l->in_flight, b);
-    l->n_in_flight += b->pending->len;
-    if (l->answer_source == 0) {
+    if (l->answer_source == 0 && l->n_in_flight > 0) {
         /* Below the scanner's own steps: a pass decides all it can before
          * the agents answer, as the cases here expect (the real agents
          * answer as fast as they do; the cases that answer mid-pass say
@@ -374,103 +350,50 @@ pf_link_flush(PfLink *l)
     }
 }
 
-gsize
-pf_link_in_flight(PfLink *l)
+static ModelAgent *
+agent_new(PfVm *vm, ModelVm *mv)
 {
-    return l->n_in_flight;
+    ModelAgent *l = g_new0(ModelAgent, 1);
+
+    l->vm = vm;
+    l->mv = mv;
+    g_queue_init(&l->in_flight);
+    l->held = g_hash_table_new(NULL, NULL);
+    pf_outbox_set_drain(vm->outbox, agent_drain, l);
+    return l;
 }
 
-guint32
-pf_link_sent_seq(PfLink *l)
+static void
+agent_free(ModelAgent *l)
 {
-    return l->next_seq;
+    g_queue_clear_full(&l->in_flight, (GDestroyNotify)batch_free);
+    g_clear_handle_id(&l->answer_source, g_source_remove);
+    g_hash_table_unref(l->held);
+    g_free(l);
 }
 
-gboolean
-pf_link_answered_since(PfLink *l, guint32 seq)
+/* Chunks, as the scanner tells its listeners: only to the chunk's own VMs
+ * (pool.h), once until dropped; and dropped only when no request holds a
+ * slot of it. */
+static void
+agent_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop, gpointer user)
 {
-    return l->answered_seq - seq - 1 < G_MAXUINT32 / 2;
-}
-
-gsize
-pf_link_room(PfLink *l)
-{
-    return G_MAXSIZE / 4;
-}
-
-gint64
-pf_link_waiting_usec(PfLink *l)
-{
-    return 0;
-}
-
-void
-pf_link_send_chunk(PfLink *l, const PfPoolChunk *chunk)
-{
+    ModelVm *mv = model_vm_of(vm);
+    ModelAgent *l = mv != NULL ? mv->agent : NULL;
     gboolean for_it = chunk->n_vms == 0;
 
-    /* Only to the chunk's own VMs (pool.h), and once until dropped. */
+    g_assert_nonnull(l);
+    if (drop) {
+        g_assert_true(g_hash_table_remove(l->held, GUINT_TO_POINTER(chunk->id)));
+        g_assert_false(outbox_names_chunk(vm->outbox, chunk->id));
+        return;
+    }
     for (guint i = 0; i < chunk->n_vms; i++) {
-        for_it |= chunk->vms[i] == l->vm->serial;
+        for_it |= chunk->vms[i] == vm->serial;
     }
     g_assert_true(for_it);
     g_assert_false(g_hash_table_contains(l->held, GUINT_TO_POINTER(chunk->id)));
     g_hash_table_add(l->held, GUINT_TO_POINTER(chunk->id));
-}
-
-void
-pf_link_send_drop(PfLink *l, const PfPoolChunk *chunk)
-{
-    g_assert_true(g_hash_table_remove(l->held, GUINT_TO_POINTER(chunk->id)));
-    /* The pool drops a chunk only when no request holds a slot of it. */
-    g_assert_false(link_names_chunk(l, chunk->id));
-}
-
-void
-pf_link_withdraw(PfLink *l, gboolean (*func)(PfPending *pd, gpointer user), gpointer user)
-{
-    guint kept = 0;
-
-    for (GList *e = l->in_flight.head; e != NULL; e = e->next) {
-        ModelBatch *b = e->data;
-
-        for (guint i = 0; i < b->pending->len; i++) {
-            func(&g_array_index(b->pending, PfPending, i), user);
-        }
-    }
-    for (guint i = 0; i < l->queue_pending->len; i++) {
-        if (!func(&g_array_index(l->queue_pending, PfPending, i), user)) {
-            g_array_index(l->queue_pending, PfPending, kept) =
-                g_array_index(l->queue_pending, PfPending, i);
-            g_array_index(l->queue_items, PfWireItem, kept) =
-                g_array_index(l->queue_items, PfWireItem, i);
-            kept++;
-        }
-    }
-    g_array_set_size(l->queue_pending, kept);
-    g_array_set_size(l->queue_items, kept);
-}
-
-void
-pf_link_free(PfLink *l, void (*func)(const PfPending *pd, gboolean sent, gpointer user),
-             gpointer user)
-{
-    ModelBatch *b;
-
-    while ((b = g_queue_pop_head(&l->in_flight)) != NULL) {
-        for (guint i = 0; i < b->pending->len; i++) {
-            func(&g_array_index(b->pending, PfPending, i), TRUE, user);
-        }
-        batch_free(b);
-    }
-    for (guint i = 0; i < l->queue_pending->len; i++) {
-        func(&g_array_index(l->queue_pending, PfPending, i), FALSE, user);
-    }
-    g_clear_handle_id(&l->answer_source, g_source_remove);
-    g_array_unref(l->queue_items);
-    g_array_unref(l->queue_pending);
-    g_hash_table_unref(l->held);
-    g_free(l);
 }
 
 /* ---- the accounting ---- */
@@ -498,39 +421,43 @@ assert_node_holds(PfScanner *s, guint32 node, guint32 slot)
     g_assert_cmpuint(n->slot, ==, slot);
 }
 
-/* Each request in flight to vm's agent: the references it holds; its page
- * is the VM's, PENDING, and no other request names it. */
+typedef struct {
+    ModelVm *mv;
+    GPtrArray *all; /* const PfPending* */
+} Requests;
+
+static void
+collect_request(const PfWireItem *item, const PfPending *pd, gboolean sent, gpointer user)
+{
+    Requests *rq = user;
+
+    /* A request for a region that went holds nothing since, and is sent
+     * only if it was before the region went. */
+    if (model_region(rq->mv, item->region)->gone) {
+        g_assert_true(sent);
+        g_assert_true(pd->settled);
+    }
+    g_ptr_array_add(rq->all, (gpointer)pd);
+}
+
+/* Each request to vm's agent not answered yet: the references it holds;
+ * its page is the VM's, PENDING, and no other request names it.  The
+ * agent has received exactly what the outbox says was sent. */
 static void
 account_requests(PfScanner *s, PfVm *vm, GHashTable *want)
 {
-    PfLink *l = vm->link;
+    ModelVm *mv = model_vm_of(vm);
     g_autoptr(GHashTable) pages = g_hash_table_new(NULL, NULL);
     g_autoptr(GPtrArray) all = g_ptr_array_new();
+    Requests rq = { mv, all };
 
-    for (GList *e = l->in_flight.head; e != NULL; e = e->next) {
-        ModelBatch *b = e->data;
-
-        for (guint i = 0; i < b->pending->len; i++) {
-            const PfWireItem *item = &g_array_index(b->items, PfWireItem, i);
-
-            /* A request for a region that went holds nothing since. */
-            if (model_region(l->mv, item->region)->gone) {
-                g_assert_cmpuint(g_array_index(b->pending, PfPending, i).kind, ==,
-                                 PF_PENDING_SETTLED);
-            }
-            g_ptr_array_add(all, &g_array_index(b->pending, PfPending, i));
-        }
-    }
-    for (guint i = 0; i < l->queue_pending->len; i++) {
-        g_assert_false(
-            model_region(l->mv, g_array_index(l->queue_items, PfWireItem, i).region)->gone);
-        g_ptr_array_add(all, &g_array_index(l->queue_pending, PfPending, i));
-    }
+    g_assert_cmpuint(mv->agent->n_in_flight, ==, pf_outbox_n_sent(vm->outbox));
+    pf_outbox_foreach(vm->outbox, collect_request, &rq);
     for (guint i = 0; i < all->len; i++) {
         const PfPending *pd = g_ptr_array_index(all, i);
         PfRegion *r;
 
-        if (pd->kind == PF_ITEM_COLLAPSE || pd->kind == PF_PENDING_SETTLED) {
+        if (pd->kind == PF_ITEM_COLLAPSE || pd->settled) {
             continue;
         }
         if (pd->kind == PF_ITEM_MERGE || pd->kind == PF_ITEM_UNMERGE) {
@@ -591,7 +518,7 @@ check_model(Model *m, const char *when)
         /* Lookups find exactly the nodes that can take one more sharer:
          * the full ones of a content cost them nothing. */
         g_assert_cmpint(node_listed(s, id), ==,
-                        n->next == 0 && node_sharers(s, n) < s->knobs.max_page_sharing);
+                        n->next == 0 && ledger_sharers(s, n) < s->knobs.max_page_sharing);
         want_ref(want, n->slot);
         for (guint32 k = 0; k < n->n_members; k++) {
             PfRegion *r = region_of(s, n->members[k]);
@@ -605,7 +532,7 @@ check_model(Model *m, const char *when)
             /* Pool sharing is a merging VM's, whose agent holds the chunk
              * the page maps. */
             g_assert_true(pf_vm_merges(r->vm));
-            g_assert_true(g_hash_table_contains(r->vm->link->held,
+            g_assert_true(g_hash_table_contains(model_vm_of(r->vm)->agent->held,
                                                 GUINT_TO_POINTER((n->slot - 1) /
                                                                  PF_POOL_CHUNK_SLOTS)));
             want_ref(want, n->slot);
@@ -631,7 +558,7 @@ check_model(Model *m, const char *when)
                                                 r->fd < 0 && r->extents == NULL));
         }
         shared += vm->count[PF_PAGE_SHARED];
-        if (vm->link != NULL) {
+        if (vm->outbox != NULL) {
             account_requests(s, vm, want);
         } else {
             g_assert_cmpuint(vm->count[PF_PAGE_PENDING], ==, 0);
@@ -706,8 +633,16 @@ vm_gone(PfScanner *s, PfVm *vm, const char *why, gpointer user)
         g_test_message("%s: VM %s detached: %s", model->context, vm->name, why);
         g_assert_not_reached();
     }
+    /* Its agent goes with it (the scanner has taken back what its outbox
+     * held, or does so as this returns). */
+    g_clear_pointer(&mv->agent, agent_free);
     mv->vm = NULL;
 }
+
+static const PfScanEvents model_events = {
+    .vm_gone = vm_gone,
+    .chunk = agent_chunk,
+};
 
 static void
 model_detach(Model *m, ModelVm *mv, const char *why)
@@ -738,36 +673,62 @@ model_new(void)
     m->vms = g_ptr_array_new();
     /* Every page is visited at every pass: the tests count passes. */
     pf_scanner_get_knobs(m->s)->smart_scan = FALSE;
-    pf_scanner_set_vm_gone_func(m->s, vm_gone, NULL);
+    pf_scanner_add_listener(m->s, &model_events, m, NULL);
     g_strlcpy(m->context, g_test_get_path(), sizeof(m->context));
     return m;
 }
 
-/* A VM (again) with its agent, in merge mode. */
+/* A region as its agent announces it (link.c has checked it; here it is
+ * this process's own mapping of the memfd, at the address the holder of
+ * region 0, forked from it, maps it too). */
+static PfRegion *
+announced_region(ModelRegion *mr)
+{
+    g_autoptr(GError) error = NULL;
+    int fd = fcntl(mr->guest->fd, F_DUPFD_CLOEXEC, 3);
+    PfRegion *r = pf_region_new("memory-backend-memfd", fd, (guint64)(guintptr)mr->guest->mem,
+                                0, mr->guest->n_pages * PF_PAGE_SIZE, &error);
+
+    g_assert_no_error(error);
+    return r;
+}
+
+/* A VM (again) with its agent, in merge mode: as link.c makes it at
+ * READY, its process pinned by a pidfd and its /proc directory. */
 static void
 model_attach(Model *m, ModelVm *mv)
 {
     g_autoptr(GError) error = NULL;
     g_autofree char *name = g_strdup_printf("vm%u", m->n_made++);
+    g_autofree char *proc = g_strdup_printf("/proc/%d", mv->pid);
+    g_autoptr(GPtrArray) regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
+    static const guint8 no_uuid[16];
+    int pidfd = (int)syscall(SYS_pidfd_open, mv->pid, 0);
+    int proc_dir = open(proc, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 
-    mv->vm = pf_vm_attach(mv->pid, name, &error);
-    g_assert_no_error(error);
-    g_assert_cmpuint(mv->vm->regions->len, ==, 1);
+    g_assert_cmpint(pidfd, >=, 0);
+    g_assert_cmpint(proc_dir, >=, 0);
     /* Its agent announces the RAM its process holds (the model's region
      * 0); RAM plugged in under an earlier agent is of no VM any more. */
     while (mv->regions->len > 1) {
         g_ptr_array_add(mv->old, g_ptr_array_steal_index(mv->regions, mv->regions->len - 1));
     }
     model_region(mv, 0)->gone = FALSE;
-    mv->vm->link = link_new(mv->vm, mv);
-    mv->vm->mode = "merge";
+    g_ptr_array_add(regions, announced_region(model_region(mv, 0)));
+    mv->vm = pf_vm_new_from_agent(mv->pid, pidfd, proc_dir, name, no_uuid, regions,
+                                  PF_MODE_MERGE, NULL, &error);
+    g_assert_no_error(error);
+    close(pidfd);
+    close(proc_dir);
+    g_assert_cmpuint(mv->vm->regions->len, ==, 1);
+    mv->agent = agent_new(mv->vm, mv);
     pf_scanner_add_vm(m->s, mv->vm);
 }
 
 /* The holder of a guest's RAM is forked from this process, where the
- * pool's chunks are mapped writable and shared, as guest RAM is: it must
- * not inherit them, or vm.c takes them for more of its RAM.  (QEMU is
- * never a child of pagefoldd.) */
+ * pool's chunks are mapped writable and shared: it must not inherit them,
+ * or it would be seen to hold chunks it was told to drop (vm.c's
+ * pf_vm_held_pool()).  (QEMU is never a child of pagefoldd.) */
 static void
 keep_pool_from_children(Model *m)
 {
@@ -835,13 +796,9 @@ model_add_vm(Model *m, const PfLayout *layout, guint32 seed)
 static guint
 model_region_join(Model *m, ModelVm *mv, const PfLayout *layout, guint32 seed)
 {
-    g_autoptr(GError) error = NULL;
     ModelRegion *mr = model_region_new(layout, seed);
-    int fd = fcntl(mr->guest->fd, F_DUPFD_CLOEXEC, 3);
-    PfRegion *r = pf_region_new("memory-backend-memfd", fd, (guint64)(guintptr)mr->guest->mem,
-                                0, mr->guest->n_pages * PF_PAGE_SIZE, &error);
+    PfRegion *r = announced_region(mr);
 
-    g_assert_no_error(error);
     g_ptr_array_add(mv->regions, mr);
     g_assert_true(pf_scanner_add_region(m->s, mv->vm, r));
     g_assert_cmpuint(mv->vm->regions->len, ==, mv->regions->len);
@@ -908,6 +865,8 @@ guest_writes(Model *m, ModelVm *mv, guint region, gsize idx, const guint8 *data)
     memcpy(mr->guest->mem + idx * PF_PAGE_SIZE, data, PF_PAGE_SIZE);
     mr->merged[idx] = FALSE;
     if (mv->vm != NULL && pf_vm_merges(mv->vm)) {
+        /* Asked of its agent as a scan's findings are: sent as the next
+         * scan slice ends. */
         cow_found(m->s, g_ptr_array_index(mv->vm->regions, region), idx);
     }
 }
@@ -1068,7 +1027,7 @@ batch_moves(const ModelBatch *b)
 /* The first batch that moves a page of the chosen VM: it steps back
  * (a vhost-user device came) before answering. */
 static gboolean
-step_back_on_move(PfLink *l, const ModelBatch *b)
+step_back_on_move(ModelAgent *l, const ModelBatch *b)
 {
     if (l->vm == model->chosen && model->stepped_back == 0 && batch_moves(b)) {
         model_step_back(model, l->mv, "test: vhost-user");
@@ -1109,7 +1068,7 @@ test_step_back_during_move(void)
     PfCounters t;
 
     g_assert_cmpuint(m->stepped_back, ==, 1);
-    g_assert_cmpstr(a->vm->mode, ==, "advise");
+    g_assert_cmpstr(pf_vm_mode_name(a->vm), ==, "advise");
     g_assert_cmpuint(m->moves, >=, N_IDENTICAL);
     /* b and c share half the pages; b keeps the other half merged on its
      * own (KSM keeps a node with one page); a is on its own. */
@@ -1125,7 +1084,7 @@ test_step_back_during_move(void)
 /* The chosen VM's agent goes before it answers a batch (one that moves
  * its pages, if so chosen), with that batch and any after it in flight. */
 static gboolean
-end_chosen_agent(PfLink *l, const ModelBatch *b)
+end_chosen_agent(ModelAgent *l, const ModelBatch *b)
 {
     if (l->vm != model->chosen || (model->chosen_on_move && !batch_moves(b))) {
         return TRUE;
@@ -1456,7 +1415,7 @@ static guint settled_by_gone;
 /* Before the chosen VM's agent answers the first batch that names region
  * 1, that region goes: the batch's items for it are settled by then. */
 static gboolean
-gone_before_answer(PfLink *l, const ModelBatch *b)
+gone_before_answer(ModelAgent *l, const ModelBatch *b)
 {
     gboolean names = FALSE;
 
@@ -1469,8 +1428,7 @@ gone_before_answer(PfLink *l, const ModelBatch *b)
     model_region_gone(model, l->mv, 1);
     for (guint i = 0; i < b->items->len; i++) {
         if (g_array_index(b->items, PfWireItem, i).region == 1) {
-            g_assert_cmpuint(g_array_index(b->pending, PfPending, i).kind, ==,
-                             PF_PENDING_SETTLED);
+            g_assert_true(g_array_index(b->pending, PfPending, i).settled);
             settled_by_gone++;
         }
     }
@@ -1480,7 +1438,8 @@ gone_before_answer(PfLink *l, const ModelBatch *b)
 
 /* A lying agent: whatever it was asked of a region gone, done. */
 static void
-done_for_gone(PfLink *l, const PfWireItem *item, const PfPending *pd, PfResultStatus *status,
+done_for_gone(ModelAgent *l, const PfWireItem *item, const PfPending *pd,
+              PfResultStatus *status,
               int *err)
 {
     if (model_region(l->mv, item->region)->gone) {
@@ -1529,7 +1488,7 @@ test_region_gone_in_flight(gconstpointer data)
 /* The chosen VM's RAM (region 0) goes as its first batch that moves pages
  * is about to be answered. */
 static gboolean
-gone_on_move(PfLink *l, const ModelBatch *b)
+gone_on_move(ModelAgent *l, const ModelBatch *b)
 {
     if (l->vm == model->chosen && !model_region(l->mv, 0)->gone && batch_moves(b)) {
         model_region_gone(model, l->mv, 0);
@@ -1596,8 +1555,8 @@ test_region_gone_frees_chunk(void)
     pf_scanner_scan(m->s, G_MAXSIZE);
     pf_scanner_scan(m->s, G_MAXSIZE);
     g_assert_cmpuint(a->vm->count[PF_PAGE_PENDING], ==, N_IDENTICAL);
-    g_assert_cmpuint(a->vm->link->n_in_flight, ==, N_IDENTICAL);
-    b = g_queue_peek_head(&a->vm->link->in_flight);
+    g_assert_cmpuint(a->agent->n_in_flight, ==, N_IDENTICAL);
+    b = g_queue_peek_head(&a->agent->in_flight);
     g_assert_nonnull(b);
     first = &g_array_index(b->items, PfWireItem, 0);
     g_assert_cmpuint(first->kind, ==, PF_ITEM_MERGE);
@@ -1609,14 +1568,14 @@ test_region_gone_frees_chunk(void)
     model_region_gone(m, a, 1);
     check_model(m, "a's second region gone with its merges in flight");
     g_assert_null(pf_pool_chunk(m->s->pool, chunk));
-    g_assert_false(g_hash_table_contains(a->vm->link->held, GUINT_TO_POINTER(chunk)));
+    g_assert_false(g_hash_table_contains(a->agent->held, GUINT_TO_POINTER(chunk)));
     g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, 0);
     g_assert_cmpuint(a->vm->count[PF_PAGE_PENDING], ==, 0);
 
     /* The answers come (refused: the agent forgot the region), and change
      * nothing. */
     run_passes(m, 2, "after");
-    g_assert_cmpuint(a->vm->link->n_in_flight, ==, 0);
+    g_assert_cmpuint(a->agent->n_in_flight, ==, 0);
     g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, 0);
     model_end(m);
     model_free(m);
@@ -1643,7 +1602,8 @@ static const FuzzMode fuzz_modes[] = {
 /* A real agent's failures: a page in DMA, an I/O error, out of mappings.
  * A lying one answers anything, for anything. */
 static void
-fuzz_answer(PfLink *l, const PfWireItem *item, const PfPending *pd, PfResultStatus *status,
+fuzz_answer(ModelAgent *l, const PfWireItem *item, const PfPending *pd,
+              PfResultStatus *status,
             int *err)
 {
     static const int errs[] = { EBUSY, EIO, ENOMEM, EPERM, EFAULT };
@@ -1667,7 +1627,7 @@ fuzz_answer(PfLink *l, const PfWireItem *item, const PfPending *pd, PfResultStat
 }
 
 static gboolean
-fuzz_before_answer(PfLink *l, const ModelBatch *b)
+fuzz_before_answer(ModelAgent *l, const ModelBatch *b)
 {
     GPtrArray *vms = model->s->vms;
     guint x = g_rand_int_range(model->rand, 0, 100);
@@ -1860,7 +1820,7 @@ fuzz_one(const FuzzMode *mode, guint32 seed)
                 ModelVm *mv = g_ptr_array_index(m->vms, i);
 
                 if (mv->vm != NULL && g_rand_int_range(m->rand, 0, 100) < 60) {
-                    answer_batches(mv->vm->link, (guint)g_rand_int_range(m->rand, 1, 4));
+                    answer_batches(mv->agent, (guint)g_rand_int_range(m->rand, 1, 4));
                 }
             }
         }

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "guestmem.h"
+#include "jobs.h"
 #include "scan.h"
 #include "util.h"
 

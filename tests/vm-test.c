@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "guestmem.h"
+#include "jobs.h"
 #include "scan.h"
 #include "util.h"
 
@@ -72,11 +73,14 @@ typedef struct {
     int gone;
 } Pair;
 
+/* Detached on its own (a VM only removed has no why). */
 static void
 on_gone(PfScanner *s, PfVm *vm, const char *why, gpointer user)
 {
-    ((Pair *)user)->gone++;
+    ((Pair *)user)->gone += why != NULL;
 }
+
+static const PfScanEvents pair_events = { .vm_gone = on_gone };
 
 static void
 pair_setup(Pair *p, gconstpointer data)
@@ -86,7 +90,7 @@ pair_setup(Pair *p, gconstpointer data)
         p->pid[i] = pf_guest_hold(p->g[i]);
     }
     p->s = pf_scanner_new(NULL);
-    pf_scanner_set_vm_gone_func(p->s, on_gone, p);
+    pf_scanner_add_listener(p->s, &pair_events, p, NULL);
     for (int i = 0; i < 2; i++) {
         g_autoptr(GError) error = NULL;
         PfVm *vm = pf_vm_attach(p->pid[i], i ? "b" : "a", &error);

@@ -1,0 +1,346 @@
+/*
+ * scan-moves.c - who may read a slot.  A VM maps only slots of the chunks
+ * it was sent, each made for one set of VMs (pool.h).  A page that joins a
+ * node its VM holds no chunk of either waits for the pass's end, where its
+ * VM is made one of the chunk's when its pages match every slot of it in
+ * use, or the node moves: the content gets a slot for its members' VMs and
+ * the newcomer's, the members are merged over to it (the agent compares
+ * and remaps, as for any merge), and the old node is retired, going with
+ * its last member.  KSM has no such step: in one kernel every page is in
+ * every process's reach.
+ *
+ * Owns the joins waiting for the pass's end and the order of a move;
+ * never gives a VM a chunk with content it does not share, and changes
+ * slot references only through the ledger.
+ */
+#include "scan-internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int
+cmp_u32(gconstpointer a, gconstpointer b)
+{
+    guint32 x = *(const guint32 *)a, y = *(const guint32 *)b;
+
+    return x < y ? -1 : x > y;
+}
+
+gboolean
+moves_chunk_is_for(const PfPoolChunk *chunk, const PfVm *vm)
+{
+    if (vm->outbox == NULL) {
+        return FALSE;
+    }
+    if (chunk->n_vms == 0) {
+        return TRUE;
+    }
+    return bsearch(&vm->serial, chunk->vms, chunk->n_vms, sizeof(guint32), cmp_u32) != NULL;
+}
+
+static guint32 move_node(PfScanner *s, guint32 node, PfVm *joiner);
+
+void
+moves_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 to)
+{
+    guint32 from = p->state == PF_PAGE_SHARED ? p->node : 0, slot;
+
+    if (!pf_pool_readable(s->pool, node_at(s, to)->slot, r->vm->serial) &&
+        (to = move_node(s, to, r->vm)) == 0) {
+        return;
+    }
+    slot = node_at(s, to)->slot;
+    if (from != 0) {
+        /* Its reference on the old slot goes when the agent answers. */
+        pf_stable_tree_remove(&s->stable, id);
+    }
+    ledger_take(s, slot, to);
+    request_page(s, r, p, id, PF_ITEM_MERGE, slot, to, from);
+}
+
+/* The VMs a node's slot is for that are still here, and the joiner:
+ * sorted, each once (the joiner holds no chunk of the node's). */
+static GArray *
+move_vms(PfScanner *s, const PfStableNode *n, PfVm *joiner)
+{
+    GArray *vms = g_array_new(FALSE, FALSE, sizeof(guint32));
+    guint32 c, index;
+    const PfPoolChunk *chunk;
+
+    pf_pool_locate(s->pool, n->slot, &c, &index);
+    chunk = pf_pool_chunk(s->pool, c);
+    if (joiner != NULL) {
+        g_array_append_val(vms, joiner->serial);
+    }
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (pf_vm_merges(vm) && moves_chunk_is_for(chunk, vm)) {
+            g_array_append_val(vms, vm->serial);
+        }
+    }
+    g_array_sort(vms, cmp_u32);
+    return vms;
+}
+
+/*
+ * Gives node id's content a new slot, for the VMs its slot was for (those
+ * of its members, and of pages on their way in) that are still here, and
+ * the joiner's, and moves its members there.  A member whose VM is at its
+ * mapping budget, or a page still on its way in, follows later
+ * (moves_follow()).  Returns the new node, or 0 (the node as it was) if it
+ * cannot move now.
+ */
+static guint32
+move_node(PfScanner *s, guint32 id, PfVm *joiner)
+{
+    g_autoptr(GArray) vms = move_vms(s, node_at(s, id), joiner);
+    g_autoptr(GError) error = NULL;
+    g_autofree guint32 *members = NULL;
+    const PfStableNode *n = node_at(s, id);
+    guint32 n_members = n->n_members, slot, to;
+    guint64 checksum = n->checksum;
+
+    slot = ledger_new_slot(s, (const guint32 *)(gpointer)vms->data, vms->len,
+                           pf_pool_data(s->pool, n->slot), &error);
+    if (slot == PF_POOL_SLOT_NONE) {
+        g_warning("pool: %s", error->message);
+        return 0;
+    }
+    members = g_memdup2(n->members, n_members * sizeof(guint32));
+    to = pf_stable_tree_create(&s->stable, checksum, slot, n->domain); /* n may move */
+    pf_stable_tree_retire(&s->stable, id, to);
+    for (guint32 i = 0; i < n_members; i++) {
+        PfRegion *mr = region_of(s, members[i]);
+
+        if (can_merge(mr->vm)) {
+            moves_join(s, mr, pf_region_page(mr, members[i] - mr->base), members[i], to);
+        }
+    }
+    if (joiner == NULL && node_at(s, to)->n_members == 0 && pf_pool_refs(s->pool, slot) == 1) {
+        /* Nobody could move: the old node stays as it was. */
+        ledger_maybe_drop(s, to);
+        pf_stable_tree_unretire(&s->stable, id);
+        return 0;
+    }
+    return to;
+}
+
+/*
+ * A merged page of a retired node (it could not move with the others, or
+ * came in while they moved) follows the node's successor.  With none left
+ * (every page that moved there has gone since), the node takes its place
+ * again.
+ */
+void
+moves_follow(PfScanner *s, PfRegion *r, gsize idx)
+{
+    guint32 node = pf_region_page(r, idx)->node, to = node_at(s, node)->next;
+    const PfStableNode *n = node_at(s, node);
+
+    if (to == 0 || !can_merge(r->vm) || s->knobs.run == 2) {
+        return;
+    }
+    for (guint hops = 0; to != 0 && hops < 8; hops++) {
+        const PfStableNode *t = node_at(s, to);
+
+        if (!t->live || t->slot == PF_POOL_SLOT_NONE || t->checksum != n->checksum ||
+            memcmp(pf_pool_data(s->pool, t->slot), pf_pool_data(s->pool, n->slot),
+                   PF_PAGE_SIZE) != 0) {
+            break;
+        }
+        if (t->next == 0) {
+            if (ledger_sharers(s, t) < s->knobs.max_page_sharing) {
+                moves_join(s, r, pf_region_page(r, idx), r->base + (guint32)idx, to);
+                return;
+            }
+            break;
+        }
+        to = t->next;
+    }
+    pf_stable_tree_unretire(&s->stable, node);
+}
+
+/* Could any member of the node be moved now? */
+static gboolean
+node_can_move(PfScanner *s, const PfStableNode *n)
+{
+    for (guint32 i = 0; i < n->n_members; i++) {
+        if (can_merge(region_of(s, n->members[i])->vm)) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+/* Not while none of their pages could follow: that would only make and
+ * free a slot each pass. */
+void
+moves_evacuate(PfScanner *s)
+{
+    if (s->pool == NULL || pf_pool_n_evacuating(s->pool) == 0) {
+        return;
+    }
+    for (guint32 id = 1; id < s->stable.nodes->len; id++) {
+        const PfStableNode *n = node_at(s, id);
+
+        if (n->live && n->next == 0 && n->slot != PF_POOL_SLOT_NONE &&
+            pf_pool_evacuating(s->pool, n->slot) && node_can_move(s, n)) {
+            move_node(s, id, NULL);
+        }
+    }
+}
+
+void
+moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 node)
+{
+    const PfStableNode *n = node_at(s, node);
+    Joining j = { 0, r->vm->serial, n->slot, id, node };
+    guint32 index;
+
+    pf_pool_locate(s->pool, n->slot, &j.chunk, &index);
+    g_array_append_val(s->joins, j);
+    set_state(r, p, PF_PAGE_UNSHARED);
+    if (s->joins->len >= MAX_JOINING) {
+        moves_make_joins(s);
+    }
+}
+
+void
+moves_forget_joins(PfScanner *s, const PfVm *vm)
+{
+    if (vm == NULL) {
+        g_array_set_size(s->joins, 0);
+        return;
+    }
+    for (guint i = s->joins->len; i-- > 0;) {
+        if (g_array_index(s->joins, Joining, i).vm == vm->serial) {
+            g_array_remove_index_fast(s->joins, i);
+        }
+    }
+}
+
+static int
+cmp_joining(gconstpointer a, gconstpointer b)
+{
+    const Joining *x = a, *y = b;
+
+    if (x->chunk != y->chunk) {
+        return x->chunk < y->chunk ? -1 : 1;
+    }
+    if (x->vm != y->vm) {
+        return x->vm < y->vm ? -1 : 1;
+    }
+    return x->slot < y->slot ? -1 : x->slot > y->slot;
+}
+
+/* Can this waiting page still join the node it was found equal to? */
+static gboolean
+join_still(PfScanner *s, const Joining *j)
+{
+    PfRegion *r = region_of(s, j->page);
+    const PfStableNode *n = node_at(s, j->node);
+
+    /* Its VM may have changed merge domain since it was found equal. */
+    return pf_region_page_state(r, j->page - r->base) == PF_PAGE_UNSHARED && can_merge(r->vm) &&
+           n->live && n->next == 0 && n->slot == j->slot &&
+           n->domain == pf_vm_domain_key(r->vm) &&
+           ledger_sharers(s, n) < s->knobs.max_page_sharing;
+}
+
+/* The joins of joins[i, e) (one chunk, one VM) whose pages still may
+ * join, counted by distinct slot. */
+static guint
+distinct_joining(PfScanner *s, guint i, guint e)
+{
+    guint32 last_slot = PF_POOL_SLOT_NONE;
+    guint distinct = 0;
+
+    for (; i < e; i++) {
+        const Joining *j = &g_array_index(s->joins, Joining, i);
+
+        if (j->slot != last_slot && join_still(s, j)) {
+            distinct++;
+            last_slot = j->slot;
+        }
+    }
+    return distinct;
+}
+
+/* A VM's pages matched part of a chunk: the rest may be written by then (a
+ * guest that rewrites a block, caught halfway by a pass).  Moving costs
+ * every sharer a remap: only at the next pass that sees it.  TRUE when the
+ * pages are to wait for that pass. */
+static gboolean
+partial_waits(PfScanner *s, const Joining *first)
+{
+    guint64 key = (guint64)first->chunk << 32 | first->vm;
+    gpointer seen;
+
+    if (!g_hash_table_lookup_extended(s->partial, &key, NULL, &seen) ||
+        GPOINTER_TO_SIZE(seen) >= s->full_scans) {
+        g_hash_table_insert(s->partial, g_memdup2(&key, sizeof(key)),
+                            GSIZE_TO_POINTER(s->full_scans));
+        return TRUE;
+    }
+    g_hash_table_remove(s->partial, &key);
+    return FALSE;
+}
+
+static void
+partial_expire(PfScanner *s)
+{
+    GHashTableIter it;
+    gpointer seen;
+
+    g_hash_table_iter_init(&it, s->partial);
+    while (g_hash_table_iter_next(&it, NULL, &seen)) {
+        if (GPOINTER_TO_SIZE(seen) + 1 < s->full_scans) {
+            g_hash_table_iter_remove(&it);
+        }
+    }
+}
+
+/*
+ * The pages of this pass that matched nodes their VM may not read.  Where
+ * a VM's pages match every slot in use of a chunk (a VM that came to share
+ * what others share: typically all of it), the chunk becomes its too (it
+ * reads nothing it does not share) and its pages just merge; elsewhere
+ * their nodes move (moves_join()), which costs a remap of every page
+ * already sharing.
+ */
+void
+moves_make_joins(PfScanner *s)
+{
+    g_array_sort(s->joins, cmp_joining);
+    for (guint i = 0; i < s->joins->len;) {
+        const Joining *first = &g_array_index(s->joins, Joining, i);
+        guint e = i, distinct;
+
+        while (e < s->joins->len && g_array_index(s->joins, Joining, e).chunk == first->chunk &&
+               g_array_index(s->joins, Joining, e).vm == first->vm) {
+            e++;
+        }
+        distinct = distinct_joining(s, i, e);
+        if (distinct > 0 && distinct == pf_pool_chunk_live(s->pool, first->chunk)) {
+            PfRegion *r = region_of(s, first->page);
+
+            pf_pool_extend(s->pool, first->chunk, first->vm);
+            scan_emit_chunk(s, r->vm, pf_pool_chunk(s->pool, first->chunk), FALSE);
+        } else if (distinct > 0 && partial_waits(s, first)) {
+            i = e;
+            continue;
+        }
+        for (; i < e; i++) {
+            const Joining *j = &g_array_index(s->joins, Joining, i);
+
+            if (join_still(s, j)) {
+                PfRegion *r = region_of(s, j->page);
+
+                moves_join(s, r, pf_region_page(r, j->page - r->base), j->page, j->node);
+            }
+        }
+    }
+    g_array_set_size(s->joins, 0);
+    partial_expire(s);
+}

@@ -1,0 +1,415 @@
+/*
+ * scan-pass.c - the pass loop: the cursor over every VM's regions, holes of
+ * the memfds stepped over, pages read in slices under the SIGBUS guard,
+ * each VM looked at again as the cursor comes to it, and the waits at a VM
+ * whose agent has as much to answer as its outbox takes.
+ *
+ * Owns the cursor; a visit's decision is scan-visit.c's.  Never blocks:
+ * a scan stops at the end of its slice, of its pages, of the pass, or at
+ * a full outbox, and never waits for an agent.
+ */
+#include "scan-internal.h"
+
+#include <errno.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "guard.h"
+
+/* How long an agent that was sent no request since may take to drop a
+ * chunk (check_dropped()). */
+#define DROP_GRACE_USEC (60 * G_USEC_PER_SEC)
+/* Past this long without an answer, an agent whose outbox is full is
+ * passed over for the rest of the pass: one stopped VM must not hold up
+ * the scanning of the others (its link gives it up later). */
+#define STUCK_USEC (G_USEC_PER_SEC / 2)
+/* Pages looked up in memory at a time (mincore()) before they are read. */
+#define RESIDENT_PAGES 32
+
+gboolean
+pf_scanner_agent_silent(PfVm *vm)
+{
+    return vm->outbox != NULL && pf_outbox_waiting_usec(vm->outbox) > STUCK_USEC;
+}
+
+guint64
+pf_scanner_full_scans(PfScanner *s)
+{
+    return s->full_scans;
+}
+
+gboolean
+pf_scanner_in_pass(PfScanner *s)
+{
+    return s->in_pass;
+}
+
+/*
+ * Whether the slice of main-loop time the scan runs in is spent.  Looked
+ * at page by page: reading a VMM's pagemap waits for its mmap lock, which
+ * its agent holds while it remaps, and lseek() on its memfd for the inode
+ * lock a punch holds; each wait is short, but a slice must not add up
+ * thousands of them.
+ */
+static gboolean
+past_slice(PfScanner *s)
+{
+    return s->slice_end != 0 && g_get_monotonic_time() >= s->slice_end;
+}
+
+/* A region faulted at pf_guard_addr: it is dropped, or its VM detached. */
+static void
+faulted(PfScanner *s)
+{
+    PfRegion *bad = pf_page_space_at_address(&s->space, pf_guard_addr);
+
+    if (bad == NULL) {
+        g_error("SIGBUS at %p outside guest RAM", pf_guard_addr);
+    }
+    g_warning("VM %s: region %s faulted at %p (truncated under us?); dropping it", bad->vm->name,
+              bad->name, pf_guard_addr);
+    if (pf_vm_merges(bad->vm)) {
+        pf_scanner_detach(s, bad->vm, "its RAM faulted (truncated under us?)");
+    } else {
+        vms_drop_region(s, bad);
+    }
+}
+
+/* Visits up to n pages of r from the cursor on, within the slice. */
+static gsize
+scan_range(PfScanner *s, PfRegion *r, gsize n)
+{
+    sigjmp_buf env;
+    volatile gsize i = s->cur_page;
+    gsize start = s->cur_page;
+
+    if (sigsetjmp(env, 0) != 0) {
+        pf_guard_env = NULL;
+        s->cur_page = i;
+        faulted(s);
+        return i - start;
+    }
+    pf_guard_env = &env;
+    while (i < start + n && (i == start || !past_slice(s))) {
+        guint8 resident[RESIDENT_PAGES];
+        gsize k = MIN(start + n - i, RESIDENT_PAGES);
+
+        /* Just before reading: a page the VMM discarded (a balloon, free
+         * page reporting) since find_data() saw its extent, or one swapped
+         * out, is not read, which would allocate it again. */
+        if (mincore((void *)(r->map + i * PF_PAGE_SIZE), k * PF_PAGE_SIZE, resident) < 0) {
+            memset(resident, 1, k);
+        }
+        for (gsize j = 0; j < k && (j == 0 || !past_slice(s)); j++, i++) {
+            if (resident[j] & 1) {
+                visit_page(s, r, i);
+            } else {
+                cow_leave_hole(s, r, i, i + 1);
+            }
+        }
+    }
+    pf_guard_env = NULL;
+    s->cur_page = i;
+    return i - start;
+}
+
+/* Moves the cursor over holes of the memfd (cow_leave_hole()), at most
+ * budget pages of one at a time: a merged VM's RAM is one long hole, whose
+ * merged pages are looked at for copy-on-write, and a tick must stay short
+ * however big the VM. */
+static void
+find_data(PfScanner *s, PfRegion *r, gsize budget)
+{
+    off_t pos = (off_t)(r->file_offset + s->cur_page * PF_PAGE_SIZE);
+    off_t data = lseek(r->fd, pos, SEEK_DATA);
+    gsize first, end, stop;
+
+    if (data < 0) {
+        first = errno == ENXIO ? r->n_pages : s->cur_page;
+        end = r->n_pages;
+    } else {
+        off_t hole = lseek(r->fd, data, SEEK_HOLE);
+
+        first = MIN(r->n_pages, (gsize)(data - (off_t)r->file_offset) / PF_PAGE_SIZE);
+        end = hole < 0 ? r->n_pages
+                       : MIN(r->n_pages, (gsize)(hole - (off_t)r->file_offset) / PF_PAGE_SIZE);
+    }
+    stop = MIN(first, s->cur_page + MAX(budget, 1));
+    cow_leave_hole(s, r, s->cur_page, stop);
+    s->cur_page = stop;
+    /* The rest of a long hole: looked up again from here next time.  The
+     * data extent is a hint only: pages discarded since are found by
+     * scan_range() before they are read. */
+    s->data_end = stop < first ? stop : MAX(end, first + 1);
+}
+
+/*
+ * An agent is told to drop a chunk when no page of its VM maps it: its
+ * memory can only come back once every process lets go of it.  One that
+ * still holds it once it has answered a request sent after the DROP (or a
+ * minute after, if none was) keeps memory pagefoldd freed, and could do
+ * so with every chunk it is sent: its VM is detached.  (A compromised VMM
+ * can hide a descriptor where /proc does not show it: see the README's
+ * trust boundary.)
+ */
+static gboolean
+check_dropped(PfScanner *s, PfVm *vm, GError **error)
+{
+    g_autoptr(GHashTable) held = NULL;
+    guint kept = 0;
+
+    if (vm->dropped == NULL || vm->dropped->len == 0 || vm->outbox == NULL) {
+        return TRUE;
+    }
+    held = pf_vm_held_pool(vm);
+    for (guint i = 0; i < vm->dropped->len;) {
+        const PfDropped *d = &g_array_index(vm->dropped, PfDropped, i);
+
+        if (!g_hash_table_contains(held, &d->ino)) {
+            g_array_remove_index_fast(vm->dropped, i);
+            continue;
+        }
+        kept += pf_outbox_answered_since(vm->outbox, d->seq) ||
+                g_get_monotonic_time() - d->usec > DROP_GRACE_USEC;
+        i++;
+    }
+    if (kept > 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "it keeps %u pool chunk(s) it was told to let go of", kept);
+        return FALSE;
+    }
+    return TRUE;
+}
+
+static void
+cursor_to_vm(PfScanner *s, guint vm)
+{
+    s->cur_vm = vm;
+    s->cur_region = 0;
+    s->cur_page = 0;
+    s->data_end = 0;
+}
+
+static gboolean
+begin_pass(PfScanner *s)
+{
+    gsize candidates = 0;
+
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        /* Only a page that kept its checksum since its last visit enters
+         * the unstable tree: one volatile or unshared now. */
+        candidates += vm->count[PF_PAGE_VOLATILE] + vm->count[PF_PAGE_UNSHARED];
+    }
+    if (s->vms->len == 0) {
+        return FALSE;
+    }
+    pf_table_reset(&s->unstable.table, candidates);
+    if (s->listed_sharing != s->knobs.max_page_sharing) {
+        /* The knob changed: nodes full by the old value may have room
+         * now, others none.  (KSM refuses the change while pages share.) */
+        s->listed_sharing = s->knobs.max_page_sharing;
+        for (guint32 id = 1; id < s->stable.nodes->len; id++) {
+            ledger_relist(s, id);
+        }
+    }
+    moves_evacuate(s);
+    s->in_pass = TRUE;
+    s->entered = G_MAXUINT;
+    cursor_to_vm(s, 0);
+    s->pass_start_usec = g_get_monotonic_time();
+    return TRUE;
+}
+
+/*
+ * The cursor comes to a VM: what it maps is looked at again (its regions
+ * if attached by pid, the pool chunks it was told to drop, its mappings),
+ * here rather than for every VM as the pass begins: each look reads its
+ * /proc/PID/maps, which waits for the process's mmap lock, and a busy VMM
+ * remapping its RAM holds it for a while.  FALSE when the VM was detached
+ * (the cursor is at the next one then).
+ */
+static gboolean
+enter_vm(PfScanner *s, PfVm *vm)
+{
+    g_autoptr(GPtrArray) gone = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
+    g_autoptr(GPtrArray) added = g_ptr_array_new();
+    g_autoptr(GError) error = NULL;
+
+    if (!pf_vm_refresh(vm, gone, added, &error) || !check_dropped(s, vm, &error)) {
+        pf_scanner_detach(s, vm, error->message);
+        s->entered = G_MAXUINT;
+        return FALSE;
+    }
+    for (guint k = 0; k < gone->len; k++) {
+        vms_release_region(s, g_ptr_array_index(gone, k), NULL);
+    }
+    for (guint k = 0; k < added->len; k++) {
+        PfRegion *r = g_ptr_array_index(added, k);
+
+        if (!vms_place_region(s, r)) {
+            g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
+            pf_region_free(pf_vm_steal_region(vm, r->index));
+        }
+    }
+    if (pf_vm_merges(vm)) {
+        vm->vmas = pf_vm_count_vmas(vm);
+        vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
+    }
+    return TRUE;
+}
+
+static void
+end_pass(PfScanner *s)
+{
+    moves_make_joins(s);
+    s->in_pass = FALSE;
+    s->full_scans++;
+    s->last_pass_usec = (guint64)(g_get_monotonic_time() - s->pass_start_usec);
+}
+
+/*
+ * How many pages of vm the cursor may take now.  A merging VM's agent
+ * answers at its own pace: while its outbox has no room for more requests
+ * the cursor waits there (0), and goes on as answers come; a VM being
+ * unmerged, or whose agent has answered nothing for a while, is passed
+ * over for this pass (*skip).
+ */
+static gsize
+vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
+{
+    gsize room;
+
+    *skip = vm->unmerging;
+    if (*skip || vm->outbox == NULL) {
+        return G_MAXSIZE;
+    }
+    /* A visit asks for two pages at most (a pair from the unstable tree). */
+    room = pf_outbox_room(vm->outbox) / 2;
+    if (room == 0 && pf_scanner_agent_silent(vm)) {
+        g_debug("VM %s: its agent has answered nothing for %" G_GINT64_FORMAT
+                " ms: passed over", vm->name, pf_outbox_waiting_usec(vm->outbox) / 1000);
+        scan_emit_passed_over(s, vm);
+        *skip = TRUE;
+    }
+    return room;
+}
+
+/* One step of the cursor within VM vm, up to max pages: returns the pages
+ * visited or stepped over. */
+static gsize
+scan_step(PfScanner *s, PfVm *vm, gsize max)
+{
+    PfRegion *r;
+
+    if (s->cur_region >= vm->regions->len) {
+        vm->full_scans++;
+        cursor_to_vm(s, s->cur_vm + 1);
+        return 0;
+    }
+    r = g_ptr_array_index(vm->regions, s->cur_region);
+    if (s->cur_page >= r->n_pages) {
+        s->cur_region++;
+        s->cur_page = 0;
+        s->data_end = 0;
+        return 0;
+    }
+    if (s->cur_page >= s->data_end) {
+        gsize from = s->cur_page;
+
+        /* Holes count as visited: batch_size() paces passes over all
+         * pages, and merged pages are holes too. */
+        find_data(s, r, max);
+        return s->cur_page - from;
+    }
+    return scan_range(s, r, MIN(max, s->data_end - s->cur_page));
+}
+
+gsize
+pf_scanner_scan(PfScanner *s, gsize max_pages)
+{
+    gsize done = 0;
+
+    s->blocked = FALSE;
+    while (done < max_pages && !(done > 0 && past_slice(s))) {
+        PfVm *vm;
+        gsize room;
+        gboolean skip;
+
+        if (!s->in_pass && !begin_pass(s)) {
+            break;
+        }
+        if (s->cur_vm >= s->vms->len) {
+            end_pass(s);
+            break;
+        }
+        vm = g_ptr_array_index(s->vms, s->cur_vm);
+        if (s->entered != s->cur_vm) {
+            s->entered = s->cur_vm;
+            if (!enter_vm(s, vm)) {
+                continue;
+            }
+        }
+        room = vm_room(s, vm, &skip);
+        if (skip) {
+            cursor_to_vm(s, s->cur_vm + 1);
+            continue;
+        }
+        if (room == 0) {
+            s->blocked = TRUE;
+            break;
+        }
+        done += scan_step(s, vm, MIN(max_pages - done, room));
+    }
+    for (guint i = 0; i < s->vms->len; i++) {
+        scan_flush(g_ptr_array_index(s->vms, i));
+    }
+    return done;
+}
+
+gsize
+pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec)
+{
+    guint64 scans = s->full_scans;
+    gsize done = 0;
+
+    s->slice_end = g_get_monotonic_time() + usec;
+    while (done < max_pages) {
+        gsize n = pf_scanner_scan(s, MIN(max_pages - done, 4096));
+
+        done += n;
+        if (n == 0 || s->blocked || s->full_scans != scans || past_slice(s)) {
+            break;
+        }
+    }
+    s->slice_end = 0;
+    return done;
+}
+
+void
+pass_vm_removed(PfScanner *s, guint idx)
+{
+    if (idx < s->cur_vm) {
+        s->cur_vm--;
+        s->entered -= s->entered != G_MAXUINT;
+    } else if (idx == s->cur_vm) {
+        s->entered = G_MAXUINT;
+        cursor_to_vm(s, s->cur_vm);
+    }
+}
+
+void
+pass_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
+{
+    if (s->cur_vm >= s->vms->len || g_ptr_array_index(s->vms, s->cur_vm) != vm) {
+        return;
+    }
+    if (removed && k < s->cur_region) {
+        s->cur_region--;
+    } else if (k == s->cur_region) {
+        s->cur_page = 0;
+        s->data_end = 0;
+    }
+}

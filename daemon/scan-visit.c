@@ -1,0 +1,331 @@
+/*
+ * scan-visit.c - one visit of a page, in KSM's order (scan.h): smart scan,
+ * the checksum, zero pages, the stable tree, then the unstable tree, as
+ * mm/ksm.c's cmp_and_merge_page() does with stable_tree_search() and
+ * unstable_tree_search_insert().
+ *
+ * Owns the decision for one page; what a decision does to slots goes
+ * through the ledger, what it asks of an agent through requests, and a
+ * page its VM may not yet read through the moves.  Never reads a page that
+ * is not in memory, and never blocks.
+ */
+#include "scan-internal.h"
+
+#include <string.h>
+#include <sys/mman.h>
+
+/* A page discarded since it was seen, or swapped out, is not read (that
+ * would allocate it, or swap it in).  The VMM may discard it right after
+ * this: a window of a memcmp. */
+gboolean
+visit_in_memory(const guint8 *page)
+{
+    unsigned char v = 0;
+
+    return mincore((void *)page, PF_PAGE_SIZE, &v) == 0 && (v & 1);
+}
+
+/* Is another guest page equal to data?  Not if it is not in memory. */
+static gboolean
+page_equal(PfScanner *s, const guint8 *data, guint32 other)
+{
+    const guint8 *o = page_data(s, other);
+
+    if (!visit_in_memory(o)) {
+        return FALSE;
+    }
+    s->memcmp_calls++;
+    return memcmp(data, o, PF_PAGE_SIZE) == 0;
+}
+
+/* Is data the content a stable node stands for: its pool slot once
+ * merged, its first guest page in advise mode? */
+static gboolean
+node_equal(PfScanner *s, const guint8 *data, const PfStableNode *n)
+{
+    if (n->slot == PF_POOL_SLOT_NONE) {
+        return page_equal(s, data, n->members[0]);
+    }
+    s->memcmp_calls++;
+    return memcmp(data, pf_pool_data(s->pool, n->slot), PF_PAGE_SIZE) == 0;
+}
+
+static guint
+skip_age(guint age)
+{
+    if (age <= 3) {
+        return 1;
+    }
+    if (age <= 5) {
+        return 2;
+    }
+    if (age <= 8) {
+        return 4;
+    }
+    return 8;
+}
+
+/* KSM's smart scan (6.7): a page gets three visits at full rate, then is
+ * skipped for 1, 2, 4 and at most 8 passes between visits while it keeps
+ * failing to merge. */
+static gboolean
+smart_skip(PfPage *p)
+{
+    guint age = p->age;
+
+    if (age != G_MAXUINT8) {
+        p->age++;
+    }
+    if (age < 3) {
+        return FALSE;
+    }
+    if (p->skips == 0) {
+        p->skips = skip_age(age);
+        return FALSE;
+    }
+    p->skips--;
+    return TRUE;
+}
+
+/*
+ * Advise mode: does a page that would be merged still hold what it
+ * shares?  A merged page would have left by copy-on-write.  A sharer must
+ * still equal its node's first page (memcmp, no checksum needed); the
+ * first page itself must keep the node's checksum; a zero page must be
+ * zero.  TRUE when it does (nothing more to do); else it leaves, with its
+ * checksum in *c, and is judged like any other.
+ */
+static gboolean
+advise_still_shares(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *data,
+                    guint64 *c)
+{
+    if (p->state == PF_PAGE_SHARED) {
+        const PfStableNode *n = node_at(s, p->node);
+        guint32 node = p->node;
+
+        if (n->members[0] != id) {
+            if (page_equal(s, data, n->members[0])) {
+                return TRUE;
+            }
+            *c = s->hash(data);
+        } else if ((*c = s->hash(data)) == n->checksum) {
+            return TRUE;
+        }
+        pf_stable_tree_remove(&s->stable, id);
+        ledger_maybe_drop(s, node);
+        set_state(r, p, PF_PAGE_VOLATILE);
+    } else if (p->state == PF_PAGE_ZERO) {
+        if (pf_page_is_zero(data)) {
+            return TRUE;
+        }
+        *c = s->hash(data);
+        set_state(r, p, PF_PAGE_VOLATILE);
+    } else {
+        *c = s->hash(data);
+    }
+    return FALSE;
+}
+
+/* A zero page: merged with a zero slot (a merging VM), or counted zero
+ * (advise mode).  FALSE when it stays to be judged as any page: a merging
+ * VM at its mapping budget, which waits unshared. */
+static gboolean
+visit_zero(PfScanner *s, PfRegion *r, PfPage *p, guint32 id)
+{
+    if (can_merge(r->vm)) {
+        g_autoptr(GError) error = NULL;
+        PfVm *vm = r->vm;
+        gboolean run = vm->run_kind == PF_ITEM_ZERO && id == vm->run_next_page;
+        guint32 zslot = pf_pool_zero_slot(pf_scanner_get_pool(s),
+                                          run ? vm->run_next_slot - 1 : PF_POOL_SLOT_NONE,
+                                          &error);
+
+        if (zslot != PF_POOL_SLOT_NONE) {
+            request_page(s, r, p, id, PF_ITEM_ZERO, zslot, 0, 0);
+        } else {
+            g_warning("pool: %s", error->message);
+        }
+        return TRUE;
+    }
+    if (!pf_vm_merges(r->vm)) {
+        mark_merged(r, p, PF_PAGE_ZERO);
+        return TRUE;
+    }
+    return FALSE;
+}
+
+/* KSM's stable_tree_search(): an equal canonical page of the VM's merge
+ * domain, with room, takes the page as one more sharer.  TRUE when it
+ * did (or the page waits to join it at the pass's end). */
+static gboolean
+stable_search(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *data, guint64 c)
+{
+    gboolean merge_domain = pf_vm_merges(r->vm), merging = can_merge(r->vm);
+    PfTableIter it;
+    guint32 other;
+
+    pf_table_iter_init(&it, &s->stable.table, c);
+    while (merging || !merge_domain) {
+        const PfStableNode *n;
+
+        if ((other = pf_table_iter_next(&it)) == 0) {
+            break;
+        }
+        s->stable_nodes_examined++;
+        n = node_at(s, other);
+        /* Full nodes are not listed, unless max_page_sharing was lowered
+         * this pass (begin_pass()). */
+        if ((n->slot != PF_POOL_SLOT_NONE) != merge_domain ||
+            n->domain != pf_vm_domain_key(r->vm) ||
+            ledger_sharers(s, n) >= s->knobs.max_page_sharing || !node_equal(s, data, n)) {
+            continue;
+        }
+        if (merging && !pf_pool_readable(s->pool, n->slot, r->vm->serial)) {
+            moves_wait_to_join(s, r, p, id, other);
+        } else if (merging) {
+            moves_join(s, r, p, id, other);
+        } else {
+            pf_stable_tree_add(&s->stable, other, id);
+            ledger_relist(s, other);
+            mark_merged(r, p, PF_PAGE_SHARED);
+        }
+        return TRUE;
+    }
+    return FALSE;
+}
+
+/* Whether the unstable tree's page other can pair with page id of r now. */
+static gboolean
+pair_candidate(PfScanner *s, PfRegion *r, guint32 id, const guint8 *data, guint32 other)
+{
+    PfRegion *orr = region_of(s, other);
+    const PfPage *o = pf_page_space_page(&s->space, other);
+    gboolean merging = can_merge(r->vm);
+
+    return other != id && o != NULL && o->state == PF_PAGE_UNSHARED &&
+           can_merge(orr->vm) == merging && pf_vm_merges(orr->vm) == pf_vm_merges(r->vm) &&
+           pf_vm_domain_key(orr->vm) == pf_vm_domain_key(r->vm) &&
+           /* The pair's other request goes to its own agent, which has as
+            * much to answer as its outbox takes: not now. */
+           !(merging && pf_outbox_room(orr->vm->outbox) == 0) && page_equal(s, data, other);
+}
+
+/* The canonical copy of a pair, in the two VMs' own chunk (pool.h: a VM
+ * whose pages join it later is sent its chunk, or it moves); checked
+ * against both pages again, since either may have changed while it was
+ * copied.  *failed when no slot could be had. */
+static guint32
+pair_slot(PfScanner *s, PfRegion *r, const guint8 *data, guint32 other, gboolean *failed)
+{
+    g_autoptr(GError) error = NULL;
+    PfVm *ovm = region_of(s, other)->vm;
+    guint32 vms[2] = { MIN(r->vm->serial, ovm->serial), MAX(r->vm->serial, ovm->serial) };
+    guint32 slot = ledger_new_slot(s, vms, vms[0] == vms[1] ? 1 : 2, data, &error);
+
+    if (slot == PF_POOL_SLOT_NONE) {
+        g_warning("pool: %s", error->message);
+        *failed = TRUE;
+        return PF_POOL_SLOT_NONE;
+    }
+    if (!visit_in_memory(page_data(s, other)) ||
+        memcmp(pf_pool_data(s->pool, slot), page_data(s, other), PF_PAGE_SIZE) != 0 ||
+        memcmp(pf_pool_data(s->pool, slot), data, PF_PAGE_SIZE) != 0) {
+        ledger_put(s, slot, 0);
+        return PF_POOL_SLOT_NONE;
+    }
+    return slot;
+}
+
+/* KSM's unstable_tree_search_insert(): an equal candidate and this page
+ * become a new stable node; else the page becomes a candidate. */
+static void
+unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *data,
+                       guint64 c)
+{
+    gboolean merge_domain = pf_vm_merges(r->vm), merging = can_merge(r->vm);
+    PfTableIter it;
+    guint32 other;
+
+    pf_table_iter_init(&it, &s->unstable.table, c);
+    while (merging || !merge_domain) {
+        PfRegion *orr;
+        PfPage *o;
+        guint32 node, slot = PF_POOL_SLOT_NONE;
+        gboolean failed = FALSE;
+
+        if ((other = pf_table_iter_next(&it)) == 0) {
+            break;
+        }
+        if (!pair_candidate(s, r, id, data, other)) {
+            continue;
+        }
+        if (merging && (slot = pair_slot(s, r, data, other, &failed)) == PF_POOL_SLOT_NONE) {
+            if (failed) {
+                break;
+            }
+            continue;
+        }
+        orr = region_of(s, other);
+        o = pf_region_page(orr, other - orr->base);
+        pf_table_remove(&s->unstable.table, c, other);
+        node = pf_stable_tree_create(&s->stable, c, slot, pf_vm_domain_key(r->vm));
+        if (merging) {
+            ledger_take(s, slot, 0);
+            request_page(s, orr, o, other, PF_ITEM_MERGE, slot, node, 0);
+            ledger_take(s, slot, 0);
+            request_page(s, r, p, id, PF_ITEM_MERGE, slot, node, 0);
+        } else {
+            pf_stable_tree_add(&s->stable, node, other);
+            mark_merged(orr, o, PF_PAGE_SHARED);
+            pf_stable_tree_add(&s->stable, node, id);
+            mark_merged(r, p, PF_PAGE_SHARED);
+        }
+        ledger_relist(s, node); /* max_page_sharing may be 2 */
+        return;
+    }
+
+    pf_table_insert(&s->unstable.table, c, id);
+    set_state(r, p, PF_PAGE_UNSHARED);
+}
+
+void
+visit_page(PfScanner *s, PfRegion *r, gsize idx)
+{
+    guint32 id = r->base + (guint32)idx;
+    PfPage *p = pf_region_page_make(r, idx);
+    const guint8 *data = r->map + idx * PF_PAGE_SIZE;
+    guint64 c;
+
+    if (p == NULL || p->state == PF_PAGE_PENDING) {
+        return; /* no memory for its record; or its agent has it */
+    }
+    if (pf_vm_merges(r->vm) && (p->state == PF_PAGE_SHARED || p->state == PF_PAGE_ZERO)) {
+        /* Merged: nothing to read.  A merged page is a hole of the memfd,
+         * where copy-on-write is looked for; one found among data (its
+         * fold-back failed after copying, or its punch only zeroed it: a
+         * huge page that could not be split) is looked at here. */
+        cow_check_merged(s, r, idx, idx + 1);
+        return;
+    }
+    if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO &&
+        smart_skip(p)) {
+        r->vm->pages_skipped++;
+        return;
+    }
+    r->vm->pages_scanned++;
+    if (advise_still_shares(s, r, p, id, data, &c)) {
+        return;
+    }
+    if (p->state == PF_PAGE_ABSENT || c != p->checksum) {
+        p->checksum = c;
+        set_state(r, p, PF_PAGE_VOLATILE);
+        return;
+    }
+    if (s->knobs.use_zero_pages && c == s->zero_checksum && pf_page_is_zero(data) &&
+        visit_zero(s, r, p, id)) {
+        return;
+    }
+    if (!stable_search(s, r, p, id, data, c)) {
+        unstable_search_insert(s, r, p, id, data, c);
+    }
+}
