@@ -15,6 +15,7 @@
 #include <glib.h>
 #include <sys/types.h>
 
+#include "label.h"
 #include "outbox.h"
 #include "page.h"
 #include "proto.h"
@@ -142,20 +143,6 @@ PfRegion *pf_vm_steal_region(PfVm *vm, guint k);
 /* The VM's UUID as text (36 characters and a NUL into buf), or NULL if it
  * has none. */
 const char *pf_vm_uuid_string(const PfVm *vm, char buf[37]);
-/* Parses a UUID written as 32 hex digits, in 8-4-4-4-12 groups or not. */
-gboolean pf_uuid_parse(const char *text, guint8 uuid[16]);
-/* A UUID as text: 36 characters, lowercase 8-4-4-4-12, and a NUL into buf;
- * returns buf. */
-const char *pf_uuid_format(const guint8 uuid[16], char buf[37]);
-/* The longest label of a VM: its name, its merge domain. */
-#define PF_MAX_LABEL_LEN 128
-/*
- * Whether text may label a VM, as its name or its merge domain: 1 to
- * PF_MAX_LABEL_LEN bytes of UTF-8 without control characters.  what ("a
- * VM name", "a merge domain") begins the error's message.  The control
- * socket and the libvirt hook hold labels to this one rule.
- */
-gboolean pf_label_is_valid(const char *what, const char *text, GError **error);
 /*
  * Whether fd may be taken as guest RAM that the process of proc_dir maps at
  * host_addr..host_addr + size from offset: a memfd (shmem, 4 KiB pages)

@@ -1,5 +1,16 @@
 /*
- * domain-xml.c - see domain-xml.h.
+ * domain-xml.c - the domain XML on the hook's stdin (see domain-xml.h):
+ * read whole within the deadline, then parsed by GMarkup, which leaves
+ * namespaces to its user, so this file resolves them itself (a stack of
+ * frames, one per open element, with the declarations made on it) and
+ * keeps only the few elements the hook looks at.
+ *
+ * Owns the frames of one parse, and the strings of the Domain it fills
+ * (domain_clear()).  Must never touch pagefoldd, the file system or any
+ * descriptor but stdin, never wait past the deadline it is given, never
+ * read a DTD or expand an external entity, and never call into hook.c or
+ * start-pagefoldd.c: what it needs of the hook comes as arguments (the
+ * deadline, argv's NAME), and it only calls down into hook-common.c.
  */
 #include "domain-xml.h"
 
@@ -9,9 +20,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "hook.h"
+#include "hook-common.h"
+#include "label.h"
 #include "util.h"
-#include "vm.h"
 
 /* Domain XML beyond this is not read: libvirt's are a few KiB. */
 #define MAX_XML_BYTES (16u << 20)

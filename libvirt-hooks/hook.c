@@ -19,10 +19,11 @@
  * leave a process holding its stdout or stderr (libvirtd reads them to
  * EOF).
  *
- * This file has the arguments, the saying, the control calls, the
- * operations and main(); the domain XML is read and parsed in
- * domain-xml.c, pagefoldd started in start-pagefoldd.c, and what they
- * share is in hook.h.
+ * This file has the arguments, the operations and main(), and calls down
+ * into the others, never the other way: the domain XML is read and parsed
+ * in domain-xml.c, pagefoldd started in start-pagefoldd.c, and what all
+ * three share (the Hook, saying what it does, control calls) is in
+ * hook-common.c, which calls none of them.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -30,21 +31,17 @@
 #include <glib.h>
 #include <json-glib/json-glib.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "client.h"
-#include "libvirt-status.h"
 #include "domain-xml.h"
+#include "hook-common.h"
 #include "hook-config.h"
-#include "hook.h"
+#include "label.h"
+#include "libvirt-status.h"
 #include "start-pagefoldd.h"
 #include "util.h"
-#include "vm.h"
-
-/* The longest wait for one control call, within HOOK_DEADLINE_MS. */
-#define CALL_TIMEOUT_MS 1000
 
 #define DEFAULT_RUN_DIR "/run/libvirt/qemu"
 #define DEFAULT_LOG_DIR "/var/log/libvirt/qemu"
@@ -64,42 +61,7 @@ static const char usage_text[] =
     "  --run-dir DIR          where libvirt keeps NAME.xml, the domain's status (" DEFAULT_RUN_DIR ")\n"
     "  --log-dir DIR          libvirt's per-domain logs (" DEFAULT_LOG_DIR ")\n";
 
-/* ---- saying what it does ---- */
-
-int
-hook_ms_left(gint64 deadline)
-{
-    gint64 left = deadline - g_get_monotonic_time();
-
-    return left <= 0 ? 0 : (int)((left + 999) / 1000);
-}
-
-void
-hook_say(Hook *h, const char *fmt, ...)
-{
-    g_autofree char *msg = NULL;
-    g_autoptr(GString) line = g_string_new("pagefold-hook: ");
-    va_list ap;
-
-    va_start(ap, fmt);
-    msg = g_strdup_vprintf(fmt, ap);
-    va_end(ap);
-    if (h->name != NULL) {
-        g_string_append_printf(line, "%s %s %s: ", h->name, h->op, h->subop);
-    }
-    g_string_append(line, msg);
-    for (gsize i = 0; i < line->len; i++) {
-        if (g_ascii_iscntrl(line->str[i])) {
-            line->str[i] = '?';
-        }
-    }
-    g_string_append_c(line, '\n');
-    /* One write each: O_APPEND keeps a line whole among QEMU's. */
-    (void)!write(STDERR_FILENO, line->str, line->len);
-    if (h->log_fd >= 0) {
-        (void)!write(h->log_fd, line->str, line->len);
-    }
-}
+/* ---- the domain's name and log ---- */
 
 /* The domain's name as a file name: libvirt refuses '/' in names, but the
  * hook makes paths of it as root, so it checks again. */
@@ -195,53 +157,6 @@ parse_args(Hook *h, int argc, char **argv, GError **error)
     return TRUE;
 }
 
-/* ---- pagefoldd ---- */
-
-static JsonNode *
-request_new(const char *command, JsonBuilder *args)
-{
-    g_autoptr(JsonBuilder) b = json_builder_new();
-
-    json_builder_begin_object(b);
-    json_builder_set_member_name(b, "execute");
-    json_builder_add_string_value(b, command);
-    if (args != NULL) {
-        json_builder_set_member_name(b, "arguments");
-        json_builder_add_value(b, json_builder_get_root(args));
-    }
-    json_builder_end_object(b);
-    return json_builder_get_root(b);
-}
-
-/*
- * One control call within what is left of the deadline; returns a copy of
- * the reply's "return".  Errors: pagefoldd's own refusal is
- * PF_CLIENT_ERROR_REFUSED with its desc; not reaching it is
- * pf_client_call()'s (pf_client_execute()).
- */
-static JsonNode *
-control(Hook *h, JsonNode *request, GError **error)
-{
-    int timeout = MIN(hook_ms_left(h->deadline), CALL_TIMEOUT_MS);
-
-    if (timeout <= 0) {
-        g_set_error(error, G_IO_ERROR, G_IO_ERROR_TIMED_OUT,
-                    "no time left to ask pagefoldd (the hook's deadline is %d ms)",
-                    HOOK_DEADLINE_MS);
-        return NULL;
-    }
-    return pf_client_execute(h->socket_path, request, timeout, error);
-}
-
-gboolean
-hook_ping(Hook *h, GError **error)
-{
-    g_autoptr(JsonNode) req = request_new("qmp_capabilities", NULL);
-    g_autoptr(JsonNode) ret = control(h, req, error);
-
-    return ret != NULL;
-}
-
 /* ---- the operations ---- */
 
 /* prepare, start: pagefoldd runs before QEMU does (its agent connects at
@@ -330,7 +245,7 @@ request_vm(const char *command, const char *vm, const char *name)
         json_builder_add_string_value(args, name);
     }
     json_builder_end_object(args);
-    return request_new(command, args);
+    return hook_request_new(command, args);
 }
 
 /*
@@ -345,7 +260,7 @@ set_merge_domain(Hook *h, int pid, JsonObject *vm, const char *domain)
     g_autoptr(GError) error = NULL;
     g_autofree char *key = g_strdup_printf("%d", pid);
     g_autoptr(JsonNode) req = request_vm("merge-domain", key, domain);
-    g_autoptr(JsonNode) ret = control(h, req, &error);
+    g_autoptr(JsonNode) ret = hook_control(h, req, &error);
     g_autoptr(JsonNode) dreq = NULL;
     g_autoptr(JsonNode) done = NULL;
 
@@ -362,7 +277,7 @@ set_merge_domain(Hook *h, int pid, JsonObject *vm, const char *domain)
         error->message);
     g_clear_error(&error);
     dreq = request_vm("detach", key, NULL);
-    done = control(h, dreq, &error);
+    done = hook_control(h, dreq, &error);
     if (done != NULL) {
         hook_say(h, "detached pid %d rather than let it share pages outside merge domain '%s'",
             pid, domain);
@@ -408,8 +323,8 @@ op_attach(Hook *h, const Domain *dom)
      * patched QEMU's agent (mem-merge=off) has attached it in advise mode,
      * with no RAM to scan, to say so; no other QEMU is attached. */
     if (dom->nosharepages) {
-        g_autoptr(JsonNode) lreq = request_new("list", NULL);
-        g_autoptr(JsonNode) list = control(h, lreq, &error);
+        g_autoptr(JsonNode) lreq = hook_request_new("list", NULL);
+        g_autoptr(JsonNode) list = hook_control(h, lreq, &error);
 
         hook_say(h, "<memoryBacking><nosharepages/>: never merged; %s",
                  find_by_pid(as_array(list), pid) != NULL
@@ -429,8 +344,8 @@ op_attach(Hook *h, const Domain *dom)
         json_builder_add_string_value(args, dom->merge_domain);
     }
     json_builder_end_object(args);
-    req = request_new("attach", args);
-    ret = control(h, req, &error);
+    req = hook_request_new("attach", args);
+    ret = hook_control(h, req, &error);
     if (ret != NULL) {
         JsonObject *o = JSON_NODE_HOLDS_OBJECT(ret) ? json_node_get_object(ret) : NULL;
         JsonNode *regions = o ? json_object_get_member(o, "regions") : NULL;
@@ -453,8 +368,8 @@ op_attach(Hook *h, const Domain *dom)
      * or not attachable.  The list says which. */
     {
         g_autoptr(GError) lerr = NULL;
-        g_autoptr(JsonNode) lreq = request_new("list", NULL);
-        g_autoptr(JsonNode) list = control(h, lreq, &lerr);
+        g_autoptr(JsonNode) lreq = hook_request_new("list", NULL);
+        g_autoptr(JsonNode) list = hook_control(h, lreq, &lerr);
 
         vm = find_by_pid(as_array(list), pid);
         if (vm != NULL) {
@@ -482,7 +397,7 @@ op_detach(Hook *h, const Domain *dom)
 {
     g_autoptr(GError) error = NULL;
     g_autoptr(GError) pid_error = NULL;
-    g_autoptr(JsonNode) lreq = request_new("list", NULL);
+    g_autoptr(JsonNode) lreq = hook_request_new("list", NULL);
     g_autoptr(JsonNode) list = NULL;
     g_autoptr(JsonNode) sreq = NULL;
     g_autoptr(JsonNode) dreq = NULL;
@@ -500,7 +415,7 @@ op_detach(Hook *h, const Domain *dom)
     }
     /* Gone by release; there during stopped, though QEMU has exited. */
     pid = pf_libvirt_domain_pid(h->run_dir, h->name, &pid_error);
-    list = control(h, lreq, &error);
+    list = hook_control(h, lreq, &error);
     if (list == NULL) {
         hook_say(h, "cannot ask pagefoldd (%s): nothing detached", error->message);
         return;
@@ -542,7 +457,7 @@ op_detach(Hook *h, const Domain *dom)
     key = g_strdup_printf("%d", pid);
 
     sreq = request_vm("stats", key, NULL);
-    stats = control(h, sreq, &error);
+    stats = hook_control(h, sreq, &error);
     if (stats != NULL && JSON_NODE_HOLDS_OBJECT(stats)) {
         JsonObject *vm = find_by_pid(
             as_array(json_object_get_member(json_node_get_object(stats), "vms")), pid);
@@ -564,7 +479,7 @@ op_detach(Hook *h, const Domain *dom)
     g_clear_error(&error);
 
     dreq = request_vm("detach", key, NULL);
-    done = control(h, dreq, &error);
+    done = hook_control(h, dreq, &error);
     if (done != NULL) {
         hook_say(h, "detached VM '%s' (pid %d); final figures: %s",
             member_str(mine, "name") ? member_str(mine, "name") : "?", pid, figures->str);

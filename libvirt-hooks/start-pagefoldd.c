@@ -1,5 +1,17 @@
 /*
- * start-pagefoldd.c - see start-pagefoldd.h.
+ * start-pagefoldd.c - starting pagefoldd where it does not answer (see
+ * start-pagefoldd.h): systemctl, bounded and killed at the deadline,
+ * where systemd is PID 1; else pagefoldd itself, forked twice into a
+ * session of its own with nothing of the hook's but its log, one hook at
+ * a time (a lock on that log); then a bounded wait for it to answer.
+ *
+ * Owns, while it runs, the lock on pagefoldd's log and the pipes to what
+ * it spawns; nothing once it returns but the pagefoldd it started.  Must
+ * never leave a process holding the hook's stdout or stderr (libvirtd
+ * reads them to EOF), never hand pagefoldd a descriptor of the hook's,
+ * never wait past the hook's deadline, and never call into hook.c or
+ * domain-xml.c: it says what it does, and asks whether pagefoldd answers,
+ * through hook-common.c.
  */
 #include "start-pagefoldd.h"
 

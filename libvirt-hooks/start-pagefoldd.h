@@ -12,7 +12,7 @@
  */
 #pragma once
 
-#include "hook.h"
+#include "hook-common.h"
 
 /* What systemd starts pagefoldd as. */
 #define SYSTEMD_UNIT "pagefoldd.service"

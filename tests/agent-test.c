@@ -121,7 +121,7 @@ test_merge_exact(void)
     gint64 vmas_before[3], vmas;
     gint64 pss_before = 0, pss_after = 0;
     guint64 ram[3];
-    int daemon_pid = atoi(g_subprocess_get_identifier(d->proc));
+    int daemon_pid = pf_test_daemon_pid(d);
 
     for (int i = 0; i < 3; i++) {
         g_autofree char *name = g_strdup_printf("vm%d", i);
@@ -340,7 +340,7 @@ test_pool_apart(void)
 static gint64
 pool_kib_after(PfTestDaemon *d, Vmm **v, JsonObject **s, guint *chunks)
 {
-    int daemon_pid = atoi(g_subprocess_get_identifier(d->proc));
+    int daemon_pid = pf_test_daemon_pid(d);
     gint64 kib;
 
     /* Copy-on-write is found, folded back, slots freed, sparse chunks

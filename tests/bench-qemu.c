@@ -234,7 +234,7 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
                                                   pass_ms ? pass_ms : "500");
 
         d = pf_test_daemon_start("--set", "run=0", "--set", target, NULL);
-        daemon_pid = atoi(g_subprocess_get_identifier(d->proc));
+        daemon_pid = pf_test_daemon_pid(d);
         daemon_stat = g_strdup_printf("/proc/%d/stat", daemon_pid);
     }
     for (int i = 0; i < n_guests; i++) {

@@ -1218,7 +1218,7 @@ run_case(GPtrArray *rows, const char *layout, gboolean want_mixed, gboolean want
                                                 : 120 + 60.0 * gib;
     d = pf_test_daemon_start("--set", "run=0", NULL);
     c.d = d;
-    c.daemon_pid = atoi(g_subprocess_get_identifier(d->proc));
+    c.daemon_pid = pf_test_daemon_pid(d);
     ctl = ctl_new(d->sock);
     c.ctl = ctl;
     c.knobs = set_knobs(ctl, knob_spec, &error);

@@ -340,21 +340,13 @@ dom_log(const Dom *d)
     return text ? text : g_strdup("");
 }
 
-static JsonObject *
-listed(const char *name)
-{
-    g_autoptr(JsonNode) list = pf_test_ctl_json(&lv.ctl, "list", NULL);
-    JsonObject *vm = pf_test_find_vm(json_node_get_array(list), name);
-
-    return vm ? json_object_ref(vm) : NULL;
-}
-
 /* Waits for the VM to be listed with mode; returns its entry. */
 static JsonObject *
 wait_listed(const Dom *d, const char *mode)
 {
     for (int i = 0; i < BOOT_S * 5; i++) {
-        g_autoptr(JsonObject) vm = pagefoldd_pid() > 0 ? listed(d->name) : NULL;
+        g_autoptr(JsonObject) vm =
+            pagefoldd_pid() > 0 ? pf_test_listed_vm(&lv.ctl, d->name) : NULL;
 
         if (vm != NULL && g_str_equal(json_object_get_string_member(vm, "mode"), mode)) {
             return g_steal_pointer(&vm);
@@ -368,7 +360,7 @@ static void
 wait_unlisted(const Dom *d)
 {
     for (int i = 0; i < 300; i++) {
-        g_autoptr(JsonObject) vm = listed(d->name);
+        g_autoptr(JsonObject) vm = pf_test_listed_vm(&lv.ctl, d->name);
 
         if (vm == NULL) {
             return;
@@ -381,17 +373,17 @@ wait_unlisted(const Dom *d)
 static gint64
 stat_of(const char *vm_name, const char *counter)
 {
-    g_autoptr(JsonNode) st = pf_test_ctl_json(&lv.ctl, "stats", NULL);
-    JsonObject *o = json_node_get_object(st);
+    g_autoptr(JsonNode) st = NULL;
+    JsonObject *o;
 
-    if (vm_name == NULL) {
-        return json_object_has_member(o, counter)
-                   ? json_object_get_int_member(o, counter)
-                   : json_object_get_int_member(json_object_get_object_member(o, "total"),
-                                                counter);
+    if (vm_name != NULL) {
+        return pf_test_vm_counter(&lv.ctl, vm_name, counter);
     }
-    o = pf_test_find_vm(json_object_get_array_member(o, "vms"), vm_name);
-    return o ? json_object_get_int_member(o, counter) : -1;
+    st = pf_test_ctl_json(&lv.ctl, "stats", NULL);
+    o = json_node_get_object(st);
+    return json_object_has_member(o, counter)
+               ? json_object_get_int_member(o, counter)
+               : json_object_get_int_member(json_object_get_object_member(o, "total"), counter);
 }
 
 static void
@@ -481,7 +473,7 @@ test_merge_domains(void)
                                                 specs[i]->merge_domain); t++) {
             g_usleep(100000);
             json_object_unref(vm);
-            vm = listed(all[i]->name);
+            vm = pf_test_listed_vm(&lv.ctl, all[i]->name);
         }
         g_assert_cmpstr(json_object_get_string_member(vm, "merge_domain"), ==,
                         specs[i]->merge_domain);

@@ -911,12 +911,6 @@ holds_inode(int pid, guint64 ino)
     return strstr(text, needle) != NULL;
 }
 
-static int
-daemon_pid(PfTestDaemon *d)
-{
-    return atoi(g_subprocess_get_identifier(d->proc));
-}
-
 /*
  * Memory hotplug: a memfd DIMM plugged into a merging VM is handed to the
  * agent and merges (the guest fills part of it, and checks it); unplugged
@@ -983,7 +977,7 @@ test_hotplug(void)
         g_usleep(100000);
     }
     g_assert_false(holds_inode(g->pid, ino));
-    g_assert_false(holds_inode(daemon_pid(d), ino));
+    g_assert_false(holds_inode(pf_test_daemon_pid(d), ino));
     guest_passes(g);
 }
 

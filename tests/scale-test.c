@@ -76,28 +76,6 @@ vmm_start(PfTestDaemon *d, const char *name, guint mib, const char *first, ...)
     return v;
 }
 
-/* The VM's object in stats, or NULL when it is not attached. */
-static JsonObject *
-vm_stats(PfTestDaemon *d, const char *name)
-{
-    JsonNode *n = pf_test_ctl_json(d, "stats", NULL);
-    JsonObject *o = pf_test_find_vm(
-        json_object_get_array_member(json_node_get_object(n), "vms"), name);
-
-    o = o != NULL ? json_object_ref(o) : NULL;
-    json_node_unref(n);
-    return o;
-}
-
-static gint64
-vm_counter(PfTestDaemon *d, const char *name, const char *counter)
-{
-    g_autoptr(JsonObject) o = vm_stats(d, name);
-
-    g_assert_nonnull(o);
-    return json_object_get_int_member(o, counter);
-}
-
 /* ---- the control socket, timed ---- */
 
 typedef struct {
@@ -328,7 +306,8 @@ test_stuck_agent(void)
     g_assert_cmpint(kill(stuck->pid, SIGSTOP), ==, 0);
     json_node_unref(pf_test_ctl_json(d, "set", "pages_to_scan", "20000", NULL));
     json_node_unref(pf_test_ctl_json(d, "set", "sleep_millisecs", "10", NULL));
-    scans0 = vm_counter(d, "busy", "full_scans");
+    scans0 = pf_test_vm_counter(d, "busy", "full_scans");
+    g_assert_cmpint(scans0, >=, 0); /* attached */
     json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
     t0 = g_get_monotonic_time();
     while (g_get_monotonic_time() - t0 < 30 * G_USEC_PER_SEC) {
@@ -343,14 +322,14 @@ test_stuck_agent(void)
     }
     g_test_message("the stopped agent was given up after %.1f s; the slowest control answer "
                    "took %.3f s; the other VM made %" G_GINT64_FORMAT " passes meanwhile",
-                   (gone - t0) / 1e6, worst, vm_counter(d, "busy", "full_scans") - scans0);
+                   (gone - t0) / 1e6, worst, pf_test_vm_counter(d, "busy", "full_scans") - scans0);
     g_assert_cmpint(gone, !=, 0);
     /* Its pages were decided in the second pass: the timeout runs from
      * its first unanswered request. */
     g_assert_cmpfloat((gone - t0) / 1e6, >=, 3.5);
     /* Far from the seconds a wait for the stopped agent would take. */
     g_assert_cmpfloat(worst, <, 1.0);
-    g_assert_cmpint(vm_counter(d, "busy", "full_scans") - scans0, >=, 10);
+    g_assert_cmpint(pf_test_vm_counter(d, "busy", "full_scans") - scans0, >=, 10);
     ctl_free(c);
 
     g_assert_cmpint(kill(stuck->pid, SIGCONT), ==, 0);
@@ -415,7 +394,7 @@ test_unmerge_detached(void)
     g_autofree char *scanned = NULL, *reply = NULL;
 
     scanned = ctl_run(c, "{\"execute\": \"scan-now\", \"arguments\": {\"passes\": 2}}", NULL);
-    g_assert_cmpint(vm_counter(d, "x", "zero_pages"), ==, 64 * 256);
+    g_assert_cmpint(pf_test_vm_counter(d, "x", "zero_pages"), ==, 64 * 256);
     g_assert_cmpint(kill(x->pid, SIGSTOP), ==, 0);
     g_assert_cmpint(send(c->fd, unmerge, strlen(unmerge), MSG_NOSIGNAL), ==,
                     (ssize_t)strlen(unmerge));

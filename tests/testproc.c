@@ -559,19 +559,6 @@ pf_test_count_vmas_flag(int pid, guint64 start, guint64 size, const char *flag)
 
 /* A proportional set size in KiB (each physical page split among the
  * processes that map it): "Pss" or one of its parts, "Pss_Shmem". */
-JsonObject *
-pf_test_find_vm(JsonArray *vms, const char *name)
-{
-    for (guint i = 0; i < json_array_get_length(vms); i++) {
-        JsonObject *o = json_array_get_object_element(vms, i);
-
-        if (g_str_equal(json_object_get_string_member(o, "name"), name)) {
-            return o;
-        }
-    }
-    return NULL;
-}
-
 gint64
 pf_test_rollup_kib(int pid, const char *which)
 {
@@ -685,6 +672,19 @@ pf_test_write_libvirt_status(const char *dir, const char *name, const char *pid)
 }
 
 JsonObject *
+pf_test_find_vm(JsonArray *vms, const char *name)
+{
+    for (guint i = 0; i < json_array_get_length(vms); i++) {
+        JsonObject *o = json_array_get_object_element(vms, i);
+
+        if (g_str_equal(json_object_get_string_member(o, "name"), name)) {
+            return o;
+        }
+    }
+    return NULL;
+}
+
+JsonObject *
 pf_test_find_vm_pid(JsonArray *vms, int pid)
 {
     for (guint i = 0; vms != NULL && i < json_array_get_length(vms); i++) {
@@ -695,6 +695,39 @@ pf_test_find_vm_pid(JsonArray *vms, int pid)
         }
     }
     return NULL;
+}
+
+JsonObject *
+pf_test_listed_vm(PfTestDaemon *d, const char *name)
+{
+    g_autoptr(JsonNode) list = pf_test_ctl_json(d, "list", NULL);
+    JsonObject *vm = pf_test_find_vm(json_node_get_array(list), name);
+
+    return vm != NULL ? json_object_ref(vm) : NULL;
+}
+
+JsonObject *
+pf_test_vm_stats(PfTestDaemon *d, const char *name)
+{
+    g_autoptr(JsonNode) stats = pf_test_ctl_json(d, "stats", NULL);
+    JsonObject *vm = pf_test_find_vm(
+        json_object_get_array_member(json_node_get_object(stats), "vms"), name);
+
+    return vm != NULL ? json_object_ref(vm) : NULL;
+}
+
+gint64
+pf_test_vm_counter(PfTestDaemon *d, const char *name, const char *counter)
+{
+    g_autoptr(JsonObject) vm = pf_test_vm_stats(d, name);
+
+    return vm != NULL ? json_object_get_int_member(vm, counter) : -1;
+}
+
+int
+pf_test_daemon_pid(PfTestDaemon *d)
+{
+    return atoi(g_subprocess_get_identifier(d->proc));
 }
 
 int

@@ -81,6 +81,16 @@ JsonNode *pf_test_ctl_json(PfTestDaemon *d, const char *first_arg, ...) G_GNUC_N
 JsonObject *pf_test_find_vm(JsonArray *vms, const char *name);
 /* The same by pid. */
 JsonObject *pf_test_find_vm_pid(JsonArray *vms, int pid);
+/* The VM of that name in pagefoldctl list, as a new reference, or NULL. */
+JsonObject *pf_test_listed_vm(PfTestDaemon *d, const char *name);
+/* The VM of that name in pagefoldctl stats, as a new reference, or NULL
+ * when it is not attached. */
+JsonObject *pf_test_vm_stats(PfTestDaemon *d, const char *name);
+/* One of its counters in pagefoldctl stats; -1 when it is not attached, so
+ * that a test may poll until it is. */
+gint64 pf_test_vm_counter(PfTestDaemon *d, const char *name, const char *counter);
+/* pagefoldd's pid (the test's child). */
+int pf_test_daemon_pid(PfTestDaemon *d);
 /* The pid of whoever listens on a UNIX stream socket (a pagefoldd that is
  * not the test's child), or 0. */
 int pf_test_listener_pid(const char *path);

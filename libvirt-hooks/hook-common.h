@@ -1,17 +1,21 @@
 /*
- * hook.h - what the files of the libvirt hook (pagefold-libvirt-hook; see
- * hook.c) share: the Hook, that is its options, libvirt's arguments, the
- * domain's log and the one deadline; saying what it does; asking whether
- * pagefoldd answers.
+ * hook-common.h - what the files of the libvirt hook (pagefold-libvirt-hook;
+ * see hook.c) share, beneath them all: the Hook, that is its options,
+ * libvirt's arguments, the domain's log and the one deadline; saying what
+ * it does; one control call to pagefoldd within the deadline, and asking
+ * whether pagefoldd answers.
  *
- * Owns nothing at run time: main() fills the Hook once.  Must never grow
- * into a second home for what one file is about: only what more than one
- * of them needs.  Whatever uses it keeps the hook's rules (hook.c): every
- * wait bounded by the deadline, nothing on stdout.
+ * Owns nothing at run time: main() fills the Hook once.  Must never call
+ * into hook.c, domain-xml.c or start-pagefoldd.c (calls go one way: hook.c
+ * down into those, and all of them down into this), and never grow into a
+ * second home for what one file is about: only what more than one of them
+ * needs.  Whatever uses it keeps the hook's rules (hook.c): every wait
+ * bounded by the deadline, nothing on stdout.
  */
 #pragma once
 
 #include <glib.h>
+#include <json-glib/json-glib.h>
 
 /* All the hook may take, from start to exit: libvirtd waits for it. */
 #define HOOK_DEADLINE_MS 1500
@@ -43,6 +47,16 @@ int hook_ms_left(gint64 deadline);
  * pagefoldd's answers) become '?': a line is a line.
  */
 void hook_say(Hook *h, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+/* A control request: {"execute": command, "arguments": args' root}, args
+ * NULL for none. */
+JsonNode *hook_request_new(const char *command, JsonBuilder *args);
+/*
+ * One control call within what is left of h->deadline; returns a copy of
+ * the reply's "return".  Errors: pagefoldd's own refusal is
+ * PF_CLIENT_ERROR_REFUSED with its desc; not reaching it is
+ * pf_client_call()'s (pf_client_execute()).
+ */
+JsonNode *hook_control(Hook *h, JsonNode *request, GError **error);
 /* Whether pagefoldd answers on h->socket_path (qmp_capabilities) within
  * what is left of h->deadline.  Errors are those of a control call:
  * G_IO_ERROR_TIMED_OUT where something listens but does not answer. */

@@ -1,0 +1,87 @@
+/*
+ * hook-common.c - see hook-common.h.
+ */
+#include "hook-common.h"
+
+#include <gio/gio.h>
+#include <stdarg.h>
+#include <unistd.h>
+
+#include "client.h"
+
+/* The longest wait for one control call, within HOOK_DEADLINE_MS. */
+#define CALL_TIMEOUT_MS 1000
+
+int
+hook_ms_left(gint64 deadline)
+{
+    gint64 left = deadline - g_get_monotonic_time();
+
+    return left <= 0 ? 0 : (int)((left + 999) / 1000);
+}
+
+void
+hook_say(Hook *h, const char *fmt, ...)
+{
+    g_autofree char *msg = NULL;
+    g_autoptr(GString) line = g_string_new("pagefold-hook: ");
+    va_list ap;
+
+    va_start(ap, fmt);
+    msg = g_strdup_vprintf(fmt, ap);
+    va_end(ap);
+    if (h->name != NULL) {
+        g_string_append_printf(line, "%s %s %s: ", h->name, h->op, h->subop);
+    }
+    g_string_append(line, msg);
+    for (gsize i = 0; i < line->len; i++) {
+        if (g_ascii_iscntrl(line->str[i])) {
+            line->str[i] = '?';
+        }
+    }
+    g_string_append_c(line, '\n');
+    /* One write each: O_APPEND keeps a line whole among QEMU's. */
+    (void)!write(STDERR_FILENO, line->str, line->len);
+    if (h->log_fd >= 0) {
+        (void)!write(h->log_fd, line->str, line->len);
+    }
+}
+
+JsonNode *
+hook_request_new(const char *command, JsonBuilder *args)
+{
+    g_autoptr(JsonBuilder) b = json_builder_new();
+
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "execute");
+    json_builder_add_string_value(b, command);
+    if (args != NULL) {
+        json_builder_set_member_name(b, "arguments");
+        json_builder_add_value(b, json_builder_get_root(args));
+    }
+    json_builder_end_object(b);
+    return json_builder_get_root(b);
+}
+
+JsonNode *
+hook_control(Hook *h, JsonNode *request, GError **error)
+{
+    int timeout = MIN(hook_ms_left(h->deadline), CALL_TIMEOUT_MS);
+
+    if (timeout <= 0) {
+        g_set_error(error, G_IO_ERROR, G_IO_ERROR_TIMED_OUT,
+                    "no time left to ask pagefoldd (the hook's deadline is %d ms)",
+                    HOOK_DEADLINE_MS);
+        return NULL;
+    }
+    return pf_client_execute(h->socket_path, request, timeout, error);
+}
+
+gboolean
+hook_ping(Hook *h, GError **error)
+{
+    g_autoptr(JsonNode) req = hook_request_new("qmp_capabilities", NULL);
+    g_autoptr(JsonNode) ret = hook_control(h, req, error);
+
+    return ret != NULL;
+}
