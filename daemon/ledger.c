@@ -53,7 +53,7 @@ guint32
 ledger_new_slot(PfScanner *s, const guint32 *vms, guint n_vms, const guint8 *data,
                 GError **error)
 {
-    return pf_pool_alloc(pf_scanner_get_pool(s), vms, n_vms, data, error);
+    return pf_pool_alloc(s->pool, vms, n_vms, data, error);
 }
 
 void

@@ -3,8 +3,9 @@
  * splits it; once no page of that 2 MiB extent is merged any more, it is
  * collapsed into a huge page again (MADV_COLLAPSE): by the agent, which
  * alone can lift its write protection, or, for a VM attached by pid,
- * through process_madvise().  Owns the per-extent marks only; a failure
- * here costs a huge page, never a guest write.
+ * through process_madvise().  Owns the per-extent marks only, and asks
+ * nothing of an agent itself; a failure here costs a huge page, never a
+ * guest write.
  */
 #include "scan-internal.h"
 
@@ -72,23 +73,27 @@ extent_unmerged(PfRegion *r, gsize e)
     return TRUE;
 }
 
-void
-huge_restore(PfScanner *s, PfRegion *r, gsize idx)
+gboolean
+huge_restorable(PfScanner *s, PfRegion *r, gsize idx, gsize *first)
 {
     gsize e;
-    struct iovec iov;
 
     if (!extent_of(r, idx, &e) || !(r->huge_was[e / 8] & (1u << (e % 8))) ||
         !extent_unmerged(r, e)) {
-        return;
+        return FALSE;
     }
     r->huge_seen[e / 8] &= ~(1u << (e % 8));
     r->huge_was[e / 8] &= ~(1u << (e % 8));
-    if (r->vm->outbox != NULL) {
-        request_collapse(s, r, e * HUGE_PAGES);
-        return;
-    }
-    iov.iov_base = (void *)(guintptr)(r->host_addr + e * HUGE_PAGES * PF_PAGE_SIZE);
+    *first = e * HUGE_PAGES;
+    return TRUE;
+}
+
+void
+huge_collapse_by_pid(PfRegion *r, gsize first)
+{
+    struct iovec iov;
+
+    iov.iov_base = (void *)(guintptr)(r->host_addr + first * PF_PAGE_SIZE);
     iov.iov_len = HUGE_PAGES * PF_PAGE_SIZE;
     if (syscall(SYS_process_madvise, r->vm->pidfd, &iov, 1, MADV_COLLAPSE, 0) < 0) {
         g_debug("VM %s: MADV_COLLAPSE at %p: %s", r->vm->name, iov.iov_base, g_strerror(errno));

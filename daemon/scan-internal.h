@@ -1,22 +1,25 @@
 /*
  * scan-internal.h - the scanner core's state and the calls between the
- * files that make it up (scan.h):
+ * files that make it up (scan.h), from the top down, each calling only
+ * files below it:
  *
- *   scan.c          the scanner's life, its listeners, pacing, counters
+ *   scan.c          the scanner's life, pacing, VM lookups, counters
  *   scan-pass.c     the pass loop: the cursor, holes, slices, entering a VM
- *   scan-visit.c    one visit of a page: KSM's stable and unstable search
- *   scan-moves.c    who may read a slot: joins, node moves, evacuation
- *   scan-requests.c requests to agents and their answers
- *   scan-cow.c      copy-on-write found, sharing ended, pages back in memfd
- *   scan-huge.c     transparent huge pages split by merging, made again
  *   scan-vms.c      VMs and regions coming and going, merge domains
+ *   scan-visit.c    one visit of a page: KSM's stable and unstable search
+ *   scan-answers.c  what the agents' answers make of a page
+ *   scan-cow.c      copy-on-write found, sharing ended, pages back in memfd
+ *   scan-moves.c    who may read a slot: the pool's chunks and who is sent
+ *                   them, joins, node moves, evacuation
+ *   scan-requests.c requests to agents, and what they hold until answered
+ *   scan-huge.c     transparent huge pages split by merging, made again
  *   ledger.c        the slot/node ledger: the only place a pool slot's
  *                   references or a stable node's life change
+ *   scan-events.c   the listeners: how the core tells the layers above
  *
- * They call only down (to each other below this header's line, and to the
- * trees, the pool, the VM records, the outboxes, hashing and counters),
- * and tell the layers above through listeners (scan_emit_*()).  Nothing
- * outside the core includes this header but white-box tests that read it.
+ * and below them the leaves: the trees, the pool, the page-id space, the
+ * VM records and their outboxes, hashing, counters.  Nothing outside the
+ * core includes this header but white-box tests that read it.
  */
 #pragma once
 
@@ -224,6 +227,9 @@ void request_page(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind k
                   guint32 slot, guint32 node, guint32 from);
 /* Asks r's agent to make the 2 MiB extent at page idx a huge page. */
 void request_collapse(PfScanner *s, PfRegion *r, gsize idx);
+/* What a request held (its slot, and the slot of the node it moves from)
+ * is let go. */
+void request_put(PfScanner *s, const PfPending *pd);
 /* Every request for a page of r is settled: what it holds goes now, its
  * answer changes nothing. */
 void requests_settle_region(PfScanner *s, PfRegion *r);
@@ -244,9 +250,13 @@ void cow_found(PfScanner *s, PfRegion *r, gsize idx);
 
 /* Before the first merge in an extent: is it a transparent huge page? */
 void huge_note(PfScanner *s, PfRegion *r, gsize idx);
-/* After an unmerge: an extent that was a huge page, with no merged page
- * left, is made one again. */
-void huge_restore(PfScanner *s, PfRegion *r, gsize idx);
+/* After an unmerge: whether page idx's extent was a huge page and has no
+ * merged page left (its marks are cleared then: asked once); *first is
+ * its first page. */
+gboolean huge_restorable(PfScanner *s, PfRegion *r, gsize idx, gsize *first);
+/* Makes the extent at first a huge page again from here: a VM attached by
+ * pid (an agent's VM asks its agent). */
+void huge_collapse_by_pid(PfRegion *r, gsize first);
 
 /* ---- scan-vms.c ---- */
 
@@ -264,14 +274,7 @@ void vms_drop_region(PfScanner *s, PfRegion *r);
  * exits. */
 void vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep);
 
-/* ---- scan-pass.c ---- */
-
-/* The cursor's VM (index idx) left the scanner: the cursor stays right. */
-void pass_vm_removed(PfScanner *s, guint idx);
-/* The region at index k of the cursor's VM (if it is) left or changed. */
-void pass_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed);
-
-/* ---- scan.c: telling the layers above ---- */
+/* ---- scan-events.c: telling the layers above ---- */
 
 void scan_emit_vm_gone(PfScanner *s, PfVm *vm, const char *why);
 void scan_emit_passed_over(PfScanner *s, PfVm *vm);

@@ -344,3 +344,51 @@ moves_make_joins(PfScanner *s)
     g_array_set_size(s->joins, 0);
     partial_expire(s);
 }
+
+/* ---- the pool, and who is sent which chunk ---- */
+
+static void
+new_chunk_cb(const PfPoolChunk *chunk, gpointer user)
+{
+    PfScanner *s = user;
+
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (pf_vm_merges(vm) && moves_chunk_is_for(chunk, vm)) {
+            scan_emit_chunk(s, vm, chunk, FALSE);
+        }
+    }
+}
+
+/* A VM that stepped back to advise mode still holds the chunk: it is told
+ * too, and checked later (scan-pass.c's check_dropped()).  One that is
+ * gone lets go of it with its process. */
+static void
+drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
+{
+    PfScanner *s = user;
+
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (moves_chunk_is_for(chunk, vm)) {
+            PfDropped d = { chunk->ino, pf_outbox_sent_seq(vm->outbox), g_get_monotonic_time() };
+
+            scan_emit_chunk(s, vm, chunk, TRUE);
+            if (vm->dropped == NULL) {
+                vm->dropped = g_array_new(FALSE, FALSE, sizeof(PfDropped));
+            }
+            g_array_append_val(vm->dropped, d);
+        }
+    }
+}
+
+PfPool *
+pf_scanner_get_pool(PfScanner *s)
+{
+    if (s->pool == NULL) {
+        s->pool = pf_pool_new(new_chunk_cb, drop_chunk_cb, s);
+    }
+    return s->pool;
+}

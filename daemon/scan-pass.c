@@ -387,29 +387,3 @@ pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec)
     s->slice_end = 0;
     return done;
 }
-
-void
-pass_vm_removed(PfScanner *s, guint idx)
-{
-    if (idx < s->cur_vm) {
-        s->cur_vm--;
-        s->entered -= s->entered != G_MAXUINT;
-    } else if (idx == s->cur_vm) {
-        s->entered = G_MAXUINT;
-        cursor_to_vm(s, s->cur_vm);
-    }
-}
-
-void
-pass_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
-{
-    if (s->cur_vm >= s->vms->len || g_ptr_array_index(s->vms, s->cur_vm) != vm) {
-        return;
-    }
-    if (removed && k < s->cur_region) {
-        s->cur_region--;
-    } else if (k == s->cur_region) {
-        s->cur_page = 0;
-        s->data_end = 0;
-    }
-}

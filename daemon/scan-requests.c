@@ -1,13 +1,10 @@
 /*
  * scan-requests.c - what the scanner asks of agents, through each VM's
- * outbox, and what their answers make of a page.
- *
- * A request holds what its PfPending says (a reference on the slot of a
- * merge or unmerge, one on the slot a move leaves) from the moment it is
- * queued until it is answered, settled (its region left the VM) or
- * abandoned (its VM left).  Only an answer makes a page SHARED or ZERO:
- * the agent compares under write protection and has the last word.  Never
- * sends anything itself: the outbox's drain does.
+ * outbox, and what a request holds until it is answered (scan-answers.c),
+ * settled (its region left the VM) or abandoned (its VM left): a reference
+ * on the slot of a merge or unmerge, one on the slot a move leaves, as its
+ * PfPending says.  Never sends anything itself (the outbox's drain does),
+ * and never makes a page merged: only an answer does.
  */
 #include "scan-internal.h"
 
@@ -61,10 +58,8 @@ request_collapse(PfScanner *s, PfRegion *r, gsize idx)
     pf_outbox_push(r->vm->outbox, &item, &pd);
 }
 
-/* What a request held (its slot, and the slot of the node it moves from)
- * is let go. */
-static void
-put_request(PfScanner *s, const PfPending *pd)
+void
+request_put(PfScanner *s, const PfPending *pd)
 {
     ledger_put(s, pd->slot, pd->node);
     if (pd->from != 0) {
@@ -97,7 +92,7 @@ settle_gone_cb(PfPending *pd, gpointer user)
     }
     pd->settled = TRUE;
     if (held.kind != PF_ITEM_COLLAPSE) {
-        put_request(g->s, &held);
+        request_put(g->s, &held);
     }
     return TRUE;
 }
@@ -150,159 +145,4 @@ requests_abandon(PfScanner *s, PfVm *vm, GArray *keep)
         pf_outbox_set_drain(vm->outbox, NULL, NULL);
         pf_outbox_abandon(vm->outbox, abandon_cb, &ab);
     }
-}
-
-/* ---- answers ---- */
-
-static void
-log_refusal(PfVm *vm, const PfPending *pd, guint32 page, int err)
-{
-    static const char *const verb[] = { "", "merge", "zero", "unmerge", "collapse" };
-
-    /* A page in DMA (EBUSY), an agent stepping back whose ADVISE is on its
-     * way (EPERM): expected, and passing, page after page. */
-    if (err == EBUSY || err == EPERM) {
-        g_debug("VM %s: agent could not %s page %u: %s", vm->name, verb[pd->kind], page,
-                g_strerror(err));
-    } else {
-        g_message("VM %s: agent could not %s page %u: %s", vm->name, verb[pd->kind], page,
-                  g_strerror(err));
-    }
-    if (err == ENOMEM) {
-        /* Out of mappings: no more merges until the next count. */
-        vm->vmas = vm->vma_budget;
-    }
-}
-
-/* A merge answered: DONE makes the page a sharer; otherwise a move that
- * did not happen leaves it on its old node, or unmerged.  TRUE when the
- * page's state is settled. */
-static gboolean
-merge_answered(PfScanner *s, PfRegion *r, PfPage *p, const PfPending *pd,
-               PfResultStatus status, int err)
-{
-    if (status == PF_RESULT_DONE) {
-        pf_stable_tree_add(&s->stable, pd->node, pd->page);
-        mark_merged(r, p, PF_PAGE_SHARED);
-        if (pd->from != 0) {
-            ledger_put(s, node_at(s, pd->from)->slot, pd->from);
-        }
-        /* Its node moved while it was on its way in: after it. */
-        moves_follow(s, r, pd->page - r->base);
-        return TRUE;
-    }
-    ledger_put(s, pd->slot, pd->node);
-    if (pd->from == 0) {
-        return FALSE;
-    }
-    /* A move that did not happen: still on the old slot, unless written
-     * meanwhile (the compare failed) or the agent had to fold it back (its
-     * mapping went with a failed remap).  Only a page in DMA is known to be
-     * as it was, and tries again later; the others are unmerged, which is
-     * right in each case and keeps the count true. */
-    pf_stable_tree_add(&s->stable, pd->from, pd->page);
-    mark_merged(r, p, PF_PAGE_SHARED);
-    if (status == PF_RESULT_CHANGED) {
-        r->vm->cow++;
-    }
-    if (status != PF_RESULT_ERROR || err != EBUSY) {
-        pf_scanner_end_sharing(s, r, pd->page - r->base);
-    }
-    return TRUE;
-}
-
-/* An unmerge answered: DONE puts the page back in its memfd; otherwise it
- * is still mapped from its slot (in DMA, or the kernel refused) and its
- * copy on write is found again at the next pass, which asks again.  TRUE
- * when the page's state is settled. */
-static gboolean
-unmerge_answered(PfScanner *s, PfRegion *r, PfPage *p, const PfPending *pd,
-                 PfResultStatus status)
-{
-    if (status == PF_RESULT_DONE) {
-        ledger_put(s, pd->slot, pd->node);
-        reset_page(r, p, PF_PAGE_VOLATILE);
-        huge_restore(s, r, pd->page - r->base);
-        return TRUE;
-    }
-    if (pd->node != 0 && node_at(s, pd->node)->live) {
-        pf_stable_tree_add(&s->stable, pd->node, pd->page);
-        mark_merged(r, p, PF_PAGE_SHARED);
-        return TRUE;
-    }
-    if (pd->slot == PF_POOL_SLOT_NONE) {
-        mark_merged(r, p, PF_PAGE_ZERO);
-        return TRUE;
-    }
-    g_warning("VM %s: page %u could not be folded back; pool slot %u stays taken", r->vm->name,
-              pd->page - r->base, pd->slot);
-    return FALSE;
-}
-
-/* The agent's answer for one page. */
-static void
-complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus status, int err)
-{
-    PfRegion *r;
-    PfPage *p;
-    gboolean done = FALSE;
-
-    if (pd->settled) {
-        return; /* its region left the VM: all it held is let go */
-    }
-    r = region_of(s, pd->page);
-    p = pf_region_page(r, pd->page - r->base);
-    if (pd->kind == PF_ITEM_COLLAPSE) {
-        if (status != PF_RESULT_DONE) {
-            g_debug("VM %s: no huge page again at page %u: %s", vm->name, pd->page - r->base,
-                    g_strerror(err));
-        }
-        return;
-    }
-    g_return_if_fail(r->vm == vm && p->state == PF_PAGE_PENDING);
-    if (!pf_vm_merges(vm)) {
-        /* It stepped back since (ADVISE): every page it had remapped is
-         * in its memfd again, whatever it answers now, and the slots it
-         * was merging to or from are let go. */
-        put_request(s, pd);
-        reset_page(r, p, PF_PAGE_VOLATILE);
-        return;
-    }
-    if (status == PF_RESULT_ERROR) {
-        log_refusal(vm, pd, pd->page - r->base, err);
-    }
-    switch (pd->kind) {
-    case PF_ITEM_MERGE:
-        done = merge_answered(s, r, p, pd, status, err);
-        break;
-    case PF_ITEM_ZERO:
-        if (status == PF_RESULT_DONE) {
-            mark_merged(r, p, PF_PAGE_ZERO);
-            done = TRUE;
-        }
-        break;
-    case PF_ITEM_UNMERGE:
-        done = unmerge_answered(s, r, p, pd, status);
-        break;
-    default:
-        break;
-    }
-    if (!done) {
-        reset_page(r, p, PF_PAGE_VOLATILE);
-    }
-}
-
-void
-pf_scanner_answer(PfScanner *s, PfVm *vm, const PfWireResult *res, guint32 n)
-{
-    g_autoptr(PfOutBatch) b = pf_outbox_pop_answered(vm->outbox);
-
-    g_return_if_fail(b != NULL && b->pending->len == n);
-    for (guint32 i = 0; i < n; i++) {
-        complete(s, vm, &g_array_index(b->pending, PfPending, i), (PfResultStatus)res[i].status,
-                 res[i].err);
-    }
-    /* The window has room again; and answers can call for more (a huge
-     * page to collapse, a node that moved): they may go now. */
-    pf_outbox_flush(vm->outbox);
 }

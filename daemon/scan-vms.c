@@ -14,6 +14,37 @@
 #include <glib-unix.h>
 #include <unistd.h>
 
+/* The cursor's VM (index idx) leaves: the cursor stays right. */
+static void
+cursor_vm_removed(PfScanner *s, guint idx)
+{
+    if (idx < s->cur_vm) {
+        s->cur_vm--;
+        s->entered -= s->entered != G_MAXUINT;
+    } else if (idx == s->cur_vm) {
+        s->entered = G_MAXUINT;
+        s->cur_region = 0;
+        s->cur_page = 0;
+        s->data_end = 0;
+    }
+}
+
+/* Region k of vm left it (removed) or changed: the cursor, if there,
+ * stays right. */
+static void
+cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
+{
+    if (s->cur_vm >= s->vms->len || g_ptr_array_index(s->vms, s->cur_vm) != vm) {
+        return;
+    }
+    if (removed && k < s->cur_region) {
+        s->cur_region--;
+    } else if (k == s->cur_region) {
+        s->cur_page = 0;
+        s->data_end = 0;
+    }
+}
+
 gboolean
 vms_place_region(PfScanner *s, PfRegion *r)
 {
@@ -59,7 +90,7 @@ vms_drop_region(PfScanner *s, PfRegion *r)
         pf_region_refuse(r, "it faulted when read (truncated under us?)");
         return;
     }
-    pass_region_changed(s, vm, k, TRUE);
+    cursor_region_changed(s, vm, k, TRUE);
     pf_region_free(pf_vm_steal_region(vm, k));
 }
 
@@ -179,7 +210,7 @@ vm_leave(PfScanner *s, PfVm *vm, const char *why)
         return;
     }
     scan_emit_vm_gone(s, vm, why);
-    pass_vm_removed(s, idx);
+    cursor_vm_removed(s, idx);
     gone = g_ptr_array_steal_index(s->vms, idx);
     if (pf_vm_merges(vm) && !pf_vm_exited(vm)) {
         keep = g_array_new(FALSE, FALSE, sizeof(HeldRef));
@@ -246,7 +277,7 @@ pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index)
      * slot any more. */
     vms_release_region(s, r, NULL);
     pf_region_retire(r);
-    pass_region_changed(s, vm, index, FALSE);
+    cursor_region_changed(s, vm, index, FALSE);
     g_message("VM %s (pid %d): region %u (%s) left the VM", vm->name, vm->pid, index, r->name);
 }
 
