@@ -52,11 +52,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "channel.h"
+#include "link-internal.h"
 #include "util.h"
-
-#ifndef SO_PEERPIDFD
-#define SO_PEERPIDFD 77 /* Linux 6.5 */
-#endif
 
 /* A handshake is a few messages the agent sends at once: an agent that
  * has not finished in this long is not going to. */
@@ -66,90 +64,11 @@
  * must not be able to take the others' places. */
 #define MAX_HANDSHAKES 64
 #define MAX_HANDSHAKES_PER_PROCESS 4
-/* A peer whose socket took nothing for this long while we had something
- * to send is not reading it. */
-#define SEND_STALL_MS 5000
 /* What the kernel may hold for a peer; the rest waits in the link. */
 #define SOCKET_SNDBUF (256 << 10)
 /* An agent with requests to answer that answered nothing for this long is
  * not going to: pf_link_server_set_answer_timeout(). */
 #define DEFAULT_ANSWER_TIMEOUT_MS 30000
-
-enum { LINK_HELLO, LINK_REGIONS, LINK_READY, LINK_RUNNING };
-
-struct _PfLinkServer {
-    PfScanner *scanner; /* NULL once freed: it went first */
-    char *path;
-    int fd;
-    guint watch;
-    int uffd_dev; /* /dev/userfaultfd, for agents that cannot make one */
-    GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
-    GHashTable *running;   /* PfVm* -> its PfLink*, READY */
-    GPtrArray *ended;      /* PfLink* closed, freed from the main loop */
-    guint reap;
-    guint answer_timeout_ms;
-    gboolean group_allowed; /* besides root and pagefoldd's own user */
-    gid_t group;
-};
-
-/* A message the socket could not take yet. */
-typedef struct {
-    PfMsgType type;
-    guint32 seq;
-    guint8 *data; /* the payload, or a REQUEST's items */
-    gsize len;
-    int fd;       /* owned, or -1 */
-} OutMsg;
-
-typedef struct _PfLink PfLink;
-
-struct _PfLink {
-    PfLinkServer *srv;
-    int sock;
-    guint watch;
-    int state;
-    pid_t peer_pid;
-    uid_t peer_uid;       /* at connect (SO_PEERCRED) */
-    int pidfd;            /* the peer's process, from accept on */
-    int proc_dir;         /* its /proc/PID */
-    guint handshake_timer;
-    gboolean offered_merge; /* WELCOME said merge */
-    guint64 announced_bytes; /* of its live regions */
-    guint n_refused;         /* regions refused (placeholders) */
-    PfWireHello hello;
-    GPtrArray *regions; /* PfRegion*, during the handshake */
-    PfVm *vm;           /* once READY: the scanner's, until it goes */
-    guint answer_timer; /* while requests are sent and not answered */
-    GQueue out;            /* OutMsg*, oldest first */
-    guint out_watch;       /* G_IO_OUT, while out is not empty */
-    guint stall_timer;     /* while out is not empty */
-    gint64 last_sent;      /* the socket last took a message, or out filled */
-    gboolean broken;       /* nothing more is sent; closed from the main loop */
-    char *broken_why;
-    guint close_idle;
-};
-
-static void
-out_msg_free(OutMsg *m)
-{
-    if (m->fd >= 0) {
-        close(m->fd);
-    }
-    g_free(m->data);
-    g_free(m);
-}
-
-static void
-out_clear(PfLink *l)
-{
-    OutMsg *m;
-
-    while ((m = g_queue_pop_head(&l->out)) != NULL) {
-        out_msg_free(m);
-    }
-    g_clear_handle_id(&l->out_watch, g_source_remove);
-    g_clear_handle_id(&l->stall_timer, g_source_remove);
-}
 
 /*
  * Drops what the peer sent that will never be read: closing a socket with
@@ -213,7 +132,7 @@ link_end(PfLink *l)
     g_clear_handle_id(&l->answer_timer, g_source_remove);
     g_clear_handle_id(&l->handshake_timer, g_source_remove);
     g_clear_handle_id(&l->close_idle, g_source_remove);
-    out_clear(l);
+    g_clear_pointer(&l->ch, pf_channel_free);
     if (l->vm != NULL) {
         pf_outbox_set_drain(l->vm->outbox, NULL, NULL);
         g_hash_table_remove(srv->running, l->vm);
@@ -281,147 +200,20 @@ close_idle_cb(gpointer user)
 /* Nothing more can be sent.  The link is closed from the main loop, not
  * here: the scanner may be in the middle of this VM's pages. */
 static void
-link_break(PfLink *l, const char *why)
+link_broken_cb(const char *why, gpointer user)
 {
-    if (l->broken) {
-        return;
-    }
+    PfLink *l = user;
+
     g_message("agent of %s (process %d): %s", l->vm ? l->vm->name : l->hello.name,
               l->peer_pid, why);
-    l->broken = TRUE;
     l->broken_why = g_strdup_printf("cannot send to its agent: %s", why);
-    out_clear(l);
     l->close_idle = g_idle_add_full(G_PRIORITY_DEFAULT, close_idle_cb, l, NULL);
 }
 
-static gboolean
-out_send(PfLink *l, const OutMsg *m, GError **error)
-{
-    if (m->type == PF_MSG_REQUEST) {
-        return pf_proto_send_items(l->sock, m->seq, (const PfWireItem *)m->data,
-                                   (guint32)(m->len / sizeof(PfWireItem)), error);
-    }
-    return pf_proto_send(l->sock, m->type, m->seq, m->data, m->len, &m->fd,
-                         m->fd >= 0 ? 1 : 0, error);
-}
-
-/* Sends what waits, as far as the socket takes it, without waiting. */
-static void
-out_flush(PfLink *l)
-{
-    OutMsg *m;
-
-    while (!l->broken && (m = g_queue_peek_head(&l->out)) != NULL) {
-        g_autoptr(GError) error = NULL;
-
-        if (!out_send(l, m, &error)) {
-            if (!g_error_matches(error, PF_ERROR, PF_ERROR_WOULD_BLOCK)) {
-                link_break(l, error->message);
-            }
-            return;
-        }
-        out_msg_free(g_queue_pop_head(&l->out));
-        l->last_sent = g_get_monotonic_time();
-    }
-    if (g_queue_is_empty(&l->out)) {
-        g_clear_handle_id(&l->stall_timer, g_source_remove);
-    }
-}
-
-static gboolean
-out_cb(gint fd, GIOCondition cond, gpointer user)
-{
-    PfLink *l = user;
-
-    out_flush(l);
-    if (l->broken || g_queue_is_empty(&l->out)) {
-        l->out_watch = 0;
-        return G_SOURCE_REMOVE;
-    }
-    return G_SOURCE_CONTINUE;
-}
-
-/* How long the peer has left to take something from its socket. */
-static gint64
-stall_left_ms(PfLink *l)
-{
-    return (l->last_sent + (gint64)SEND_STALL_MS * 1000 - g_get_monotonic_time()) / 1000;
-}
-
-static gboolean
-stall_cb(gpointer user)
-{
-    PfLink *l = user;
-    gint64 left;
-
-    l->stall_timer = 0;
-    out_flush(l);
-    if (l->broken || g_queue_is_empty(&l->out)) {
-        return G_SOURCE_REMOVE;
-    }
-    left = stall_left_ms(l);
-    if (left <= 0) {
-        link_break(l, "not reading its socket: it took nothing for " G_STRINGIFY(SEND_STALL_MS)
-                      " ms");
-        return G_SOURCE_REMOVE;
-    }
-    l->stall_timer = g_timeout_add((guint)left + 1, stall_cb, l);
-    return G_SOURCE_REMOVE;
-}
-
-/*
- * Sends a message, or queues it behind those waiting, and never blocks.
- * The queue needs no bound of its own: the peer that does not drain it is
- * given up after SEND_STALL_MS, and until then it holds at most one
- * request per page of its VM that the scanner found to merge (a page is
- * pending once), plus a message per pool chunk.
- */
 static void
 link_send(PfLink *l, PfMsgType type, guint32 seq, gconstpointer data, gsize len, int fd)
 {
-    OutMsg *m;
-
-    if (l->broken) {
-        return;
-    }
-    if (g_queue_is_empty(&l->out)) {
-        OutMsg now = { type, seq, (guint8 *)data, len, fd };
-        g_autoptr(GError) error = NULL;
-
-        if (out_send(l, &now, &error)) {
-            l->last_sent = g_get_monotonic_time();
-            return;
-        }
-        if (!g_error_matches(error, PF_ERROR, PF_ERROR_WOULD_BLOCK)) {
-            link_break(l, error->message);
-            return;
-        }
-        /* The stall clock starts when the socket first says no. */
-        l->last_sent = g_get_monotonic_time();
-    }
-    m = g_new0(OutMsg, 1);
-    m->type = type;
-    m->seq = seq;
-    m->data = g_memdup2(data, len);
-    m->len = len;
-    /* Our own descriptor: the pool may free its chunk meanwhile. */
-    m->fd = fd >= 0 ? fcntl(fd, F_DUPFD_CLOEXEC, 3) : -1;
-    if (fd >= 0 && m->fd < 0) {
-        g_autofree char *why = g_strdup_printf("cannot keep a descriptor to send: %s",
-                                               g_strerror(errno));
-
-        out_msg_free(m);
-        link_break(l, why);
-        return;
-    }
-    g_queue_push_tail(&l->out, m);
-    if (l->out_watch == 0) {
-        l->out_watch = g_unix_fd_add(l->sock, G_IO_OUT, out_cb, l);
-    }
-    if (l->stall_timer == 0) {
-        l->stall_timer = g_timeout_add(SEND_STALL_MS, stall_cb, l);
-    }
-    out_flush(l);
+    pf_channel_send(l->ch, type, seq, data, len, fd);
 }
 
 static gboolean answer_timeout_cb(gpointer user);
@@ -433,7 +225,7 @@ link_drain_cb(PfOutbox *ob, gpointer user)
     PfLink *l = user;
     const PfOutBatch *b;
 
-    while (!l->broken && (b = pf_outbox_take(ob)) != NULL) {
+    while (!pf_channel_broken(l->ch) && (b = pf_outbox_take(ob)) != NULL) {
         link_send(l, PF_MSG_REQUEST, b->seq, b->items->data,
                   b->items->len * sizeof(PfWireItem), -1);
         if (l->answer_timer == 0) {
@@ -464,62 +256,16 @@ on_result(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
-static gboolean
-peer_alive(PfLink *l)
-{
-    struct pollfd p = { l->pidfd, POLLIN, 0 };
-
-    /* A pidfd turns readable when its process exits. */
-    return poll(&p, 1, 0) == 0;
-}
-
+/* READY: the VM is made (handshake_ready()) and given to the scanner; the
+ * link sends its requests from now on. */
 static gboolean
 on_ready(PfLink *l, const PfMsg *msg)
 {
-    const PfWireMode *m = pf_msg_mode(msg);
     PfScanner *s = l->srv->scanner;
     g_autoptr(GError) error = NULL;
-    PfVm *vm, *old;
+    PfVm *old = NULL, *vm = handshake_ready(l, msg, &old, &error);
     guint idx;
 
-    if (m->mode == PF_MODE_MERGE && !l->offered_merge) {
-        return link_refuse(l, "READY in mode merge without a region to merge: WELCOME "
-                              "offered advise mode");
-    }
-    /* What an agent does before it says merge, checked: what it does
-     * after is its own VM's business.  A region it did not write-protect
-     * (it refused it: a NUMA binding, a file system without protection)
-     * is refused here too, alone; refused regions are never merged, so
-     * never checked. */
-    for (guint i = 0; m->mode == PF_MODE_MERGE && i < l->regions->len; i++) {
-        PfRegion *r = g_ptr_array_index(l->regions, i);
-        g_autoptr(GPtrArray) one = g_ptr_array_new();
-
-        g_ptr_array_add(one, r);
-        if (pf_region_live(r) &&
-            !pf_regions_check_write_protected(l->proc_dir, one, &error)) {
-            g_message("agent of process %d: region %u refused at READY: %s", l->peer_pid, i,
-                      error->message);
-            l->announced_bytes -= r->size;
-            pf_region_refuse(r, error->message);
-            l->n_refused++;
-            g_clear_error(&error);
-        }
-    }
-    if (!peer_alive(l)) {
-        return link_refuse(l, "process %d exited during its handshake", l->peer_pid);
-    }
-    /* A VM is its process: its name is a label that others may share.
-     * The agent knows this VM better than /proc did: it replaces a VM
-     * attached by pid. */
-    old = pf_scanner_find_vm_by_pid(s, l->peer_pid);
-    if (old != NULL && old->outbox != NULL) {
-        return link_refuse(l, "process %d already has an agent connected", l->peer_pid);
-    }
-    vm = pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name, l->hello.uuid,
-                              l->regions, m->mode == PF_MODE_MERGE ? PF_MODE_MERGE
-                                                                   : PF_MODE_ADVISE,
-                              m->reason[0] ? m->reason : "the agent chose advise mode", &error);
     if (vm == NULL) {
         return link_refuse(l, "%s", error->message);
     }
@@ -550,31 +296,15 @@ on_ready(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
-/* Every region is in and checked.  A peer with guest RAM to merge may
- * merge, and gets /dev/userfaultfd in case it cannot make a userfaultfd
- * itself; a peer without has no use for either. */
+/* Every region is in and checked: WELCOME (handshake_welcome()). */
 static gboolean
 link_welcome(PfLink *l)
 {
-    PfWireMode w = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
-    int fd = l->srv->uffd_dev;
+    PfWireMode w;
+    int fd = handshake_welcome(l, &w);
 
-    if (l->regions->len == 0) {
-        w.mode = PF_MODE_ADVISE;
-        pf_wire_set_string(w.reason, sizeof(w.reason), "no guest RAM to merge was announced");
-        fd = -1;
-    } else if (l->n_refused == l->regions->len) {
-        g_autofree char *why = g_strdup_printf(
-            "every region was refused; the first: %s",
-            ((PfRegion *)g_ptr_array_index(l->regions, 0))->refused);
-
-        w.mode = PF_MODE_ADVISE;
-        pf_wire_set_string(w.reason, sizeof(w.reason), why);
-        fd = -1;
-    }
-    l->offered_merge = w.mode == PF_MODE_MERGE;
     link_send(l, PF_MSG_WELCOME, 0, &w, sizeof(w), fd);
-    if (l->broken) {
+    if (pf_channel_broken(l->ch)) {
         g_autofree char *why = g_steal_pointer(&l->broken_why);
 
         link_close(l, why);
@@ -582,73 +312,6 @@ link_welcome(PfLink *l)
     }
     l->state = LINK_READY;
     return TRUE;
-}
-
-/* A REGION passes if the peer's process maps it as announced (vm.c), it
- * overlaps no live region of the VM's (regions: those announced before),
- * and the VM stays within its cap. */
-static gboolean
-region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, int fd,
-                  GError **error)
-{
-    if (!pf_region_check_mapping(l->proc_dir, fd, wr->name, wr->host_addr, wr->offset,
-                                 wr->size, error)) {
-        return FALSE;
-    }
-    for (guint i = 0; i < regions->len; i++) {
-        const PfRegion *r = g_ptr_array_index(regions, i);
-
-        if (!pf_region_live(r)) {
-            continue;
-        }
-        if (wr->host_addr < r->host_addr + r->size && r->host_addr < wr->host_addr + wr->size) {
-            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                        "region %s overlaps region %u (%s)", wr->name, i, r->name);
-            return FALSE;
-        }
-    }
-    if (wr->size > PF_MAX_VM_BYTES - l->announced_bytes) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "region %s: regions of more than %" G_GUINT64_FORMAT " GiB in all",
-                    wr->name, PF_MAX_VM_BYTES >> 30);
-        return FALSE;
-    }
-    return TRUE;
-}
-
-/*
- * Checks a REGION and makes it a region, or a refused placeholder: one odd
- * region (a memfd the VMM could not seal, RAM the process does not map as
- * said) costs its VM that region only.  Its memfd is taken either way
- * (closed when refused).  running: announced after READY, when a merging
- * VM's new region must be write-protected as READY's were.
- */
-static PfRegion *
-take_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg, gboolean running)
-{
-    g_autoptr(GError) error = NULL;
-    PfRegion *r = NULL;
-
-    if (region_acceptable(l, regions, wr, msg->fds[0], &error)) {
-        r = pf_region_new(wr->name, msg->fds[0], wr->host_addr, wr->offset, wr->size, &error);
-        msg->n_fds = 0; /* taken, or closed on error */
-    }
-    if (r != NULL && running && pf_vm_merges(l->vm)) {
-        g_autoptr(GPtrArray) one = g_ptr_array_new();
-
-        g_ptr_array_add(one, r);
-        if (!pf_regions_check_write_protected(l->proc_dir, one, &error)) {
-            g_clear_pointer(&r, pf_region_free);
-        }
-    }
-    if (r == NULL) {
-        g_message("agent of process %d: region %u refused: %s", l->peer_pid, wr->index,
-                  error->message);
-        l->n_refused++;
-        return pf_region_new_refused(wr->name, wr->host_addr, wr->size, error->message);
-    }
-    l->announced_bytes += r->size;
-    return r;
 }
 
 /* RAM plugged into a running VM: announced as at the handshake, with the
@@ -667,7 +330,7 @@ on_region(PfLink *l, PfMsg *msg)
         return link_refuse(l, "REGION %u: a VM may announce %u regions in its life", wr->index,
                            PF_MAX_VM_REGIONS);
     }
-    r = take_region(l, vm->regions, wr, msg, TRUE);
+    r = handshake_region(l, vm->regions, wr, msg, TRUE);
     if (!pf_region_live(r)) {
         pf_scanner_add_region(l->srv->scanner, vm, r);
         return TRUE;
@@ -771,7 +434,7 @@ on_message(PfLink *l, PfMsg *msg)
         if (wr->index != l->regions->len) {
             return link_refuse(l, "REGION %u arrived as region %u", wr->index, l->regions->len);
         }
-        g_ptr_array_add(l->regions, take_region(l, l->regions, wr, msg, FALSE));
+        g_ptr_array_add(l->regions, handshake_region(l, l->regions, wr, msg, FALSE));
         return l->regions->len < l->hello.n_regions || link_welcome(l);
     }
     case LINK_READY:
@@ -904,76 +567,6 @@ refuse_socket(int sock, const char *fmt, ...)
     close(sock);
 }
 
-/*
- * The peer's process, pinned: a pidfd, and its /proc/PID opened while the
- * pidfd showed it alive (so that directory is that process's for good).
- * SO_PEERPIDFD names the very process that connected; before Linux 6.5 the
- * pid is looked up again, and a peer that died before accept() could have
- * its pid reused by then.
- */
-static gboolean
-pin_peer(int sock, pid_t pid, int *pidfd_out, int *proc_dir_out, GError **error)
-{
-    g_autofree char *path = g_strdup_printf("/proc/%d", pid);
-    socklen_t len = sizeof(int);
-    int pidfd = -1, proc_dir, e;
-    struct pollfd p;
-
-    if (getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) < 0) {
-        e = errno;
-        pidfd = e == ENOPROTOOPT ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
-        if (pidfd < 0) {
-            e = e == ENOPROTOOPT ? errno : e;
-            g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no pidfd for process %d: %s", pid,
-                        g_strerror(e));
-            return FALSE;
-        }
-    }
-    proc_dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    p = (struct pollfd){ pidfd, POLLIN, 0 };
-    if (proc_dir < 0 || poll(&p, 1, 0) != 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "process %d exited", pid);
-        if (proc_dir >= 0) {
-            close(proc_dir);
-        }
-        close(pidfd);
-        return FALSE;
-    }
-    *pidfd_out = pidfd;
-    *proc_dir_out = proc_dir;
-    return TRUE;
-}
-
-/* Whether the connecting process may be an agent: root, pagefoldd's own
- * user, or a member of the group the socket is opened to.  The socket's
- * mode says the same; this holds even where it was loosened by hand. */
-static gboolean
-peer_permitted(PfLinkServer *srv, int sock, const struct ucred *cred)
-{
-    gid_t groups[256];
-    socklen_t len = sizeof(groups);
-
-    if (cred->uid == 0 || cred->uid == geteuid()) {
-        return TRUE;
-    }
-    if (!srv->group_allowed) {
-        return FALSE;
-    }
-    if (cred->gid == srv->group) {
-        return TRUE;
-    }
-    /* More supplementary groups than that: the peer is refused. */
-    if (getsockopt(sock, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0) {
-        return FALSE;
-    }
-    for (gsize i = 0; i < len / sizeof(gid_t); i++) {
-        if (groups[i] == srv->group) {
-            return TRUE;
-        }
-    }
-    return FALSE;
-}
-
 static guint
 handshakes_of(PfLinkServer *srv, pid_t pid)
 {
@@ -1004,7 +597,7 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
         refuse_socket(sock, "no process id for this connection");
         return G_SOURCE_CONTINUE;
     }
-    if (!peer_permitted(srv, sock, &cred)) {
+    if (!handshake_peer_permitted(srv, sock, &cred)) {
         refuse_socket(sock, "process %d (uid %u, gid %u) may not be an agent: only root%s%s",
                       cred.pid, (guint)cred.uid, (guint)cred.gid,
                       srv->group_allowed ? " and the members of the agent socket's group" : "",
@@ -1017,7 +610,7 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
                       MAX_HANDSHAKES_PER_PROCESS);
         return G_SOURCE_CONTINUE;
     }
-    if (!pin_peer(sock, cred.pid, &pidfd, &proc_dir, &error)) {
+    if (!handshake_pin_peer(sock, cred.pid, &pidfd, &proc_dir, &error)) {
         refuse_socket(sock, "%s", error->message);
         return G_SOURCE_CONTINUE;
     }
@@ -1038,7 +631,7 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     l->pidfd = pidfd;
     l->proc_dir = proc_dir;
     l->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
-    g_queue_init(&l->out);
+    l->ch = pf_channel_new(sock, link_broken_cb, l);
     l->watch = g_unix_fd_add(sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
     l->handshake_timer = g_timeout_add(HANDSHAKE_TIMEOUT_MS, handshake_timeout_cb, l);
     g_ptr_array_add(srv->handshakes, l);

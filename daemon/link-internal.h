@@ -1,0 +1,71 @@
+/*
+ * link-internal.h - the agent link's records, shared by link.c (the
+ * server, the links' lives and messages) and handshake.c (the checks a
+ * peer must pass before it is believed).  Nothing else includes it.
+ */
+#pragma once
+
+#include <sys/socket.h>
+
+#include "channel.h"
+#include "link.h"
+
+/* Where a link is in the protocol: HELLO, REGIONs, READY, then running. */
+typedef enum { LINK_HELLO, LINK_REGIONS, LINK_READY, LINK_RUNNING } LinkState;
+
+struct _PfLinkServer {
+    PfScanner *scanner; /* NULL once freed: it went first */
+    char *path;
+    int fd;
+    guint watch;
+    int uffd_dev; /* /dev/userfaultfd, for agents that cannot make one */
+    GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
+    GHashTable *running;   /* PfVm* -> its PfLink*, READY */
+    GPtrArray *ended;      /* PfLink* closed, freed from the main loop */
+    guint reap;
+    guint answer_timeout_ms;
+    gboolean group_allowed; /* besides root and pagefoldd's own user */
+    gid_t group;
+};
+
+typedef struct _PfLink PfLink;
+
+struct _PfLink {
+    PfLinkServer *srv;
+    int sock;
+    guint watch;
+    LinkState state;
+    pid_t peer_pid;
+    uid_t peer_uid;       /* at connect (SO_PEERCRED) */
+    int pidfd;            /* the peer's process, from accept on */
+    int proc_dir;         /* its /proc/PID */
+    guint handshake_timer;
+    gboolean offered_merge; /* WELCOME said merge */
+    guint64 announced_bytes; /* of its live regions */
+    guint n_refused;         /* regions refused (placeholders) */
+    PfWireHello hello;
+    GPtrArray *regions; /* PfRegion*, during the handshake */
+    PfVm *vm;           /* once READY: the scanner's, until it goes */
+    guint answer_timer; /* while requests are sent and not answered */
+    PfChannel *ch;         /* what it sends, and what waits to be sent */
+    char *broken_why;      /* it broke: closed from the main loop, why */
+    guint close_idle;
+};
+
+/* ---- handshake.c ---- */
+
+/* The peer's process, pinned: a pidfd, and its /proc/PID opened while the
+ * pidfd showed it alive. */
+gboolean handshake_pin_peer(int sock, pid_t pid, int *pidfd_out, int *proc_dir_out,
+                            GError **error);
+/* Whether the connecting process may be an agent. */
+gboolean handshake_peer_permitted(PfLinkServer *srv, int sock, const struct ucred *cred);
+/* A REGION checked: a region, or a refused placeholder (its memfd taken
+ * either way).  running: announced after READY. */
+PfRegion *handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg,
+                           gboolean running);
+/* What WELCOME says (*w), and the descriptor it carries (or -1). */
+int handshake_welcome(PfLink *l, PfWireMode *w);
+/* READY checked, and the VM it makes (NULL: refused, error says why);
+ * *old: the VM attached by pid it replaces, or NULL. */
+PfVm *handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old, GError **error);
