@@ -1,0 +1,399 @@
+/*
+ * region.c - a region of guest RAM (region.h): its memfd mapped read-only,
+ * its page records made and freed a 2 MiB extent at a time, and the checks
+ * that a region an agent announces is what its process maps, sealed, and
+ * write-protected.  Owns the mapping, the memfd and the records; never
+ * maps guest RAM writable, never touches a page, and allocates nothing for
+ * a region before it passed its checks.
+ *
+ * An agent's /proc/PID files are read through a directory fd opened while
+ * its pidfd showed it alive, never by pid again, so a reused pid cannot
+ * swap in another process's mappings.
+ */
+#include "region.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include "util.h"
+
+PfRegion *
+pf_region_new(const char *name, int fd, guint64 host_addr, guint64 offset, gsize size,
+              GError **error)
+{
+    g_autoptr(PfRegion) r = g_new0(PfRegion, 1);
+    struct stat st;
+    void *map;
+
+    r->fd = fd;
+    r->name = g_strdup(name);
+    /* offset + size must not wrap around to look small. */
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || size == 0 || size % PF_PAGE_SIZE ||
+        offset % PF_PAGE_SIZE || offset > (guint64)st.st_size ||
+        size > (guint64)st.st_size - offset) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND,
+                    "region %s: not a memfd of at least %zu bytes at offset %" G_GUINT64_FORMAT,
+                    name, size, offset);
+        return NULL;
+    }
+    map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, (off_t)offset);
+    if (map == MAP_FAILED) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot map region %s: %s", name,
+                    g_strerror(e));
+        return NULL;
+    }
+    r->host_addr = host_addr;
+    r->file_offset = offset;
+    r->size = size;
+    r->n_pages = size / PF_PAGE_SIZE;
+    r->dev = st.st_dev;
+    r->ino = st.st_ino;
+    r->map = map;
+    /* Records are made as pages are seen; what a region costs up front is
+     * a pointer per 2 MiB, still a large allocation for a large region:
+     * if it cannot be had, the region is refused, and pagefoldd runs on. */
+    r->n_extents = (r->n_pages + PF_EXTENT_PAGES - 1) / PF_EXTENT_PAGES;
+    r->extents = g_try_new0(PfPage *, MAX(r->n_extents, 1));
+    r->huge_seen = g_try_new0(guint8, (size >> 21) / 8 + 2);
+    r->huge_was = g_try_new0(guint8, (size >> 21) / 8 + 2);
+    if (r->extents == NULL || r->huge_seen == NULL || r->huge_was == NULL) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "region %s: no memory for the records of its %zu pages", name, r->n_pages);
+        return NULL;
+    }
+    return g_steal_pointer(&r);
+}
+
+typedef struct {
+    guint64 start, end, offset, ino;
+    guint major, minor;
+    char perms[8];
+    gboolean uffd_wp; /* "uw" in smaps' VmFlags */
+} Vma;
+
+/* The mappings that overlap [lo, hi), in address order, from the process's
+ * "maps" or "smaps" (which adds VmFlags), read as a stream: a process may
+ * have tens of thousands of mappings. */
+static GArray *
+read_vmas(int proc_dir, const char *file, guint64 lo, guint64 hi, GError **error)
+{
+    g_autoptr(GArray) out = g_array_new(FALSE, TRUE, sizeof(Vma));
+    g_autofree char *line = NULL;
+    size_t cap = 0;
+    Vma *cur = NULL;
+    int fd = openat(proc_dir, file, O_RDONLY | O_CLOEXEC);
+    FILE *f;
+    gboolean failed;
+    int e;
+
+    if (fd < 0 || (f = fdopen(fd, "re")) == NULL) {
+        e = errno;
+        if (fd >= 0) {
+            close(fd);
+        }
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot read the process's %s: %s", file,
+                    g_strerror(e));
+        return NULL;
+    }
+    while (getline(&line, &cap, f) > 0) {
+        Vma v = { 0 };
+
+        if (sscanf(line,
+                   "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x %7s %" G_GINT64_MODIFIER
+                   "x %x:%x %" G_GINT64_MODIFIER "u",
+                   &v.start, &v.end, v.perms, &v.offset, &v.major, &v.minor, &v.ino) == 7) {
+            cur = NULL;
+            if (v.end > lo && v.start < hi) {
+                g_array_append_val(out, v);
+                cur = &g_array_index(out, Vma, out->len - 1);
+            }
+        } else if (cur != NULL && g_str_has_prefix(line, "VmFlags:")) {
+            /* Every flag is two letters, each after a space. */
+            cur->uffd_wp = strstr(line, " uw") != NULL;
+        }
+    }
+    failed = ferror(f);
+    e = errno;
+    fclose(f);
+    if (failed) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot read the process's %s: %s", file,
+                    g_strerror(e));
+        return NULL;
+    }
+    return g_steal_pointer(&out);
+}
+
+static gboolean
+refuse_region(GError **error, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+
+static gboolean
+refuse_region(GError **error, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (error != NULL) {
+        va_start(ap, fmt);
+        *error = g_error_new_valist(PF_ERROR, PF_ERROR_INVALID_ARGUMENT, fmt, ap);
+        va_end(ap);
+    }
+    return FALSE;
+}
+
+gboolean
+pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
+                        guint64 offset, guint64 size, GError **error)
+{
+    g_autoptr(GArray) vmas = NULL;
+    guint64 end = host_addr + size, at = host_addr;
+    struct stat st;
+    struct statfs sfs;
+    int seals;
+
+    if (size == 0 || size % PF_PAGE_SIZE || host_addr % PF_PAGE_SIZE ||
+        offset % PF_PAGE_SIZE || end < host_addr) {
+        return refuse_region(error, "region %s: not page-aligned, or it wraps around", name);
+    }
+    if (size > PF_MAX_REGION_BYTES) {
+        return refuse_region(error,
+                             "region %s: %" G_GUINT64_FORMAT " bytes, larger than the %"
+                             G_GUINT64_FORMAT " GiB a region may have",
+                             name, size, PF_MAX_REGION_BYTES >> 30);
+    }
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || fstatfs(fd, &sfs) < 0 ||
+        (sfs.f_type != TMPFS_MAGIC && sfs.f_type != HUGETLBFS_MAGIC)) {
+        return refuse_region(error, "region %s: not a memfd", name);
+    }
+    if (sfs.f_type == HUGETLBFS_MAGIC) {
+        return refuse_region(error, "region %s: a memfd of huge pages (pagefold merges 4 KiB "
+                             "pages)", name);
+    }
+    /* Seals only ever get added: once seen, it stays. */
+    seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+        return refuse_region(error, "region %s: its memfd is not sealed against shrinking "
+                             "(F_SEAL_SHRINK, as QEMU's memory-backend-memfd seals it): a "
+                             "truncation would fault pagefoldd's reads", name);
+    }
+    if (offset > (guint64)st.st_size || size > (guint64)st.st_size - offset) {
+        return refuse_region(error,
+                             "region %s: %" G_GUINT64_FORMAT " bytes at offset %"
+                             G_GUINT64_FORMAT " go beyond the end of its memfd (%"
+                             G_GINT64_FORMAT " bytes)",
+                             name, size, offset, (gint64)st.st_size);
+    }
+    vmas = read_vmas(proc_dir, "maps", host_addr, end, error);
+    if (vmas == NULL) {
+        g_prefix_error(error, "region %s: ", name);
+        return FALSE;
+    }
+    for (guint i = 0; i < vmas->len && at < end; i++) {
+        const Vma *v = &g_array_index(vmas, Vma, i);
+        g_autofree char *entry = NULL;
+        struct stat mst;
+
+        if (v->start > at) {
+            break;
+        }
+        if (v->perms[0] == '\0' || v->perms[3] != 's') {
+            return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is mapped %s, "
+                                 "not shared", name, at, v->perms);
+        }
+        if (v->ino != (guint64)st.st_ino || makedev(v->major, v->minor) != st.st_dev) {
+            return refuse_region(error, "region %s: the process maps another file at %#"
+                                 G_GINT64_MODIFIER "x", name, at);
+        }
+        if (v->offset + (at - v->start) != offset + (at - host_addr)) {
+            return refuse_region(error, "region %s: the process maps its memfd at %#"
+                                 G_GINT64_MODIFIER "x from offset %" G_GUINT64_FORMAT
+                                 ", not %" G_GUINT64_FORMAT,
+                                 name, at, v->offset + (at - v->start),
+                                 offset + (at - host_addr));
+        }
+        /* The file itself, not only its numbers. */
+        entry = g_strdup_printf("map_files/%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x",
+                                v->start, v->end);
+        if (fstatat(proc_dir, entry, &mst, 0) < 0) {
+            int e = errno;
+
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "region %s: cannot look at %s: %s%s",
+                        name, entry, g_strerror(e),
+                        e == EPERM ? " (pagefoldd needs CAP_SYS_ADMIN)" : "");
+            return FALSE;
+        }
+        if (mst.st_dev != st.st_dev || mst.st_ino != st.st_ino) {
+            return refuse_region(error, "region %s: the process maps another file at %#"
+                                 G_GINT64_MODIFIER "x", name, at);
+        }
+        at = v->end;
+    }
+    if (at < end) {
+        return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is not mapped by the "
+                             "process", name, at);
+    }
+    return TRUE;
+}
+
+gboolean
+pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GError **error)
+{
+    g_autoptr(GArray) vmas = NULL;
+    guint64 lo = G_MAXUINT64, hi = 0;
+
+    for (guint i = 0; i < regions->len; i++) {
+        const PfRegion *r = g_ptr_array_index(regions, i);
+
+        if (pf_region_live(r)) {
+            lo = MIN(lo, r->host_addr);
+            hi = MAX(hi, r->host_addr + r->size);
+        }
+    }
+    if (lo >= hi) {
+        return TRUE; /* no region to look at */
+    }
+    vmas = read_vmas(proc_dir, "smaps", lo, hi, error);
+    if (vmas == NULL) {
+        return FALSE;
+    }
+    for (guint i = 0; i < regions->len; i++) {
+        const PfRegion *r = g_ptr_array_index(regions, i);
+        guint64 at = r->host_addr, end = r->host_addr + r->size;
+
+        if (!pf_region_live(r)) {
+            continue;
+        }
+        for (guint k = 0; k < vmas->len && at < end; k++) {
+            const Vma *v = &g_array_index(vmas, Vma, k);
+
+            if (v->end <= at) {
+                continue;
+            }
+            if (v->start > at) {
+                break;
+            }
+            if (!v->uffd_wp) {
+                return refuse_region(error, "region %s is not registered for userfaultfd write "
+                                     "protection at %#" G_GINT64_MODIFIER "x",
+                                     r->name, at);
+            }
+            at = v->end;
+        }
+        if (at < end) {
+            return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is no longer "
+                                 "mapped", r->name, at);
+        }
+    }
+    return TRUE;
+}
+
+PfRegion *
+pf_region_new_refused(const char *name, guint64 host_addr, guint64 size, const char *why)
+{
+    PfRegion *r = g_new0(PfRegion, 1);
+
+    r->fd = -1;
+    r->name = g_strdup(name);
+    r->host_addr = host_addr;
+    r->size = size;
+    r->refused = g_strdup(why);
+    return r;
+}
+
+/* What a region holds, freed; what it was announced as stays. */
+static void
+region_clear(PfRegion *r)
+{
+    if (r->map != NULL) {
+        munmap((void *)r->map, r->size);
+        r->map = NULL;
+    }
+    if (r->fd >= 0) {
+        close(r->fd);
+        r->fd = -1;
+    }
+    for (gsize e = 0; r->extents != NULL && e < r->n_extents; e++) {
+        g_free(r->extents[e]);
+    }
+    g_clear_pointer(&r->extents, g_free);
+    r->n_extents = r->extents_made = 0;
+    g_clear_pointer(&r->huge_seen, g_free);
+    g_clear_pointer(&r->huge_was, g_free);
+    r->n_pages = 0;
+}
+
+PfPage *
+pf_region_page_make(PfRegion *r, gsize idx)
+{
+    PfPage **e = &r->extents[idx / PF_EXTENT_PAGES];
+
+    if (*e == NULL) {
+        /* All zero: absent pages. */
+        *e = g_try_new0(PfPage, PF_EXTENT_PAGES);
+        if (*e == NULL) {
+            return NULL;
+        }
+        r->extents_made++;
+    }
+    return &(*e)[idx % PF_EXTENT_PAGES];
+}
+
+void
+pf_region_trim(PfRegion *r, gsize from, gsize to)
+{
+    for (gsize e = from / PF_EXTENT_PAGES; from < to && e <= (to - 1) / PF_EXTENT_PAGES; e++) {
+        gsize i = 0;
+
+        if (r->extents[e] == NULL) {
+            continue;
+        }
+        while (i < PF_EXTENT_PAGES && r->extents[e][i].state == PF_PAGE_ABSENT) {
+            i++;
+        }
+        if (i == PF_EXTENT_PAGES) {
+            g_clear_pointer(&r->extents[e], g_free);
+            r->extents_made--;
+        }
+    }
+}
+
+gsize
+pf_region_record_bytes(const PfRegion *r)
+{
+    return r->extents_made * PF_EXTENT_PAGES * sizeof(PfPage) + r->n_extents * sizeof(PfPage *);
+}
+
+void
+pf_region_retire(PfRegion *r)
+{
+    region_clear(r);
+    r->gone = TRUE;
+}
+
+void
+pf_region_refuse(PfRegion *r, const char *why)
+{
+    region_clear(r);
+    g_free(r->refused);
+    r->refused = g_strdup(why);
+}
+
+void
+pf_region_free(PfRegion *r)
+{
+    if (r == NULL) {
+        return;
+    }
+    region_clear(r);
+    g_free(r->refused);
+    g_free(r->name);
+    g_free(r);
+}
