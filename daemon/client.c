@@ -1,7 +1,9 @@
 /*
- * client.c - see client.h.  Non-blocking throughout, each wait a poll()
- * bounded by the deadline: a blocking connect() waits while the listen
- * backlog is full, and a blocking read() for a reply that never comes.
+ * client.c - the control socket's client end (client.h): one request and
+ * its reply per call, owning the connection for that call only.
+ * Non-blocking throughout, each wait a poll() bounded by the deadline: a
+ * blocking connect() waits while the listen backlog is full, and a
+ * blocking read() for a reply that never comes.
  */
 #include "client.h"
 

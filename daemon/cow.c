@@ -1,5 +1,7 @@
 /*
- * cow.c - see cow.h.
+ * cow.c - copy-on-write found from outside a VM's process (cow.h): reads
+ * its pagemap and the page flags of the frames it names, nothing else of
+ * it, and never decides what a written page becomes (the scanner does).
  *
  * What a merged page's page table entry can be, in the VM's process, and
  * what each means:

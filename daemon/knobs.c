@@ -1,5 +1,7 @@
 /*
- * knobs.c - see knobs.h.
+ * knobs.c - the table of KSM's knobs and pagefold's own (knobs.h): names,
+ * defaults, bounds and JSON.  Checks a value before it is set; never acts
+ * on one (the scanner reads them as it runs).
  */
 #include "knobs.h"
 

@@ -1,7 +1,9 @@
 /*
- * libvirt-metadata.c - see libvirt-metadata.h.  The main loop's side (the
- * timer, the snapshots) never calls libvirt; the worker's side calls
- * nothing of the scanner's: a snapshot is all they share.
+ * libvirt-metadata.c - VMs' figures in their libvirt domains' live
+ * metadata (libvirt-metadata.h), owning the worker thread and its
+ * connection.  The main loop's side (the timer, the snapshots) never calls
+ * libvirt; the worker's side calls nothing of the scanner's: a snapshot is
+ * all they share.
  */
 #include "libvirt-metadata.h"
 

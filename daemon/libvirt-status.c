@@ -1,5 +1,7 @@
 /*
- * libvirt-status.c - see libvirt-status.h.
+ * libvirt-status.c - a running domain's QEMU pid from libvirt's root-owned
+ * status file (libvirt-status.h): reads the file's head only, through no
+ * link, from nobody but root, and believes nothing else.
  */
 #include "libvirt-status.h"
 

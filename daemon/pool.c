@@ -1,5 +1,7 @@
 /*
- * pool.c - see pool.h.
+ * pool.c - the pool of canonical pages (pool.h): its sealed memfd chunks,
+ * their slots, references and sets of VMs.  Never writes a slot a guest
+ * page may map, and never sends a chunk anywhere (its owner is told).
  *
  * A freed slot cannot be punched out (the write seal forbids fallocate), so
  * it keeps its memory until its chunk goes; it is zeroed all the same, and

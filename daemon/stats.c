@@ -1,6 +1,7 @@
 /*
- * stats.c - see stats.h.  This file formats and apportions; it never walks
- * the trees itself (scan.c collects the raw figures).
+ * stats.c - KSM's counters attributed and shown (stats.h).  This file
+ * formats and apportions; it never walks the trees itself (scan.c collects
+ * the raw figures).
  */
 #include "stats.h"
 

@@ -1,7 +1,9 @@
 /*
- * tree.c - see tree.h.  Linear probing with tombstones: removal is rare next
- * to lookups, and tombstones avoid having to re-key neighbours (a cache miss
- * into a page record each).  The tables grow at 3/4 load.
+ * tree.c - KSM's two trees as checksum-keyed tables (tree.h): owns the
+ * tables and the stable nodes, never a page's content.  Linear probing with
+ * tombstones: removal is rare next to lookups, and tombstones avoid having
+ * to re-key neighbours (a cache miss into a page record each).  The tables
+ * grow at 3/4 load.
  */
 #include "tree.h"
 
