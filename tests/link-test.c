@@ -181,12 +181,6 @@ send_discard(int fd, guint32 region, guint64 page, guint64 n)
     g_assert_true(pf_proto_send(fd, PF_MSG_DISCARD, 0, &r, sizeof(r), NULL, 0, NULL));
 }
 
-static int
-daemon_pid(PfTestDaemon *d)
-{
-    return atoi(g_subprocess_get_identifier(d->proc));
-}
-
 static guint
 count_fds(int pid)
 {
@@ -208,7 +202,7 @@ assert_fds_back_to(PfTestDaemon *d, guint want)
 {
     guint n = 0;
 
-    for (int i = 0; i < 100 && (n = count_fds(daemon_pid(d))) != want; i++) {
+    for (int i = 0; i < 100 && (n = count_fds(pf_test_daemon_pid(d))) != want; i++) {
         g_usleep(20000);
     }
     g_assert_cmpuint(n, ==, want);
@@ -224,26 +218,12 @@ count_vms(PfTestDaemon *d)
     return len;
 }
 
-/* The VM of that name in `list`, as a new reference, or NULL. */
-static JsonObject *
-find_vm(PfTestDaemon *d, const char *name)
-{
-    JsonNode *n = pf_test_ctl_json(d, "list", NULL);
-    JsonObject *o = pf_test_find_vm(json_node_get_array(n), name);
-
-    if (o != NULL) {
-        json_object_ref(o);
-    }
-    json_node_unref(n);
-    return o;
-}
-
 /* Waits until the VM of that name is listed (or no longer is). */
 static void
 wait_listed(PfTestDaemon *d, const char *name, gboolean listed)
 {
     for (int i = 0; i < 500; i++) {
-        JsonObject *o = find_vm(d, name);
+        JsonObject *o = pf_test_listed_vm(d, name);
 
         if (o != NULL) {
             json_object_unref(o);
@@ -374,7 +354,7 @@ sparse_memfd(guint64 size, gboolean sealed)
 static JsonArray *
 listed_regions(PfTestDaemon *d, const char *name)
 {
-    g_autoptr(JsonObject) vm = find_vm(d, name);
+    g_autoptr(JsonObject) vm = pf_test_listed_vm(d, name);
 
     g_assert_nonnull(vm);
     return json_array_ref(json_object_get_array_member(vm, "regions"));
@@ -476,7 +456,7 @@ test_regions(void)
     wait_listed(d, "fake", TRUE);
     close(fd);
     wait_listed(d, "fake", FALSE);
-    fds_before = count_fds(daemon_pid(d));
+    fds_before = count_fds(pf_test_daemon_pid(d));
 
     /* A pipe where a memfd belongs. */
     g_assert_cmpint(pipe(pipefd), ==, 0);
@@ -505,12 +485,12 @@ test_regions(void)
     /* The same as the first of two regions sent at once, as an agent
      * sends them (pagefoldd is stopped meanwhile, so that both are sent
      * before it reads the first): the second is kept. */
-    g_assert_cmpint(kill(daemon_pid(d), SIGSTOP), ==, 0);
+    g_assert_cmpint(kill(pf_test_daemon_pid(d), SIGSTOP), ==, 0);
     fd = connect_agent(d);
     send_hello(fd, (guint32)getpid(), 2);
     send_region(fd, unsealed);
     send_region_full(fd, 1, g->fd, g->mem, 0, size);
-    g_assert_cmpint(kill(daemon_pid(d), SIGCONT), ==, 0);
+    g_assert_cmpint(kill(pf_test_daemon_pid(d), SIGCONT), ==, 0);
     {
         g_autofree PfMsg *m = g_new0(PfMsg, 1);
 
@@ -633,7 +613,7 @@ test_peer_gone(void)
 
     g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
     g_assert_cmpint(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), ==, 0);
-    g_assert_cmpint(kill(daemon_pid(d), SIGSTOP), ==, 0);
+    g_assert_cmpint(kill(pf_test_daemon_pid(d), SIGSTOP), ==, 0);
     pid = fork();
     g_assert_cmpint(pid, >=, 0);
     if (pid == 0) {
@@ -643,7 +623,7 @@ test_peer_gone(void)
     g_assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     send_hello(fd, (guint32)pid, 1);
     send_region(fd, g);
-    g_assert_cmpint(kill(daemon_pid(d), SIGCONT), ==, 0);
+    g_assert_cmpint(kill(pf_test_daemon_pid(d), SIGCONT), ==, 0);
     expect_refusal(fd, "process");
     g_assert_cmpuint(count_vms(d), ==, 0);
 }
@@ -705,7 +685,7 @@ test_ready(void)
     fd = handshake(d, g, PF_MODE_MERGE, "");
     wait_listed(d, "fake", TRUE);
     assert_region_refused(d, 0, "write protection");
-    vm = find_vm(d, "fake");
+    vm = pf_test_listed_vm(d, "fake");
     g_assert_cmpint(json_object_get_int_member(vm, "pages"), ==, 0);
     g_clear_pointer(&vm, json_object_unref);
     close(fd);
@@ -719,7 +699,7 @@ test_ready(void)
     uffd = register_wp(g);
     fd = handshake(d, g, PF_MODE_MERGE, "");
     wait_listed(d, "fake", TRUE);
-    vm = find_vm(d, "fake");
+    vm = pf_test_listed_vm(d, "fake");
     g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
     close(fd);
     close(uffd);
@@ -842,18 +822,6 @@ test_many_idle(void)
     }
 }
 
-static gint64
-vm_counter(PfTestDaemon *d, const char *name, const char *counter)
-{
-    JsonNode *n = pf_test_ctl_json(d, "stats", NULL);
-    JsonObject *o = pf_test_find_vm(json_object_get_array_member(json_node_get_object(n), "vms"),
-                                    name);
-    gint64 v = o != NULL ? json_object_get_int_member(o, counter) : -1;
-
-    json_node_unref(n);
-    return v;
-}
-
 /*
  * A merging peer that stops reading its socket is given up without
  * pagefoldd ever waiting on it: the control socket keeps answering at once
@@ -882,7 +850,7 @@ test_not_reading(void)
     /* From here on this peer reads nothing. */
     while (g_get_monotonic_time() - t0 < 20 * G_USEC_PER_SEC) {
         gint64 c0 = g_get_monotonic_time();
-        JsonObject *o = find_vm(d, "fake");
+        JsonObject *o = pf_test_listed_vm(d, "fake");
         double lat = (g_get_monotonic_time() - c0) / 1e6;
 
         worst = MAX(worst, lat);
@@ -914,12 +882,12 @@ test_not_reading(void)
     close(uffd);
 
     /* The other VM is still served. */
-    scanned = vm_counter(d, "served", "pages_scanned");
+    scanned = pf_test_vm_counter(d, "served", "pages_scanned");
     g_assert_cmpint(scanned, >=, 0);
-    for (int i = 0; i < 500 && vm_counter(d, "served", "pages_scanned") <= scanned; i++) {
+    for (int i = 0; i < 500 && pf_test_vm_counter(d, "served", "pages_scanned") <= scanned; i++) {
         g_usleep(10000);
     }
-    g_assert_cmpint(vm_counter(d, "served", "pages_scanned"), >, scanned);
+    g_assert_cmpint(pf_test_vm_counter(d, "served", "pages_scanned"), >, scanned);
 }
 
 /* ---- RAM that joins or leaves a running VM ---- */
@@ -1100,7 +1068,7 @@ test_bad_region_kept(void)
     pf_msg_close_fds(m);
     send_ready(fd, PF_MODE_MERGE, "");
     wait_listed(d, "fake", TRUE);
-    vm = find_vm(d, "fake");
+    vm = pf_test_listed_vm(d, "fake");
     g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
     g_assert_cmpint(json_object_get_int_member(vm, "pages"), ==, 256);
     assert_region_refused(d, 0, "F_SEAL_SHRINK");
@@ -1111,10 +1079,10 @@ test_bad_region_kept(void)
     answer(fd, m, PF_RESULT_DONE);
     mask |= serve(fd, 300, PF_RESULT_DONE);
     g_assert_cmpuint(mask, ==, 1u << 1);
-    for (int i = 0; i < 200 && vm_counter(d, "fake", "zero_pages") < 256; i++) {
+    for (int i = 0; i < 200 && pf_test_vm_counter(d, "fake", "zero_pages") < 256; i++) {
         serve(fd, 20, PF_RESULT_DONE);
     }
-    g_assert_cmpint(vm_counter(d, "fake", "zero_pages"), ==, 256);
+    g_assert_cmpint(pf_test_vm_counter(d, "fake", "zero_pages"), ==, 256);
     close(fd);
     close(uffd);
 }
@@ -1159,7 +1127,7 @@ test_region_join(void)
     send_region_full(fd, 4, z->fd, z->mem, 0, size);
     wait_regions(d, 5);
     assert_region_refused(d, 4, NULL);
-    vm = find_vm(d, "fake");
+    vm = pf_test_listed_vm(d, "fake");
     g_assert_cmpint(json_object_get_int_member(vm, "pages"), ==, 512);
     g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
     wait_request(fd, m, 4);
@@ -1215,10 +1183,10 @@ test_region_gone(void)
      * after. */
     serve(fd, 100, PF_RESULT_DONE);
     g_assert_cmpuint(serve(fd, 500, PF_RESULT_DONE), ==, 0);
-    vm = find_vm(d, "fake");
+    vm = pf_test_listed_vm(d, "fake");
     g_assert_cmpint(json_object_get_int_member(vm, "pages"), ==, 256);
-    g_assert_cmpint(vm_counter(d, "fake", "zero_pages"), ==, 0);
-    g_assert_cmpint(vm_counter(d, "fake", "pages_pending"), ==, 0);
+    g_assert_cmpint(pf_test_vm_counter(d, "fake", "zero_pages"), ==, 0);
+    g_assert_cmpint(pf_test_vm_counter(d, "fake", "pages_pending"), ==, 0);
     /* Twice. */
     send_gone(fd, 1, 256);
     expect_refusal_later(fd, "gone already");
@@ -1273,7 +1241,7 @@ test_no_region(void)
 
     /* The daemon handles the READY before it answers the control socket. */
     wait_listed(d, "fake", TRUE);
-    vm = find_vm(d, "fake");
+    vm = pf_test_listed_vm(d, "fake");
     g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "advise");
     g_assert_cmpstr(json_object_get_string_member(vm, "mode_reason"), ==,
                     "RAM is private: kernel KSM merges it");
