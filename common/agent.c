@@ -1,7 +1,7 @@
 /*
  * agent.c - see agent.h.
  *
- * Measured pitfalls this code is shaped by (see shared FACTS):
+ * Measured pitfalls this code is shaped by (docs/DESIGN.md, measured facts):
  *  - with UFFD_FEATURE_EVENT_UNMAP, a MAP_FIXED over a registered range
  *    blocks until the event is read: no event features are asked for, and
  *    the userfaultfd is non-blocking;

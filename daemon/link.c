@@ -13,7 +13,7 @@
  *  - its process is pinned at accept: a pidfd (SO_PEERPIDFD where the
  *    kernel has it, else pidfd_open() of SO_PEERCRED's pid) and its
  *    /proc/PID, opened while that pidfd showed it alive, through which
- *    every later look at its mappings goes (invariant 8);
+ *    every later look at its mappings goes (invariant 8, docs/DESIGN.md);
  *  - the pid HELLO announces must be that process's, and each REGION must
  *    be what that process really maps (vm.c), within a cap, before
  *    anything is allocated for it; one that is not is refused alone (a

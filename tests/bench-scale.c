@@ -44,8 +44,8 @@
  *                 the blocks of every pool chunk (pagefoldd's or theirs,
  *                 each counted once).  Not Pss alone: pagefoldd maps guest
  *                 RAM too, and a folded-back page in the memfd need not be
- *                 mapped; not KSM-style counters (FACTS.md).  t90: time
- *                 until 90% of the final saving.
+ *                 mapped; not KSM-style counters (docs/DESIGN.md,
+ *                 invariant 4).  t90: time until 90% of the final saving.
  *   stall         a thread of its own sends "knobs" on a connection of its
  *                 own every 20 ms and times each answer: max and p99;
  *                 control_ok is false if any took over 100 ms

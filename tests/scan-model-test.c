@@ -151,7 +151,7 @@ fold_back(ModelRegion *mr, gsize idx)
 }
 
 /* The agent's own compare, against the slot the item names in the chunk
- * it was sent: what makes a page merged (invariant 3). */
+ * it was sent: what makes a page merged (invariant 3, docs/DESIGN.md). */
 static gboolean
 agent_compare(ModelAgent *l, const PfWireItem *item)
 {
