@@ -14,7 +14,9 @@
  * the arguments and descriptors it was started with.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <gio/gio.h>
+#include <glib-unix.h>
 #include <glib.h>
 #include <glib/gstdio.h>
 #include <grp.h>
@@ -75,18 +77,60 @@ bytes_text(GBytes *b)
     return size > 0 ? g_strndup(data, size) : g_strdup("");
 }
 
-/* Runs the hook with exactly these arguments and xml on stdin. */
+/* The domain XML, written to the hook's stdin from a thread of its own. */
+typedef struct {
+    int fd;
+    const char *data;
+    gsize len;
+    int error; /* errno of a write that failed, or 0 */
+} Feed;
+
+static gpointer
+feed_thread(gpointer data)
+{
+    Feed *f = data;
+    const char *p = f->data;
+    gsize left = f->len;
+
+    while (left > 0) {
+        ssize_t n = write(f->fd, p, left);
+
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n < 0) {
+            f->error = errno;
+            break;
+        }
+        p += n;
+        left -= (gsize)n;
+    }
+    close(f->fd);
+    return NULL;
+}
+
+/* Runs the hook with exactly these arguments and xml on stdin.
+ *
+ * The hook may exit without reading stdin (bad arguments, a bad name), so
+ * writing the XML can fail with EPIPE.  g_subprocess_communicate() cannot
+ * feed stdin for us then: such a write fails the whole call, and it drops
+ * the stdout and stderr it has read (stderr came back empty whenever the
+ * hook was gone before the XML was written).  So stdin is a pipe of ours,
+ * written by a thread (the XML may be larger than a pipe holds, while
+ * stdout and stderr must be drained), and communicate() reads only stdout
+ * and stderr, to EOF. */
 static void
 run_argv(const char *const *args, const char *xml, const char *record, Run *r)
 {
     g_autoptr(GPtrArray) argv = g_ptr_array_new();
     g_autoptr(GSubprocessLauncher) l = g_subprocess_launcher_new(
-        G_SUBPROCESS_FLAGS_STDIN_PIPE | G_SUBPROCESS_FLAGS_STDOUT_PIPE |
-        G_SUBPROCESS_FLAGS_STDERR_PIPE);
+        G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_PIPE);
     g_autoptr(GSubprocess) p = NULL;
     g_autoptr(GError) error = NULL;
-    g_autoptr(GBytes) in = g_bytes_new(xml, strlen(xml));
     g_autoptr(GBytes) out = NULL, err = NULL;
+    Feed feed = { .data = xml, .len = strlen(xml) };
+    GThread *feeder;
+    int in[2];
 
     run_clear(r);
     g_ptr_array_add(argv, (char *)pf_test_bin("PAGEFOLD_HOOK"));
@@ -97,15 +141,21 @@ run_argv(const char *const *args, const char *xml, const char *record, Run *r)
     if (record != NULL) {
         g_subprocess_launcher_setenv(l, "HOOK_TEST_RECORD", record, TRUE);
     }
+    g_unix_open_pipe(in, FD_CLOEXEC, &error);
+    g_assert_no_error(error);
+    g_subprocess_launcher_take_stdin_fd(l, in[0]);
     p = g_subprocess_launcher_spawnv(l, (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);
-    /* The hook may exit without reading all of stdin (bad arguments). */
-    g_subprocess_communicate(p, in, NULL, &out, &err, &error);
-    if (error != NULL && !g_error_matches(error, G_IO_ERROR, G_IO_ERROR_BROKEN_PIPE)) {
-        g_assert_no_error(error);
-    }
-    if (error != NULL) {
-        g_subprocess_wait(p, NULL, NULL);
+    /* Our copy of the read end goes now: with the hook gone, the writer
+     * must meet EPIPE, not a full pipe that nobody reads. */
+    g_subprocess_launcher_close(l);
+    feed.fd = in[1];
+    feeder = g_thread_new("hook-stdin", feed_thread, &feed);
+    g_subprocess_communicate(p, NULL, NULL, &out, &err, &error);
+    g_thread_join(feeder);
+    g_assert_no_error(error);
+    if (feed.error != 0 && feed.error != EPIPE) {
+        g_error("writing the domain XML to the hook: %s", g_strerror(feed.error));
     }
     r->exited = g_subprocess_get_if_exited(p);
     r->status = r->exited ? g_subprocess_get_exit_status(p) : -1;
