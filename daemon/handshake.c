@@ -131,7 +131,8 @@ region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, int fd,
  * VM's new region must be write-protected as READY's were.
  */
 PfRegion *
-handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg, gboolean running)
+handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg,
+                 gboolean running)
 {
     g_autoptr(GError) error = NULL;
     PfRegion *r = NULL;

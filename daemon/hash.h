@@ -3,7 +3,8 @@
  * marks a page volatile when its checksum changes between two visits.
  *
  * A checksum only orders and filters: nothing in pagefold may treat two
- * pages as equal because their checksums are (memcmp decides, see scan.c).
+ * pages as equal because their checksums are (memcmp decides, see
+ * scan-visit.c).
  */
 #pragma once
 

@@ -72,7 +72,7 @@ struct _PfScanner {
     PfStableTree stable;
     PfUnstableTree unstable;
     GArray *joins;       /* Joining: pages found equal to nodes their VM may
-                          * not read, joined when it ends (make_joins()) */
+                          * not read, joined when it ends (moves_make_joins()) */
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
                           * VM's pages matched part of the chunk */
     PfPool *pool;        /* created with the first merging VM */

@@ -240,7 +240,7 @@ bus_handler(int sig)
     siglongjmp(*bus_env, 1);
 }
 
-/* pf_pool_alloc() under a SIGBUS guard like the scanner's (scan.c):
+/* pf_pool_alloc() under a SIGBUS guard like the scanner's (guard.h):
  * PF_POOL_SLOT_NONE when the copy faulted and jumped out of it. */
 static guint32
 alloc_guarded(PfPool *p, const guint32 *vms, guint n_vms, const guint8 *content,
