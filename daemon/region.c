@@ -149,27 +149,16 @@ refuse_region(GError **error, const char *fmt, ...)
     return FALSE;
 }
 
-gboolean
-pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
-                        guint64 offset, guint64 size, GError **error)
+/* The memfd itself: shmem of 4 KiB pages, sealed against shrinking, and
+ * long enough for the range announced.  *st: its stat. */
+static gboolean
+check_memfd(int fd, const char *name, guint64 offset, guint64 size, struct stat *st,
+            GError **error)
 {
-    g_autoptr(GArray) vmas = NULL;
-    guint64 end = host_addr + size, at = host_addr;
-    struct stat st;
     struct statfs sfs;
     int seals;
 
-    if (size == 0 || size % PF_PAGE_SIZE || host_addr % PF_PAGE_SIZE ||
-        offset % PF_PAGE_SIZE || end < host_addr) {
-        return refuse_region(error, "region %s: not page-aligned, or it wraps around", name);
-    }
-    if (size > PF_MAX_REGION_BYTES) {
-        return refuse_region(error,
-                             "region %s: %" G_GUINT64_FORMAT " bytes, larger than the %"
-                             G_GUINT64_FORMAT " GiB a region may have",
-                             name, size, PF_MAX_REGION_BYTES >> 30);
-    }
-    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || fstatfs(fd, &sfs) < 0 ||
+    if (fstat(fd, st) < 0 || !S_ISREG(st->st_mode) || fstatfs(fd, &sfs) < 0 ||
         (sfs.f_type != TMPFS_MAGIC && sfs.f_type != HUGETLBFS_MAGIC)) {
         return refuse_region(error, "region %s: not a memfd", name);
     }
@@ -184,12 +173,78 @@ pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_add
                              "(F_SEAL_SHRINK, as QEMU's memory-backend-memfd seals it): a "
                              "truncation would fault pagefoldd's reads", name);
     }
-    if (offset > (guint64)st.st_size || size > (guint64)st.st_size - offset) {
+    if (offset > (guint64)st->st_size || size > (guint64)st->st_size - offset) {
         return refuse_region(error,
                              "region %s: %" G_GUINT64_FORMAT " bytes at offset %"
                              G_GUINT64_FORMAT " go beyond the end of its memfd (%"
                              G_GINT64_FORMAT " bytes)",
-                             name, size, offset, (gint64)st.st_size);
+                             name, size, offset, (gint64)st->st_size);
+    }
+    return TRUE;
+}
+
+/* One mapping of the process, v, covering address at: shared, of the
+ * memfd st, at the offset announced. */
+static gboolean
+check_vma(int proc_dir, const Vma *v, const struct stat *st, const char *name,
+          guint64 host_addr, guint64 offset, guint64 at, GError **error)
+{
+    g_autofree char *entry = NULL;
+    struct stat mst;
+
+    if (v->perms[0] == '\0' || v->perms[3] != 's') {
+        return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is mapped %s, "
+                             "not shared", name, at, v->perms);
+    }
+    if (v->ino != (guint64)st->st_ino || makedev(v->major, v->minor) != st->st_dev) {
+        return refuse_region(error, "region %s: the process maps another file at %#"
+                             G_GINT64_MODIFIER "x", name, at);
+    }
+    if (v->offset + (at - v->start) != offset + (at - host_addr)) {
+        return refuse_region(error, "region %s: the process maps its memfd at %#"
+                             G_GINT64_MODIFIER "x from offset %" G_GUINT64_FORMAT
+                             ", not %" G_GUINT64_FORMAT,
+                             name, at, v->offset + (at - v->start),
+                             offset + (at - host_addr));
+    }
+    /* The file itself, not only its numbers. */
+    entry = g_strdup_printf("map_files/%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x",
+                            v->start, v->end);
+    if (fstatat(proc_dir, entry, &mst, 0) < 0) {
+        int e = errno;
+
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "region %s: cannot look at %s: %s%s",
+                    name, entry, g_strerror(e),
+                    e == EPERM ? " (pagefoldd needs CAP_SYS_ADMIN)" : "");
+        return FALSE;
+    }
+    if (mst.st_dev != st->st_dev || mst.st_ino != st->st_ino) {
+        return refuse_region(error, "region %s: the process maps another file at %#"
+                             G_GINT64_MODIFIER "x", name, at);
+    }
+    return TRUE;
+}
+
+gboolean
+pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
+                        guint64 offset, guint64 size, GError **error)
+{
+    g_autoptr(GArray) vmas = NULL;
+    guint64 end = host_addr + size, at = host_addr;
+    struct stat st;
+
+    if (size == 0 || size % PF_PAGE_SIZE || host_addr % PF_PAGE_SIZE ||
+        offset % PF_PAGE_SIZE || end < host_addr) {
+        return refuse_region(error, "region %s: not page-aligned, or it wraps around", name);
+    }
+    if (size > PF_MAX_REGION_BYTES) {
+        return refuse_region(error,
+                             "region %s: %" G_GUINT64_FORMAT " bytes, larger than the %"
+                             G_GUINT64_FORMAT " GiB a region may have",
+                             name, size, PF_MAX_REGION_BYTES >> 30);
+    }
+    if (!check_memfd(fd, name, offset, size, &st, error)) {
+        return FALSE;
     }
     vmas = read_vmas(proc_dir, "maps", host_addr, end, error);
     if (vmas == NULL) {
@@ -198,41 +253,12 @@ pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_add
     }
     for (guint i = 0; i < vmas->len && at < end; i++) {
         const Vma *v = &g_array_index(vmas, Vma, i);
-        g_autofree char *entry = NULL;
-        struct stat mst;
 
         if (v->start > at) {
             break;
         }
-        if (v->perms[0] == '\0' || v->perms[3] != 's') {
-            return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is mapped %s, "
-                                 "not shared", name, at, v->perms);
-        }
-        if (v->ino != (guint64)st.st_ino || makedev(v->major, v->minor) != st.st_dev) {
-            return refuse_region(error, "region %s: the process maps another file at %#"
-                                 G_GINT64_MODIFIER "x", name, at);
-        }
-        if (v->offset + (at - v->start) != offset + (at - host_addr)) {
-            return refuse_region(error, "region %s: the process maps its memfd at %#"
-                                 G_GINT64_MODIFIER "x from offset %" G_GUINT64_FORMAT
-                                 ", not %" G_GUINT64_FORMAT,
-                                 name, at, v->offset + (at - v->start),
-                                 offset + (at - host_addr));
-        }
-        /* The file itself, not only its numbers. */
-        entry = g_strdup_printf("map_files/%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x",
-                                v->start, v->end);
-        if (fstatat(proc_dir, entry, &mst, 0) < 0) {
-            int e = errno;
-
-            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "region %s: cannot look at %s: %s%s",
-                        name, entry, g_strerror(e),
-                        e == EPERM ? " (pagefoldd needs CAP_SYS_ADMIN)" : "");
+        if (!check_vma(proc_dir, v, &st, name, host_addr, offset, at, error)) {
             return FALSE;
-        }
-        if (mst.st_dev != st.st_dev || mst.st_ino != st.st_ino) {
-            return refuse_region(error, "region %s: the process maps another file at %#"
-                                 G_GINT64_MODIFIER "x", name, at);
         }
         at = v->end;
     }
