@@ -1,5 +1,9 @@
 /*
- * proto.c - see proto.h.
+ * proto.c - the agent wire format's framing: sending a message with its
+ * descriptors, and receiving one, refused whole unless its header, its
+ * payload field by field and its descriptor count all fit its type.
+ * Never hands a caller a message it has not checked, and never leaks a
+ * descriptor that a refused message carried.
  *
  * Copyright (c) 2026 The pagefold authors
  *
@@ -118,152 +122,206 @@ string_ok(const char *field, gsize size, gboolean may_be_empty)
 }
 
 static gboolean
+validate_hello(const PfMsg *msg, GError **error)
+{
+    const PfMsgHeader *h = &msg->header;
+    const PfWireHello *p = (const void *)msg->payload;
+
+    if (h->length != sizeof(*p)) {
+        return fail(error, "HELLO of %u bytes", h->length);
+    }
+    if (p->version != PF_PROTO_VERSION) {
+        return fail(error, "protocol version %u, this side speaks %u",
+                    p->version, PF_PROTO_VERSION);
+    }
+    if (!string_ok(p->name, sizeof(p->name), FALSE)) {
+        return fail(error, "HELLO name is not a terminated UTF-8 string");
+    }
+    /* No region: RAM that cannot be merged, attached to say why. */
+    if (p->n_regions > 256) {
+        return fail(error, "HELLO announces %u regions", p->n_regions);
+    }
+    return TRUE;
+}
+
+static gboolean
+validate_region(const PfMsg *msg, GError **error)
+{
+    const PfMsgHeader *h = &msg->header;
+    const PfWireRegion *p = (const void *)msg->payload;
+
+    if (h->length != sizeof(*p)) {
+        return fail(error, "REGION of %u bytes", h->length);
+    }
+    if (p->page_size != PF_PAGE_SIZE) {
+        return fail(error, "REGION page size %u (only %u is supported)",
+                    p->page_size, PF_PAGE_SIZE);
+    }
+    if (p->size == 0 || p->size % PF_PAGE_SIZE ||
+        p->host_addr % PF_PAGE_SIZE || p->offset % PF_PAGE_SIZE ||
+        p->size > (1ull << 46)) {
+        return fail(error, "REGION size, address or offset not "
+                    "page-aligned or too large");
+    }
+    if (!string_ok(p->name, sizeof(p->name), FALSE)) {
+        return fail(error, "REGION name is not a terminated UTF-8 string");
+    }
+    return TRUE;
+}
+
+/* WELCOME, READY and ADVISE. */
+static gboolean
+validate_mode(const PfMsg *msg, GError **error)
+{
+    const PfMsgHeader *h = &msg->header;
+    const PfWireMode *p = (const void *)msg->payload;
+    const char *what = h->type == PF_MSG_WELCOME ? "WELCOME"
+                       : h->type == PF_MSG_READY ? "READY" : "ADVISE";
+
+    if (h->length != sizeof(*p)) {
+        return fail(error, "%s of %u bytes", what, h->length);
+    }
+    if (p->version != PF_PROTO_VERSION) {
+        return fail(error, "%s of protocol version %u", what, p->version);
+    }
+    if (p->mode != PF_MODE_ADVISE && p->mode != PF_MODE_MERGE) {
+        return fail(error, "%s mode %u", what, p->mode);
+    }
+    if (!string_ok(p->reason, sizeof(p->reason),
+                   h->type != PF_MSG_ADVISE)) {
+        return fail(error, "%s reason is %s", what,
+                    h->type == PF_MSG_ADVISE
+                    ? "empty, or not a terminated UTF-8 string"
+                    : "not a terminated UTF-8 string");
+    }
+    if (h->type == PF_MSG_ADVISE && p->mode != PF_MODE_ADVISE) {
+        return fail(error, "ADVISE of mode %u", p->mode);
+    }
+    return TRUE;
+}
+
+/* POOL and DROP. */
+static gboolean
+validate_pool(const PfMsg *msg, GError **error)
+{
+    const PfMsgHeader *h = &msg->header;
+    const PfWirePool *p = (const void *)msg->payload;
+    const char *what = h->type == PF_MSG_POOL ? "POOL" : "DROP";
+
+    if (h->length != sizeof(*p) || p->n_slots == 0 ||
+        p->n_slots > (1u << 24) || p->chunk >= PF_PROTO_MAX_CHUNKS) {
+        return fail(error, "%s of %u bytes, or of chunk %u of %u slots",
+                    what, h->length,
+                    h->length == sizeof(*p) ? p->chunk : 0,
+                    h->length == sizeof(*p) ? p->n_slots : 0);
+    }
+    return TRUE;
+}
+
+/* REQUEST and RESULT: a ListHeader, then its entries. */
+static gboolean
+validate_list(const PfMsg *msg, GError **error)
+{
+    const PfMsgHeader *h = &msg->header;
+    const ListHeader *l = (const void *)msg->payload;
+    gsize each = h->type == PF_MSG_REQUEST ? sizeof(PfWireItem)
+                                           : sizeof(PfWireResult);
+
+    if (h->length < sizeof(*l) || (h->length - sizeof(*l)) % each != 0 ||
+        l->n != (h->length - sizeof(*l)) / each || l->n == 0 ||
+        l->n > PF_PROTO_MAX_ITEMS) {
+        return fail(error, "%s of %u bytes does not hold its %u entries",
+                    h->type == PF_MSG_REQUEST ? "REQUEST" : "RESULT",
+                    h->length, h->length >= sizeof(*l) ? l->n : 0);
+    }
+    for (guint32 i = 0; i < l->n; i++) {
+        if (h->type == PF_MSG_REQUEST) {
+            const PfWireItem *it =
+                (const void *)(msg->payload + sizeof(*l) + i * each);
+
+            if (it->kind < PF_ITEM_MERGE || it->kind > PF_ITEM_COLLAPSE) {
+                return fail(error, "REQUEST item %u has kind %u", i,
+                            it->kind);
+            }
+        } else {
+            const PfWireResult *r =
+                (const void *)(msg->payload + sizeof(*l) + i * each);
+
+            if (r->status > PF_RESULT_ERROR) {
+                return fail(error, "RESULT %u has status %u", i, r->status);
+            }
+        }
+    }
+    return TRUE;
+}
+
+/* DISCARD and GONE. */
+static gboolean
+validate_range(const PfMsg *msg, GError **error)
+{
+    const PfMsgHeader *h = &msg->header;
+    const PfWireRange *p = (const void *)msg->payload;
+    const char *what = h->type == PF_MSG_DISCARD ? "DISCARD" : "GONE";
+
+    if (h->length != sizeof(*p) || p->n_pages == 0 ||
+        p->page >= (1ull << 34) || p->n_pages > (1ull << 34) ||
+        (h->type == PF_MSG_GONE && p->page != 0)) {
+        return fail(error,
+                    "%s of %u bytes, or of an empty or impossible range",
+                    what, h->length);
+    }
+    return TRUE;
+}
+
+/*
+ * The payload fits its type, field by field, and the message carries as
+ * many descriptors as its type takes.
+ */
+static gboolean
 validate(const PfMsg *msg, GError **error)
 {
     const PfMsgHeader *h = &msg->header;
     guint want_fds_min = 0, want_fds_max = 0;
+    gboolean ok;
 
     switch (h->type) {
-    case PF_MSG_HELLO: {
-        const PfWireHello *p = (const void *)msg->payload;
-
-        if (h->length != sizeof(*p)) {
-            return fail(error, "HELLO of %u bytes", h->length);
-        }
-        if (p->version != PF_PROTO_VERSION) {
-            return fail(error, "protocol version %u, this side speaks %u",
-                        p->version, PF_PROTO_VERSION);
-        }
-        if (!string_ok(p->name, sizeof(p->name), FALSE)) {
-            return fail(error, "HELLO name is not a terminated UTF-8 string");
-        }
-        /* No region: RAM that cannot be merged, attached to say why. */
-        if (p->n_regions > 256) {
-            return fail(error, "HELLO announces %u regions", p->n_regions);
-        }
+    case PF_MSG_HELLO:
+        ok = validate_hello(msg, error);
         break;
-    }
-    case PF_MSG_REGION: {
-        const PfWireRegion *p = (const void *)msg->payload;
-
-        if (h->length != sizeof(*p)) {
-            return fail(error, "REGION of %u bytes", h->length);
-        }
-        if (p->page_size != PF_PAGE_SIZE) {
-            return fail(error, "REGION page size %u (only %u is supported)",
-                        p->page_size, PF_PAGE_SIZE);
-        }
-        if (p->size == 0 || p->size % PF_PAGE_SIZE ||
-            p->host_addr % PF_PAGE_SIZE || p->offset % PF_PAGE_SIZE ||
-            p->size > (1ull << 46)) {
-            return fail(error, "REGION size, address or offset not "
-                        "page-aligned or too large");
-
-        }
-        if (!string_ok(p->name, sizeof(p->name), FALSE)) {
-            return fail(error, "REGION name is not a terminated UTF-8 string");
-        }
+    case PF_MSG_REGION:
+        ok = validate_region(msg, error);
         want_fds_min = want_fds_max = 1;
         break;
-    }
     case PF_MSG_WELCOME:
     case PF_MSG_READY:
-    case PF_MSG_ADVISE: {
-        const PfWireMode *p = (const void *)msg->payload;
-        const char *what = h->type == PF_MSG_WELCOME ? "WELCOME"
-                           : h->type == PF_MSG_READY ? "READY" : "ADVISE";
-
-        if (h->length != sizeof(*p)) {
-            return fail(error, "%s of %u bytes", what, h->length);
-        }
-        if (p->version != PF_PROTO_VERSION) {
-            return fail(error, "%s of protocol version %u", what, p->version);
-        }
-        if (p->mode != PF_MODE_ADVISE && p->mode != PF_MODE_MERGE) {
-            return fail(error, "%s mode %u", what, p->mode);
-        }
-        if (!string_ok(p->reason, sizeof(p->reason),
-                       h->type != PF_MSG_ADVISE)) {
-            return fail(error, "%s reason is %s", what,
-                        h->type == PF_MSG_ADVISE
-                        ? "empty, or not a terminated UTF-8 string"
-                        : "not a terminated UTF-8 string");
-        }
-        if (h->type == PF_MSG_ADVISE && p->mode != PF_MODE_ADVISE) {
-            return fail(error, "ADVISE of mode %u", p->mode);
-        }
+    case PF_MSG_ADVISE:
+        ok = validate_mode(msg, error);
         want_fds_max = h->type == PF_MSG_WELCOME ? 1 : 0;
         break;
-    }
     case PF_MSG_POOL:
-    case PF_MSG_DROP: {
-        const PfWirePool *p = (const void *)msg->payload;
-        const char *what = h->type == PF_MSG_POOL ? "POOL" : "DROP";
-
-        if (h->length != sizeof(*p) || p->n_slots == 0 ||
-            p->n_slots > (1u << 24) || p->chunk >= PF_PROTO_MAX_CHUNKS) {
-            return fail(error, "%s of %u bytes, or of chunk %u of %u slots",
-                        what, h->length,
-                        h->length == sizeof(*p) ? p->chunk : 0,
-                        h->length == sizeof(*p) ? p->n_slots : 0);
-        }
+    case PF_MSG_DROP:
+        ok = validate_pool(msg, error);
         want_fds_min = want_fds_max = h->type == PF_MSG_POOL ? 1 : 0;
         break;
-    }
     case PF_MSG_REQUEST:
-    case PF_MSG_RESULT: {
-        const ListHeader *l = (const void *)msg->payload;
-        gsize each = h->type == PF_MSG_REQUEST ? sizeof(PfWireItem)
-                                               : sizeof(PfWireResult);
-
-        if (h->length < sizeof(*l) || (h->length - sizeof(*l)) % each != 0 ||
-            l->n != (h->length - sizeof(*l)) / each || l->n == 0 ||
-            l->n > PF_PROTO_MAX_ITEMS) {
-            return fail(error, "%s of %u bytes does not hold its %u entries",
-                        h->type == PF_MSG_REQUEST ? "REQUEST" : "RESULT",
-                        h->length, h->length >= sizeof(*l) ? l->n : 0);
-        }
-        for (guint32 i = 0; i < l->n; i++) {
-            if (h->type == PF_MSG_REQUEST) {
-                const PfWireItem *it =
-                    (const void *)(msg->payload + sizeof(*l) + i * each);
-
-                if (it->kind < PF_ITEM_MERGE || it->kind > PF_ITEM_COLLAPSE) {
-                    return fail(error, "REQUEST item %u has kind %u", i,
-                                it->kind);
-                }
-            } else {
-                const PfWireResult *r =
-                    (const void *)(msg->payload + sizeof(*l) + i * each);
-
-                if (r->status > PF_RESULT_ERROR) {
-                    return fail(error, "RESULT %u has status %u", i, r->status);
-                }
-            }
-        }
+    case PF_MSG_RESULT:
+        ok = validate_list(msg, error);
         break;
-    }
     case PF_MSG_DISCARD:
-    case PF_MSG_GONE: {
-        const PfWireRange *p = (const void *)msg->payload;
-        const char *what = h->type == PF_MSG_DISCARD ? "DISCARD" : "GONE";
-
-        if (h->length != sizeof(*p) || p->n_pages == 0 ||
-            p->page >= (1ull << 34) || p->n_pages > (1ull << 34) ||
-            (h->type == PF_MSG_GONE && p->page != 0)) {
-            return fail(error,
-                        "%s of %u bytes, or of an empty or impossible range",
-                        what, h->length);
-        }
+    case PF_MSG_GONE:
+        ok = validate_range(msg, error);
         break;
-    }
     case PF_MSG_ERROR:
         if (h->length == 0 || h->length > 1024) {
             return fail(error, "ERROR of %u bytes", h->length);
         }
+        ok = TRUE;
         break;
     default:
         return fail(error, "unknown type %u", h->type);
+    }
+    if (!ok) {
+        return FALSE;
     }
     if (msg->n_fds < want_fds_min || msg->n_fds > want_fds_max) {
         return fail(error, "type %u carries %u file descriptors", h->type,

@@ -1,6 +1,9 @@
 /*
- * util.c - see util.h.  Parsing here is strict on purpose: a knob or a pid
- * given as "12abc", " 12" or "-1" is an error, never a silent 12 or 0.
+ * util.c - the small pieces pagefoldd, pagefoldctl and the agent share:
+ * the error domain, strict number parsing, a Unix socket to listen on, the
+ * descriptor limit.  Holds no state, and never depends on daemon code
+ * (QEMU links it).  Parsing here is strict on purpose: a knob or a pid given as
+ * "12abc", " 12" or "-1" is an error, never a silent 12 or 0.
  *
  * Copyright (c) 2026 The pagefold authors
  *

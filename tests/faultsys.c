@@ -1,5 +1,8 @@
 /*
- * faultsys.c - see faultsys.h.
+ * faultsys.c - the agent's system calls, each one able to fail on a test's
+ * word (pf_test_faulty_syscalls): one fault setting for the process, under
+ * a lock, since the agent's thread makes the calls.  A call no test asked
+ * to fail goes straight to the real one, unchanged.
  */
 #include "faultsys.h"
 

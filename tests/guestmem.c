@@ -1,5 +1,9 @@
 /*
- * guestmem.c - see guestmem.h.
+ * guestmem.c - synthetic guest RAM: memfds mapped shared and filled with
+ * guestmem.h's page kinds, each page's content a function of its kind,
+ * guest, index and generation, and the child processes that hold one
+ * guest's mapping as a VMM would.  Never writes a page that its layout
+ * says is a hole, and a holder never outlives the test.
  */
 #include "guestmem.h"
 

@@ -1,5 +1,9 @@
 /*
- * testguest.c - see testguest.h.
+ * testguest.c - tiny guests in QEMU for the qemu suite and the benchmarks:
+ * the QEMU command line a PfGuestSpec asks for, pfguest's console lines
+ * read on a thread of their own, QMP commands on connections of their
+ * own.  A FAIL line from the guest, or its console ending, fails the test
+ * rather than being waited past.
  */
 #include "testguest.h"
 

@@ -1,5 +1,9 @@
 /*
- * testproc.c - see testproc.h.
+ * testproc.c - the project's programs run from tests: stand-in VMMs and
+ * their command pipes, pagefoldd on the test's own sockets, pagefoldctl's
+ * answers as JSON, a pagefoldd peer for an agent in the test's process,
+ * and what /proc says of a process's mappings.  Every child it starts dies
+ * with the test (an orphan would hold meson's output pipe open).
  */
 #include "testproc.h"
 

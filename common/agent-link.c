@@ -1,0 +1,439 @@
+/*
+ * agent-link.c - the connection to pagefoldd and the agent's one thread:
+ * connecting, the handshake (HELLO, WELCOME, READY) that settles the
+ * mode, then serving POOL, DROP and REQUEST until the link ends or the
+ * agent stops.  Never makes a VMM thread wait for pagefoldd:
+ * pf_agent_start() only connects, and all the waiting is done on the
+ * agent thread.  When the handshake or the link fails, the VM runs on,
+ * unmerged, in advise mode, and its merged pages stay valid.
+ *
+ * Copyright (c) 2026 The pagefold authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#include "agent-internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define HANDSHAKE_MS 10000
+
+static gboolean
+recv_expect(int sock, PfMsg *msg, PfMsgType type, GError **error)
+{
+    if (!pf_proto_recv(sock, msg, error)) {
+        return FALSE;
+    }
+    if (msg->header.type == PF_MSG_ERROR) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pagefoldd refused: %.*s",
+                    (int)msg->header.length, (const char *)msg->payload);
+        return FALSE;
+    }
+    if (msg->header.type != type) {
+        pf_msg_close_fds(msg);
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "expected message type %u, got %u", type, msg->header.type);
+        return FALSE;
+    }
+    return TRUE;
+}
+
+/*
+ * Chooses the mode and says it; regions plugged in meanwhile follow.
+ * Called with work held.
+ */
+static void
+settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
+{
+    PfWireMode ready = { 0 };
+    g_autofree char *why = NULL;
+    guint told = a->announced;
+    PfMode mode = PF_MODE_ADVISE;
+
+    if (a->advise_reason != NULL) {
+        why = g_strdup(a->advise_reason);
+    } else if (welcome->mode != PF_MODE_MERGE) {
+        why = g_strdup(welcome->reason);
+    } else if (pfa_uffd_setup(a, dev_fd, &why)) {
+        mode = PF_MODE_MERGE;
+    }
+    pfa_set_mode(a, mode, why ? why : "");
+    ready.version = PF_PROTO_VERSION;
+    ready.mode = mode;
+    pf_wire_set_string(ready.reason, sizeof(ready.reason), a->reason);
+    pfa_post(a, PF_MSG_READY, 0, &ready, sizeof(ready), -1);
+    /* pfa_uffd_setup() protected them with the others. */
+    for (guint i = told; i < a->regions->len; i++) {
+        pfa_region_join(a, i, FALSE);
+    }
+    /* Told in HELLO's wake, gone since: pagefoldd hears it now. */
+    for (guint i = 0; i < told; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+
+        if (r->gone_untold) {
+            PfWireRange gone = { i, 0, 0, r->n_pages };
+
+            pfa_post(a, PF_MSG_GONE, 0, &gone, sizeof(gone), -1);
+            r->gone_untold = FALSE;
+        }
+    }
+    a->ready = TRUE;
+    if (mode != PF_MODE_MERGE) {
+        g_message("pagefold agent: VM %s stays in advise mode: %s", a->name,
+                  a->reason);
+    } else {
+        g_message("pagefold agent: VM %s merges", a->name);
+    }
+}
+
+/*
+ * Waits until the socket has something to read, the agent is stopped, or
+ * timeout_ms pass (-1: no limit).  The VMM's threads never wait here.
+ */
+static gboolean
+wait_readable(PfAgent *a, int timeout_ms, GError **error)
+{
+    /* Within timeout_ms in all, however often something is queued. */
+    gint64 end = g_get_monotonic_time() + (gint64)timeout_ms * 1000;
+
+    for (;;) {
+        struct pollfd pfd[3] = { { a->sock, POLLIN, 0 },
+                                 { a->stop[0], POLLIN, 0 },
+                                 { a->wake[0], POLLIN, 0 } };
+        gint64 left = (end - g_get_monotonic_time() + 999) / 1000;
+        int n = poll(pfd, 3, timeout_ms < 0 ? -1 : (int)MAX(left, 0));
+
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n < 0) {
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "poll: %s",
+                        g_strerror(errno));
+            return FALSE;
+        }
+        if (n == 0) {
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                        "pagefoldd did not answer within %d s",
+                        timeout_ms / 1000);
+            return FALSE;
+        }
+        if (pfd[1].revents) {
+            g_set_error(error, PF_ERROR, PF_ERROR_CLOSED,
+                        "the agent is stopping");
+            return FALSE;
+        }
+        if (pfd[2].revents) {
+            char buf[64];
+            ssize_t got;
+
+            do {
+                got = read(a->wake[0], buf, sizeof(buf));
+            } while (got > 0);
+
+            if (!pfa_flush(a, error)) {
+                if (error != NULL && *error == NULL) {
+                    g_set_error(error, PF_ERROR, PF_ERROR_CLOSED,
+                                "the link was given up");
+                }
+                return FALSE;
+            }
+        }
+        if (pfd[0].revents) {
+            return TRUE;
+        }
+    }
+}
+
+/*
+ * Announces the VM and its regions and settles the mode.  Only the agent
+ * thread waits for pagefoldd meanwhile.
+ */
+static gboolean
+handshake(PfAgent *a, GError **error)
+{
+    g_autofree PfMsg *msg = g_new0(PfMsg, 1);
+    PfWireHello hello = { 0 };
+    int dev_fd = -1;
+
+    g_mutex_lock(&a->work);
+    hello.version = PF_PROTO_VERSION;
+    hello.pid = (guint32)getpid();
+    memcpy(hello.uuid, a->uuid, 16);
+    pf_wire_set_string(hello.name, sizeof(hello.name), a->name);
+    hello.n_regions = a->regions->len;
+    pfa_post(a, PF_MSG_HELLO, 0, &hello, sizeof(hello), -1);
+    for (guint i = 0; i < hello.n_regions; i++) {
+        pfa_region_join(a, i, FALSE);
+    }
+    g_mutex_unlock(&a->work);
+    if (!pfa_flush(a, error) || !wait_readable(a, HANDSHAKE_MS, error) ||
+        !recv_expect(a->sock, msg, PF_MSG_WELCOME, error)) {
+        return FALSE;
+    }
+    if (msg->n_fds == 1) {
+        dev_fd = msg->fds[0];
+        msg->n_fds = 0;
+    }
+    g_mutex_lock(&a->work);
+    settle_mode(a, pf_msg_mode(msg), dev_fd);
+    g_mutex_unlock(&a->work);
+    if (dev_fd >= 0) {
+        close(dev_fd);
+    }
+    if (!pfa_flush(a, error)) {
+        return FALSE;
+    }
+    pfa_set_connected(a, TRUE);
+    return TRUE;
+}
+
+/* pf_agent_free() stops the agent: a send it cut short is no news. */
+static gboolean
+stopping(PfAgent *a)
+{
+    struct pollfd p = { a->stop[0], POLLIN, 0 };
+
+    return poll(&p, 1, 0) == 1;
+}
+
+/*
+ * Does what one message of pagefoldd asks; FALSE when the link is to end
+ * (with error set, but for pagefoldd's own ERROR).  Called with work held.
+ */
+static gboolean
+dispatch(PfAgent *a, PfMsg *msg, GError **error)
+{
+    switch (msg->header.type) {
+    case PF_MSG_POOL:
+        return pfa_take_chunk(a, msg, error);
+    case PF_MSG_DROP:
+        return pfa_drop_chunk(a, msg, error);
+    case PF_MSG_REQUEST:
+        return pfa_handle_request(a, msg, error);
+    case PF_MSG_ERROR:
+        g_warning("pagefold agent: pagefoldd says: %.*s",
+                  (int)msg->header.length, (const char *)msg->payload);
+        return FALSE;
+    default:
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "unexpected message type %u", msg->header.type);
+        return FALSE;
+    }
+}
+
+/* Serves requests until the link ends or the agent stops. */
+static void
+serve(PfAgent *a)
+{
+    g_autofree PfMsg *msg = g_new0(PfMsg, 1);
+
+    for (;;) {
+        g_autoptr(GError) error = NULL;
+        gboolean ok;
+
+        if (!wait_readable(a, -1, &error)) {
+            if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED) &&
+                !stopping(a)) {
+                g_warning("pagefold agent: %s; disconnecting", error->message);
+            }
+            return;
+        }
+        if (!pf_proto_recv(a->sock, msg, &error)) {
+            if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED)) {
+                g_warning("pagefold agent: %s; disconnecting", error->message);
+                g_mutex_lock(&a->work);
+                pfa_post_error(a, error->message);
+                g_mutex_unlock(&a->work);
+                (void)pfa_flush(a, NULL);
+            }
+            return;
+        }
+        g_mutex_lock(&a->work);
+        ok = dispatch(a, msg, &error);
+        pf_msg_close_fds(msg);
+        if (!ok && error != NULL) {
+            g_warning("pagefold agent: %s; disconnecting", error->message);
+            pfa_post_error(a, error->message);
+        }
+        if (!ok) {
+            /* Under the work lock: nothing is queued after the ERROR. */
+            pfa_set_connected(a, FALSE);
+        }
+        g_mutex_unlock(&a->work);
+        g_clear_error(&error);
+        if (!pfa_flush(a, &error) || !ok) {
+            if (error != NULL && !stopping(a)) {
+                g_warning("pagefold agent: %s; disconnecting", error->message);
+            }
+            return;
+        }
+    }
+}
+
+static gpointer
+agent_thread(gpointer data)
+{
+    PfAgent *a = data;
+    g_autoptr(GError) error = NULL;
+    gboolean ok = handshake(a, &error);
+
+    if (!ok) {
+        g_autofree char *why = g_strdup_printf("not attached to pagefoldd: %s",
+                                               error->message);
+
+        g_warning("pagefold agent: VM %s runs unmerged: %s", a->name,
+                  error->message);
+        g_mutex_lock(&a->work);
+        pfa_set_mode(a, PF_MODE_ADVISE, why);
+        if (a->uffd >= 0) {
+            /* Nothing was remapped: guest RAM is left unregistered. */
+            close(a->uffd);
+            a->uffd = -1;
+        }
+        g_mutex_unlock(&a->work);
+    }
+    g_mutex_lock(&a->lock);
+    a->settled = TRUE;
+    a->start_error = ok ? NULL : g_strdup(error->message);
+    g_cond_broadcast(&a->settled_cond);
+    g_mutex_unlock(&a->lock);
+    if (ok) {
+        serve(a);
+    }
+    /* Under the work lock: nothing is queued once it ends. */
+    g_mutex_lock(&a->work);
+    g_mutex_lock(&a->out);
+    a->posting = FALSE;
+    g_mutex_unlock(&a->out);
+    pfa_set_connected(a, FALSE);
+    g_mutex_unlock(&a->work);
+    if (a->sock >= 0) {
+        shutdown(a->sock, SHUT_RDWR);
+    }
+    return NULL;
+}
+
+/* Connects to pagefoldd, and makes the pipes that wake and stop the thread. */
+static gboolean
+link_open(PfAgent *a, const char *socket_path, GError **error)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    /*
+     * A pagefoldd that stops reading must not stall the agent thread for
+     * good: after this, the link is given up.
+     */
+    struct timeval tv = { .tv_sec = 5 };
+    /*
+     * pagefoldd sends requests only while their answers fit in this (a
+     * window of a few batches, each answered in 16 KiB), so the agent
+     * thread never waits here on a pagefoldd busy elsewhere; said rather
+     * than left to net.core.wmem_default.
+     */
+    int sndbuf = 256 << 10;
+    int e;
+
+    if (strlen(socket_path) >= sizeof(addr.sun_path)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "socket path too long: %s", socket_path);
+        return FALSE;
+    }
+    strcpy(addr.sun_path, socket_path);
+    /* Every pool chunk this VM comes to share is a descriptor of ours. */
+    pf_raise_nofile_limit();
+    /*
+     * Not blocking: a pagefoldd that accepts nobody (its queue full) is
+     * said at once, not waited for.
+     */
+    a->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (a->sock < 0 ||
+        connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+        e = errno;
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot connect to pagefoldd at %s: %s%s",
+                    socket_path, g_strerror(e),
+                    e == EAGAIN ? " (it accepts no connection: stuck, or "
+                                  "overloaded)" : "");
+        return FALSE;
+    }
+    if (fcntl(a->sock, F_SETFL, 0) < 0 ||
+        setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
+        setsockopt(a->sock, SOL_SOCKET, SO_SNDBUF, &sndbuf,
+                   sizeof(sndbuf)) < 0 ||
+        pipe2(a->stop, O_CLOEXEC) < 0 ||
+        pipe2(a->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot set up the link: %s", g_strerror(errno));
+        return FALSE;
+    }
+    return TRUE;
+}
+
+/*
+ * Undoes what link_open() did, and leaves the VM in advise mode, saying
+ * why.
+ */
+static void
+link_give_up(PfAgent *a, const char *message)
+{
+    g_autofree char *why = g_strdup_printf("not attached to pagefoldd: %s",
+                                           message);
+
+    for (int i = 0; i < 2; i++) {
+        if (a->stop[i] >= 0) {
+            close(a->stop[i]);
+        }
+        if (a->wake[i] >= 0) {
+            close(a->wake[i]);
+        }
+        a->stop[i] = a->wake[i] = -1;
+    }
+    if (a->sock >= 0) {
+        close(a->sock);
+        a->sock = -1;
+    }
+    g_mutex_lock(&a->work);
+    pfa_set_mode(a, PF_MODE_ADVISE, why);
+    g_mutex_unlock(&a->work);
+}
+
+gboolean
+pf_agent_start(PfAgent *a, const char *socket_path, GError **error)
+{
+    g_autoptr(GError) err = NULL;
+
+    g_return_val_if_fail(a->sock < 0, FALSE);
+    if (!link_open(a, socket_path, &err)) {
+        link_give_up(a, err->message);
+        g_propagate_error(error, g_steal_pointer(&err));
+        return FALSE;
+    }
+    g_mutex_lock(&a->out);
+    a->posting = TRUE;
+    g_mutex_unlock(&a->out);
+    a->thread = a->threads.create(agent_thread, a, a->threads.opaque);
+    return TRUE;
+}
+
+gboolean
+pf_agent_wait_settled(PfAgent *a, GError **error)
+{
+    gboolean ok;
+
+    g_mutex_lock(&a->lock);
+    while (a->thread != NULL && !a->settled) {
+        g_cond_wait(&a->settled_cond, &a->lock);
+    }
+    ok = a->thread != NULL && a->start_error == NULL;
+    if (!ok) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "%s",
+                    a->start_error ? a->start_error
+                                   : "the agent was not started");
+    }
+    g_mutex_unlock(&a->lock);
+    return ok;
+}

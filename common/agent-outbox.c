@@ -1,0 +1,130 @@
+/*
+ * agent-outbox.c - what pagefoldd hears: messages queued by whichever
+ * thread made them true, under a->work so that they are in the order
+ * things happened, and sent by the agent thread alone.  A VMM thread never
+ * sends here nor waits on pagefoldd's socket: a pagefoldd that is stuck
+ * must not stall a vCPU, or QEMU's big lock.  Nothing is queued after an
+ * ERROR, nor once the link is gone.
+ *
+ * Copyright (c) 2026 The pagefold authors
+ *
+ * SPDX-License-Identifier: GPL-2.0-or-later
+ */
+#include "agent-internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <unistd.h>
+
+/* A message for pagefoldd, queued in the order things happened. */
+typedef struct {
+    PfMsgType type;
+    guint32 seq;
+    int fd; /* a dup, sent with it and closed; or -1 */
+    gsize length;
+    guint8 payload[];
+} Outgoing;
+
+void
+pfa_outgoing_free(gpointer p)
+{
+    Outgoing *o = p;
+
+    if (o->fd >= 0) {
+        close(o->fd);
+    }
+    g_free(o);
+}
+
+/*
+ * Queues a message for pagefoldd; the agent thread sends it.  Called with
+ * a->work held (or before the agent thread runs), so that pagefoldd hears
+ * of things in the order they happened, and no thread of the VMM waits on
+ * pagefoldd's socket.  fd, if not -1, is duplicated.  Nothing is queued
+ * after an ERROR, nor once the link is gone.
+ */
+void
+pfa_post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload,
+         gsize length, int fd)
+{
+    Outgoing *o = g_malloc(sizeof(*o) + length);
+    int e = 0;
+
+    o->type = type;
+    o->seq = seq;
+    o->length = length;
+    memcpy(o->payload, payload, length);
+    o->fd = -1;
+    if (fd >= 0) {
+        o->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+        if (o->fd < 0) {
+            e = errno;
+        }
+    }
+    g_mutex_lock(&a->out);
+    if (!a->posting) {
+        g_mutex_unlock(&a->out);
+        pfa_outgoing_free(o);
+        return;
+    }
+    if (e != 0) {
+        /* The message cannot go, and what follows it would be wrong. */
+        g_autofree char *text =
+            g_strdup_printf("cannot duplicate a descriptor to send: %s",
+                            g_strerror(e));
+
+        g_warning("pagefold agent: %s; disconnecting", text);
+        o = g_realloc(o, sizeof(*o) + strlen(text));
+        o->type = type = PF_MSG_ERROR;
+        o->length = strlen(text);
+        memcpy(o->payload, text, o->length);
+    }
+    g_queue_push_tail(&a->outbox, o);
+    if (type == PF_MSG_ERROR) {
+        a->posting = FALSE;
+        a->hangup = TRUE;
+    }
+    g_mutex_unlock(&a->out);
+    /* A full pipe is readable already. */
+    (void)!write(a->wake[1], "x", 1);
+}
+
+void
+pfa_post_error(PfAgent *a, const char *text)
+{
+    pfa_post(a, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), -1);
+}
+
+/*
+ * Sends what was queued, on the agent thread.  FALSE when the link is to
+ * end: a send failed (error set), or an ERROR went out (error unset).
+ */
+gboolean
+pfa_flush(PfAgent *a, GError **error)
+{
+    for (;;) {
+        Outgoing *o;
+        gboolean ok, hangup;
+
+        g_mutex_lock(&a->out);
+        o = g_queue_pop_head(&a->outbox);
+        hangup = a->hangup;
+        g_mutex_unlock(&a->out);
+        if (o == NULL) {
+            return !hangup;
+        }
+        if (o->type == PF_MSG_RESULT) {
+            ok = pf_proto_send_results(
+                a->sock, o->seq, (const PfWireResult *)o->payload,
+                (guint32)(o->length / sizeof(PfWireResult)), error);
+        } else {
+            ok = pf_proto_send(a->sock, o->type, o->seq, o->payload,
+                               o->length, &o->fd, o->fd >= 0 ? 1 : 0, error);
+        }
+        pfa_outgoing_free(o);
+        if (!ok) {
+            return FALSE;
+        }
+    }
+}
