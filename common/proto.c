@@ -121,14 +121,20 @@ string_ok(const char *field, gsize size, gboolean may_be_empty)
            g_utf8_validate(field, (gssize)len, NULL);
 }
 
+/*
+ * One check per message type, of its payload's size and fields; the
+ * number of descriptors it may carry is the table's (validate()).
+ */
+typedef gboolean (*TypeCheck)(const PfMsg *msg, const char *what,
+                              GError **error);
+
 static gboolean
-validate_hello(const PfMsg *msg, GError **error)
+check_hello(const PfMsg *msg, const char *what, GError **error)
 {
-    const PfMsgHeader *h = &msg->header;
     const PfWireHello *p = (const void *)msg->payload;
 
-    if (h->length != sizeof(*p)) {
-        return fail(error, "HELLO of %u bytes", h->length);
+    if (msg->header.length != sizeof(*p)) {
+        return fail(error, "HELLO of %u bytes", msg->header.length);
     }
     if (p->version != PF_PROTO_VERSION) {
         return fail(error, "protocol version %u, this side speaks %u",
@@ -145,13 +151,12 @@ validate_hello(const PfMsg *msg, GError **error)
 }
 
 static gboolean
-validate_region(const PfMsg *msg, GError **error)
+check_region(const PfMsg *msg, const char *what, GError **error)
 {
-    const PfMsgHeader *h = &msg->header;
     const PfWireRegion *p = (const void *)msg->payload;
 
-    if (h->length != sizeof(*p)) {
-        return fail(error, "REGION of %u bytes", h->length);
+    if (msg->header.length != sizeof(*p)) {
+        return fail(error, "REGION of %u bytes", msg->header.length);
     }
     if (p->page_size != PF_PAGE_SIZE) {
         return fail(error, "REGION page size %u (only %u is supported)",
@@ -169,17 +174,15 @@ validate_region(const PfMsg *msg, GError **error)
     return TRUE;
 }
 
-/* WELCOME, READY and ADVISE. */
+/* WELCOME, READY and ADVISE; only ADVISE must say why. */
 static gboolean
-validate_mode(const PfMsg *msg, GError **error)
+check_mode(const PfMsg *msg, const char *what, GError **error)
 {
-    const PfMsgHeader *h = &msg->header;
     const PfWireMode *p = (const void *)msg->payload;
-    const char *what = h->type == PF_MSG_WELCOME ? "WELCOME"
-                       : h->type == PF_MSG_READY ? "READY" : "ADVISE";
+    gboolean advise = msg->header.type == PF_MSG_ADVISE;
 
-    if (h->length != sizeof(*p)) {
-        return fail(error, "%s of %u bytes", what, h->length);
+    if (msg->header.length != sizeof(*p)) {
+        return fail(error, "%s of %u bytes", what, msg->header.length);
     }
     if (p->version != PF_PROTO_VERSION) {
         return fail(error, "%s of protocol version %u", what, p->version);
@@ -187,14 +190,12 @@ validate_mode(const PfMsg *msg, GError **error)
     if (p->mode != PF_MODE_ADVISE && p->mode != PF_MODE_MERGE) {
         return fail(error, "%s mode %u", what, p->mode);
     }
-    if (!string_ok(p->reason, sizeof(p->reason),
-                   h->type != PF_MSG_ADVISE)) {
+    if (!string_ok(p->reason, sizeof(p->reason), !advise)) {
         return fail(error, "%s reason is %s", what,
-                    h->type == PF_MSG_ADVISE
-                    ? "empty, or not a terminated UTF-8 string"
-                    : "not a terminated UTF-8 string");
+                    advise ? "empty, or not a terminated UTF-8 string"
+                           : "not a terminated UTF-8 string");
     }
-    if (h->type == PF_MSG_ADVISE && p->mode != PF_MODE_ADVISE) {
+    if (advise && p->mode != PF_MODE_ADVISE) {
         return fail(error, "ADVISE of mode %u", p->mode);
     }
     return TRUE;
@@ -202,128 +203,135 @@ validate_mode(const PfMsg *msg, GError **error)
 
 /* POOL and DROP. */
 static gboolean
-validate_pool(const PfMsg *msg, GError **error)
+check_pool(const PfMsg *msg, const char *what, GError **error)
 {
-    const PfMsgHeader *h = &msg->header;
     const PfWirePool *p = (const void *)msg->payload;
-    const char *what = h->type == PF_MSG_POOL ? "POOL" : "DROP";
+    guint32 length = msg->header.length;
 
-    if (h->length != sizeof(*p) || p->n_slots == 0 ||
+    if (length != sizeof(*p) || p->n_slots == 0 ||
         p->n_slots > (1u << 24) || p->chunk >= PF_PROTO_MAX_CHUNKS) {
         return fail(error, "%s of %u bytes, or of chunk %u of %u slots",
-                    what, h->length,
-                    h->length == sizeof(*p) ? p->chunk : 0,
-                    h->length == sizeof(*p) ? p->n_slots : 0);
-    }
-    return TRUE;
-}
-
-/* REQUEST and RESULT: a ListHeader, then its entries. */
-static gboolean
-validate_list(const PfMsg *msg, GError **error)
-{
-    const PfMsgHeader *h = &msg->header;
-    const ListHeader *l = (const void *)msg->payload;
-    gsize each = h->type == PF_MSG_REQUEST ? sizeof(PfWireItem)
-                                           : sizeof(PfWireResult);
-
-    if (h->length < sizeof(*l) || (h->length - sizeof(*l)) % each != 0 ||
-        l->n != (h->length - sizeof(*l)) / each || l->n == 0 ||
-        l->n > PF_PROTO_MAX_ITEMS) {
-        return fail(error, "%s of %u bytes does not hold its %u entries",
-                    h->type == PF_MSG_REQUEST ? "REQUEST" : "RESULT",
-                    h->length, h->length >= sizeof(*l) ? l->n : 0);
-    }
-    for (guint32 i = 0; i < l->n; i++) {
-        if (h->type == PF_MSG_REQUEST) {
-            const PfWireItem *it =
-                (const void *)(msg->payload + sizeof(*l) + i * each);
-
-            if (it->kind < PF_ITEM_MERGE || it->kind > PF_ITEM_COLLAPSE) {
-                return fail(error, "REQUEST item %u has kind %u", i,
-                            it->kind);
-            }
-        } else {
-            const PfWireResult *r =
-                (const void *)(msg->payload + sizeof(*l) + i * each);
-
-            if (r->status > PF_RESULT_ERROR) {
-                return fail(error, "RESULT %u has status %u", i, r->status);
-            }
-        }
-    }
-    return TRUE;
-}
-
-/* DISCARD and GONE. */
-static gboolean
-validate_range(const PfMsg *msg, GError **error)
-{
-    const PfMsgHeader *h = &msg->header;
-    const PfWireRange *p = (const void *)msg->payload;
-    const char *what = h->type == PF_MSG_DISCARD ? "DISCARD" : "GONE";
-
-    if (h->length != sizeof(*p) || p->n_pages == 0 ||
-        p->page >= (1ull << 34) || p->n_pages > (1ull << 34) ||
-        (h->type == PF_MSG_GONE && p->page != 0)) {
-        return fail(error,
-                    "%s of %u bytes, or of an empty or impossible range",
-                    what, h->length);
+                    what, length,
+                    length == sizeof(*p) ? p->chunk : 0,
+                    length == sizeof(*p) ? p->n_slots : 0);
     }
     return TRUE;
 }
 
 /*
- * The payload fits its type, field by field, and the message carries as
- * many descriptors as its type takes.
+ * REQUEST and RESULT: a list header, then exactly its n entries of each
+ * bytes, at least one and at most PF_PROTO_MAX_ITEMS.
  */
+static gboolean
+list_ok(const PfMsg *msg, const char *what, gsize each, GError **error)
+{
+    const ListHeader *l = (const void *)msg->payload;
+    guint32 length = msg->header.length;
+
+    if (length < sizeof(*l) || (length - sizeof(*l)) % each != 0 ||
+        l->n != (length - sizeof(*l)) / each || l->n == 0 ||
+        l->n > PF_PROTO_MAX_ITEMS) {
+        return fail(error, "%s of %u bytes does not hold its %u entries",
+                    what, length, length >= sizeof(*l) ? l->n : 0);
+    }
+    return TRUE;
+}
+
+static gboolean
+check_request(const PfMsg *msg, const char *what, GError **error)
+{
+    const PfWireItem *items = (const void *)(msg->payload +
+                                             sizeof(ListHeader));
+
+    if (!list_ok(msg, what, sizeof(*items), error)) {
+        return FALSE;
+    }
+    for (guint32 i = 0; i < ((const ListHeader *)msg->payload)->n; i++) {
+        if (items[i].kind < PF_ITEM_MERGE || items[i].kind > PF_ITEM_COLLAPSE) {
+            return fail(error, "REQUEST item %u has kind %u", i,
+                        items[i].kind);
+        }
+    }
+    return TRUE;
+}
+
+static gboolean
+check_result(const PfMsg *msg, const char *what, GError **error)
+{
+    const PfWireResult *results = (const void *)(msg->payload +
+                                                 sizeof(ListHeader));
+
+    if (!list_ok(msg, what, sizeof(*results), error)) {
+        return FALSE;
+    }
+    for (guint32 i = 0; i < ((const ListHeader *)msg->payload)->n; i++) {
+        if (results[i].status > PF_RESULT_ERROR) {
+            return fail(error, "RESULT %u has status %u", i,
+                        results[i].status);
+        }
+    }
+    return TRUE;
+}
+
+/* DISCARD and GONE; GONE is of a whole region, from page 0. */
+static gboolean
+check_range(const PfMsg *msg, const char *what, GError **error)
+{
+    const PfWireRange *p = (const void *)msg->payload;
+
+    if (msg->header.length != sizeof(*p) || p->n_pages == 0 ||
+        p->page >= (1ull << 34) || p->n_pages > (1ull << 34) ||
+        (msg->header.type == PF_MSG_GONE && p->page != 0)) {
+        return fail(error,
+                    "%s of %u bytes, or of an empty or impossible range",
+                    what, msg->header.length);
+    }
+    return TRUE;
+}
+
+static gboolean
+check_error(const PfMsg *msg, const char *what, GError **error)
+{
+    if (msg->header.length == 0 || msg->header.length > 1024) {
+        return fail(error, "ERROR of %u bytes", msg->header.length);
+    }
+    return TRUE;
+}
+
+static const struct {
+    const char *name;
+    TypeCheck check;
+    guint fds_min;
+    guint fds_max;
+} types[PF_MSG_LAST + 1] = {
+    [PF_MSG_HELLO] = { "HELLO", check_hello, 0, 0 },
+    [PF_MSG_REGION] = { "REGION", check_region, 1, 1 },
+    /* Maybe a /dev/userfaultfd descriptor. */
+    [PF_MSG_WELCOME] = { "WELCOME", check_mode, 0, 1 },
+    [PF_MSG_READY] = { "READY", check_mode, 0, 0 },
+    [PF_MSG_POOL] = { "POOL", check_pool, 1, 1 },
+    [PF_MSG_REQUEST] = { "REQUEST", check_request, 0, 0 },
+    [PF_MSG_RESULT] = { "RESULT", check_result, 0, 0 },
+    [PF_MSG_ERROR] = { "ERROR", check_error, 0, 0 },
+    [PF_MSG_ADVISE] = { "ADVISE", check_mode, 0, 0 },
+    [PF_MSG_DISCARD] = { "DISCARD", check_range, 0, 0 },
+    [PF_MSG_DROP] = { "DROP", check_pool, 0, 0 },
+    [PF_MSG_GONE] = { "GONE", check_range, 0, 0 },
+};
+
 static gboolean
 validate(const PfMsg *msg, GError **error)
 {
     const PfMsgHeader *h = &msg->header;
-    guint want_fds_min = 0, want_fds_max = 0;
-    gboolean ok;
 
-    switch (h->type) {
-    case PF_MSG_HELLO:
-        ok = validate_hello(msg, error);
-        break;
-    case PF_MSG_REGION:
-        ok = validate_region(msg, error);
-        want_fds_min = want_fds_max = 1;
-        break;
-    case PF_MSG_WELCOME:
-    case PF_MSG_READY:
-    case PF_MSG_ADVISE:
-        ok = validate_mode(msg, error);
-        want_fds_max = h->type == PF_MSG_WELCOME ? 1 : 0;
-        break;
-    case PF_MSG_POOL:
-    case PF_MSG_DROP:
-        ok = validate_pool(msg, error);
-        want_fds_min = want_fds_max = h->type == PF_MSG_POOL ? 1 : 0;
-        break;
-    case PF_MSG_REQUEST:
-    case PF_MSG_RESULT:
-        ok = validate_list(msg, error);
-        break;
-    case PF_MSG_DISCARD:
-    case PF_MSG_GONE:
-        ok = validate_range(msg, error);
-        break;
-    case PF_MSG_ERROR:
-        if (h->length == 0 || h->length > 1024) {
-            return fail(error, "ERROR of %u bytes", h->length);
-        }
-        ok = TRUE;
-        break;
-    default:
+    if (h->type >= G_N_ELEMENTS(types) || types[h->type].check == NULL) {
         return fail(error, "unknown type %u", h->type);
     }
-    if (!ok) {
+    if (!types[h->type].check(msg, types[h->type].name, error)) {
         return FALSE;
     }
-    if (msg->n_fds < want_fds_min || msg->n_fds > want_fds_max) {
+    if (msg->n_fds < types[h->type].fds_min ||
+        msg->n_fds > types[h->type].fds_max) {
         return fail(error, "type %u carries %u file descriptors", h->type,
                     msg->n_fds);
     }

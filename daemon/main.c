@@ -29,59 +29,108 @@ on_signal(gpointer user)
     return G_SOURCE_CONTINUE;
 }
 
-int
-main(int argc, char **argv)
+/* What the command line asked for. */
+typedef struct {
+    char *socket_path;
+    char *agent_path;
+    char *hash_name;
+    char *agent_group;
+    char *libvirt_uri;
+    GStrv attach;
+    GStrv sets;
+    gboolean version;
+    gint agent_timeout;
+    const PfHashAlgo *hash; /* hash_name's, or the default */
+} Options;
+
+static void
+options_clear(Options *o)
 {
-    g_autofree char *socket_path = NULL;
-    g_autofree char *agent_path = NULL;
-    g_autofree char *hash_name = NULL;
-    g_autofree char *agent_group = NULL;
-    g_autofree char *libvirt_uri = NULL;
-    g_auto(GStrv) attach = NULL;
-    g_auto(GStrv) sets = NULL;
-    gboolean version = FALSE;
-    gint agent_timeout = 30;
+    g_free(o->socket_path);
+    g_free(o->agent_path);
+    g_free(o->hash_name);
+    g_free(o->agent_group);
+    g_free(o->libvirt_uri);
+    g_strfreev(o->attach);
+    g_strfreev(o->sets);
+}
+G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC(Options, options_clear)
+
+/*
+ * What runs.  daemon_clear() frees it in this order: the loop, then what
+ * points into the scanner (the two sockets, libvirt's thread, which must
+ * be stopped before the figures it reads go), then the scanner.
+ */
+typedef struct {
+    GMainLoop *loop;
+    PfLinkServer *links;
+    PfControl *control;
+#if PF_HAVE_LIBVIRT
+    PfLibvirtMetadata *metadata;
+#endif
+    PfScanner *scanner;
+} Daemon;
+
+static void
+daemon_clear(Daemon *d)
+{
+    g_clear_pointer(&d->loop, g_main_loop_unref);
+    g_clear_pointer(&d->links, pf_link_server_free);
+    g_clear_pointer(&d->control, pf_control_free);
+#if PF_HAVE_LIBVIRT
+    g_clear_pointer(&d->metadata, pf_libvirt_metadata_free);
+#endif
+    g_clear_pointer(&d->scanner, pf_scanner_free);
+}
+G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC(Daemon, daemon_clear)
+
+/* What a step returns to let main() go on; any other value is the exit
+ * status. */
+#define GO_ON (-1)
+
+static const char *
+socket_path(const Options *o)
+{
+    return o->socket_path ? o->socket_path : PF_DEFAULT_SOCKET;
+}
+
+static const char *
+agent_path(const Options *o)
+{
+    return o->agent_path ? o->agent_path : PF_DEFAULT_AGENT_SOCKET;
+}
+
+/* The command line into o, checked; 0 after --version. */
+static int
+parse_options(Options *o, int argc, char **argv)
+{
     GOptionEntry entries[] = {
-        { "socket", 's', 0, G_OPTION_ARG_FILENAME, &socket_path,
+        { "socket", 's', 0, G_OPTION_ARG_FILENAME, &o->socket_path,
           "Control socket (default " PF_DEFAULT_SOCKET ")", "PATH" },
-        { "agent-socket", 0, 0, G_OPTION_ARG_FILENAME, &agent_path,
+        { "agent-socket", 0, 0, G_OPTION_ARG_FILENAME, &o->agent_path,
           "Socket the agents in QEMU connect to (default " PF_DEFAULT_AGENT_SOCKET ")", "PATH" },
-        { "agent-group", 0, 0, G_OPTION_ARG_STRING, &agent_group,
+        { "agent-group", 0, 0, G_OPTION_ARG_STRING, &o->agent_group,
           "Let this group's processes connect to the agent socket too (mode 0660), "
           "e.g. libvirt-qemu (default: root only)", "GROUP" },
-        { "hash", 0, 0, G_OPTION_ARG_STRING, &hash_name,
+        { "hash", 0, 0, G_OPTION_ARG_STRING, &o->hash_name,
           "Page checksum: xxh3 (default), xxh64, crc32c, jhash2", "NAME" },
-        { "set", 0, 0, G_OPTION_ARG_STRING_ARRAY, &sets,
+        { "set", 0, 0, G_OPTION_ARG_STRING_ARRAY, &o->sets,
           "Set a knob at start, e.g. --set pages_to_scan=1000 (repeatable)", "KNOB=VALUE" },
-        { "agent-timeout", 0, 0, G_OPTION_ARG_INT, &agent_timeout,
+        { "agent-timeout", 0, 0, G_OPTION_ARG_INT, &o->agent_timeout,
           "Detach a VM whose agent answers none of its requests for this long "
           "(default 30)", "SECONDS" },
-        { "libvirt-uri", 0, 0, G_OPTION_ARG_STRING, &libvirt_uri,
+        { "libvirt-uri", 0, 0, G_OPTION_ARG_STRING, &o->libvirt_uri,
           "libvirt to put each VM's figures in its domain's metadata through "
           "(default qemu:///system)", "URI" },
-        { "attach", 'a', 0, G_OPTION_ARG_STRING_ARRAY, &attach,
+        { "attach", 'a', 0, G_OPTION_ARG_STRING_ARRAY, &o->attach,
           "Attach a VM at start: PID or PID:NAME (repeatable)", "PID[:NAME]" },
-        { "version", 0, 0, G_OPTION_ARG_NONE, &version, "Print the version", NULL },
+        { "version", 0, 0, G_OPTION_ARG_NONE, &o->version, "Print the version", NULL },
         { NULL }
     };
     g_autoptr(GOptionContext) ctx =
         g_option_context_new("- memory deduplication for QEMU VMs with shared memfd RAM");
     g_autoptr(GError) error = NULL;
-    g_autoptr(PfScanner) scanner = NULL;
-#if PF_HAVE_LIBVIRT
-    /* After the scanner: freed before it. */
-    g_autoptr(PfLibvirtMetadata) metadata = NULL;
-#endif
-    g_autoptr(PfControl) control = NULL;
-    g_autoptr(PfLinkServer) links = NULL;
-    g_autoptr(GMainLoop) loop = NULL;
-    const PfHashAlgo *hash = pf_hash_default();
 
-    setlocale(LC_ALL, "");
-    /* A peer that hangs up is an error on the write, not the end of
-     * pagefoldd: libvirt's client library writes without MSG_NOSIGNAL (a
-     * libvirtd killed or restarted), as any library may. */
-    signal(SIGPIPE, SIG_IGN);
     g_option_context_add_main_entries(ctx, entries, NULL);
     g_option_context_set_description(ctx,
         "Knobs (KSM's names): pages_to_scan, sleep_millisecs, cpu_percent,\n"
@@ -94,7 +143,7 @@ main(int argc, char **argv)
         g_printerr("pagefoldd: %s\n", error->message);
         return 2;
     }
-    if (version) {
+    if (o->version) {
         g_print("pagefoldd %s\n", PF_VERSION);
         return 0;
     }
@@ -102,23 +151,30 @@ main(int argc, char **argv)
         g_printerr("pagefoldd: unexpected argument '%s'\n", argv[1]);
         return 2;
     }
-    if (agent_timeout < 1 || agent_timeout > 3600) {
+    if (o->agent_timeout < 1 || o->agent_timeout > 3600) {
         g_printerr("pagefoldd: --agent-timeout must be between 1 and 3600 seconds\n");
         return 2;
     }
 #if !PF_HAVE_LIBVIRT
-    if (libvirt_uri != NULL) {
+    if (o->libvirt_uri != NULL) {
         g_printerr("pagefoldd: --libvirt-uri: this pagefoldd was built without libvirt\n");
         return 2;
     }
 #endif
-    if (hash_name != NULL && (hash = pf_hash_lookup(hash_name)) == NULL) {
-        g_printerr("pagefoldd: unknown --hash '%s' (xxh3, xxh64, crc32c, jhash2)\n", hash_name);
+    if (o->hash_name != NULL && (o->hash = pf_hash_lookup(o->hash_name)) == NULL) {
+        g_printerr("pagefoldd: unknown --hash '%s' (xxh3, xxh64, crc32c, jhash2)\n",
+                   o->hash_name);
         return 2;
     }
-    scanner = pf_scanner_new(hash);
-    pf_raise_nofile_limit();
+    return GO_ON;
+}
+
+/* --set KNOB=VALUE, each in turn. */
+static int
+set_knobs(PfScanner *scanner, char **sets)
+{
     for (char **s = sets; s && *s; s++) {
+        g_autoptr(GError) error = NULL;
         g_auto(GStrv) kv = g_strsplit(*s, "=", 2);
         guint64 v;
 
@@ -132,24 +188,39 @@ main(int argc, char **argv)
             return 2;
         }
     }
+    return GO_ON;
+}
 
-    loop = g_main_loop_new(NULL, FALSE);
-    control = pf_control_new(scanner, socket_path ? socket_path : PF_DEFAULT_SOCKET, &error);
-    if (control == NULL) {
+/* The control socket, then the agents' socket. */
+static int
+open_sockets(Daemon *d, const Options *o)
+{
+    g_autoptr(GError) error = NULL;
+
+    d->control = pf_control_new(d->scanner, socket_path(o), &error);
+    if (d->control == NULL) {
         g_printerr("pagefoldd: %s\n", error->message);
         return 1;
     }
-    links = pf_link_server_new(scanner, agent_path ? agent_path : PF_DEFAULT_AGENT_SOCKET, &error);
-    if (links == NULL) {
+    d->links = pf_link_server_new(d->scanner, agent_path(o), &error);
+    if (d->links == NULL) {
         g_printerr("pagefoldd: %s\n", error->message);
         return 1;
     }
-    if (agent_group != NULL && !pf_link_server_allow_group(links, agent_group, &error)) {
+    if (o->agent_group != NULL && !pf_link_server_allow_group(d->links, o->agent_group, &error)) {
         g_printerr("pagefoldd: --agent-group: %s\n", error->message);
         return 1;
     }
-    pf_link_server_set_answer_timeout(links, (guint)agent_timeout * 1000);
+    pf_link_server_set_answer_timeout(d->links, (guint)o->agent_timeout * 1000);
+    return GO_ON;
+}
+
+/* --attach PID[:NAME], each in turn, in advise mode. */
+static int
+attach_pids(PfScanner *scanner, char **attach)
+{
     for (char **a = attach; a && *a; a++) {
+        g_autoptr(GError) error = NULL;
         g_auto(GStrv) pn = g_strsplit(*a, ":", 2);
         guint64 pid;
         PfVm *vm;
@@ -162,31 +233,68 @@ main(int argc, char **argv)
         if (vm == NULL) {
             /* A VM that cannot be attached is reported, not fatal. */
             g_warning("--attach %s: %s", *a, error->message);
-            g_clear_error(&error);
             continue;
         }
         pf_scanner_add_vm(scanner, vm);
     }
-    g_unix_signal_add(SIGTERM, on_signal, loop);
-    g_unix_signal_add(SIGINT, on_signal, loop);
-    pf_scanner_start(scanner);
+    return GO_ON;
+}
+
+/* Scans, serves and publishes until SIGTERM or SIGINT. */
+static int
+run(Daemon *d, const Options *o)
+{
+    g_unix_signal_add(SIGTERM, on_signal, d->loop);
+    g_unix_signal_add(SIGINT, on_signal, d->loop);
+    pf_scanner_start(d->scanner);
 #if PF_HAVE_LIBVIRT
-    metadata = pf_libvirt_metadata_new(scanner, libvirt_uri, &error);
-    if (metadata == NULL) {
-        g_printerr("pagefoldd: %s\n", error->message);
-        return 1;
+    {
+        g_autoptr(GError) error = NULL;
+
+        d->metadata = pf_libvirt_metadata_new(d->scanner, o->libvirt_uri, &error);
+        if (d->metadata == NULL) {
+            g_printerr("pagefoldd: %s\n", error->message);
+            return 1;
+        }
     }
 #endif
     g_message("pagefoldd %s: control socket %s, agent socket %s, hash %s", PF_VERSION,
-              socket_path ? socket_path : PF_DEFAULT_SOCKET,
-              agent_path ? agent_path : PF_DEFAULT_AGENT_SOCKET, hash->name);
+              socket_path(o), agent_path(o), o->hash->name);
 #if PF_HAVE_SYSTEMD
     sd_notify(0, "READY=1");
 #endif
-    g_main_loop_run(loop);
+    g_main_loop_run(d->loop);
 #if PF_HAVE_SYSTEMD
     sd_notify(0, "STOPPING=1");
 #endif
     g_message("pagefoldd stopping");
     return 0;
+}
+
+int
+main(int argc, char **argv)
+{
+    g_auto(Options) opts = { .agent_timeout = 30, .hash = pf_hash_default() };
+    g_auto(Daemon) d = { NULL };
+    int status;
+
+    setlocale(LC_ALL, "");
+    /* A peer that hangs up is an error on the write, not the end of
+     * pagefoldd: libvirt's client library writes without MSG_NOSIGNAL (a
+     * libvirtd killed or restarted), as any library may. */
+    signal(SIGPIPE, SIG_IGN);
+    if ((status = parse_options(&opts, argc, argv)) != GO_ON) {
+        return status;
+    }
+    d.scanner = pf_scanner_new(opts.hash);
+    pf_raise_nofile_limit();
+    if ((status = set_knobs(d.scanner, opts.sets)) != GO_ON) {
+        return status;
+    }
+    d.loop = g_main_loop_new(NULL, FALSE);
+    if ((status = open_sockets(&d, &opts)) != GO_ON ||
+        (status = attach_pids(d.scanner, opts.attach)) != GO_ON) {
+        return status;
+    }
+    return run(&d, &opts);
 }

@@ -91,30 +91,40 @@ print_knobs(JsonObject *knobs)
     }
 }
 
-int
-main(int argc, char **argv)
+/* The command line, once parsed. */
+typedef struct {
+    char *socket_path;
+    char *name;
+    gboolean as_json;
+    gboolean as_prom;
+    int argc; /* argv[1] the command, then its arguments */
+    char **argv;
+} Invocation;
+
+static void
+invocation_clear(Invocation *inv)
 {
-    g_autofree char *socket_path = NULL;
-    g_autofree char *name = NULL;
-    gboolean as_json = FALSE, as_prom = FALSE;
+    g_free(inv->socket_path);
+    g_free(inv->name);
+}
+G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC(Invocation, invocation_clear)
+
+/* The options into inv; 0, or 2 after a usage error (said). */
+static int
+parse_options(Invocation *inv, int argc, char **argv)
+{
     GOptionEntry entries[] = {
-        { "socket", 's', 0, G_OPTION_ARG_FILENAME, &socket_path,
+        { "socket", 's', 0, G_OPTION_ARG_FILENAME, &inv->socket_path,
           "pagefoldd's control socket (default " PF_DEFAULT_SOCKET ")", "PATH" },
-        { "name", 'n', 0, G_OPTION_ARG_STRING, &name, "Name for attach", "NAME" },
-        { "json", 0, 0, G_OPTION_ARG_NONE, &as_json, "Print JSON", NULL },
-        { "prometheus", 0, 0, G_OPTION_ARG_NONE, &as_prom,
+        { "name", 'n', 0, G_OPTION_ARG_STRING, &inv->name, "Name for attach", "NAME" },
+        { "json", 0, 0, G_OPTION_ARG_NONE, &inv->as_json, "Print JSON", NULL },
+        { "prometheus", 0, 0, G_OPTION_ARG_NONE, &inv->as_prom,
           "Print stats in Prometheus text format", NULL },
         { NULL }
     };
     g_autoptr(GOptionContext) ctx = g_option_context_new("COMMAND [ARGS]");
     g_autoptr(GError) error = NULL;
-    g_autoptr(JsonBuilder) b = json_builder_new();
-    g_autoptr(JsonNode) request = NULL;
-    g_autoptr(JsonNode) ret = NULL;
-    const char *cmd;
-    guint64 num = 0;
 
-    setlocale(LC_ALL, "");
     g_option_context_add_main_entries(ctx, entries, NULL);
     g_option_context_set_description(ctx, usage_text);
     if (!g_option_context_parse(ctx, &argc, &argv, &error)) {
@@ -123,96 +133,218 @@ main(int argc, char **argv)
     if (argc < 2) {
         return usage_error("no command given");
     }
-    if (as_json && as_prom) {
+    if (inv->as_json && inv->as_prom) {
         return usage_error("--json and --prometheus exclude each other");
     }
-    cmd = argv[1];
+    inv->argc = argc;
+    inv->argv = argv;
+    return 0;
+}
+
+/* ---- each command's arguments: into the request's "arguments", 0, or 2
+ * after a usage error (said) ---- */
+
+static void
+add_string(JsonBuilder *b, const char *member, const char *value)
+{
+    json_builder_set_member_name(b, member);
+    json_builder_add_string_value(b, value);
+}
+
+/* A number in [min, max] as an integer member. */
+static int
+add_number(JsonBuilder *b, const char *member, const char *text, guint64 min, guint64 max)
+{
+    g_autoptr(GError) error = NULL;
+    guint64 num;
+
+    if (!pf_parse_u64(text, min, max, &num, &error)) {
+        return usage_error(error->message);
+    }
+    json_builder_set_member_name(b, member);
+    json_builder_add_int_value(b, (gint64)num);
+    return 0;
+}
+
+static int
+args_attach(JsonBuilder *b, const Invocation *inv)
+{
+    if (inv->argc != 3) {
+        return usage_error("attach takes one PID");
+    }
+    if (add_number(b, "pid", inv->argv[2], 1, G_MAXINT) != 0) {
+        return 2;
+    }
+    if (inv->name != NULL) {
+        add_string(b, "name", inv->name);
+    }
+    return 0;
+}
+
+static int
+args_detach(JsonBuilder *b, const Invocation *inv)
+{
+    if (inv->argc != 3) {
+        return usage_error("detach takes one VM");
+    }
+    add_string(b, "vm", inv->argv[2]);
+    return 0;
+}
+
+static int
+args_merge_domain(JsonBuilder *b, const Invocation *inv)
+{
+    if (inv->argc != 3 && inv->argc != 4) {
+        return usage_error("merge-domain takes VM [NAME]");
+    }
+    add_string(b, "vm", inv->argv[2]);
+    if (inv->argc == 4) {
+        add_string(b, "name", inv->argv[3]);
+    }
+    return 0;
+}
+
+/* stats and unmerge: of one VM, or of all. */
+static int
+args_maybe_vm(JsonBuilder *b, const Invocation *inv)
+{
+    if (inv->argc > 3) {
+        return usage_error("this command takes at most one VM");
+    }
+    if (inv->argc == 3) {
+        add_string(b, "vm", inv->argv[2]);
+    }
+    return 0;
+}
+
+static int
+args_set(JsonBuilder *b, const Invocation *inv)
+{
+    if (inv->argc != 4) {
+        return usage_error("set takes KNOB VALUE");
+    }
+    add_string(b, "knob", inv->argv[2]);
+    return add_number(b, "value", inv->argv[3], 0, G_MAXINT64);
+}
+
+static int
+args_scan_now(JsonBuilder *b, const Invocation *inv)
+{
+    if (inv->argc > 3) {
+        return usage_error("scan-now takes at most one PASSES");
+    }
+    if (inv->argc == 3) {
+        return add_number(b, "passes", inv->argv[2], 1, 1000);
+    }
+    return 0;
+}
+
+/* list and knobs. */
+static int
+args_none(JsonBuilder *b, const Invocation *inv)
+{
+    if (inv->argc != 2) {
+        return usage_error("this command takes no arguments");
+    }
+    return 0;
+}
+
+/* ---- each command's answer as text (--json prints it as it is) ---- */
+
+/* stats, scan-now and unmerge answer with the figures. */
+static void
+show_stats(JsonNode *ret, const Invocation *inv)
+{
+    g_autofree char *text = inv->as_prom
+        ? pf_stats_format_prometheus(json_node_get_object(ret))
+        : pf_stats_format_table(json_node_get_object(ret));
+
+    g_print("%s", text);
+}
+
+static void
+show_list(JsonNode *ret, const Invocation *inv)
+{
+    print_list(json_node_get_array(ret));
+}
+
+/* knobs and set answer with every knob. */
+static void
+show_knobs(JsonNode *ret, const Invocation *inv)
+{
+    print_knobs(json_node_get_object(ret));
+}
+
+static void
+show_attached(JsonNode *ret, const Invocation *inv)
+{
+    JsonObject *vm = json_node_get_object(ret);
+
+    g_print("attached VM %s (pid %" G_GINT64_FORMAT ", mode %s): %u region(s), %.1f MiB\n",
+            json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
+            json_object_get_string_member(vm, "mode"),
+            json_array_get_length(json_object_get_array_member(vm, "regions")),
+            (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0);
+}
+
+static void
+show_detached(JsonNode *ret, const Invocation *inv)
+{
+    g_print("detached VM %s\n", inv->argv[2]);
+}
+
+static void
+show_merge_domain(JsonNode *ret, const Invocation *inv)
+{
+    JsonObject *vm = json_node_get_object(ret);
+
+    g_print("VM %s (pid %" G_GINT64_FORMAT "): merge domain %s\n",
+            json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
+            json_object_get_string_member(vm, "merge_domain"));
+}
+
+typedef struct {
+    const char *name;
+    int (*arguments)(JsonBuilder *b, const Invocation *inv);
+    void (*show)(JsonNode *ret, const Invocation *inv);
+} Command;
+
+static const Command commands[] = {
+    { "attach", args_attach, show_attached },
+    { "detach", args_detach, show_detached },
+    { "merge-domain", args_merge_domain, show_merge_domain },
+    { "stats", args_maybe_vm, show_stats },
+    { "unmerge", args_maybe_vm, show_stats },
+    { "set", args_set, show_knobs },
+    { "scan-now", args_scan_now, show_stats },
+    { "list", args_none, show_list },
+    { "knobs", args_none, show_knobs },
+};
+
+/* {"execute": the command, "arguments": {...}}, or NULL after a usage
+ * error (said). */
+static JsonNode *
+build_request(const Command *command, const Invocation *inv)
+{
+    g_autoptr(JsonBuilder) b = json_builder_new();
+
     json_builder_begin_object(b);
-    json_builder_set_member_name(b, "execute");
-    json_builder_add_string_value(b, cmd);
+    add_string(b, "execute", command->name);
     json_builder_set_member_name(b, "arguments");
     json_builder_begin_object(b);
-    if (g_str_equal(cmd, "attach")) {
-        if (argc != 3) {
-            return usage_error("attach takes one PID");
-        }
-        if (!pf_parse_u64(argv[2], 1, G_MAXINT, &num, &error)) {
-            return usage_error(error->message);
-        }
-        json_builder_set_member_name(b, "pid");
-        json_builder_add_int_value(b, (gint64)num);
-        if (name != NULL) {
-            json_builder_set_member_name(b, "name");
-            json_builder_add_string_value(b, name);
-        }
-    } else if (g_str_equal(cmd, "detach")) {
-        if (argc != 3) {
-            return usage_error("detach takes one VM");
-        }
-        json_builder_set_member_name(b, "vm");
-        json_builder_add_string_value(b, argv[2]);
-    } else if (g_str_equal(cmd, "merge-domain")) {
-        if (argc != 3 && argc != 4) {
-            return usage_error("merge-domain takes VM [NAME]");
-        }
-        json_builder_set_member_name(b, "vm");
-        json_builder_add_string_value(b, argv[2]);
-        if (argc == 4) {
-            json_builder_set_member_name(b, "name");
-            json_builder_add_string_value(b, argv[3]);
-        }
-    } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "unmerge")) {
-        if (argc > 3) {
-            return usage_error("this command takes at most one VM");
-        }
-        if (argc == 3) {
-            json_builder_set_member_name(b, "vm");
-            json_builder_add_string_value(b, argv[2]);
-        }
-    } else if (g_str_equal(cmd, "set")) {
-        if (argc != 4) {
-            return usage_error("set takes KNOB VALUE");
-        }
-        if (!pf_parse_u64(argv[3], 0, G_MAXINT64, &num, &error)) {
-            return usage_error(error->message);
-        }
-        json_builder_set_member_name(b, "knob");
-        json_builder_add_string_value(b, argv[2]);
-        json_builder_set_member_name(b, "value");
-        json_builder_add_int_value(b, (gint64)num);
-    } else if (g_str_equal(cmd, "scan-now")) {
-        if (argc > 3) {
-            return usage_error("scan-now takes at most one PASSES");
-        }
-        if (argc == 3) {
-            if (!pf_parse_u64(argv[2], 1, 1000, &num, &error)) {
-                return usage_error(error->message);
-            }
-            json_builder_set_member_name(b, "passes");
-            json_builder_add_int_value(b, (gint64)num);
-        }
-    } else if (g_str_equal(cmd, "list") || g_str_equal(cmd, "knobs")) {
-        if (argc != 2) {
-            return usage_error("this command takes no arguments");
-        }
-    } else {
-        g_autofree char *msg = g_strdup_printf("unknown command '%s'", cmd);
-
-        return usage_error(msg);
+    if (command->arguments(b, inv) != 0) {
+        return NULL;
     }
     json_builder_end_object(b);
     json_builder_end_object(b);
-    request = json_builder_get_root(b);
+    return json_builder_get_root(b);
+}
 
-    ret = pf_client_execute(socket_path ? socket_path : PF_DEFAULT_SOCKET, request, -1, &error);
-    if (ret == NULL && g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
-        g_printerr("pagefoldctl: %s: %s\n", cmd, error->message);
-        return 1;
-    }
-    if (ret == NULL) {
-        g_printerr("pagefoldctl: %s\n", error->message);
-        return 1;
-    }
+/* What pagefoldd noted beside its answer: VMs detached while the command
+ * ran, and VMs it could not do all of it for. */
+static void
+print_notes(JsonNode *ret, const char *cmd)
+{
     for (guint k = 0; k < 2 && JSON_NODE_HOLDS_OBJECT(ret); k++) {
         static const char *const notes[] = { "detached", "passed_over" };
         JsonObject *r = json_node_get_object(ret);
@@ -225,35 +357,51 @@ main(int argc, char **argv)
                        json_array_get_string_element(d, i));
         }
     }
-    if (as_json) {
+}
+
+int
+main(int argc, char **argv)
+{
+    g_auto(Invocation) inv = { NULL };
+    g_autoptr(GError) error = NULL;
+    g_autoptr(JsonNode) request = NULL;
+    g_autoptr(JsonNode) ret = NULL;
+    const Command *command = NULL;
+    const char *cmd;
+    int status;
+
+    setlocale(LC_ALL, "");
+    if ((status = parse_options(&inv, argc, argv)) != 0) {
+        return status;
+    }
+    cmd = inv.argv[1];
+    for (gsize i = 0; i < G_N_ELEMENTS(commands) && command == NULL; i++) {
+        command = g_str_equal(commands[i].name, cmd) ? &commands[i] : NULL;
+    }
+    if (command == NULL) {
+        g_autofree char *msg = g_strdup_printf("unknown command '%s'", cmd);
+
+        return usage_error(msg);
+    }
+    request = build_request(command, &inv);
+    if (request == NULL) {
+        return 2;
+    }
+    ret = pf_client_execute(inv.socket_path ? inv.socket_path : PF_DEFAULT_SOCKET, request, -1,
+                            &error);
+    if (ret == NULL && g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
+        g_printerr("pagefoldctl: %s: %s\n", cmd, error->message);
+        return 1;
+    }
+    if (ret == NULL) {
+        g_printerr("pagefoldctl: %s\n", error->message);
+        return 1;
+    }
+    print_notes(ret, cmd);
+    if (inv.as_json) {
         print_json(ret);
-    } else if (g_str_equal(cmd, "stats") || g_str_equal(cmd, "scan-now") ||
-               g_str_equal(cmd, "unmerge")) {
-        g_autofree char *text = as_prom
-            ? pf_stats_format_prometheus(json_node_get_object(ret))
-            : pf_stats_format_table(json_node_get_object(ret));
-
-        g_print("%s", text);
-    } else if (g_str_equal(cmd, "list")) {
-        print_list(json_node_get_array(ret));
-    } else if (g_str_equal(cmd, "knobs") || g_str_equal(cmd, "set")) {
-        print_knobs(json_node_get_object(ret));
-    } else if (g_str_equal(cmd, "attach")) {
-        JsonObject *vm = json_node_get_object(ret);
-
-        g_print("attached VM %s (pid %" G_GINT64_FORMAT ", mode %s): %u region(s), %.1f MiB\n",
-                json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
-                json_object_get_string_member(vm, "mode"),
-                json_array_get_length(json_object_get_array_member(vm, "regions")),
-                (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0);
-    } else if (g_str_equal(cmd, "detach")) {
-        g_print("detached VM %s\n", argv[2]);
-    } else if (g_str_equal(cmd, "merge-domain")) {
-        JsonObject *vm = json_node_get_object(ret);
-
-        g_print("VM %s (pid %" G_GINT64_FORMAT "): merge domain %s\n",
-                json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
-                json_object_get_string_member(vm, "merge_domain"));
+    } else {
+        command->show(ret, &inv);
     }
     return 0;
 }

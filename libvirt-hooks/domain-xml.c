@@ -204,18 +204,12 @@ attr(const char **names, const char **values, const char *want)
     return NULL;
 }
 
-static void
-on_start(GMarkupParseContext *ctx, const char *element, const char **names,
-         const char **values, gpointer user, GError **error)
+/* The namespace declarations an element makes, into f: they hold for the
+ * element itself.  An attribute given twice is refused here. */
+static gboolean
+take_ns_decls(Frame *f, const char *element, const char **names, const char **values,
+              GError **error)
 {
-    Parse *p = user;
-    Frame *f = g_new0(Frame, 1);
-    g_autofree char *prefix = NULL;
-    const char *local;
-    guint depth = p->stack->len;
-    Frame *parent = ancestor(p, 0), *grandparent = ancestor(p, 1);
-
-    /* Namespace declarations first: they hold for the element itself. */
     for (guint i = 0; names[i] != NULL; i++) {
         NsDecl d = { NULL, NULL };
 
@@ -223,8 +217,7 @@ on_start(GMarkupParseContext *ctx, const char *element, const char **names,
             if (g_str_equal(names[i], names[j])) {
                 g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
                             "attribute '%s' twice on <%s>", names[i], element);
-                frame_free(f);
-                return;
+                return FALSE;
             }
         }
         if (g_str_equal(names[i], "xmlns")) {
@@ -233,8 +226,7 @@ on_start(GMarkupParseContext *ctx, const char *element, const char **names,
             if (names[i][6] == '\0' || *values[i] == '\0') {
                 g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
                             "bad namespace declaration '%s' on <%s>", names[i], element);
-                frame_free(f);
-                return;
+                return FALSE;
             }
             d.prefix = g_strdup(names[i] + 6);
             d.uri = g_strdup(values[i]);
@@ -247,19 +239,26 @@ on_start(GMarkupParseContext *ctx, const char *element, const char **names,
         }
         g_array_append_val(f->decls, d);
     }
+    return TRUE;
+}
+
+/* The element's own name into f, resolved; prefixed attributes must be
+ * declared too, though their values are not looked at. */
+static gboolean
+resolve_names(Parse *p, Frame *f, const char *element, const char **names, GError **error)
+{
+    g_autofree char *prefix = NULL;
+    const char *local;
+
     if (!split_qname(element, &prefix, &local, error)) {
-        frame_free(f);
-        return;
+        return FALSE;
     }
     f->local = g_strdup(local);
     if (!resolve(p, f, prefix, &f->ns)) {
         g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
                     "namespace prefix '%s' of <%s> is not declared", prefix, element);
-        frame_free(f);
-        return;
+        return FALSE;
     }
-    /* Prefixed attributes must be declared too; their values are not
-     * looked at. */
     for (guint i = 0; names[i] != NULL; i++) {
         g_autofree char *ap = NULL;
         const char *al, *uri;
@@ -268,76 +267,122 @@ on_start(GMarkupParseContext *ctx, const char *element, const char **names,
             continue;
         }
         if (!split_qname(names[i], &ap, &al, error)) {
-            frame_free(f);
-            return;
+            return FALSE;
         }
         if (ap != NULL && !resolve(p, f, ap, &uri)) {
             g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
                         "namespace prefix '%s' of attribute '%s' is not declared", ap,
                         names[i]);
-            frame_free(f);
-            return;
+            return FALSE;
         }
     }
-    g_ptr_array_add(p->stack, f);
+    return TRUE;
+}
+
+/* The root: one, and libvirt's <domain>. */
+static void
+note_root(Parse *p, Frame *f, const char *element, GError **error)
+{
+    if (++p->n_roots > 1) {
+        g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
+                    "more than one root element");
+        return;
+    }
+    if (!is_plain(f, "domain")) {
+        g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
+                    "the root element is <%s>%s%s, not libvirt's <domain>", element,
+                    f->ns ? " of namespace " : "", f->ns ? f->ns : "");
+    }
+}
+
+/* <domain><name> and <domain><uuid>: their text is kept (on_end()). */
+static void
+note_name_or_uuid(Parse *p, Frame *f, GError **error)
+{
+    if (is_plain(f, "name")) {
+        if (set_once(&p->n_name, "<name>", error)) {
+            f->text = g_string_new(NULL);
+        }
+    } else if (is_plain(f, "uuid")) {
+        if (set_once(&p->n_uuid, "<uuid>", error)) {
+            f->text = g_string_new(NULL);
+        }
+    }
+}
+
+/* <memoryBacking>'s children: whether the RAM is a shared memfd, and
+ * whether the domain wants it never merged. */
+static void
+note_memory_backing(Parse *p, Frame *f, const char **names, const char **values,
+                    GError **error)
+{
+    if (is_plain(f, "source") && set_once(&p->n_source, "<memoryBacking><source>", error)) {
+        p->dom->memfd = g_strcmp0(attr(names, values, "type"), "memfd") == 0;
+    } else if (is_plain(f, "access") &&
+               set_once(&p->n_access, "<memoryBacking><access>", error)) {
+        p->dom->access_shared = g_strcmp0(attr(names, values, "mode"), "shared") == 0;
+    } else if (is_plain(f, "nosharepages")) {
+        p->dom->nosharepages = TRUE;
+    }
+}
+
+/* <metadata><pagefold:config merge-domain='NAME'/>. */
+static void
+note_config(Parse *p, const char **names, const char **values, GError **error)
+{
+    const char *md = attr(names, values, "merge-domain");
+
+    /* libvirt keeps one element per namespace in <metadata>. */
+    if (p->dom->has_config) {
+        g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
+                    "more than one <config> of namespace " PAGEFOLD_NS);
+        return;
+    }
+    p->dom->has_config = TRUE;
+    p->dom->merge_domain = g_strdup(md);
+}
+
+/* Of the element being opened (f, not on the stack yet), what the hook
+ * looks at; everything else is only kept track of for its namespaces. */
+static void
+note_element(Parse *p, Frame *f, const char *element, const char **names,
+             const char **values, GError **error)
+{
+    guint depth = p->stack->len;
+    Frame *parent = ancestor(p, 0), *grandparent = ancestor(p, 1);
 
     if (depth == 0) {
-        if (++p->n_roots > 1) {
-            g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
-                        "more than one root element");
-            return;
-        }
-        if (!is_plain(f, "domain")) {
-            g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
-                        "the root element is <%s>%s%s, not libvirt's <domain>", element,
-                        f->ns ? " of namespace " : "", f->ns ? f->ns : "");
-        }
-        return;
-    }
-    if (depth == 1) {
-        if (is_plain(f, "name")) {
-            if (set_once(&p->n_name, "<name>", error)) {
-                f->text = g_string_new(NULL);
-            }
-        } else if (is_plain(f, "uuid")) {
-            if (set_once(&p->n_uuid, "<uuid>", error)) {
-                f->text = g_string_new(NULL);
-            }
-        }
-        return;
-    }
-    if (depth == 2 && is_plain(parent, "memoryBacking")) {
-        if (is_plain(f, "source") && set_once(&p->n_source, "<memoryBacking><source>", error)) {
-            p->dom->memfd = g_strcmp0(attr(names, values, "type"), "memfd") == 0;
-        } else if (is_plain(f, "access") &&
-                   set_once(&p->n_access, "<memoryBacking><access>", error)) {
-            p->dom->access_shared = g_strcmp0(attr(names, values, "mode"), "shared") == 0;
-        } else if (is_plain(f, "nosharepages")) {
-            p->dom->nosharepages = TRUE;
-        }
-        return;
-    }
-    if (depth == 2 && is_plain(parent, "metadata") && g_strcmp0(f->ns, PAGEFOLD_NS) == 0 &&
-        g_str_equal(f->local, "config")) {
-        const char *md = attr(names, values, "merge-domain");
-
-        /* libvirt keeps one element per namespace in <metadata>. */
-        if (p->dom->has_config) {
-            g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
-                        "more than one <config> of namespace " PAGEFOLD_NS);
-            return;
-        }
-        p->dom->has_config = TRUE;
-        p->dom->merge_domain = g_strdup(md);
-        return;
-    }
-    if (depth == 3 && is_plain(f, "cell") && is_plain(parent, "numa") &&
-        is_plain(grandparent, "cpu")) {
+        note_root(p, f, element, error);
+    } else if (depth == 1) {
+        note_name_or_uuid(p, f, error);
+    } else if (depth == 2 && is_plain(parent, "memoryBacking")) {
+        note_memory_backing(p, f, names, values, error);
+    } else if (depth == 2 && is_plain(parent, "metadata") &&
+               g_strcmp0(f->ns, PAGEFOLD_NS) == 0 && g_str_equal(f->local, "config")) {
+        note_config(p, names, values, error);
+    } else if (depth == 3 && is_plain(f, "cell") && is_plain(parent, "numa") &&
+               is_plain(grandparent, "cpu")) {
         if (g_strcmp0(attr(names, values, "memAccess"), "shared") == 0) {
             p->dom->numa_shared = TRUE;
         }
+    }
+}
+
+static void
+on_start(GMarkupParseContext *ctx, const char *element, const char **names,
+         const char **values, gpointer user, GError **error)
+{
+    Parse *p = user;
+    Frame *f = g_new0(Frame, 1);
+
+    if (!take_ns_decls(f, element, names, values, error) ||
+        !resolve_names(p, f, element, names, error)) {
+        frame_free(f);
         return;
     }
+    /* On the stack even when refused: the stack frees it. */
+    note_element(p, f, element, names, values, error);
+    g_ptr_array_add(p->stack, f);
 }
 
 static void

@@ -159,6 +159,16 @@ parse_args(Hook *h, int argc, char **argv, GError **error)
 
 /* ---- the operations ---- */
 
+/* The VM is not pagefold's: said once per way a VM comes to run, at
+ * prepare (not again at start or started, which follow it), reconnect or
+ * attach. */
+static void
+say_not_ours(Hook *h)
+{
+    hook_say(h, "RAM not shared memfd (<memoryBacking><source type='memfd'/><access "
+        "mode='shared'/>): not pagefold's; kernel KSM is what merges private RAM");
+}
+
 /* prepare, start: pagefoldd runs before QEMU does (its agent connects at
  * once). */
 static void
@@ -168,8 +178,7 @@ op_ensure_daemon(Hook *h, const Domain *dom)
 
     if (!domain_is_ours(dom)) {
         if (g_str_equal(h->op, "prepare")) {
-            hook_say(h, "RAM not shared memfd (<memoryBacking><source type='memfd'/><access "
-                "mode='shared'/>): not pagefold's; kernel KSM is what merges private RAM");
+            say_not_ours(h);
         }
         return;
     }
@@ -286,52 +295,49 @@ set_merge_domain(Hook *h, int pid, JsonObject *vm, const char *domain)
     }
 }
 
-/* started, reconnect, attach: QEMU runs; attach it by pid. */
-static void
-op_attach(Hook *h, const Domain *dom)
+/* A merge domain pagefoldd did not hear of would let the VM share pages
+ * with VMs it must not: no merge rather than that.  A merge domain is a
+ * label, as a VM's name is: pagefoldd's rule (the XML is UTF-8 already). */
+static gboolean
+merge_domain_ok(Hook *h, const Domain *dom)
 {
-    g_autoptr(GError) error = NULL;
-    g_autoptr(JsonBuilder) args = json_builder_new();
-    g_autoptr(JsonNode) req = NULL;
-    g_autoptr(JsonNode) ret = NULL;
-    JsonObject *vm;
-    int pid;
-
-    if (!domain_is_ours(dom)) {
-        if (!g_str_equal(h->op, "started")) {
-            hook_say(h, "RAM not shared memfd (<memoryBacking><source type='memfd'/><access "
-                "mode='shared'/>): not pagefold's; kernel KSM is what merges private RAM");
-        }
-        return;
-    }
-    /* A merge domain pagefoldd did not hear of would let the VM share
-     * pages with VMs it must not: no merge rather than that.  A merge
-     * domain is a label, as a VM's name is: pagefoldd's rule (the XML is
-     * UTF-8 already). */
     if (dom->has_config && (dom->merge_domain == NULL ||
                             !pf_label_is_valid("a merge domain", dom->merge_domain, NULL))) {
         hook_say(h, "<pagefold:config> (%s) wants merge-domain=\"NAME\" (1 to %d bytes, no "
             "control characters): not attaching it", PAGEFOLD_NS, PF_MAX_LABEL_LEN);
-        return;
+        return FALSE;
     }
-    pid = pf_libvirt_domain_pid(h->run_dir, h->name, &error);
-    if (pid == 0) {
-        hook_say(h, "no QEMU pid (%s): not attached", error->message);
-        return;
-    }
-    /* Never merged, and not even read, as kernel KSM never scans it: a
-     * patched QEMU's agent (mem-merge=off) has attached it in advise mode,
-     * with no RAM to scan, to say so; no other QEMU is attached. */
-    if (dom->nosharepages) {
-        g_autoptr(JsonNode) lreq = hook_request_new("list", NULL);
-        g_autoptr(JsonNode) list = hook_control(h, lreq, &error);
+    return TRUE;
+}
 
-        hook_say(h, "<memoryBacking><nosharepages/>: never merged; %s",
-                 find_by_pid(as_array(list), pid) != NULL
-                     ? "its agent keeps it in advise mode (mem-merge=off)"
-                     : "not attached");
-        return;
-    }
+/* pagefoldd's list of VMs (the reply's "return"), or NULL with error. */
+static JsonNode *
+list_vms(Hook *h, GError **error)
+{
+    g_autoptr(JsonNode) lreq = hook_request_new("list", NULL);
+
+    return hook_control(h, lreq, error);
+}
+
+/* Never merged, and not even read, as kernel KSM never scans it: a
+ * patched QEMU's agent (mem-merge=off) has attached it in advise mode,
+ * with no RAM to scan, to say so; no other QEMU is attached. */
+static void
+say_nosharepages(Hook *h, int pid)
+{
+    g_autoptr(JsonNode) list = list_vms(h, NULL);
+
+    hook_say(h, "<memoryBacking><nosharepages/>: never merged; %s",
+             find_by_pid(as_array(list), pid) != NULL
+                 ? "its agent keeps it in advise mode (mem-merge=off)"
+                 : "not attached");
+}
+
+static JsonNode *
+attach_request(int pid, const Domain *dom)
+{
+    g_autoptr(JsonBuilder) args = json_builder_new();
+
     json_builder_begin_object(args);
     json_builder_set_member_name(args, "pid");
     json_builder_add_int_value(args, pid);
@@ -344,83 +350,98 @@ op_attach(Hook *h, const Domain *dom)
         json_builder_add_string_value(args, dom->merge_domain);
     }
     json_builder_end_object(args);
-    req = hook_request_new("attach", args);
-    ret = hook_control(h, req, &error);
-    if (ret != NULL) {
-        JsonObject *o = JSON_NODE_HOLDS_OBJECT(ret) ? json_node_get_object(ret) : NULL;
-        JsonNode *regions = o ? json_object_get_member(o, "regions") : NULL;
-        gint64 pages = member_int(o, "pages");
+    return hook_request_new("attach", args);
+}
 
-        hook_say(h, "attached pid %d as VM '%s' (uuid %s%s%s) in mode %s: %u region(s), %.1f MiB",
-            pid, dom->name, dom->uuid, dom->merge_domain ? ", merge domain " : "",
-            dom->merge_domain ? dom->merge_domain : "",
-            member_str(o, "mode") ? member_str(o, "mode") : "?",
-            regions && JSON_NODE_HOLDS_ARRAY(regions)
-                ? json_array_get_length(json_node_get_array(regions)) : 0,
-            pages > 0 ? (double)pages * PF_PAGE_SIZE / 1048576.0 : 0.0);
+static void
+say_attached(Hook *h, int pid, const Domain *dom, JsonNode *ret)
+{
+    JsonObject *o = JSON_NODE_HOLDS_OBJECT(ret) ? json_node_get_object(ret) : NULL;
+    JsonNode *regions = o ? json_object_get_member(o, "regions") : NULL;
+    gint64 pages = member_int(o, "pages");
+
+    hook_say(h, "attached pid %d as VM '%s' (uuid %s%s%s) in mode %s: %u region(s), %.1f MiB",
+        pid, dom->name, dom->uuid, dom->merge_domain ? ", merge domain " : "",
+        dom->merge_domain ? dom->merge_domain : "",
+        member_str(o, "mode") ? member_str(o, "mode") : "?",
+        regions && JSON_NODE_HOLDS_ARRAY(regions)
+            ? json_array_get_length(json_node_get_array(regions)) : 0,
+        pages > 0 ? (double)pages * PF_PAGE_SIZE / 1048576.0 : 0.0);
+}
+
+/* Refused: already attached (its agent connected it as QEMU started), or
+ * not attachable.  The list says which. */
+static void
+on_attach_refused(Hook *h, int pid, const Domain *dom, const GError *refusal)
+{
+    g_autoptr(JsonNode) list = list_vms(h, NULL);
+    JsonObject *vm = find_by_pid(as_array(list), pid);
+    const char *want = dom->merge_domain ? dom->merge_domain : "default";
+
+    if (vm == NULL) {
+        hook_say(h, "pagefoldd did not attach pid %d: %s", pid, refusal->message);
         return;
     }
-    if (!g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
-        hook_say(h, "cannot attach pid %d: %s; the VM runs unmerged", pid, error->message);
-        return;
-    }
-    /* Refused: already attached (its agent connected it as QEMU started),
-     * or not attachable.  The list says which. */
-    {
-        g_autoptr(GError) lerr = NULL;
-        g_autoptr(JsonNode) lreq = hook_request_new("list", NULL);
-        g_autoptr(JsonNode) list = hook_control(h, lreq, &lerr);
-
-        vm = find_by_pid(as_array(list), pid);
-        if (vm != NULL) {
-            hook_say(h, "pid %d is attached already, as VM '%s' (uuid %s) in mode %s: its agent "
-                "connected it, or an earlier hook", pid,
-                member_str(vm, "name") ? member_str(vm, "name") : "?",
-                member_str(vm, "uuid") ? member_str(vm, "uuid") : "none",
-                member_str(vm, "mode") ? member_str(vm, "mode") : "?");
-            /* Its agent (not root's) shares with nobody until told which
-             * domain it is in: the XML's, or the host's default. */
-            if (g_strcmp0(member_str(vm, "merge_domain"),
-                          dom->merge_domain ? dom->merge_domain : "default") != 0) {
-                set_merge_domain(h, pid, vm, dom->merge_domain ? dom->merge_domain : "default");
-            }
-            return;
-        }
-        hook_say(h, "pagefoldd did not attach pid %d: %s", pid, error->message);
+    hook_say(h, "pid %d is attached already, as VM '%s' (uuid %s) in mode %s: its agent "
+        "connected it, or an earlier hook", pid,
+        member_str(vm, "name") ? member_str(vm, "name") : "?",
+        member_str(vm, "uuid") ? member_str(vm, "uuid") : "none",
+        member_str(vm, "mode") ? member_str(vm, "mode") : "?");
+    /* Its agent (not root's) shares with nobody until told which domain
+     * it is in: the XML's, or the host's default. */
+    if (g_strcmp0(member_str(vm, "merge_domain"), want) != 0) {
+        set_merge_domain(h, pid, vm, want);
     }
 }
 
-/* stopped, release: detach the VM if pagefoldd still has it, with its
- * last figures. */
+/* started, reconnect, attach: QEMU runs; attach it by pid. */
 static void
-op_detach(Hook *h, const Domain *dom)
+op_attach(Hook *h, const Domain *dom)
 {
     g_autoptr(GError) error = NULL;
-    g_autoptr(GError) pid_error = NULL;
-    g_autoptr(JsonNode) lreq = hook_request_new("list", NULL);
-    g_autoptr(JsonNode) list = NULL;
-    g_autoptr(JsonNode) sreq = NULL;
-    g_autoptr(JsonNode) dreq = NULL;
-    g_autoptr(JsonNode) stats = NULL;
-    g_autoptr(JsonNode) done = NULL;
-    g_autoptr(GString) figures = g_string_new(NULL);
-    g_autofree char *key = NULL;
-    JsonArray *vms;
-    JsonObject *mine = NULL;
-    guint n_mine = 0;
+    g_autoptr(JsonNode) req = NULL;
+    g_autoptr(JsonNode) ret = NULL;
     int pid;
 
     if (!domain_is_ours(dom)) {
+        if (!g_str_equal(h->op, "started")) {
+            say_not_ours(h);
+        }
         return;
     }
-    /* Gone by release; there during stopped, though QEMU has exited. */
-    pid = pf_libvirt_domain_pid(h->run_dir, h->name, &pid_error);
-    list = hook_control(h, lreq, &error);
-    if (list == NULL) {
-        hook_say(h, "cannot ask pagefoldd (%s): nothing detached", error->message);
+    if (!merge_domain_ok(h, dom)) {
         return;
     }
-    vms = as_array(list);
+    pid = pf_libvirt_domain_pid(h->run_dir, h->name, &error);
+    if (pid == 0) {
+        hook_say(h, "no QEMU pid (%s): not attached", error->message);
+        return;
+    }
+    if (dom->nosharepages) {
+        say_nosharepages(h, pid);
+        return;
+    }
+    req = attach_request(pid, dom);
+    ret = hook_control(h, req, &error);
+    if (ret != NULL) {
+        say_attached(h, pid, dom, ret);
+    } else if (!g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
+        hook_say(h, "cannot attach pid %d: %s; the VM runs unmerged", pid, error->message);
+    } else {
+        on_attach_refused(h, pid, dom, error);
+    }
+}
+
+/*
+ * This domain's VM in pagefoldd's list: by QEMU's pid where libvirt's
+ * status file still gives one, else by UUID.  Returns how many match (*mine
+ * the last), or -1 where the pid is another VM's now (said).
+ */
+static int
+find_mine(Hook *h, const Domain *dom, int pid, JsonArray *vms, JsonObject **mine)
+{
+    int n_mine = 0;
+
     for (guint i = 0; vms != NULL && i < json_array_get_length(vms); i++) {
         JsonObject *vm = element_object(vms, i);
         const char *uuid = member_str(vm, "uuid");
@@ -431,33 +452,29 @@ op_detach(Hook *h, const Domain *dom)
             if (uuid != NULL && !g_str_equal(uuid, dom->uuid)) {
                 hook_say(h, "pid %d is attached as another VM ('%s', uuid %s): left alone", pid,
                     member_str(vm, "name") ? member_str(vm, "name") : "?", uuid);
-                return;
+                return -1;
             }
-            mine = vm;
-            n_mine = 1;
-            break;
+            *mine = vm;
+            return 1;
         }
         if (pid == 0 && uuid != NULL && g_str_equal(uuid, dom->uuid)) {
-            mine = vm;
+            *mine = vm;
             n_mine++;
         }
     }
-    if (n_mine == 0) {
-        hook_say(h, "%s", g_str_equal(h->op, "stopped")
-                   ? "not attached: pagefoldd already dropped it (QEMU exited)"
-                   : "not attached (detached at stopped, or dropped as QEMU exited)");
-        return;
-    }
-    if (n_mine > 1) {
-        hook_say(h, "%u VMs have uuid %s and there is no status file (%s): none detached", n_mine,
-            dom->uuid, pid_error->message);
-        return;
-    }
-    pid = (int)member_int(mine, "pid");
-    key = g_strdup_printf("%d", pid);
+    return n_mine;
+}
 
-    sreq = request_vm("stats", key, NULL);
-    stats = hook_control(h, sreq, &error);
+/* A few of the VM's counters, as its figures before it goes, or why there
+ * are none. */
+static GString *
+last_figures(Hook *h, const char *key, int pid)
+{
+    g_autoptr(GError) error = NULL;
+    g_autoptr(JsonNode) sreq = request_vm("stats", key, NULL);
+    g_autoptr(JsonNode) stats = hook_control(h, sreq, &error);
+    GString *figures = g_string_new(NULL);
+
     if (stats != NULL && JSON_NODE_HOLDS_OBJECT(stats)) {
         JsonObject *vm = find_by_pid(
             as_array(json_object_get_member(json_node_get_object(stats), "vms")), pid);
@@ -476,8 +493,53 @@ op_detach(Hook *h, const Domain *dom)
     if (figures->len == 0) {
         g_string_printf(figures, "none (%s)", error ? error->message : "not in stats");
     }
-    g_clear_error(&error);
+    return figures;
+}
 
+/* stopped, release: detach the VM if pagefoldd still has it, with its
+ * last figures. */
+static void
+op_detach(Hook *h, const Domain *dom)
+{
+    g_autoptr(GError) error = NULL;
+    g_autoptr(GError) pid_error = NULL;
+    g_autoptr(JsonNode) list = NULL;
+    g_autoptr(JsonNode) dreq = NULL;
+    g_autoptr(JsonNode) done = NULL;
+    g_autoptr(GString) figures = NULL;
+    g_autofree char *key = NULL;
+    JsonObject *mine = NULL;
+    int n_mine;
+    int pid;
+
+    if (!domain_is_ours(dom)) {
+        return;
+    }
+    /* Gone by release; there during stopped, though QEMU has exited. */
+    pid = pf_libvirt_domain_pid(h->run_dir, h->name, &pid_error);
+    list = list_vms(h, &error);
+    if (list == NULL) {
+        hook_say(h, "cannot ask pagefoldd (%s): nothing detached", error->message);
+        return;
+    }
+    n_mine = find_mine(h, dom, pid, as_array(list), &mine);
+    if (n_mine < 0) {
+        return;
+    }
+    if (n_mine == 0) {
+        hook_say(h, "%s", g_str_equal(h->op, "stopped")
+                   ? "not attached: pagefoldd already dropped it (QEMU exited)"
+                   : "not attached (detached at stopped, or dropped as QEMU exited)");
+        return;
+    }
+    if (n_mine > 1) {
+        hook_say(h, "%u VMs have uuid %s and there is no status file (%s): none detached",
+            (guint)n_mine, dom->uuid, pid_error->message);
+        return;
+    }
+    pid = (int)member_int(mine, "pid");
+    key = g_strdup_printf("%d", pid);
+    figures = last_figures(h, key, pid);
     dreq = request_vm("detach", key, NULL);
     done = hook_control(h, dreq, &error);
     if (done != NULL) {

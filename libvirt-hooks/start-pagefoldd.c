@@ -128,6 +128,87 @@ cloexec_from_3(void)
     }
 }
 
+/* Tells the hook, on the note pipe, how the spawning went, and exits: a
+ * copy of the hook makes no call but system calls. */
+static G_NORETURN void
+note_and_exit(int note_fd, int kind, int value, int status)
+{
+    SpawnNote n = { kind, value };
+
+    (void)!write(note_fd, &n, sizeof(n));
+    _exit(status);
+}
+
+/* In the middle process, a session leader of its own: forks pagefoldd,
+ * which is not one (it can never take a terminal), and says its pid.
+ * Only system calls from here: this is a copy of the hook. */
+static G_NORETURN void
+in_middle(char **argv, int null_fd, int out_fd, int note_fd)
+{
+    pid_t grand;
+    sigset_t none;
+
+    setsid();
+    grand = fork();
+    if (grand != 0) {
+        note_and_exit(note_fd, grand < 0 ? 1 : 0, grand < 0 ? errno : grand, 0);
+    }
+    if (chdir("/") < 0 || dup2(null_fd, STDIN_FILENO) < 0 ||
+        dup2(out_fd, STDOUT_FILENO) < 0 || dup2(out_fd, STDERR_FILENO) < 0) {
+        note_and_exit(note_fd, 1, errno, 127);
+    }
+    /* dup2() onto itself would have kept close-on-exec. */
+    fcntl(STDIN_FILENO, F_SETFD, 0);
+    fcntl(STDOUT_FILENO, F_SETFD, 0);
+    fcntl(STDERR_FILENO, F_SETFD, 0);
+    cloexec_from_3();
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL); /* the hook ignores it; exec keeps that */
+    execv(argv[0], argv);
+    note_and_exit(note_fd, 1, errno, 127);
+}
+
+/* The pid, then EOF once exec closed the pipe, or why exec failed.
+ * Returns pagefoldd's pid, or 0 with error. */
+static pid_t
+read_notes(Hook *h, int note_fd, const char *program, GError **error)
+{
+    pid_t daemon_pid = 0;
+
+    for (;;) {
+        struct pollfd p = { .fd = note_fd, .events = POLLIN };
+        SpawnNote n;
+        ssize_t got;
+        int r = poll(&p, 1, hook_ms_left(h->deadline));
+
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            break; /* exec still not done: it will answer, or not */
+        }
+        got = read(note_fd, &n, sizeof(n));
+        if (got < 0 && errno == EINTR) {
+            continue;
+        }
+        if (got != sizeof(n)) {
+            break;
+        }
+        if (n.kind == 0) {
+            daemon_pid = n.value;
+            continue;
+        }
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot run %s: %s", program,
+                    g_strerror(n.value));
+        return 0;
+    }
+    if (daemon_pid == 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot start %s", program);
+    }
+    return daemon_pid;
+}
+
 /*
  * Starts pagefoldd as a daemon of its own: forked twice, its own session
  * (no terminal, no process group of libvirtd's), stdin /dev/null, output
@@ -139,9 +220,8 @@ spawn_detached(Hook *h, char **argv, int out_fd, GError **error)
 {
     int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     int note[2];
-    pid_t mid;
+    pid_t mid, daemon_pid;
     int status;
-    pid_t daemon_pid = 0;
 
     if (null_fd < 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "/dev/null: %s", g_strerror(errno));
@@ -162,78 +242,14 @@ spawn_detached(Hook *h, char **argv, int out_fd, GError **error)
         return 0;
     }
     if (mid == 0) {
-        /* Only system calls from here: this is a copy of the hook. */
-        pid_t grand;
-        SpawnNote n = { 0, 0 };
-        sigset_t none;
-
-        setsid();
-        grand = fork();
-        if (grand != 0) {
-            n.kind = grand < 0 ? 1 : 0;
-            n.value = grand < 0 ? errno : grand;
-            (void)!write(note[1], &n, sizeof(n));
-            _exit(0);
-        }
-        /* Not a session leader: it can never take a terminal. */
-        if (chdir("/") < 0 || dup2(null_fd, STDIN_FILENO) < 0 ||
-            dup2(out_fd, STDOUT_FILENO) < 0 || dup2(out_fd, STDERR_FILENO) < 0) {
-            n.kind = 1;
-            n.value = errno;
-            (void)!write(note[1], &n, sizeof(n));
-            _exit(127);
-        }
-        /* dup2() onto itself would have kept close-on-exec. */
-        fcntl(STDIN_FILENO, F_SETFD, 0);
-        fcntl(STDOUT_FILENO, F_SETFD, 0);
-        fcntl(STDERR_FILENO, F_SETFD, 0);
-        cloexec_from_3();
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        signal(SIGPIPE, SIG_DFL); /* the hook ignores it; exec keeps that */
-        execv(argv[0], argv);
-        n.kind = 1;
-        n.value = errno;
-        (void)!write(note[1], &n, sizeof(n));
-        _exit(127);
+        in_middle(argv, null_fd, out_fd, note[1]);
     }
     close(null_fd);
     close(note[1]);
     while (waitpid(mid, &status, 0) < 0 && errno == EINTR) {
     }
-    /* The pid, then EOF once exec closed the pipe, or why exec failed. */
-    for (;;) {
-        struct pollfd p = { .fd = note[0], .events = POLLIN };
-        SpawnNote n;
-        ssize_t got;
-        int r = poll(&p, 1, hook_ms_left(h->deadline));
-
-        if (r < 0 && errno == EINTR) {
-            continue;
-        }
-        if (r <= 0) {
-            break; /* exec still not done: it will answer, or not */
-        }
-        got = read(note[0], &n, sizeof(n));
-        if (got < 0 && errno == EINTR) {
-            continue;
-        }
-        if (got != sizeof(n)) {
-            break;
-        }
-        if (n.kind == 0) {
-            daemon_pid = n.value;
-            continue;
-        }
-        close(note[0]);
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot run %s: %s", argv[0],
-                    g_strerror(n.value));
-        return 0;
-    }
+    daemon_pid = read_notes(h, note[0], argv[0], error);
     close(note[0]);
-    if (daemon_pid == 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot start %s", argv[0]);
-    }
     return daemon_pid;
 }
 
@@ -276,31 +292,35 @@ wait_ready(Hook *h)
     }
 }
 
-/* Spawns pagefoldd itself, one hook at a time. */
+/* Says whether pagefoldd answers after a wait_ready(); see: where to look
+ * if it does not. */
 static void
-spawn_pagefoldd(Hook *h)
+say_whether_ready(Hook *h, const char *see)
 {
-    g_autoptr(GError) error = NULL;
-    g_autoptr(GPtrArray) argv = g_ptr_array_new_with_free_func(g_free);
-    g_autofree char *cmd = NULL;
-    g_autofree char *header = NULL;
-    int lock_fd, out_fd;
-    pid_t pid;
-
-    if (!make_log_folder(h->pagefoldd_log, &error)) {
-        hook_say(h, "cannot start pagefoldd: %s", error->message);
-        return;
+    if (wait_ready(h)) {
+        hook_say(h, "pagefoldd answers on %s", h->socket_path);
+    } else {
+        hook_say(h, "pagefoldd does not answer on %s yet; the VM is attached if it does by the "
+            "time QEMU runs (see %s)", h->socket_path, see);
     }
-    /*
-     * Hooks of VMs starting together take turns, so that one pagefoldd
-     * starts, not two racing for the socket.  The lock is on a
-     * description of the log of its own: pagefoldd's copy of the log
-     * must not hold it.  Held until pagefoldd answers (or the wait ends).
-     */
-    lock_fd = open(h->pagefoldd_log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, 0640);
+}
+
+/*
+ * Hooks of VMs starting together take turns, so that one pagefoldd
+ * starts, not two racing for the socket.  The lock is on a description
+ * of the log of its own: pagefoldd's copy of the log must not hold it.
+ * Returns that descriptor, to hold until pagefoldd answers (or the wait
+ * ends), or -1 (said).
+ */
+static int
+take_turn(Hook *h)
+{
+    int lock_fd = open(h->pagefoldd_log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY,
+                       0640);
+
     if (lock_fd < 0) {
         hook_say(h, "cannot start pagefoldd: %s: %s", h->pagefoldd_log, g_strerror(errno));
-        return;
+        return -1;
     }
     while (flock(lock_fd, LOCK_EX | LOCK_NB) < 0) {
         if (errno != EWOULDBLOCK && errno != EINTR) {
@@ -310,15 +330,19 @@ spawn_pagefoldd(Hook *h)
             hook_say(h, "another hook is starting pagefoldd; it did not finish within the "
                      "deadline");
             close(lock_fd);
-            return;
+            return -1;
         }
         g_usleep(10 * 1000);
     }
-    if (hook_ping(h, NULL)) {
-        hook_say(h, "pagefoldd answers on %s (another hook started it)", h->socket_path);
-        close(lock_fd);
-        return;
-    }
+    return lock_fd;
+}
+
+/* pagefoldd's command line, NULL-terminated. */
+static GPtrArray *
+pagefoldd_argv(Hook *h)
+{
+    GPtrArray *argv = g_ptr_array_new_with_free_func(g_free);
+
     g_ptr_array_add(argv, g_strdup(h->pagefoldd));
     g_ptr_array_add(argv, g_strdup("--socket"));
     g_ptr_array_add(argv, g_strdup(h->socket_path));
@@ -332,31 +356,67 @@ spawn_pagefoldd(Hook *h)
         g_ptr_array_add(argv, g_strdup(g_ptr_array_index(h->pagefoldd_args, i)));
     }
     g_ptr_array_add(argv, NULL);
-    cmd = g_strjoinv(" ", (char **)argv->pdata);
-    out_fd = open(h->pagefoldd_log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, 0640);
+    return argv;
+}
+
+/* Runs pagefoldd detached, a line in its log first to say who ran it how.
+ * Returns its pid, or 0 with error. */
+static pid_t
+spawn_logged(Hook *h, char **argv, const char *cmd, GError **error)
+{
+    g_autofree char *header = NULL;
+    int out_fd = open(h->pagefoldd_log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY,
+                      0640);
+    pid_t pid;
+
     if (out_fd < 0) {
-        hook_say(h, "cannot start pagefoldd: %s: %s", h->pagefoldd_log, g_strerror(errno));
-        close(lock_fd);
-        return;
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "%s: %s", h->pagefoldd_log,
+                    g_strerror(errno));
+        return 0;
     }
     header = g_strdup_printf("pagefold-hook: for domain %s: %s\n", h->name, cmd);
     (void)!write(out_fd, header, strlen(header));
-    pid = spawn_detached(h, (char **)argv->pdata, out_fd, &error);
+    pid = spawn_detached(h, argv, out_fd, error);
     close(out_fd);
+    return pid;
+}
+
+/* Spawns pagefoldd itself, one hook at a time. */
+static void
+spawn_pagefoldd(Hook *h)
+{
+    g_autoptr(GError) error = NULL;
+    g_autoptr(GPtrArray) argv = NULL;
+    g_autofree char *cmd = NULL;
+    int lock_fd;
+    pid_t pid;
+
+    if (!make_log_folder(h->pagefoldd_log, &error)) {
+        hook_say(h, "cannot start pagefoldd: %s", error->message);
+        return;
+    }
+    lock_fd = take_turn(h);
+    if (lock_fd < 0) {
+        return;
+    }
+    if (hook_ping(h, NULL)) {
+        hook_say(h, "pagefoldd answers on %s (another hook started it)", h->socket_path);
+        close(lock_fd);
+        return;
+    }
+    argv = pagefoldd_argv(h);
+    cmd = g_strjoinv(" ", (char **)argv->pdata);
+    pid = spawn_logged(h, (char **)argv->pdata, cmd, &error);
     if (pid == 0) {
         hook_say(h, "cannot start pagefoldd: %s", error->message);
         close(lock_fd);
         return;
     }
     hook_say(h, "started pagefoldd (pid %d): %s; its log: %s", (int)pid, cmd, h->pagefoldd_log);
-    if (wait_ready(h)) {
-        hook_say(h, "pagefoldd answers on %s", h->socket_path);
-    } else {
-        hook_say(h, "pagefoldd does not answer on %s yet; the VM is attached if it does by the "
-            "time QEMU runs (see %s)", h->socket_path, h->pagefoldd_log);
-    }
+    say_whether_ready(h, h->pagefoldd_log);
     close(lock_fd);
 }
+
 void
 hook_start_pagefoldd(Hook *h)
 {
@@ -365,12 +425,7 @@ hook_start_pagefoldd(Hook *h)
         const char *const sc[] = { "systemctl", "start", "--no-block", SYSTEMD_UNIT, NULL };
 
         run_bounded(h, sc);
-        if (wait_ready(h)) {
-            hook_say(h, "pagefoldd answers on %s", h->socket_path);
-        } else {
-            hook_say(h, "pagefoldd does not answer on %s yet; the VM is attached if it does by "
-                "the time QEMU runs (see journalctl -u " SYSTEMD_UNIT ")", h->socket_path);
-        }
+        say_whether_ready(h, "journalctl -u " SYSTEMD_UNIT);
         return;
     }
     spawn_pagefoldd(h);

@@ -1,0 +1,45 @@
+/*
+ * control-commands.h - what pagefoldd's control socket (control.h) does
+ * with one request line: parsed, its arguments checked against the
+ * command's, run against the scanner and answered in QMP's shape; or, for
+ * a command that replies when its job is done (scan-now, unmerge, set run
+ * 2), a PfControlLater that holds the reply once the job ends.
+ *
+ * Owns each PfControlLater until its caller frees it, and the JSON views
+ * of VMs, counters and knobs in the replies.  Must never touch a socket or
+ * a client (replies go back as text, and a later one is announced through
+ * a callback), and never trust a request: whatever it holds gets an error
+ * reply, never a crash, a stopped scanner or a disturbed VM.
+ */
+#pragma once
+
+#include <glib.h>
+#include <json-glib/json-glib.h>
+
+#include "scan.h"
+
+/* A command's reply that comes when its job is done. */
+typedef struct _PfControlLater PfControlLater;
+
+/* The reply is there (pf_control_later_steal_reply()); the callback may
+ * free l. */
+typedef void (*PfControlLaterFunc)(PfControlLater *l, gpointer user);
+
+/*
+ * The reply to one request line (no newline), or NULL when a job will give
+ * it: then *later is that job's, the caller's to free.  The job ends on
+ * the default main context, never within this call.
+ */
+char *pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
+                                 PfControlLater **later);
+
+/* Calls func once the reply is there; unset, the reply waits for
+ * pf_control_later_steal_reply(). */
+void pf_control_later_watch(PfControlLater *l, PfControlLaterFunc func, gpointer user);
+/* The reply (no newline) once the job is done, else NULL. */
+char *pf_control_later_steal_reply(PfControlLater *l);
+/* Forgets the job if it is not done: its callback is never called. */
+void pf_control_later_free(PfControlLater *l);
+
+/* {"error": {"class": klass, "desc": desc}, "id": id}; id NULL for none. */
+char *pf_control_reply_error(const char *klass, const char *desc, JsonNode *id);
