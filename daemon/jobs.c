@@ -64,8 +64,8 @@ struct _PfScanJob {
 
 /* Whether any request to an agent of vms is still to be answered (by an
  * agent that answers: not counting those stopped for a while, if
- * answering).  Requests still in an open batch go with the next scan
- * slice, which forms them as it ends: not waited for. */
+ * answering).  A request still in an open batch (scans and answers flush
+ * theirs as they end) goes with the next scan slice: not waited for. */
 static gboolean
 answers_due(GPtrArray *vms, gboolean answering)
 {
@@ -113,15 +113,13 @@ passes_step(PfScanJob *j)
         }
         return pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC) > 0 ? STEP_AGAIN : STEP_WAIT;
     }
+    pf_scanner_flush(s);
     for (guint i = 0; i < vms->len; i++) {
         PfVm *vm = g_ptr_array_index(vms, i);
 
         if (vm->outbox == NULL || pf_outbox_in_flight(vm->outbox) == 0) {
             continue;
         }
-        /* Requests an answer called for, to another VM (a node that
-         * moved), go now. */
-        pf_outbox_flush(vm->outbox);
         if (pf_outbox_waiting_usec(vm->outbox) < SETTLE_USEC) {
             due = TRUE;
         } else {
@@ -160,7 +158,7 @@ sweep_region(PfScanJob *j, PfVm *vm, PfRegion *r, gint64 end, StepResult *result
         gsize stop = MIN(r->n_pages, j->page + SWEEP_PAGES);
 
         if (vm->outbox != NULL && pf_outbox_room(vm->outbox) == 0) {
-            pf_outbox_flush(vm->outbox);
+            pf_scanner_flush(j->s);
             *result = STEP_WAIT;
             return FALSE;
         }
@@ -177,9 +175,7 @@ sweep_region(PfScanJob *j, PfVm *vm, PfRegion *r, gint64 end, StepResult *result
             }
         }
         if (g_get_monotonic_time() >= end) {
-            if (vm->outbox != NULL) {
-                pf_outbox_flush(vm->outbox);
-            }
+            pf_scanner_flush(j->s);
             *result = STEP_AGAIN;
             return FALSE;
         }
@@ -250,9 +246,7 @@ unmerge_step(PfScanJob *j)
                 return result;
             }
         }
-        if (vm->outbox != NULL) {
-            pf_outbox_flush(vm->outbox);
-        }
+        pf_scanner_flush(j->s);
     }
     j->sweeping = FALSE;
     return STEP_WAIT;

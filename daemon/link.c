@@ -668,12 +668,18 @@ srv_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop, gpoin
     link_send(l, drop ? PF_MSG_DROP : PF_MSG_POOL, 0, &p, sizeof(p), drop ? -1 : chunk->fd);
 }
 
+/* The scanner went first: no handshake can end in a VM any more, and no
+ * agent is taken in. */
 static void
 srv_scanner_gone(gpointer user)
 {
     PfLinkServer *srv = user;
 
     srv->scanner = NULL;
+    g_clear_handle_id(&srv->watch, g_source_remove);
+    while (srv->handshakes->len > 0) {
+        link_end(g_ptr_array_index(srv->handshakes, 0));
+    }
 }
 
 static const PfScanEvents srv_events = {

@@ -122,6 +122,7 @@ pf_outbox_take(PfOutbox *ob)
     }
     g_queue_pop_head(&ob->held);
     ob->n_held -= b->pending->len;
+    b->sent = TRUE;
     b->seq = ++ob->next_seq;
     if (ob->n_sent == 0) {
         /* The agent's time to answer runs from now. */
@@ -245,23 +246,25 @@ void
 pf_outbox_abandon(PfOutbox *ob, void (*func)(const PfPending *pd, gboolean sent, gpointer user),
                   gpointer user)
 {
+    GQueue all = G_QUEUE_INIT;
     PfOutBatch *b;
 
+    /* Everything out first: what func lets go of may be looked for in
+     * the outbox meanwhile (a chunk freed is dropped only when no request
+     * names it). */
+    form_batch(ob);
     while ((b = g_queue_pop_head(&ob->sent)) != NULL ||
            (b = g_queue_pop_head(&ob->held)) != NULL) {
+        g_queue_push_tail(&all, b);
+    }
+    ob->n_sent = 0;
+    ob->n_held = 0;
+    while ((b = g_queue_pop_head(&all)) != NULL) {
         for (guint i = 0; i < b->pending->len; i++) {
-            func(&g_array_index(b->pending, PfPending, i), b->seq != 0, user);
+            func(&g_array_index(b->pending, PfPending, i), b->sent, user);
         }
         pf_out_batch_free(b);
     }
-    for (guint i = 0; i < ob->queue_pending->len; i++) {
-        func(&g_array_index(ob->queue_pending, PfPending, i), FALSE, user);
-    }
-    g_array_set_size(ob->queue_pending, 0);
-    g_array_set_size(ob->queue_items, 0);
-    ob->queue_collapses = 0;
-    ob->n_sent = 0;
-    ob->n_held = 0;
 }
 
 static void
@@ -282,7 +285,7 @@ pf_outbox_foreach(PfOutbox *ob,
                                gpointer user),
                   gpointer user)
 {
-    PfOutBatch open = { 0, ob->queue_items, ob->queue_pending };
+    PfOutBatch open = { FALSE, 0, ob->queue_items, ob->queue_pending };
 
     for (GList *e = ob->sent.head; e != NULL; e = e->next) {
         foreach_in(e->data, TRUE, func, user);

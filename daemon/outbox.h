@@ -45,7 +45,8 @@ typedef struct {
 } PfPending;
 
 typedef struct {
-    guint32 seq;     /* numbered when sent; 0 while held */
+    gboolean sent;   /* taken by the drain, numbered */
+    guint32 seq;     /* its number, once sent (any value: they wrap) */
     GArray *items;   /* PfWireItem */
     GArray *pending; /* PfPending, one per item */
 } PfOutBatch;
@@ -104,8 +105,9 @@ gboolean pf_outbox_answered_since(PfOutbox *ob, guint32 seq);
  * as usual (func marks it). */
 void pf_outbox_withdraw(PfOutbox *ob, gboolean (*func)(PfPending *pd, gpointer user),
                         gpointer user);
-/* Hands every request not answered to func (sent: whether it went to the
- * agent, which may have done it), and empties the outbox. */
+/* Empties the outbox, then hands every request it held to func (sent:
+ * whether it went to the agent, which may have done it): func sees an
+ * outbox that no longer has them. */
 void pf_outbox_abandon(PfOutbox *ob,
                        void (*func)(const PfPending *pd, gboolean sent, gpointer user),
                        gpointer user);

@@ -177,6 +177,8 @@ pf_scanner_answer(PfScanner *s, PfVm *vm, const PfWireResult *res, guint32 n)
                  res[i].err);
     }
     /* The window has room again; and answers can call for more (a huge
-     * page to collapse, a node that moved): they may go now. */
-    pf_outbox_flush(vm->outbox);
+     * page to collapse; a node that moved, whose other members' VMs are
+     * asked too): they go now, as a scan's requests go as it ends.
+     * Nothing waits queued outside a scan for one to come. */
+    pf_scanner_flush(s);
 }

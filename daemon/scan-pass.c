@@ -238,13 +238,17 @@ enter_vm(PfScanner *s, PfVm *vm)
     g_autoptr(GPtrArray) added = g_ptr_array_new();
     g_autoptr(GError) error = NULL;
 
-    if (!pf_vm_refresh(vm, gone, added, &error) || !check_dropped(s, vm, &error)) {
+    gboolean ok = pf_vm_refresh(vm, gone, added, &error) && check_dropped(s, vm, &error);
+
+    /* Regions it no longer maps leave the page space before they are
+     * freed, whether or not the VM stays. */
+    for (guint k = 0; k < gone->len; k++) {
+        vms_release_region(s, g_ptr_array_index(gone, k), NULL);
+    }
+    if (!ok) {
         pf_scanner_detach(s, vm, error->message);
         s->entered = G_MAXUINT;
         return FALSE;
-    }
-    for (guint k = 0; k < gone->len; k++) {
-        vms_release_region(s, g_ptr_array_index(gone, k), NULL);
     }
     for (guint k = 0; k < added->len; k++) {
         PfRegion *r = g_ptr_array_index(added, k);
@@ -363,9 +367,7 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
         }
         done += scan_step(s, vm, MIN(max_pages - done, room));
     }
-    for (guint i = 0; i < s->vms->len; i++) {
-        scan_flush(g_ptr_array_index(s->vms, i));
-    }
+    pf_scanner_flush(s);
     return done;
 }
 

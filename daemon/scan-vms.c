@@ -196,9 +196,14 @@ vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep)
               l->refs->len, vm->pid);
 }
 
-/* The VM leaves: listeners are told (why NULL: only removed), and hear of
- * it no more; then what it holds is let go or, where its live process may
- * still map a slot, kept until it exits, and it is freed. */
+/*
+ * The VM leaves.  Its requests are let go first, while it is still one of
+ * the scanner's: a chunk only they held goes, and its agent, still
+ * connected, is told to drop it.  Then the listeners are told (why NULL:
+ * only removed) and hear of it no more; what its pages hold is let go or,
+ * where its live process may still map a slot, kept until it exits; and it
+ * is freed.
+ */
 static void
 vm_leave(PfScanner *s, PfVm *vm, const char *why)
 {
@@ -209,13 +214,14 @@ vm_leave(PfScanner *s, PfVm *vm, const char *why)
     if (!g_ptr_array_find(s->vms, vm, &idx)) {
         return;
     }
-    scan_emit_vm_gone(s, vm, why);
-    cursor_vm_removed(s, idx);
-    gone = g_ptr_array_steal_index(s->vms, idx);
     if (pf_vm_merges(vm) && !pf_vm_exited(vm)) {
         keep = g_array_new(FALSE, FALSE, sizeof(HeldRef));
     }
     requests_abandon(s, vm, keep);
+    scan_emit_vm_gone(s, vm, why);
+    g_ptr_array_find(s->vms, vm, &idx);
+    cursor_vm_removed(s, idx);
+    gone = g_ptr_array_steal_index(s->vms, idx);
     for (guint k = 0; k < vm->regions->len; k++) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
 

@@ -139,6 +139,9 @@ void pf_scanner_kick(PfScanner *s);
  * someone else drives the passes (a scan-now job, jobs.h). */
 void pf_scanner_pause_batches(PfScanner *s);
 void pf_scanner_resume_batches(PfScanner *s);
+/* The requests the scanner decided so far go to their agents (each VM's
+ * outbox flushed), as they do when a scan or an answer ends. */
+void pf_scanner_flush(PfScanner *s);
 /* The VM takes no new merges until as many ends as begins: it is being
  * unmerged.  Pages waiting to join content at the pass's end forget it. */
 void pf_scanner_begin_unmerge(PfScanner *s, PfVm *vm);

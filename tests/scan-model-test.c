@@ -240,6 +240,22 @@ agent_does(ModelAgent *l, const ModelBatch *b, const PfWireResult *res)
     }
 }
 
+/* Whatever an answer asked for went out as it ended, to this VM's agent
+ * or another's (a node that moved): nothing waits for a scan to send it,
+ * where a scan-now job between passes would wait for it for good. */
+static void
+assert_nothing_queued(void)
+{
+    for (guint i = 0; i < model->vms->len; i++) {
+        ModelVm *mv = g_ptr_array_index(model->vms, i);
+
+        if (mv->vm != NULL) {
+            g_assert_cmpuint(pf_outbox_in_flight(mv->vm->outbox), ==,
+                             pf_outbox_n_batched(mv->vm->outbox));
+        }
+    }
+}
+
 /* The agent answers up to max of the batches it was sent, in order. */
 static void
 answer_batches(ModelAgent *l, guint max)
@@ -270,6 +286,7 @@ answer_batches(ModelAgent *l, guint max)
         g_assert_true(pf_outbox_answers(vm->outbox, b->seq, b->items->len));
         pf_scanner_answer(vm->scanner, vm, res, b->items->len);
         batch_free(b);
+        assert_nothing_queued();
     }
 }
 
