@@ -279,11 +279,3 @@ void vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep);
 void scan_emit_vm_gone(PfScanner *s, PfVm *vm, const char *why);
 void scan_emit_passed_over(PfScanner *s, PfVm *vm);
 void scan_emit_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop);
-/* The VM's outbox, flushed: the batch formed so far may go. */
-static inline void
-scan_flush(PfVm *vm)
-{
-    if (vm->outbox != NULL) {
-        pf_outbox_flush(vm->outbox);
-    }
-}

@@ -146,3 +146,15 @@ requests_abandon(PfScanner *s, PfVm *vm, GArray *keep)
         pf_outbox_abandon(vm->outbox, abandon_cb, &ab);
     }
 }
+
+void
+pf_scanner_flush(PfScanner *s)
+{
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (vm->outbox != NULL) {
+            pf_outbox_flush(vm->outbox);
+        }
+    }
+}

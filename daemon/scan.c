@@ -108,14 +108,6 @@ pf_scanner_find_vm(PfScanner *s, const char *key)
 }
 
 void
-pf_scanner_flush(PfScanner *s)
-{
-    for (guint i = 0; i < s->vms->len; i++) {
-        scan_flush(g_ptr_array_index(s->vms, i));
-    }
-}
-
-void
 pf_scanner_begin_unmerge(PfScanner *s, PfVm *vm)
 {
     vm->unmerging++;
