@@ -340,6 +340,22 @@ dom_log(const Dom *d)
     return text ? text : g_strdup("");
 }
 
+/* Waits until the domain's log holds want: libvirtd runs its hooks as it
+ * reconnects to running domains, after it answers its clients. */
+static void
+wait_log(const Dom *d, const char *want)
+{
+    for (int i = 0; i < BOOT_S * 5; i++) {
+        g_autofree char *log = dom_log(d);
+
+        if (strstr(log, want) != NULL) {
+            return;
+        }
+        g_usleep(200000);
+    }
+    g_error("%s: no '%s' in its log within %d s", d->name, want, BOOT_S);
+}
+
 /* Waits for the VM to be listed with mode; returns its entry. */
 static JsonObject *
 wait_listed(const Dom *d, const char *mode)
@@ -591,7 +607,6 @@ test_libvirtd_restart(void)
     DomSpec s2 = { .name = "pf-test-r2", .memfd = TRUE, .seed = 8 };
     g_autoptr(Dom) d1 = dom_start(&s1);
     g_autoptr(Dom) d2 = dom_start(&s2);
-    g_autofree char *log = NULL;
     gint64 scanned;
     int pid;
 
@@ -604,8 +619,7 @@ test_libvirtd_restart(void)
     libvirtd_start();
     g_assert_cmpint(dom_pid(d1), ==, pid);
     json_object_unref(wait_listed(d1, "merge"));
-    log = dom_log(d1);
-    g_assert_nonnull(strstr(log, "reconnect"));
+    wait_log(d1, "reconnect");
     scanned = stat_of(d1->name, "pages_scanned");
     wait_sharing(NULL, 4096);
     dom_expect(d1, "PFGUEST CHECK ok");
