@@ -270,9 +270,6 @@ void vms_release_region(PfScanner *s, PfRegion *r, GArray *keep);
 /* A region that faulted when read leaves the scanner (and a VM attached
  * by pid; an agent's keeps it as a placeholder). */
 void vms_drop_region(PfScanner *s, PfRegion *r);
-/* Pool slots a process may still map after its VM left: kept until it
- * exits. */
-void vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep);
 
 /* ---- scan-events.c: telling the layers above ---- */
 

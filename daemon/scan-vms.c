@@ -182,7 +182,9 @@ vms_leftover_free(gpointer data)
     g_free(l);
 }
 
-void
+/* Pool slots a process may still map after its VM left: kept until it
+ * exits. */
+static void
 vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep)
 {
     Leftover *l = g_new0(Leftover, 1);

@@ -350,9 +350,10 @@ pf_vm_add_region(PfVm *vm, PfRegion *r)
 PfRegion *
 pf_vm_steal_region(PfVm *vm, guint k)
 {
-    PfRegion *r = g_ptr_array_steal_index(vm->regions, k);
+    PfRegion *r;
 
-    g_return_val_if_fail(vm->outbox == NULL, r);
+    g_return_val_if_fail(vm->outbox == NULL, NULL);
+    r = g_ptr_array_steal_index(vm->regions, k);
     for (guint i = k; i < vm->regions->len; i++) {
         ((PfRegion *)g_ptr_array_index(vm->regions, i))->index = i;
     }
