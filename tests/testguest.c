@@ -27,6 +27,12 @@ read_console(gpointer data)
         /* The firmware's escape sequences may precede a line. */
         const char *at = strstr(line, "PFGUEST");
 
+        g_mutex_lock(&g->tail_lock);
+        g_queue_push_tail(&g->tail, g_strdup(line));
+        if (g_queue_get_length(&g->tail) > 40) {
+            g_free(g_queue_pop_head(&g->tail));
+        }
+        g_mutex_unlock(&g->tail_lock);
         if (at != NULL) {
             g_async_queue_push(g->lines, g_strdup(at));
         } else if (strstr(line, "pagefold") != NULL) {
@@ -36,6 +42,25 @@ read_console(gpointer data)
     }
     g_async_queue_push(g->lines, g_strdup("EOF"));
     return NULL;
+}
+
+/* A QEMU that ended while a test still needed it: how, and its last words. */
+static void G_GNUC_NORETURN
+guest_gone(Guest *g, const char *command)
+{
+    g_autoptr(GString) said = g_string_new(NULL);
+
+    g_subprocess_wait(g->proc, NULL, NULL);
+    g_mutex_lock(&g->tail_lock);
+    for (GList *l = g->tail.head; l != NULL; l = l->next) {
+        g_string_append_printf(said, "\n  %s", (const char *)l->data);
+    }
+    g_mutex_unlock(&g->tail_lock);
+    g_error("guest %s: QEMU ended (%s %d) while waiting for %s; its console ended with:%s", g->name,
+            g_subprocess_get_if_signaled(g->proc) ? "signal" : "exit status",
+            g_subprocess_get_if_signaled(g->proc) ? g_subprocess_get_term_sig(g->proc)
+                                                  : g_subprocess_get_exit_status(g->proc),
+            command, said->str);
 }
 
 gboolean
@@ -112,6 +137,8 @@ pf_test_guest_start(const PfGuestSpec *spec)
     g_ptr_array_add(argv, NULL);
     g->name = g_strdup(spec->name);
     g->lines = g_async_queue_new_full(g_free);
+    g_mutex_init(&g->tail_lock);
+    g_queue_init(&g->tail);
     g->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_MERGE |
                              G_SUBPROCESS_FLAGS_STDIN_PIPE,
                              (const char *const *)argv->pdata, &error);
@@ -136,7 +163,10 @@ expect_line(Guest *g, const char *text, gboolean anywhere, guint seconds)
             g_error("guest %s: no '%s' within %u s", g->name, text, seconds);
         }
         g_test_message("%s: %s", g->name, line);
-        if (strstr(line, "FAIL") != NULL || g_str_equal(line, "EOF")) {
+        if (g_str_equal(line, "EOF")) {
+            guest_gone(g, text);
+        }
+        if (strstr(line, "FAIL") != NULL) {
             g_error("guest %s: %s", g->name, line);
         }
         if (anywhere ? strstr(line, text) != NULL : g_str_has_prefix(line, text)) {
@@ -182,6 +212,8 @@ pf_test_guest_free(Guest *g)
     g_subprocess_wait(g->proc, NULL, NULL);
     g_thread_join(g->reader);
     g_async_queue_unref(g->lines);
+    g_queue_clear_full(&g->tail, g_free);
+    g_mutex_clear(&g->tail_lock);
     g_object_unref(g->proc);
     unlink(g->qmp_path);
     g_rmdir(g->dir);
@@ -237,10 +269,15 @@ guest_qmp(Guest *g, const char *command, const char *arguments, char **error_tex
     GOutputStream *out;
     const char *caps = "{\"execute\": \"qmp_capabilities\"}\n";
 
-    /* QEMU opens the socket early, but not at once. */
-    for (int i = 0; i < 100 && conn == NULL; i++) {
+    /* QEMU opens the socket early, but not at once: a QEMU still running
+     * gets its boot's bound; one that is gone fails the test with what it
+     * said last. */
+    for (int i = 0; i < 1200 && conn == NULL; i++) {
         g_clear_error(&error);
         conn = g_socket_client_connect(client, G_SOCKET_CONNECTABLE(addr), NULL, &error);
+        if (conn == NULL && g_subprocess_get_identifier(g->proc) == NULL) {
+            guest_gone(g, "QMP");
+        }
         if (conn == NULL) {
             g_usleep(100000);
         }

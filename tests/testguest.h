@@ -31,6 +31,8 @@ typedef struct {
     GSubprocess *proc;
     GAsyncQueue *lines; /* char*, pfguest's lines from the serial console */
     GThread *reader;
+    GMutex tail_lock;
+    GQueue tail;    /* char*, the console's last lines, all of them */
     int pid;
     char *name;
     char *dir;      /* its QMP socket, and whatever a test puts there */
