@@ -23,18 +23,24 @@
  */
 #pragma once
 
+#include <sys/mman.h>
+
 #include "cow.h"
 #include "pagespace.h"
 #include "scan.h"
 #include "util.h"
 
-/* A page found equal to node, whose slot its VM may not read. */
+/* A page found equal to node, whose slot its VM may not read.  Ids are
+ * reused as soon as they are free (nothing holds a waiting join's node):
+ * born tells the node it was found equal to from one made since under its
+ * id. */
 typedef struct {
     guint32 chunk; /* the node's slot's, then: */
     guint32 vm;    /* the page's VM's serial */
     guint32 slot;
     guint32 page;
     guint32 node;
+    guint64 born;
 } Joining;
 
 /* Past this many, joins are made before the pass ends. */
@@ -129,6 +135,17 @@ node_at(PfScanner *s, guint32 id)
     return pf_stable_tree_node(&s->stable, id);
 }
 
+/* Whether a guest page is in memory (never read otherwise: reading would
+ * allocate it, or swap it in).  The VMM may discard it right after this:
+ * a window of a memcmp. */
+static inline gboolean
+page_in_memory(const guint8 *page)
+{
+    unsigned char v = 0;
+
+    return mincore((void *)page, PF_PAGE_SIZE, &v) == 0 && (v & 1);
+}
+
 /* May this VM's pages be merged for real now?  Merging VMs group only with
  * merging VMs: a pool node is physical sharing, an advise node is not. */
 static inline gboolean
@@ -194,9 +211,6 @@ void ledger_forget_page(PfScanner *s, PfRegion *r, gsize idx, GArray *keep);
 
 /* ---- scan-visit.c ---- */
 
-/* Whether a guest page is in memory (never read otherwise: reading would
- * allocate it, or swap it in). */
-gboolean visit_in_memory(const guint8 *page);
 /* One page of r, by KSM's rules (scan.h); r's VM has room for two
  * requests. */
 void visit_page(PfScanner *s, PfRegion *r, gsize idx);

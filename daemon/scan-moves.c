@@ -195,7 +195,7 @@ void
 moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 node)
 {
     const PfStableNode *n = node_at(s, node);
-    Joining j = { 0, r->vm->serial, n->slot, id, node };
+    Joining j = { 0, r->vm->serial, n->slot, id, node, n->born };
     guint32 index;
 
     pf_pool_locate(s->pool, n->slot, &j.chunk, &index);
@@ -234,18 +234,26 @@ cmp_joining(gconstpointer a, gconstpointer b)
     return x->slot < y->slot ? -1 : x->slot > y->slot;
 }
 
-/* Can this waiting page still join the node it was found equal to? */
+/* Can this waiting page still join the node it was found equal to?  The
+ * same node (not one made since under its id), and the page still equal
+ * to its slot now: what decides that its VM may be sent the slot's chunk,
+ * or get a slot of that content of its own. */
 static gboolean
 join_still(PfScanner *s, const Joining *j)
 {
     PfRegion *r = region_of(s, j->page);
     const PfStableNode *n = node_at(s, j->node);
+    const guint8 *page = page_data(s, j->page);
 
     /* Its VM may have changed merge domain since it was found equal. */
-    return pf_region_page_state(r, j->page - r->base) == PF_PAGE_UNSHARED && can_merge(r->vm) &&
-           n->live && n->next == 0 && n->slot == j->slot &&
-           n->domain == pf_vm_domain_key(r->vm) &&
-           ledger_sharers(s, n) < s->knobs.max_page_sharing;
+    if (pf_region_page_state(r, j->page - r->base) != PF_PAGE_UNSHARED || !can_merge(r->vm) ||
+        !n->live || n->born != j->born || n->next != 0 || n->slot != j->slot ||
+        n->domain != pf_vm_domain_key(r->vm) ||
+        ledger_sharers(s, n) >= s->knobs.max_page_sharing || !page_in_memory(page)) {
+        return FALSE;
+    }
+    s->memcmp_calls++;
+    return memcmp(page, pf_pool_data(s->pool, n->slot), PF_PAGE_SIZE) == 0;
 }
 
 /* The joins of joins[i, e) (one chunk, one VM) whose pages still may

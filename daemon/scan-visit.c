@@ -12,18 +12,6 @@
 #include "scan-internal.h"
 
 #include <string.h>
-#include <sys/mman.h>
-
-/* A page discarded since it was seen, or swapped out, is not read (that
- * would allocate it, or swap it in).  The VMM may discard it right after
- * this: a window of a memcmp. */
-gboolean
-visit_in_memory(const guint8 *page)
-{
-    unsigned char v = 0;
-
-    return mincore((void *)page, PF_PAGE_SIZE, &v) == 0 && (v & 1);
-}
 
 /* Is another guest page equal to data?  Not if it is not in memory. */
 static gboolean
@@ -31,7 +19,7 @@ page_equal(PfScanner *s, const guint8 *data, guint32 other)
 {
     const guint8 *o = page_data(s, other);
 
-    if (!visit_in_memory(o)) {
+    if (!page_in_memory(o)) {
         return FALSE;
     }
     s->memcmp_calls++;
@@ -227,7 +215,7 @@ pair_slot(PfScanner *s, PfRegion *r, const guint8 *data, guint32 other, gboolean
         *failed = TRUE;
         return PF_POOL_SLOT_NONE;
     }
-    if (!visit_in_memory(page_data(s, other)) ||
+    if (!page_in_memory(page_data(s, other)) ||
         memcmp(pf_pool_data(s->pool, slot), page_data(s, other), PF_PAGE_SIZE) != 0 ||
         memcmp(pf_pool_data(s->pool, slot), data, PF_PAGE_SIZE) != 0) {
         ledger_put(s, slot, 0);

@@ -338,6 +338,7 @@ pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot, guint32 d
     n->live = TRUE;
     n->full = FALSE;
     n->domain = domain;
+    n->born = ++t->births;
     pf_table_insert(&t->table, checksum, id);
     t->n_nodes++;
     return id;

@@ -96,6 +96,8 @@ typedef struct {
     gboolean live;
     gboolean full;     /* takes no more sharers: out of the table too */
     guint32 domain;    /* the merge domain of every page it has (vm.h) */
+    guint64 born;      /* never the same for two nodes of a tree, whatever
+                        * id they had: a node's identity across a pass */
 } PfStableNode;
 
 typedef struct {
@@ -105,6 +107,7 @@ typedef struct {
     gsize n_nodes;    /* live nodes */
     gsize n_members;  /* pages in all nodes: pages_shared + pages_sharing */
     gsize member_bytes;
+    guint64 births;   /* nodes ever created: the last one's born */
     PfPageFunc page_of;
     gpointer user;
 } PfStableTree;

@@ -1024,6 +1024,81 @@ test_merge_domain_mid_pass(void)
     model_free(m);
 }
 
+/* Whether any chunk x's agent holds has a slot reading data. */
+static gboolean
+holds_content(Model *m, ModelVm *x, const guint8 *data)
+{
+    GHashTableIter it;
+    gpointer id;
+
+    g_hash_table_iter_init(&it, x->agent->held);
+    while (g_hash_table_iter_next(&it, &id, NULL)) {
+        const PfPoolChunk *chunk = pf_pool_chunk(m->s->pool, GPOINTER_TO_UINT(id));
+
+        for (guint32 i = 0; chunk != NULL && i < chunk->n_slots; i++) {
+            if (memcmp(chunk->map + (gsize)i * PF_PAGE_SIZE, data, PF_PAGE_SIZE) == 0) {
+                return TRUE;
+            }
+        }
+    }
+    return FALSE;
+}
+
+/*
+ * Ids reused within a pass (the trust review's first finding): x's page
+ * equals a's and b's shared page (node N, slot s of their chunk C) and
+ * waits for the pass's end to join; then, still in that pass, a and b
+ * write that page, so N, s and C go, and pair a content x never had,
+ * which gets N's id, C's id and slot s again.  x must not be sent the
+ * chunk: it would read a page it does not share.
+ */
+static void
+test_ids_reused(void)
+{
+    static const PfLayout pair = { .identical = 1, .unique = N_IDENTICAL - 1 };
+    static const PfLayout own = { .unique = N_IDENTICAL };
+    Model *m = model_new();
+    ModelVm *x = model_add_vm(m, &own, 3), *a, *b;
+    guint8 k1[PF_PAGE_SIZE], k2[PF_PAGE_SIZE], junk[PF_PAGE_SIZE];
+    guint32 n;
+
+    a = model_add_vm(m, &pair, 1);
+    b = model_add_vm(m, &pair, 2);
+    run_passes(m, 3, "a and b share their page 0");
+    memcpy(k1, model_region(a, 0)->content, PF_PAGE_SIZE);
+    memset(k2, 0, sizeof(k2));
+    g_strlcpy((char *)k2, "K2-SECRET-of-a-and-b", sizeof(k2));
+    guest_writes(m, x, 0, 0, k1);
+    guest_writes(m, a, 0, 1, k2);
+    guest_writes(m, b, 0, 1, k2);
+    run_passes(m, 1, "their checksums taken");
+    /* x's pages come first in a pass: its page 0 waits to join N. */
+    pf_scanner_scan(m->s, N_IDENTICAL);
+    g_assert_cmpuint(m->s->joins->len, ==, 1);
+    n = g_array_index(m->s->joins, Joining, 0).node;
+    for (guint i = 0; i < 2; i++) {
+        memset(junk, 'a' + i, sizeof(junk));
+        guest_writes(m, i == 0 ? a : b, 0, 0, junk);
+    }
+    pf_scanner_flush(m->s);
+    while (g_main_context_iteration(NULL, FALSE)) {
+    }
+    g_assert_false(node_at(m->s, n)->live);
+    /* a's and b's pages: their page 1 pairs, the pass ends. */
+    while (pf_scanner_in_pass(m->s)) {
+        pf_scanner_scan(m->s, N_IDENTICAL);
+        while (g_main_context_iteration(NULL, FALSE)) {
+        }
+    }
+    g_test_message("node %u is %s", n, node_at(m->s, n)->live ? "back" : "gone");
+    run_passes(m, 2, "after");
+    g_assert_true(holds_content(m, a, k2));
+    g_assert_false(holds_content(m, x, k2));
+    g_assert_cmpuint(totals(m).pages_sharing, >=, 1);
+    model_end(m);
+    model_free(m);
+}
+
 /* 1 MiB of pages every guest has: the smallest region vm.c takes. */
 static const PfLayout identical_only = { .identical = N_IDENTICAL };
 /* The first half of identical_only's pages, then pages of its own. */
@@ -1906,6 +1981,7 @@ main(int argc, char **argv)
     g_test_add_func("/scan-model/region-gone-during-move", test_region_gone_during_move);
     g_test_add_func("/scan-model/region-gone-frees-chunk", test_region_gone_frees_chunk);
     g_test_add_func("/scan-model/merge-domain-mid-pass", test_merge_domain_mid_pass);
+    g_test_add_func("/scan-model/ids-reused", test_ids_reused);
     for (gsize i = 0; i < G_N_ELEMENTS(fuzz_modes); i++) {
         g_autofree char *path = g_strdup_printf("/scan-model/fuzz/%s", fuzz_modes[i].name);
 
