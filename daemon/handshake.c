@@ -91,17 +91,148 @@ handshake_peer_permitted(PfLinkServer *srv, int sock, const struct ucred *cred)
     return FALSE;
 }
 
-/* A REGION passes if the peer's process maps it as announced (vm.c), it
- * overlaps no live region of the VM's (regions: those announced before),
- * and the VM stays within its cap. */
-static gboolean
-region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, int fd,
-                  GError **error)
+/* ---- what the peer's process maps, read off the main loop ----
+ *
+ * A peer decides how large and slow its /proc files are to read: with
+ * 30,000 mappings one read of smaps takes about half a second.  So the
+ * reads run on a thread of GLib's pool, on descriptors of their own, while
+ * the link reads nothing more from its peer; the link goes on from the
+ * main loop when they are done.  A link that ends meanwhile cancels them:
+ * the thread stops at its next line, and its result goes nowhere.
+ */
+struct _HandshakeCheck {
+    PfLink *l;            /* main loop only; NULL once the link ended */
+    GCancellable *cancel;
+    int proc_dir, fd;     /* the thread's own copies */
+    PfMsg *msg;           /* the message checked, its descriptors with it */
+    gboolean protect;     /* a REGION that must be write-protected too */
+    PfRegionSpan *spans;  /* the live regions whose protection is looked at */
+    guint *index;         /* ... and their indexes among the link's */
+    guint n_spans;
+    char **why;           /* per span: why it is not protected */
+    GError *error;        /* the REGION refused, or smaps unreadable */
+    HandshakeDone done;
+};
+
+static void
+check_free(HandshakeCheck *c)
 {
-    if (!pf_region_check_mapping(l->proc_dir, fd, wr->name, wr->host_addr, wr->offset,
-                                 wr->size, error)) {
-        return FALSE;
+    g_clear_object(&c->cancel);
+    if (c->proc_dir >= 0) {
+        close(c->proc_dir);
     }
+    if (c->fd >= 0) {
+        close(c->fd);
+    }
+    if (c->msg != NULL) {
+        pf_msg_close_fds(c->msg);
+        g_free(c->msg);
+    }
+    for (guint i = 0; i < c->n_spans; i++) {
+        g_free(c->spans[i].name);
+        g_free(c->why[i]);
+    }
+    g_free(c->spans);
+    g_free(c->index);
+    g_free(c->why);
+    g_clear_error(&c->error);
+    g_free(c);
+}
+
+static void
+check_thread(GTask *task, gpointer source, gpointer data, GCancellable *cancel)
+{
+    HandshakeCheck *c = data;
+
+    if (c->msg->header.type == PF_MSG_REGION) {
+        const PfWireRegion *wr = pf_msg_region(c->msg);
+
+        if (!pf_region_check_mapping(c->proc_dir, c->fd, wr->name, wr->host_addr, wr->offset,
+                                     wr->size, cancel, &c->error)) {
+            return;
+        }
+        if (!c->protect) {
+            return;
+        }
+    }
+    if (c->n_spans > 0 &&
+        !pf_region_spans_protected(c->proc_dir, c->spans, c->n_spans, c->why, cancel,
+                                   &c->error)) {
+        return;
+    }
+    if (c->n_spans == 1 && c->why[0] != NULL && c->msg->header.type == PF_MSG_REGION) {
+        g_set_error_literal(&c->error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, c->why[0]);
+    }
+}
+
+static void check_done(GObject *source, GAsyncResult *res, gpointer user);
+
+/* Takes msg: the link reads no more until done(l, msg) was called, from
+ * the main loop, or the link ended. */
+static void
+check_start(PfLink *l, PfMsg *msg, gboolean protect, HandshakeDone done)
+{
+    HandshakeCheck *c = g_new0(HandshakeCheck, 1);
+    g_autoptr(GTask) task = NULL;
+    GPtrArray *regions = l->vm != NULL ? l->vm->regions : l->regions;
+
+    c->l = l;
+    c->cancel = g_cancellable_new();
+    c->proc_dir = fcntl(l->proc_dir, F_DUPFD_CLOEXEC, 3);
+    c->fd = msg->n_fds > 0 ? fcntl(msg->fds[0], F_DUPFD_CLOEXEC, 3) : -1;
+    c->msg = msg;
+    c->protect = protect;
+    c->done = done;
+    c->spans = g_new0(PfRegionSpan, MAX(regions->len, 1));
+    c->index = g_new0(guint, MAX(regions->len, 1));
+    c->why = g_new0(char *, MAX(regions->len, 1));
+    if (msg->header.type == PF_MSG_REGION && protect) {
+        const PfWireRegion *wr = pf_msg_region(msg);
+
+        c->spans[0] = (PfRegionSpan){ g_strdup(wr->name), wr->host_addr, wr->size };
+        c->n_spans = 1;
+    }
+    for (guint i = 0; msg->header.type == PF_MSG_READY && i < regions->len; i++) {
+        const PfRegion *r = g_ptr_array_index(regions, i);
+
+        if (pf_region_live(r)) {
+            c->index[c->n_spans] = i;
+            c->spans[c->n_spans++] = (PfRegionSpan){ g_strdup(r->name), r->host_addr,
+                                                    r->size };
+        }
+    }
+    l->check = c;
+    if (c->proc_dir < 0 || (msg->n_fds > 0 && c->fd < 0)) {
+        int e = errno;
+
+        /* Out of descriptors: the check fails, the link goes on. */
+        g_set_error(&c->error, PF_ERROR, PF_ERROR_FAILED, "cannot check the region: %s",
+                    g_strerror(e));
+        task = g_task_new(NULL, NULL, check_done, c);
+        g_task_return_boolean(task, TRUE);
+        return;
+    }
+    task = g_task_new(NULL, c->cancel, check_done, c);
+    g_task_set_task_data(task, c, NULL);
+    g_task_set_return_on_cancel(task, FALSE);
+    g_task_run_in_thread(task, check_thread);
+}
+
+void
+handshake_cancel_check(PfLink *l)
+{
+    if (l->check != NULL) {
+        g_cancellable_cancel(l->check->cancel);
+        l->check->l = NULL;
+        l->check = NULL;
+    }
+}
+
+/* A REGION whose mapping passed: it must overlap no live region of the VM
+ * (regions: those announced before) and keep the VM within its cap. */
+static gboolean
+region_fits(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, GError **error)
+{
     for (guint i = 0; i < regions->len; i++) {
         const PfRegion *r = g_ptr_array_index(regions, i);
 
@@ -124,39 +255,92 @@ region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, int fd,
 }
 
 /*
- * Checks a REGION and makes it a region, or a refused placeholder: one odd
- * region (a memfd the VMM could not seal, RAM the process does not map as
- * said) costs its VM that region only.  Its memfd is taken either way
- * (closed when refused).  running: announced after READY, when a merging
- * VM's new region must be write-protected as READY's were.
+ * A REGION checked: a region, or a refused placeholder: one odd region (a
+ * memfd the VMM could not seal, RAM the process does not map as said)
+ * costs its VM that region only.  Its memfd is taken either way (closed
+ * when refused).
  */
-PfRegion *
-handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg,
-                 gboolean running)
+static PfRegion *
+region_checked(PfLink *l, HandshakeCheck *c)
 {
-    g_autoptr(GError) error = NULL;
+    const PfWireRegion *wr = pf_msg_region(c->msg);
+    GPtrArray *regions = l->vm != NULL ? l->vm->regions : l->regions;
+    GError *error = g_steal_pointer(&c->error);
     PfRegion *r = NULL;
 
-    if (region_acceptable(l, regions, wr, msg->fds[0], &error)) {
-        r = pf_region_new(wr->name, msg->fds[0], wr->host_addr, wr->offset, wr->size, &error);
-        msg->n_fds = 0; /* taken, or closed on error */
-    }
-    if (r != NULL && running && pf_vm_merges(l->vm)) {
-        g_autoptr(GPtrArray) one = g_ptr_array_new();
-
-        g_ptr_array_add(one, r);
-        if (!pf_regions_check_write_protected(l->proc_dir, one, &error)) {
-            g_clear_pointer(&r, pf_region_free);
-        }
+    if (error == NULL && region_fits(l, regions, wr, &error)) {
+        r = pf_region_new(wr->name, c->msg->fds[0], wr->host_addr, wr->offset, wr->size,
+                          &error);
+        c->msg->n_fds = 0; /* taken, or closed on error */
     }
     if (r == NULL) {
         g_message("agent of process %d: region %u refused: %s", l->peer_pid, wr->index,
                   error->message);
         l->n_refused++;
-        return pf_region_new_refused(wr->name, wr->host_addr, wr->size, error->message);
+        r = pf_region_new_refused(wr->name, wr->host_addr, wr->size, error->message);
+        g_error_free(error);
+        return r;
     }
     l->announced_bytes += r->size;
     return r;
+}
+
+/* What READY's look at smaps found: a region not registered for write
+ * protection (the agent refused it: a NUMA binding, a file system without
+ * protection) is refused here, alone; refused regions are never merged,
+ * so never checked. */
+static void
+ready_checked(PfLink *l, HandshakeCheck *c)
+{
+    for (guint k = 0; k < c->n_spans; k++) {
+        PfRegion *r = g_ptr_array_index(l->regions, c->index[k]);
+        const char *why = c->error != NULL ? c->error->message : c->why[k];
+
+        if (why == NULL || !pf_region_live(r)) {
+            continue;
+        }
+        g_message("agent of process %d: region %u refused at READY: %s", l->peer_pid,
+                  c->index[k], why);
+        l->announced_bytes -= r->size;
+        pf_region_refuse(r, why);
+        l->n_refused++;
+    }
+}
+
+static void
+check_done(GObject *source, GAsyncResult *res, gpointer user)
+{
+    HandshakeCheck *c = user;
+    PfLink *l = c->l;
+
+    if (l != NULL) {
+        l->check = NULL;
+        if (c->msg->header.type == PF_MSG_REGION) {
+            PfRegion *r = region_checked(l, c);
+
+            c->done(l, c->msg, r);
+        } else {
+            ready_checked(l, c);
+            c->done(l, c->msg, NULL);
+        }
+    }
+    check_free(c);
+}
+
+void
+handshake_region(PfLink *l, PfMsg *msg, gboolean running, HandshakeDone done)
+{
+    check_start(l, msg, running && pf_vm_merges(l->vm), done);
+}
+
+void
+handshake_check_ready(PfLink *l, PfMsg *msg, HandshakeDone done)
+{
+    if (pf_msg_mode(msg)->mode != PF_MODE_MERGE) {
+        done(l, msg, NULL);
+        return;
+    }
+    check_start(l, msg, TRUE, done);
 }
 
 int
@@ -195,7 +379,6 @@ PfVm *
 handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old_out, GError **error)
 {
     const PfWireMode *m = pf_msg_mode(msg);
-    g_autoptr(GError) local = NULL;
     PfVm *old;
 
     if (m->mode == PF_MODE_MERGE && !l->offered_merge) {
@@ -204,26 +387,9 @@ handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old_out, GError **error)
                     "mode");
         return NULL;
     }
-    /* What an agent does before it says merge, checked: what it does
-     * after is its own VM's business.  A region it did not write-protect
-     * (it refused it: a NUMA binding, a file system without protection)
-     * is refused here too, alone; refused regions are never merged, so
-     * never checked. */
-    for (guint i = 0; m->mode == PF_MODE_MERGE && i < l->regions->len; i++) {
-        PfRegion *r = g_ptr_array_index(l->regions, i);
-        g_autoptr(GPtrArray) one = g_ptr_array_new();
-
-        g_ptr_array_add(one, r);
-        if (pf_region_live(r) &&
-            !pf_regions_check_write_protected(l->proc_dir, one, &local)) {
-            g_message("agent of process %d: region %u refused at READY: %s", l->peer_pid, i,
-                      local->message);
-            l->announced_bytes -= r->size;
-            pf_region_refuse(r, local->message);
-            l->n_refused++;
-            g_clear_error(&local);
-        }
-    }
+    /* What an agent does before it says merge was checked
+     * (handshake_check_ready()): what it does after is its own VM's
+     * business. */
     if (!peer_alive(l)) {
         g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "process %d exited during its handshake",
                     l->peer_pid);

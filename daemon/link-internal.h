@@ -29,6 +29,7 @@ struct _PfLinkServer {
 };
 
 typedef struct _PfLink PfLink;
+typedef struct _HandshakeCheck HandshakeCheck;
 
 struct _PfLink {
     PfLinkServer *srv;
@@ -50,6 +51,9 @@ struct _PfLink {
     PfChannel *ch;         /* what it sends, and what waits to be sent */
     char *broken_why;      /* it broke: closed from the main loop, why */
     guint close_idle;
+    HandshakeCheck *check; /* its process's mappings being read: the link
+                            * reads nothing from its peer meanwhile */
+    gboolean ended;
 };
 
 /* ---- handshake.c ---- */
@@ -60,12 +64,23 @@ gboolean handshake_pin_peer(int sock, pid_t pid, int *pidfd_out, int *proc_dir_o
                             GError **error);
 /* Whether the connecting process may be an agent. */
 gboolean handshake_peer_permitted(PfLinkServer *srv, int sock, const struct ucred *cred);
-/* A REGION checked: a region, or a refused placeholder (its memfd taken
- * either way).  running: announced after READY. */
-PfRegion *handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg,
-                           gboolean running);
+/* Where a link goes on once a message was checked, from the main loop:
+ * r is a REGION's region, or its refused placeholder (its memfd taken
+ * either way); NULL for READY. */
+typedef void (*HandshakeDone)(PfLink *l, PfMsg *msg, PfRegion *r);
+/* Checks a REGION against what the peer's process maps, off the main
+ * loop; takes msg, and l->check is set until done is called.  running:
+ * announced after READY, when a merging VM's new region must be
+ * write-protected as READY's were. */
+void handshake_region(PfLink *l, PfMsg *msg, gboolean running, HandshakeDone done);
+/* READY in merge mode: whether each live region is write-protected, off
+ * the main loop (one that is not is refused alone), then done; at once
+ * for advise mode (msg is then not taken). */
+void handshake_check_ready(PfLink *l, PfMsg *msg, HandshakeDone done);
+/* The link ends: a check in progress stops, its result goes nowhere. */
+void handshake_cancel_check(PfLink *l);
 /* What WELCOME says (*w), and the descriptor it carries (or -1). */
 int handshake_welcome(PfLink *l, PfWireMode *w);
-/* READY checked, and the VM it makes (NULL: refused, error says why);
+/* READY (its regions' protection checked), and the VM it makes (NULL: refused, error says why);
  * *old: the VM attached by pid it replaces, or NULL. */
 PfVm *handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old, GError **error);

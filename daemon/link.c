@@ -128,6 +128,8 @@ link_end(PfLink *l)
 {
     PfLinkServer *srv = l->srv;
 
+    l->ended = TRUE;
+    handshake_cancel_check(l);
     g_clear_handle_id(&l->watch, g_source_remove);
     g_clear_handle_id(&l->answer_timer, g_source_remove);
     g_clear_handle_id(&l->handshake_timer, g_source_remove);
@@ -296,6 +298,24 @@ on_ready(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
+static gboolean link_in_cb(gint fd, GIOCondition cond, gpointer user);
+
+/* A check is over: the link reads its peer again, unless it ended. */
+static void
+link_resume(PfLink *l)
+{
+    if (!l->ended && l->check == NULL && l->watch == 0) {
+        l->watch = g_unix_fd_add(l->sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
+    }
+}
+
+static void
+ready_checked(PfLink *l, PfMsg *msg, PfRegion *unused)
+{
+    on_ready(l, msg);
+    link_resume(l);
+}
+
 /* Every region is in and checked: WELCOME (handshake_welcome()). */
 static gboolean
 link_welcome(PfLink *l)
@@ -314,6 +334,35 @@ link_welcome(PfLink *l)
     return TRUE;
 }
 
+/* A REGION of the handshake checked: WELCOME after the last. */
+static void
+handshake_region_checked(PfLink *l, PfMsg *msg, PfRegion *r)
+{
+    g_ptr_array_add(l->regions, r);
+    if (l->regions->len < l->hello.n_regions || link_welcome(l)) {
+        link_resume(l);
+    }
+}
+
+/* RAM plugged into a running VM, checked. */
+static void
+running_region_checked(PfLink *l, PfMsg *msg, PfRegion *r)
+{
+    const PfWireRegion *wr = pf_msg_region(msg);
+    PfVm *vm = l->vm;
+
+    if (!pf_region_live(r)) {
+        pf_scanner_add_region(l->srv->scanner, vm, r);
+    } else if (pf_scanner_add_region(l->srv->scanner, vm, r)) {
+        g_message("VM %s (pid %d): region %u (%s, %zu pages) joined", vm->name, vm->pid,
+                  wr->index, r->name, r->n_pages);
+    } else {
+        l->announced_bytes -= wr->size;
+        l->n_refused++;
+    }
+    link_resume(l);
+}
+
 /* RAM plugged into a running VM: announced as at the handshake, with the
  * next index. */
 static gboolean
@@ -321,7 +370,6 @@ on_region(PfLink *l, PfMsg *msg)
 {
     const PfWireRegion *wr = pf_msg_region(msg);
     PfVm *vm = l->vm;
-    PfRegion *r;
 
     if (wr->index != vm->regions->len) {
         return link_refuse(l, "REGION %u arrived as region %u", wr->index, vm->regions->len);
@@ -330,18 +378,7 @@ on_region(PfLink *l, PfMsg *msg)
         return link_refuse(l, "REGION %u: a VM may announce %u regions in its life", wr->index,
                            PF_MAX_VM_REGIONS);
     }
-    r = handshake_region(l, vm->regions, wr, msg, TRUE);
-    if (!pf_region_live(r)) {
-        pf_scanner_add_region(l->srv->scanner, vm, r);
-        return TRUE;
-    }
-    if (pf_scanner_add_region(l->srv->scanner, vm, r)) {
-        g_message("VM %s (pid %d): region %u (%s, %zu pages) joined", vm->name, vm->pid,
-                  wr->index, r->name, r->n_pages);
-    } else {
-        l->announced_bytes -= wr->size;
-        l->n_refused++;
-    }
+    handshake_region(l, msg, TRUE, running_region_checked);
     return TRUE;
 }
 
@@ -434,14 +471,15 @@ on_message(PfLink *l, PfMsg *msg)
         if (wr->index != l->regions->len) {
             return link_refuse(l, "REGION %u arrived as region %u", wr->index, l->regions->len);
         }
-        g_ptr_array_add(l->regions, handshake_region(l, l->regions, wr, msg, FALSE));
-        return l->regions->len < l->hello.n_regions || link_welcome(l);
+        handshake_region(l, msg, FALSE, handshake_region_checked);
+        return TRUE;
     }
     case LINK_READY:
         if (msg->header.type != PF_MSG_READY) {
             return link_refuse(l, "expected READY, got message type %u", msg->header.type);
         }
-        return on_ready(l, msg);
+        handshake_check_ready(l, msg, ready_checked);
+        return !l->ended;
     default:
         if (msg->header.type == PF_MSG_RESULT) {
             return on_result(l, msg);
@@ -470,15 +508,17 @@ on_message(PfLink *l, PfMsg *msg)
     }
 }
 
-/* Reads and handles one message; FALSE when the link is gone. */
+/* Reads and handles one message; FALSE when the link is gone.  A message
+ * being checked (l->check) is the check's, until it is done. */
 static gboolean
 link_read(PfLink *l)
 {
-    g_autofree PfMsg *msg = g_new0(PfMsg, 1);
+    PfMsg *msg = g_new0(PfMsg, 1);
     g_autoptr(GError) error = NULL;
     gboolean ok;
 
     if (!pf_proto_recv(l->sock, msg, &error)) {
+        g_free(msg);
         if (g_error_matches(error, PF_ERROR, PF_ERROR_WOULD_BLOCK)) {
             return TRUE;
         }
@@ -489,7 +529,10 @@ link_read(PfLink *l)
         return FALSE;
     }
     ok = on_message(l, msg);
-    pf_msg_close_fds(msg);
+    if (l->check == NULL) {
+        pf_msg_close_fds(msg);
+        g_free(msg);
+    }
     return ok;
 }
 
@@ -500,6 +543,10 @@ link_in_cb(gint fd, GIOCondition cond, gpointer user)
 
     if (!link_read(l)) {
         return G_SOURCE_REMOVE; /* the link is over */
+    }
+    if (l->check != NULL) {
+        l->watch = 0; /* link_resume() watches again */
+        return G_SOURCE_REMOVE;
     }
     return G_SOURCE_CONTINUE;
 }
@@ -537,6 +584,12 @@ handshake_timeout_cb(gpointer user)
     struct pollfd p = { l->sock, POLLIN, 0 };
 
     l->handshake_timer = 0;
+    if (l->check != NULL) {
+        /* Its process's mappings are what took so long. */
+        link_refuse(l, "agent handshake not finished in %d ms: its process's mappings took "
+                    "longer to read", HANDSHAKE_TIMEOUT_MS);
+        return G_SOURCE_REMOVE;
+    }
     /* Messages waiting: the peer was on time and we were not (a long pass
      * held the loop).  Its watch reads them as soon as the loop is free,
      * so a peer that drips its handshake gets nothing from this. */

@@ -83,9 +83,11 @@ typedef struct {
 
 /* The mappings that overlap [lo, hi), in address order, from the process's
  * "maps" or "smaps" (which adds VmFlags), read as a stream: a process may
- * have tens of thousands of mappings. */
+ * have tens of thousands of mappings, so the read may take long, and stops
+ * at the next line once cancelled. */
 static GArray *
-read_vmas(int proc_dir, const char *file, guint64 lo, guint64 hi, GError **error)
+read_vmas(int proc_dir, const char *file, guint64 lo, guint64 hi, GCancellable *cancel,
+          GError **error)
 {
     g_autoptr(GArray) out = g_array_new(FALSE, TRUE, sizeof(Vma));
     g_autofree char *line = NULL;
@@ -108,6 +110,10 @@ read_vmas(int proc_dir, const char *file, guint64 lo, guint64 hi, GError **error
     while (getline(&line, &cap, f) > 0) {
         Vma v = { 0 };
 
+        if (g_cancellable_set_error_if_cancelled(cancel, error)) {
+            fclose(f);
+            return NULL;
+        }
         if (sscanf(line,
                    "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x %7s %" G_GINT64_MODIFIER
                    "x %x:%x %" G_GINT64_MODIFIER "u",
@@ -227,7 +233,7 @@ check_vma(int proc_dir, const Vma *v, const struct stat *st, const char *name,
 
 gboolean
 pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
-                        guint64 offset, guint64 size, GError **error)
+                        guint64 offset, guint64 size, GCancellable *cancel, GError **error)
 {
     g_autoptr(GArray) vmas = NULL;
     guint64 end = host_addr + size, at = host_addr;
@@ -246,7 +252,7 @@ pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_add
     if (!check_memfd(fd, name, offset, size, &st, error)) {
         return FALSE;
     }
-    vmas = read_vmas(proc_dir, "maps", host_addr, end, error);
+    vmas = read_vmas(proc_dir, "maps", host_addr, end, cancel, error);
     if (vmas == NULL) {
         g_prefix_error(error, "region %s: ", name);
         return FALSE;
@@ -270,52 +276,42 @@ pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_add
 }
 
 gboolean
-pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GError **error)
+pf_region_spans_protected(int proc_dir, const PfRegionSpan *spans, guint n, char **why,
+                          GCancellable *cancel, GError **error)
 {
     g_autoptr(GArray) vmas = NULL;
     guint64 lo = G_MAXUINT64, hi = 0;
 
-    for (guint i = 0; i < regions->len; i++) {
-        const PfRegion *r = g_ptr_array_index(regions, i);
-
-        if (pf_region_live(r)) {
-            lo = MIN(lo, r->host_addr);
-            hi = MAX(hi, r->host_addr + r->size);
-        }
+    for (guint i = 0; i < n; i++) {
+        why[i] = NULL;
+        lo = MIN(lo, spans[i].host_addr);
+        hi = MAX(hi, spans[i].host_addr + spans[i].size);
     }
     if (lo >= hi) {
-        return TRUE; /* no region to look at */
+        return TRUE; /* no span to look at */
     }
-    vmas = read_vmas(proc_dir, "smaps", lo, hi, error);
+    vmas = read_vmas(proc_dir, "smaps", lo, hi, cancel, error);
     if (vmas == NULL) {
         return FALSE;
     }
-    for (guint i = 0; i < regions->len; i++) {
-        const PfRegion *r = g_ptr_array_index(regions, i);
-        guint64 at = r->host_addr, end = r->host_addr + r->size;
+    for (guint i = 0; i < n; i++) {
+        guint64 at = spans[i].host_addr, end = spans[i].host_addr + spans[i].size;
 
-        if (!pf_region_live(r)) {
-            continue;
-        }
         for (guint k = 0; k < vmas->len && at < end; k++) {
             const Vma *v = &g_array_index(vmas, Vma, k);
 
             if (v->end <= at) {
                 continue;
             }
-            if (v->start > at) {
+            if (v->start > at || !v->uffd_wp) {
                 break;
-            }
-            if (!v->uffd_wp) {
-                return refuse_region(error, "region %s is not registered for userfaultfd write "
-                                     "protection at %#" G_GINT64_MODIFIER "x",
-                                     r->name, at);
             }
             at = v->end;
         }
         if (at < end) {
-            return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is no longer "
-                                 "mapped", r->name, at);
+            why[i] = g_strdup_printf("region %s is not registered for userfaultfd write "
+                                     "protection at %#" G_GINT64_MODIFIER "x, or not mapped",
+                                     spans[i].name, at);
         }
     }
     return TRUE;

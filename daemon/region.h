@@ -12,7 +12,7 @@
  */
 #pragma once
 
-#include <glib.h>
+#include <gio/gio.h>
 #include <sys/types.h>
 
 #include "page.h"
@@ -73,11 +73,22 @@ typedef struct {
  * one mapping or several.  Allocates nothing for the region.
  */
 gboolean pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
-                                 guint64 offset, guint64 size, GError **error);
-/* Whether every page of the regions is registered for userfaultfd write
- * protection in the process of proc_dir ("uw" in smaps' VmFlags), as an
- * agent's are before it may merge.  Placeholders are skipped. */
-gboolean pf_regions_check_write_protected(int proc_dir, GPtrArray *regions, GError **error);
+                                 guint64 offset, guint64 size, GCancellable *cancel,
+                                 GError **error);
+
+/* Guest RAM as announced, for checks made away from the region itself. */
+typedef struct {
+    char *name;
+    guint64 host_addr, size;
+} PfRegionSpan;
+
+/* For each span, why[i] is NULL where every page of it is registered for
+ * userfaultfd write protection in the process of proc_dir ("uw" in smaps'
+ * VmFlags), as an agent's regions are before it may merge, else why not
+ * (the caller frees it).  One read of smaps for all of them.  FALSE (error
+ * set) where smaps could not be read, or cancel was cancelled. */
+gboolean pf_region_spans_protected(int proc_dir, const PfRegionSpan *spans, guint n, char **why,
+                                   GCancellable *cancel, GError **error);
 /* A placeholder for a region refused as announced (see PfRegion); holds
  * nothing. */
 PfRegion *pf_region_new_refused(const char *name, guint64 host_addr, guint64 size,

@@ -53,6 +53,7 @@ vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers, gboolea
     Vmm *v = pf_test_vmm_spawn(as_nobody ? argv : argv + 4);
 
     g_assert_nonnull(v);
+    pf_test_daemon_wait_vmm(d, v);
     return v;
 }
 

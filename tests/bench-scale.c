@@ -1254,6 +1254,9 @@ run_case(GPtrArray *rows, const char *layout, gboolean want_mixed, gboolean want
                                         vmm[i]->mode);
         }
     }
+    for (int i = 0; i < n && setup_ok; i++) {
+        pf_test_daemon_wait_vmm(d, vmm[i]);
+    }
     spawn_s = bench_now() - t_spawn;
     if (!setup_ok) {
         status_line(rows, first_name, gib, n, vm_mib, "failed", setup_why);

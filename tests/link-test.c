@@ -736,8 +736,12 @@ vmm_start(PfTestDaemon *d, const char *name, const char *mib)
     g_autofree char *guest = g_strdup_printf("guest=%s", name);
     const char *argv[] = { pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket",
                            d->agent_sock, "--mib", mib, NULL };
+    PfTestVmm *v = pf_test_vmm_spawn(argv);
 
-    return pf_test_vmm_spawn(argv);
+    if (v != NULL) {
+        pf_test_daemon_wait_vmm(d, v);
+    }
+    return v;
 }
 
 /* A child that holds n idle connections to the agent socket until the

@@ -73,6 +73,7 @@ vmm_start(PfTestDaemon *d, const char *name, guint mib, const char *first, ...)
     v = pf_test_vmm_spawn((const char *const *)argv->pdata);
     g_assert_nonnull(v);
     g_assert_cmpstr(v->mode, ==, "merge");
+    pf_test_daemon_wait_vmm(d, v);
     return v;
 }
 

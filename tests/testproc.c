@@ -710,6 +710,26 @@ pf_test_listed_vm(PfTestDaemon *d, const char *name)
     return vm != NULL ? json_object_ref(vm) : NULL;
 }
 
+void
+pf_test_daemon_wait_vmm(PfTestDaemon *d, PfTestVmm *v)
+{
+    gint64 deadline = g_get_monotonic_time() + 120 * G_USEC_PER_SEC;
+
+    for (;;) {
+        g_autoptr(JsonNode) list = pf_test_ctl_json(d, "list", NULL);
+        JsonObject *vm = pf_test_find_vm_pid(json_node_get_array(list), v->pid);
+
+        if (vm != NULL && g_str_equal(json_object_get_string_member(vm, "mode"), v->mode)) {
+            return;
+        }
+        if (g_get_monotonic_time() > deadline) {
+            g_error("pagefoldd did not list process %d in mode %s within 120 s", v->pid,
+                    v->mode);
+        }
+        g_usleep(20000);
+    }
+}
+
 JsonObject *
 pf_test_vm_stats(PfTestDaemon *d, const char *name)
 {

@@ -83,6 +83,10 @@ JsonObject *pf_test_find_vm(JsonArray *vms, const char *name);
 JsonObject *pf_test_find_vm_pid(JsonArray *vms, int pid);
 /* The VM of that name in pagefoldctl list, as a new reference, or NULL. */
 JsonObject *pf_test_listed_vm(PfTestDaemon *d, const char *name);
+/* Waits until pagefoldd lists the stand-in's VM in the mode its agent
+ * settled on: the agent's READY is checked off pagefoldd's main loop, so
+ * "ready" from the stand-in comes before pagefoldd has made the VM. */
+void pf_test_daemon_wait_vmm(PfTestDaemon *d, PfTestVmm *v);
 /* The VM of that name in pagefoldctl stats, as a new reference, or NULL
  * when it is not attached. */
 JsonObject *pf_test_vm_stats(PfTestDaemon *d, const char *name);
