@@ -18,7 +18,8 @@ struct _PfLinkServer {
     char *path;
     int fd;
     guint watch;
-    int uffd_dev; /* /dev/userfaultfd, for agents that cannot make one */
+    int uffd_dev; /* /dev/userfaultfd, for agents root vouched for */
+    char *libvirt_run_dir; /* libvirt's status files (libvirt-status.h) */
     GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
     GHashTable *running;   /* PfVm* -> its PfLink*, READY */
     GPtrArray *ended;      /* PfLink* closed, freed from the main loop */
@@ -41,6 +42,7 @@ struct _PfLink {
     int proc_dir;         /* its /proc/PID */
     guint handshake_timer;
     gboolean offered_merge; /* WELCOME said merge */
+    char *no_uffd_why; /* merge offered without /dev/userfaultfd: why */
     guint64 announced_bytes; /* of its live regions */
     guint n_refused;         /* regions refused (placeholders) */
     PfWireHello hello;
@@ -64,7 +66,8 @@ gboolean handshake_peer_permitted(PfLinkServer *srv, int sock, const struct ucre
  * either way).  running: announced after READY. */
 PfRegion *handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg,
                            gboolean running);
-/* What WELCOME says (*w), and the descriptor it carries (or -1). */
+/* What WELCOME says (*w), and the descriptor it carries (or -1): the
+ * server's /dev/userfaultfd, only to a peer root vouched for. */
 int handshake_welcome(PfLink *l, PfWireMode *w);
 /* READY checked, and the VM it makes (NULL: refused, error says why);
  * *old: the VM attached by pid it replaces, or NULL. */
