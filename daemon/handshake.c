@@ -3,8 +3,10 @@
  * (link.c runs the handshake; this file checks it): that its process is
  * the one pinned at accept and may be an agent, that every region it
  * announces is what that process maps, that it may merge only what it
- * write-protected, and what WELCOME offers it.  Never sends, never frees
- * a link, and never believes a field the peer's process does not show.
+ * write-protected, and what WELCOME offers it: /dev/userfaultfd only to
+ * a process root vouched for (handshake_vouched()).  Never sends, never
+ * frees a link, and never believes a field the peer's process does not
+ * show.
  */
 #include "link-internal.h"
 
@@ -15,6 +17,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "libvirt-status.h"
 #include "util.h"
 
 #ifndef SO_PEERPIDFD
@@ -343,9 +346,44 @@ handshake_check_ready(PfLink *l, PfMsg *msg, HandshakeDone done)
     check_start(l, msg, TRUE, done);
 }
 
+/*
+ * Whether root vouched for the peer as a VMM, so that it may have
+ * /dev/userfaultfd: its process is root's or pagefoldd's own user's, or
+ * it is the QEMU that libvirt's status file for the domain it names in
+ * HELLO says runs that domain (libvirt-status.h: root's file, written by
+ * libvirtd before it lets the QEMU it forked exec, so before the agent
+ * connects).  Nothing a peer owns or maps vouches for it: any process of
+ * the agent socket's group can make a sealed memfd and map it, and with
+ * /dev/userfaultfd it could trap faults the kernel takes for it, which
+ * vm.unprivileged_userfaultfd=0 exists to deny.  FALSE with *why saying
+ * what was looked at.  The peer is pinned and alive, so a pid the status
+ * file names is this process now (a status file left over by a libvirtd
+ * that died, naming a pid since reused, is the one way to be wrong).
+ */
+static gboolean
+handshake_vouched(PfLink *l, char **why)
+{
+    g_autoptr(GError) error = NULL;
+    int pid;
+
+    if (l->peer_uid == 0 || l->peer_uid == geteuid()) {
+        return TRUE;
+    }
+    pid = pf_libvirt_domain_pid(l->srv->libvirt_run_dir, l->hello.name, &error);
+    if (pid == l->peer_pid) {
+        return TRUE;
+    }
+    *why = g_strdup_printf("uid %u is not root's, and libvirt's status file of domain '%s' "
+                           "does not name process %d as its QEMU: %s",
+                           (guint)l->peer_uid, l->hello.name, l->peer_pid,
+                           error ? error->message : "it names another process");
+    return FALSE;
+}
+
 int
 handshake_welcome(PfLink *l, PfWireMode *w)
 {
+    g_autofree char *why = NULL;
     int fd = l->srv->uffd_dev;
 
     *w = (PfWireMode){ PF_PROTO_VERSION, PF_MODE_MERGE, "" };
@@ -354,12 +392,22 @@ handshake_welcome(PfLink *l, PfWireMode *w)
         pf_wire_set_string(w->reason, sizeof(w->reason), "no guest RAM to merge was announced");
         fd = -1;
     } else if (l->n_refused == l->regions->len) {
-        g_autofree char *why = g_strdup_printf(
+        g_autofree char *first = g_strdup_printf(
             "every region was refused; the first: %s",
             ((PfRegion *)g_ptr_array_index(l->regions, 0))->refused);
 
         w->mode = PF_MODE_ADVISE;
-        pf_wire_set_string(w->reason, sizeof(w->reason), why);
+        pf_wire_set_string(w->reason, sizeof(w->reason), first);
+        fd = -1;
+    } else if (fd >= 0 && !handshake_vouched(l, &why)) {
+        /* Merge is still offered: a VMM the kernel lets make a userfaultfd
+         * of its own (vm.unprivileged_userfaultfd=1) needs nothing of
+         * pagefoldd's.  One that cannot stays in advise mode, and READY's
+         * reason is prefixed with this (handshake_ready()). */
+        l->no_uffd_why = g_strdup_printf("not vouched for by root: no /dev/userfaultfd (%s)",
+                                         why);
+        g_message("agent of process %d (VM '%s'): %s", l->peer_pid, l->hello.name,
+                  l->no_uffd_why);
         fd = -1;
     }
     l->offered_merge = w->mode == PF_MODE_MERGE;
@@ -379,6 +427,8 @@ PfVm *
 handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old_out, GError **error)
 {
     const PfWireMode *m = pf_msg_mode(msg);
+    g_autofree char *with_uffd = NULL;
+    const char *reason;
     PfVm *old;
 
     if (m->mode == PF_MODE_MERGE && !l->offered_merge) {
@@ -405,10 +455,15 @@ handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old_out, GError **error)
         return NULL;
     }
     *old_out = old;
+    reason = m->reason[0] ? m->reason : "the agent chose advise mode";
+    if (m->mode != PF_MODE_MERGE && l->no_uffd_why != NULL) {
+        /* pagefoldd's part in it first: the agent may only say that it
+         * could not make a userfaultfd. */
+        reason = with_uffd = g_strdup_printf("%s; its agent: %s", l->no_uffd_why, reason);
+    }
     return pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name,
                                 l->hello.uuid,
                                 l->regions, m->mode == PF_MODE_MERGE ? PF_MODE_MERGE
                                                                      : PF_MODE_ADVISE,
-                                m->reason[0] ? m->reason : "the agent chose advise mode",
-                                error);
+                                reason, error);
 }

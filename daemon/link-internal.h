@@ -18,7 +18,8 @@ struct _PfLinkServer {
     char *path;
     int fd;
     guint watch;
-    int uffd_dev; /* /dev/userfaultfd, for agents that cannot make one */
+    int uffd_dev; /* /dev/userfaultfd, for agents root vouched for */
+    char *libvirt_run_dir; /* libvirt's status files (libvirt-status.h) */
     GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
     GHashTable *running;   /* PfVm* -> its PfLink*, READY */
     GPtrArray *ended;      /* PfLink* closed, freed from the main loop */
@@ -42,6 +43,7 @@ struct _PfLink {
     int proc_dir;         /* its /proc/PID */
     guint handshake_timer;
     gboolean offered_merge; /* WELCOME said merge */
+    char *no_uffd_why; /* merge offered without /dev/userfaultfd: why */
     guint64 announced_bytes; /* of its live regions */
     guint n_refused;         /* regions refused (placeholders) */
     PfWireHello hello;
@@ -79,8 +81,10 @@ void handshake_region(PfLink *l, PfMsg *msg, gboolean running, HandshakeDone don
 void handshake_check_ready(PfLink *l, PfMsg *msg, HandshakeDone done);
 /* The link ends: a check in progress stops, its result goes nowhere. */
 void handshake_cancel_check(PfLink *l);
-/* What WELCOME says (*w), and the descriptor it carries (or -1). */
+/* What WELCOME says (*w), and the descriptor it carries (or -1): the
+ * server's /dev/userfaultfd, only to a peer root vouched for. */
 int handshake_welcome(PfLink *l, PfWireMode *w);
-/* READY (its regions' protection checked), and the VM it makes (NULL: refused, error says why);
- * *old: the VM attached by pid it replaces, or NULL. */
+/* READY (its regions' protection checked), and the VM it makes (NULL:
+ * refused, error says why); *old: the VM attached by pid it replaces, or
+ * NULL. */
 PfVm *handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old, GError **error);

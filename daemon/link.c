@@ -20,10 +20,13 @@
  *    placeholder), the link and the VM's other regions stay;
  *  - a REGION after READY passes the same checks, and in a merging VM
  *    must already be write-protected, as READY's regions were;
- *  - WELCOME, and /dev/userfaultfd with it, comes only after the last
- *    REGION was checked, and only to a peer with a region to merge: with
- *    /dev/userfaultfd an unprivileged process can trap faults the kernel
- *    takes for it, which vm.unprivileged_userfaultfd=0 exists to forbid;
+ *  - WELCOME comes only after the last REGION was checked, and carries
+ *    /dev/userfaultfd only to a peer with a region to merge that root
+ *    vouched for (root's or pagefoldd's own process, or the QEMU libvirt's
+ *    status file names: handshake.c): with /dev/userfaultfd an
+ *    unprivileged process can trap faults the kernel takes for it, which
+ *    vm.unprivileged_userfaultfd=0 exists to forbid, and a memfd it maps
+ *    proves nothing;
  *  - READY may say merge only where WELCOME offered it, and only if the
  *    regions are registered for userfaultfd write protection;
  *  - a result must answer a request in flight, item for item.
@@ -53,6 +56,7 @@
 #include <unistd.h>
 
 #include "channel.h"
+#include "libvirt-status.h"
 #include "link-internal.h"
 #include "util.h"
 
@@ -104,6 +108,7 @@ static void
 link_free(PfLink *l)
 {
     g_free(l->broken_why);
+    g_free(l->no_uffd_why);
     g_free(l);
 }
 
@@ -750,6 +755,7 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     srv->running = g_hash_table_new(NULL, NULL);
     srv->ended = g_ptr_array_new_with_free_func((GDestroyNotify)link_free);
     srv->uffd_dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
+    srv->libvirt_run_dir = g_strdup(PF_LIBVIRT_QEMU_RUN_DIR);
     srv->fd = pf_unix_listen(path, SOCK_SEQPACKET, error);
     if (srv->fd < 0) {
         return NULL;
@@ -790,6 +796,13 @@ pf_link_server_allow_group(PfLinkServer *srv, const char *group, GError **error)
     srv->group = gr->gr_gid;
     srv->group_allowed = TRUE;
     return TRUE;
+}
+
+void
+pf_link_server_set_libvirt_run_dir(PfLinkServer *srv, const char *dir)
+{
+    g_free(srv->libvirt_run_dir);
+    srv->libvirt_run_dir = g_strdup(dir);
 }
 
 void
@@ -835,5 +848,6 @@ pf_link_server_free(PfLinkServer *srv)
         unlink(srv->path);
     }
     g_free(srv->path);
+    g_free(srv->libvirt_run_dir);
     g_free(srv);
 }

@@ -5,7 +5,8 @@
  * Owns the agent connections.  A peer is believed only as far as its
  * process shows: its regions must be what that process maps, merge mode
  * must be backed by write protection, and /dev/userfaultfd goes only to a
- * peer with a region that passed.  A region that fails those checks, at the
+ * peer with a region that passed and that root vouched for (root's own
+ * process, or the QEMU libvirt's root-owned status file names).  A region that fails those checks, at the
  * handshake or plugged in later, costs its VM that region only: it stays a
  * refused placeholder at its index, never scanned.  A link that misbehaves
  * (bad message, wrong pid, a region index out of turn, GONE or DISCARD of
@@ -41,6 +42,12 @@ G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfLinkServer, pf_link_server_free)
  * peer is then checked by its credentials at connect (SO_PEERCRED,
  * SO_PEERGROUPS) as well as by the socket's mode. */
 gboolean pf_link_server_allow_group(PfLinkServer *srv, const char *group, GError **error);
+
+/* Where libvirt keeps its domains' status files (default
+ * PF_LIBVIRT_QEMU_RUN_DIR): a peer that is not root's gets /dev/userfaultfd
+ * only if the status file of the domain it names says it is that domain's
+ * QEMU. */
+void pf_link_server_set_libvirt_run_dir(PfLinkServer *srv, const char *dir);
 
 /* An agent that has requests to answer and answers none for this long is
  * given up, its VM detached (default 30 s). */

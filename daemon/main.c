@@ -13,6 +13,7 @@
 
 #include "control.h"
 #include "libvirt-metadata.h"
+#include "libvirt-status.h"
 #include "link.h"
 #include "pf-config.h"
 #include "scan.h"
@@ -36,6 +37,7 @@ typedef struct {
     char *hash_name;
     char *agent_group;
     char *libvirt_uri;
+    char *libvirt_run_dir;
     GStrv attach;
     GStrv sets;
     gboolean version;
@@ -51,6 +53,7 @@ options_clear(Options *o)
     g_free(o->hash_name);
     g_free(o->agent_group);
     g_free(o->libvirt_uri);
+    g_free(o->libvirt_run_dir);
     g_strfreev(o->attach);
     g_strfreev(o->sets);
 }
@@ -112,6 +115,10 @@ parse_options(Options *o, int argc, char **argv)
         { "agent-group", 0, 0, G_OPTION_ARG_STRING, &o->agent_group,
           "Let this group's processes connect to the agent socket too (mode 0660), "
           "e.g. libvirt-qemu (default: root only)", "GROUP" },
+        { "libvirt-run-dir", 0, 0, G_OPTION_ARG_FILENAME, &o->libvirt_run_dir,
+          "Where libvirt keeps its domains' status files: an agent not run by root gets "
+          "/dev/userfaultfd only if its domain's file there names its process "
+          "(default " PF_LIBVIRT_QEMU_RUN_DIR ")", "DIR" },
         { "hash", 0, 0, G_OPTION_ARG_STRING, &o->hash_name,
           "Page checksum: xxh3 (default), xxh64, crc32c, jhash2", "NAME" },
         { "set", 0, 0, G_OPTION_ARG_STRING_ARRAY, &o->sets,
@@ -212,6 +219,9 @@ open_sockets(Daemon *d, const Options *o)
         return 1;
     }
     pf_link_server_set_answer_timeout(d->links, (guint)o->agent_timeout * 1000);
+    if (o->libvirt_run_dir != NULL) {
+        pf_link_server_set_libvirt_run_dir(d->links, o->libvirt_run_dir);
+    }
     return GO_ON;
 }
 

@@ -1266,8 +1266,38 @@ test_kill_vmm(void)
     pf_test_vmm_free(b);
 }
 
+/*
+ * A stand-in as nobody that libvirt vouches for: root writes libvirt's
+ * status file of domain name in run_dir, naming the process's pid, and
+ * only then is it the stand-in (exec, as libvirtd lets the QEMU it forked
+ * exec only after it wrote that file).
+ */
+static Vmm *
+vmm_start_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int seed,
+                  const char *extra)
+{
+    g_autofree char *status = g_strdup_printf("%s/%s.xml", run_dir, name);
+    g_autofree char *guest = g_strdup_printf("guest=%s", name);
+    g_autofree char *seedarg = g_strdup_printf("%d", seed);
+    g_autofree char *mib = g_strdup_printf("%d", MIB);
+    const char *argv[] = {
+        "sh", "-c",
+        "umask 022 && printf \"<domstatus state='running' reason='booted' pid='%s'>\\n</domstatus>\\n\" "
+        "$$ >\"$0\" && exec \"$@\"",
+        status,
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+        pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket", d->agent_sock,
+        "--mib", mib, "--seed", seedarg, "--writers", "1", extra, NULL
+    };
+    Vmm *v = pf_test_vmm_spawn(argv);
+
+    g_assert_nonnull(v);
+    return v;
+}
+
 /* QEMU under libvirt is not root: the agent makes its userfaultfd from
- * the /dev/userfaultfd fd pagefoldd passes, and merging works.  Any
+ * the /dev/userfaultfd fd pagefoldd passes to the QEMU libvirt's status
+ * file names (vmm_start_vouched()), and merging works.  Any
  * process of the agent socket's group may be such an agent (a compromised
  * QEMU reconnecting, or forking one, to leave its merge domain): each
  * shares pages with none but itself until root says its domain, as
@@ -1276,8 +1306,10 @@ static void
 test_unprivileged(void)
 {
     /* The stand-ins run as nobody:nogroup, as QEMU as libvirt-qemu. */
+    g_autofree char *run_dir = g_dir_make_tmp("pagefold-run-XXXXXX", NULL);
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", "--agent-group",
-                                                     "nogroup", NULL);
+                                                     "nogroup", "--libvirt-run-dir", run_dir,
+                                                     NULL);
     Vmm *a, *b;
     g_autoptr(JsonObject) s = NULL;
     g_autoptr(JsonObject) vm = NULL;
@@ -1287,9 +1319,10 @@ test_unprivileged(void)
      * 12's 6.1 under TCG takes about a second, in which 2000 writes a
      * second left no page unchanged for two visits (seen: 6 pages sharing
      * after 40 passes, cow 9245), so sharing never came. */
-    a = vmm_start_full(d, "u0", 1, 1, TRUE, "--writes-per-sec=200");
-    b = vmm_start_full(d, "u1", 2, 1, TRUE, "--writes-per-sec=200");
+    a = vmm_start_vouched(d, run_dir, "u0", 1, "--writes-per-sec=200");
+    b = vmm_start_vouched(d, run_dir, "u1", 2, "--writes-per-sec=200");
     g_assert_cmpstr(a->mode, ==, "merge");
+    g_assert_cmpstr(b->mode, ==, "merge");
     s = stats(d, "scan-now", "3");
     g_assert_cmpint(total(s, "pages_sharing"), <, IDENTICAL / 2);
     vm = json_object_ref(pf_test_find_vm(json_object_get_array_member(s, "vms"), "u0"));
@@ -1308,6 +1341,68 @@ test_unprivileged(void)
     pf_test_vmm_verify(b);
     pf_test_vmm_quit(a);
     pf_test_vmm_quit(b);
+    pf_test_write_libvirt_status(run_dir, "u0", NULL);
+    pf_test_write_libvirt_status(run_dir, "u1", NULL);
+    g_assert_cmpint(g_rmdir(run_dir), ==, 0);
+}
+
+/* vm.unprivileged_userfaultfd, set for a test and given back after it. */
+#define UNPRIVILEGED_UFFD "/proc/sys/vm/unprivileged_userfaultfd"
+
+static char *
+unprivileged_uffd_set(const char *value)
+{
+    g_autofree char *old = NULL;
+
+    if (!g_file_get_contents(UNPRIVILEGED_UFFD, &old, NULL, NULL) ||
+        !pf_test_write_sysfs(UNPRIVILEGED_UFFD, value)) {
+        return NULL;
+    }
+    return g_strstrip(g_steal_pointer(&old));
+}
+
+/*
+ * A process of the agent socket's group that root did not vouch for gets
+ * no /dev/userfaultfd from pagefoldd, however proper the RAM it shows (a
+ * sealed memfd mapped shared): with vm.unprivileged_userfaultfd=0 it can
+ * make no userfaultfd that sees the kernel's faults, so it stays in advise
+ * mode, and pagefoldd says why.
+ */
+static void
+test_not_vouched(void)
+{
+    g_autofree char *old = NULL;
+    Vmm *a;
+    g_autoptr(JsonObject) vm = NULL;
+    const char *why;
+
+    if (geteuid() != 0 || !g_file_test("/dev/userfaultfd", G_FILE_TEST_EXISTS)) {
+        g_test_skip("needs root and /dev/userfaultfd");
+        return;
+    }
+    old = unprivileged_uffd_set("0");
+    g_assert_nonnull(old);
+    {
+        g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", "--agent-group",
+                                                         "nogroup", NULL);
+
+        g_chmod(d->dir, 0755);
+        a = vmm_start_full(d, "stranger", 1, 1, TRUE, "--writes-per-sec=200");
+        /* Its READY may still be on its way to pagefoldd. */
+        for (int i = 0; i < 500 && (vm = pf_test_listed_vm(d, "stranger")) == NULL; i++) {
+            g_usleep(10000);
+        }
+        g_assert_nonnull(vm);
+        why = json_object_get_string_member_with_default(vm, "mode_reason", "");
+        g_test_message("mode %s (stand-in: %s), because %s",
+                       json_object_get_string_member(vm, "mode"), a->mode, why);
+        g_assert_cmpstr(a->mode, ==, "advise");
+        g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "advise");
+        g_assert_nonnull(strstr(why, "not vouched for by root: no /dev/userfaultfd"));
+        pf_test_vmm_verify(a);
+        pf_test_vmm_quit(a);
+    }
+    g_assert_true(pf_test_write_sysfs(UNPRIVILEGED_UFFD, old));
 }
 
 int
@@ -1337,5 +1432,6 @@ main(int argc, char **argv)
     g_test_add_func("/agent/kill-daemon", test_kill_daemon);
     g_test_add_func("/agent/kill-vmm", test_kill_vmm);
     g_test_add_func("/agent/unprivileged", test_unprivileged);
+    g_test_add_func("/agent/not-vouched", test_not_vouched);
     return g_test_run();
 }

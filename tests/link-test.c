@@ -1367,6 +1367,137 @@ test_agent_group(void)
     }
 }
 
+/*
+ * A forked child that takes on uid and gid (the agent socket's group),
+ * waits for a byte on go (so that the test can vouch for its pid first),
+ * connects and hands over guest RAM it maps shared from a memfd sealed
+ * against shrinking, as QEMU's, and reports what WELCOME carried: 10 + its
+ * number of descriptors when it offers merge, 3 anything else.  Only
+ * system calls in the child (the test has threads).
+ */
+static int
+welcome_fds_as(PfTestDaemon *d, uid_t uid, gid_t gid, const char *name, const PfGuest *g,
+               int *pid_out, int *go_out)
+{
+    static PfMsg msg;
+    int go[2];
+    pid_t pid;
+
+    g_assert_cmpint(pipe2(go, O_CLOEXEC), ==, 0);
+    pid = fork();
+    g_assert_cmpint(pid, >=, 0);
+    if (pid == 0) {
+        struct sockaddr_un addr = { .sun_family = AF_UNIX };
+        PfWireHello h = { 0 };
+        PfWireRegion r = { 0 };
+        char c;
+        int fd;
+
+        close(go[1]);
+        if (setgroups(0, NULL) < 0 || setgid(gid) < 0 || setuid(uid) < 0 ||
+            read(go[0], &c, 1) != 1) {
+            _exit(3);
+        }
+        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
+        if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+            _exit(3);
+        }
+        h.version = PF_PROTO_VERSION;
+        h.pid = (guint32)getpid();
+        h.n_regions = 1;
+        pf_wire_set_string(h.name, sizeof(h.name), name);
+        r.page_size = PF_PAGE_SIZE;
+        r.host_addr = (guint64)(guintptr)g->mem;
+        r.size = g->n_pages * PF_PAGE_SIZE;
+        pf_wire_set_string(r.name, sizeof(r.name), "pc.ram");
+        if (!pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL) ||
+            !pf_proto_send(fd, PF_MSG_REGION, 0, &r, sizeof(r), &g->fd, 1, NULL) ||
+            !pf_proto_recv(fd, &msg, NULL) || msg.header.type != PF_MSG_WELCOME ||
+            pf_msg_mode(&msg)->mode != PF_MODE_MERGE) {
+            _exit(3);
+        }
+        _exit(10 + (int)msg.n_fds);
+    }
+    close(go[0]);
+    *pid_out = pid;
+    *go_out = go[1];
+    return pid;
+}
+
+/* The child's report, once it may go on. */
+static int
+welcome_fds_result(int pid, int go)
+{
+    int status;
+
+    g_assert_cmpint(write(go, "g", 1), ==, 1);
+    close(go);
+    g_assert_cmpint(waitpid(pid, &status, 0), ==, pid);
+    g_assert_true(WIFEXITED(status));
+    return WEXITSTATUS(status);
+}
+
+/*
+ * /dev/userfaultfd lets its holder make a userfaultfd that traps the
+ * kernel's own faults, which vm.unprivileged_userfaultfd=0 denies
+ * unprivileged processes.  What a peer owns (a sealed memfd it maps
+ * shared) proves nothing, so a process of the agent socket's group that
+ * root did not vouch for is offered merge (it may make a userfaultfd of
+ * its own where the kernel lets it) without the descriptor; root's peer
+ * gets it, and so does the process libvirt's root-owned status file names
+ * as the QEMU of the domain it announces.
+ */
+static void
+test_uffd_not_vouched(void)
+{
+    struct group *gr = getgrnam("nogroup");
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    int pid, go;
+
+    if (geteuid() != 0 || gr == NULL || !g_file_test("/dev/userfaultfd", G_FILE_TEST_EXISTS)) {
+        g_test_skip("needs root, a group 'nogroup' and /dev/userfaultfd");
+        return;
+    }
+    {
+        g_autofree char *run_dir = g_dir_make_tmp("pagefold-run-XXXXXX", NULL);
+        g_autoptr(PfTestDaemon) d =
+            pf_test_daemon_start("--set", "run=0", "--agent-group", "nogroup",
+                                 "--libvirt-run-dir", run_dir, NULL);
+        g_autofree char *text = NULL;
+
+        g_assert_cmpint(chmod(d->dir, 0755), ==, 0);
+        welcome_fds_as(d, 65534, gr->gr_gid, "stranger", g, &pid, &go);
+        g_assert_cmpint(welcome_fds_result(pid, go), ==, 10);
+        /* Root's process, with the same RAM: the descriptor. */
+        welcome_fds_as(d, 0, 0, "root", g, &pid, &go);
+        g_assert_cmpint(welcome_fds_result(pid, go), ==, 11);
+        /* libvirt's status file names it as the domain's QEMU (libvirtd
+         * writes it before the QEMU it forked may exec): the descriptor. */
+        welcome_fds_as(d, 65534, gr->gr_gid, "dom1", g, &pid, &go);
+        text = g_strdup_printf("%d", pid);
+        pf_test_write_libvirt_status(run_dir, "dom1", text);
+        g_assert_cmpint(welcome_fds_result(pid, go), ==, 11);
+        /* Claiming that domain's name does not make another process its
+         * QEMU; nor does a status file anyone but root could write. */
+        welcome_fds_as(d, 65534, gr->gr_gid, "dom1", g, &pid, &go);
+        g_assert_cmpint(welcome_fds_result(pid, go), ==, 10);
+        welcome_fds_as(d, 65534, gr->gr_gid, "dom2", g, &pid, &go);
+        g_clear_pointer(&text, g_free);
+        text = g_strdup_printf("%d", pid);
+        pf_test_write_libvirt_status(run_dir, "dom2", text);
+        {
+            g_autofree char *path = g_build_filename(run_dir, "dom2.xml", NULL);
+
+            g_assert_cmpint(chown(path, 65534, 65534), ==, 0);
+        }
+        g_assert_cmpint(welcome_fds_result(pid, go), ==, 10);
+        pf_test_write_libvirt_status(run_dir, "dom1", NULL);
+        pf_test_write_libvirt_status(run_dir, "dom2", NULL);
+        g_assert_cmpint(rmdir(run_dir), ==, 0);
+    }
+}
+
 int
 main(int argc, char **argv)
 {
@@ -1384,5 +1515,6 @@ main(int argc, char **argv)
     g_test_add_func("/link/region-join", test_region_join);
     g_test_add_func("/link/region-gone", test_region_gone);
     g_test_add_func("/link/agent-group", test_agent_group);
+    g_test_add_func("/link/uffd-not-vouched", test_uffd_not_vouched);
     return g_test_run();
 }
