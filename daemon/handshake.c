@@ -15,6 +15,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "escape.h"
 #include "util.h"
 
 #ifndef SO_PEERPIDFD
@@ -95,10 +96,10 @@ handshake_peer_permitted(PfLinkServer *srv, int sock, const struct ucred *cred)
  * overlaps no live region of the VM's (regions: those announced before),
  * and the VM stays within its cap. */
 static gboolean
-region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, int fd,
-                  GError **error)
+region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, const char *name,
+                  int fd, GError **error)
 {
-    if (!pf_region_check_mapping(l->proc_dir, fd, wr->name, wr->host_addr, wr->offset,
+    if (!pf_region_check_mapping(l->proc_dir, fd, name, wr->host_addr, wr->offset,
                                  wr->size, error)) {
         return FALSE;
     }
@@ -110,14 +111,14 @@ region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, int fd,
         }
         if (wr->host_addr < r->host_addr + r->size && r->host_addr < wr->host_addr + wr->size) {
             g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                        "region %s overlaps region %u (%s)", wr->name, i, r->name);
+                        "region %s overlaps region %u (%s)", name, i, r->name);
             return FALSE;
         }
     }
     if (wr->size > PF_MAX_VM_BYTES - l->announced_bytes) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "region %s: regions of more than %" G_GUINT64_FORMAT " GiB in all",
-                    wr->name, PF_MAX_VM_BYTES >> 30);
+                    name, PF_MAX_VM_BYTES >> 30);
         return FALSE;
     }
     return TRUE;
@@ -128,17 +129,19 @@ region_acceptable(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, int fd,
  * region (a memfd the VMM could not seal, RAM the process does not map as
  * said) costs its VM that region only.  Its memfd is taken either way
  * (closed when refused).  running: announced after READY, when a merging
- * VM's new region must be write-protected as READY's were.
+ * VM's new region must be write-protected as READY's were.  The region's
+ * name is the peer's: escaped before anything says or keeps it.
  */
 PfRegion *
 handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *msg,
                  gboolean running)
 {
     g_autoptr(GError) error = NULL;
+    g_autofree char *name = pf_escape_text(wr->name, -1);
     PfRegion *r = NULL;
 
-    if (region_acceptable(l, regions, wr, msg->fds[0], &error)) {
-        r = pf_region_new(wr->name, msg->fds[0], wr->host_addr, wr->offset, wr->size, &error);
+    if (region_acceptable(l, regions, wr, name, msg->fds[0], &error)) {
+        r = pf_region_new(name, msg->fds[0], wr->host_addr, wr->offset, wr->size, &error);
         msg->n_fds = 0; /* taken, or closed on error */
     }
     if (r != NULL && running && pf_vm_merges(l->vm)) {
@@ -153,7 +156,7 @@ handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *m
         g_message("agent of process %d: region %u refused: %s", l->peer_pid, wr->index,
                   error->message);
         l->n_refused++;
-        return pf_region_new_refused(wr->name, wr->host_addr, wr->size, error->message);
+        return pf_region_new_refused(name, wr->host_addr, wr->size, error->message);
     }
     l->announced_bytes += r->size;
     return r;

@@ -54,6 +54,7 @@
 
 #include "channel.h"
 #include "link-internal.h"
+#include "escape.h"
 #include "util.h"
 
 /* A handshake is a few messages the agent sends at once: an agent that
@@ -203,9 +204,9 @@ static void
 link_broken_cb(const char *why, gpointer user)
 {
     PfLink *l = user;
+    g_autofree char *name = pf_escape_text(l->vm ? l->vm->name : l->hello.name, -1);
 
-    g_message("agent of %s (process %d): %s", l->vm ? l->vm->name : l->hello.name,
-              l->peer_pid, why);
+    g_message("agent of %s (process %d): %s", name, l->peer_pid, why);
     l->broken_why = g_strdup_printf("cannot send to its agent: %s", why);
     l->close_idle = g_idle_add_full(G_PRIORITY_DEFAULT, close_idle_cb, l, NULL);
 }
@@ -384,7 +385,9 @@ on_advise(PfLink *l, const PfMsg *msg)
     if (!pf_vm_merges(l->vm)) {
         return link_refuse(l, "ADVISE from an agent that is not merging");
     }
-    pf_scanner_step_back(l->srv->scanner, l->vm, pf_msg_mode(msg)->reason);
+    g_autofree char *reason = pf_escape_text(pf_msg_mode(msg)->reason, -1);
+
+    pf_scanner_step_back(l->srv->scanner, l->vm, reason);
     return TRUE;
 }
 
@@ -459,9 +462,11 @@ on_message(PfLink *l, PfMsg *msg)
             return on_gone(l, msg);
         }
         if (msg->header.type == PF_MSG_ERROR) {
-            g_autofree char *text = g_strdup_printf("its agent gave up: %.*s",
-                                                    (int)msg->header.length,
-                                                    (const char *)msg->payload);
+            /* Any bytes at all: escaped, all of them (a NUL cuts nothing
+             * short). */
+            g_autofree char *said = pf_escape_text((const char *)msg->payload,
+                                                   msg->header.length);
+            g_autofree char *text = g_strdup_printf("its agent gave up: %s", said);
 
             link_close(l, text);
             return FALSE;
