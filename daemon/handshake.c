@@ -153,8 +153,8 @@ handshake_region(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, PfMsg *m
         }
     }
     if (r == NULL) {
-        g_message("agent of process %d: region %u refused: %s", l->peer_pid, wr->index,
-                  error->message);
+        link_peer_message(l->srv, l->peer_uid, "agent of process %d: region %u refused: %s",
+                          l->peer_pid, wr->index, error->message);
         l->n_refused++;
         return pf_region_new_refused(name, wr->host_addr, wr->size, error->message);
     }
@@ -219,8 +219,9 @@ handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old_out, GError **error)
         g_ptr_array_add(one, r);
         if (pf_region_live(r) &&
             !pf_regions_check_write_protected(l->proc_dir, one, &local)) {
-            g_message("agent of process %d: region %u refused at READY: %s", l->peer_pid, i,
-                      local->message);
+            link_peer_message(l->srv, l->peer_uid,
+                              "agent of process %d: region %u refused at READY: %s",
+                              l->peer_pid, i, local->message);
             l->announced_bytes -= r->size;
             pf_region_refuse(r, local->message);
             l->n_refused++;

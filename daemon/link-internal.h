@@ -26,6 +26,7 @@ struct _PfLinkServer {
     guint answer_timeout_ms;
     gboolean group_allowed; /* besides root and pagefoldd's own user */
     gid_t group;
+    GHashTable *log_budgets; /* uid -> its LogBudget (link.c), this window */
 };
 
 typedef struct _PfLink PfLink;
@@ -51,6 +52,12 @@ struct _PfLink {
     char *broken_why;      /* it broke: closed from the main loop, why */
     guint close_idle;
 };
+
+/* ---- link.c, for handshake.c ---- */
+
+/* g_message() of a line a peer of that uid caused, unless that uid has
+ * had its share of lines for now (link.c says how many). */
+void link_peer_message(PfLinkServer *srv, uid_t uid, const char *fmt, ...) G_GNUC_PRINTF(3, 4);
 
 /* ---- handshake.c ---- */
 

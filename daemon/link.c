@@ -70,6 +70,73 @@
 /* An agent with requests to answer that answered nothing for this long is
  * not going to: pf_link_server_set_answer_timeout(). */
 #define DEFAULT_ANSWER_TIMEOUT_MS 30000
+/* Lines a uid's peers may cause in pagefoldd's log per window: a process
+ * that connects in a loop (refused, or giving up its handshake) would
+ * otherwise write a line or two a connection, as fast as it connects.
+ * Per uid, the one thing a peer cannot choose (under libvirt every QEMU
+ * shares one: a window's lines are enough for many VMs starting at once);
+ * the rest is counted and said in one line as the window ends. */
+#define PEER_LOG_LINES 20
+#define PEER_LOG_WINDOW_S 10
+
+/* A uid's lines in the window that its first line opened. */
+typedef struct {
+    PfLinkServer *srv;
+    uid_t uid;
+    guint lines;
+    guint suppressed;
+    guint timer;
+} LogBudget;
+
+static void
+log_budget_free(gpointer p)
+{
+    LogBudget *b = p;
+
+    g_clear_handle_id(&b->timer, g_source_remove);
+    g_free(b);
+}
+
+/* The window is over: what was held back is said, and the uid starts
+ * afresh with its next line. */
+static gboolean
+log_window_end_cb(gpointer user)
+{
+    LogBudget *b = user;
+
+    b->timer = 0;
+    if (b->suppressed > 0) {
+        g_message("agent connections of uid %u: %u more line(s) suppressed in %d s",
+                  (guint)b->uid, b->suppressed, PEER_LOG_WINDOW_S);
+    }
+    g_hash_table_remove(b->srv->log_budgets, GUINT_TO_POINTER(b->uid));
+    return G_SOURCE_REMOVE;
+}
+
+void
+link_peer_message(PfLinkServer *srv, uid_t uid, const char *fmt, ...)
+{
+    LogBudget *b = g_hash_table_lookup(srv->log_budgets, GUINT_TO_POINTER(uid));
+    g_autofree char *text = NULL;
+    va_list ap;
+
+    if (b == NULL) {
+        b = g_new0(LogBudget, 1);
+        b->srv = srv;
+        b->uid = uid;
+        b->timer = g_timeout_add_seconds(PEER_LOG_WINDOW_S, log_window_end_cb, b);
+        g_hash_table_insert(srv->log_budgets, GUINT_TO_POINTER(uid), b);
+    }
+    if (b->lines >= PEER_LOG_LINES) {
+        b->suppressed++;
+        return;
+    }
+    b->lines++;
+    va_start(ap, fmt);
+    text = g_strdup_vprintf(fmt, ap);
+    va_end(ap);
+    g_message("%s", text);
+}
 
 /*
  * Drops what the peer sent that will never be read: closing a socket with
@@ -165,8 +232,9 @@ link_close(PfLink *l, const char *why)
         pf_scanner_detach(l->srv->scanner, l->vm, why);
         return;
     }
-    g_message("agent connection of process %d closed during its handshake: %s", l->peer_pid,
-              why);
+    link_peer_message(l->srv, l->peer_uid,
+                      "agent connection of process %d closed during its handshake: %s",
+                      l->peer_pid, why);
     link_end(l);
 }
 
@@ -553,12 +621,13 @@ handshake_timeout_cb(gpointer user)
     return G_SOURCE_REMOVE;
 }
 
-/* Refuses a connection that never became a link. */
+/* Refuses a connection that never became a link; uid: its peer's, or
+ * (uid_t)-1 when unknown. */
 static void
-refuse_socket(int sock, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...) G_GNUC_PRINTF(4, 5);
 
 static void
-refuse_socket(int sock, const char *fmt, ...)
+refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...)
 {
     va_list ap;
     g_autofree char *text = NULL;
@@ -566,7 +635,7 @@ refuse_socket(int sock, const char *fmt, ...)
     va_start(ap, fmt);
     text = g_strdup_vprintf(fmt, ap);
     va_end(ap);
-    g_message("agent connection refused: %s", text);
+    link_peer_message(srv, uid, "agent connection refused: %s", text);
     pf_proto_send(sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
     drain_socket(sock);
     close(sock);
@@ -599,11 +668,12 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     }
     /* pid 0: a process outside pagefoldd's pid namespace. */
     if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.pid <= 0) {
-        refuse_socket(sock, "no process id for this connection");
+        refuse_socket(srv, sock, (uid_t)-1, "no process id for this connection");
         return G_SOURCE_CONTINUE;
     }
     if (!handshake_peer_permitted(srv, sock, &cred)) {
-        refuse_socket(sock, "process %d (uid %u, gid %u) may not be an agent: only root%s%s",
+        refuse_socket(srv, sock, cred.uid,
+                      "process %d (uid %u, gid %u) may not be an agent: only root%s%s",
                       cred.pid, (guint)cred.uid, (guint)cred.gid,
                       srv->group_allowed ? " and the members of the agent socket's group" : "",
                       srv->group_allowed ? "" : " (pagefoldd --agent-group opens it to a group)");
@@ -611,12 +681,13 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     }
     /* A process that holds its places idle only loses its own time. */
     if (handshakes_of(srv, cred.pid) >= MAX_HANDSHAKES_PER_PROCESS) {
-        refuse_socket(sock, "process %d already has %u agent handshakes in progress", cred.pid,
+        refuse_socket(srv, sock, cred.uid,
+                      "process %d already has %u agent handshakes in progress", cred.pid,
                       MAX_HANDSHAKES_PER_PROCESS);
         return G_SOURCE_CONTINUE;
     }
     if (!handshake_pin_peer(sock, cred.pid, &pidfd, &proc_dir, &error)) {
-        refuse_socket(sock, "%s", error->message);
+        refuse_socket(srv, sock, cred.uid, "%s", error->message);
         return G_SOURCE_CONTINUE;
     }
     /* Many processes holding places idle: the oldest gives way.  An agent
@@ -701,6 +772,7 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     srv->handshakes = g_ptr_array_new();
     srv->running = g_hash_table_new(NULL, NULL);
     srv->ended = g_ptr_array_new_with_free_func((GDestroyNotify)link_free);
+    srv->log_budgets = g_hash_table_new_full(NULL, NULL, NULL, log_budget_free);
     srv->uffd_dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
     srv->fd = pf_unix_listen(path, SOCK_SEQPACKET, error);
     if (srv->fd < 0) {
@@ -775,6 +847,7 @@ pf_link_server_free(PfLinkServer *srv)
     }
     g_clear_handle_id(&srv->reap, g_source_remove);
     g_ptr_array_unref(srv->ended);
+    g_hash_table_unref(srv->log_budgets);
     g_hash_table_unref(srv->running);
     g_ptr_array_unref(srv->handshakes);
     if (srv->fd >= 0) {

@@ -1489,6 +1489,53 @@ test_peer_text_escaped(void)
     g_assert_nonnull(strstr(log, "bye\\nFORGED-E\\x1b[1;1H\\xff\\xfe\\x00after NUL"));
 }
 
+static guint
+count_lines_with(const char *text, const char *what)
+{
+    guint n = 0;
+
+    for (const char *p = text; (p = strstr(p, what)) != NULL; p += strlen(what)) {
+        n++;
+    }
+    return n;
+}
+
+/* A peer that connects in a loop and sends garbage: pagefoldd refuses
+ * each, and logs a bounded number of lines about its uid's connections,
+ * then one that says how many more it held back. */
+static void
+test_log_flood(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start_logged("--set", "run=0", NULL);
+    g_autofree char *log = NULL;
+    guint closed;
+
+    for (int i = 0; i < 200; i++) {
+        int fd = connect_agent(d);
+        struct pollfd hup = { fd, 0, 0 };
+
+        g_assert_cmpint(send(fd, "garbage", 7, 0), ==, 7);
+        g_assert_cmpint(poll(&hup, 1, 20000), ==, 1);
+        close(fd);
+    }
+    /* The window (10 s in link.c) ends, and its summary is said. */
+    for (int i = 0; i < 200; i++) {
+        g_clear_pointer(&log, g_free);
+        log = pf_test_daemon_log(d);
+        if (strstr(log, "suppressed") != NULL) {
+            break;
+        }
+        g_usleep(100000);
+    }
+    closed = count_lines_with(log, "closed during its handshake");
+    g_test_message("%u of 200 refusals logged:\n%s", closed, log);
+    g_assert_cmpuint(closed, >=, 1);
+    g_assert_cmpuint(closed, <=, 40);
+    g_assert_cmpuint(count_lines_with(log, "\n"), <=, 50);
+    g_assert_nonnull(strstr(log, "agent connections of uid 0: "));
+    g_assert_nonnull(strstr(log, " more line(s) suppressed"));
+}
+
 int
 main(int argc, char **argv)
 {
@@ -1507,5 +1554,6 @@ main(int argc, char **argv)
     g_test_add_func("/link/region-gone", test_region_gone);
     g_test_add_func("/link/agent-group", test_agent_group);
     g_test_add_func("/link/peer-text-escaped", test_peer_text_escaped);
+    g_test_add_func("/link/log-flood", test_log_flood);
     return g_test_run();
 }
