@@ -17,6 +17,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "escape.h"
 #include "libvirt-status.h"
 #include "util.h"
 
@@ -108,6 +109,8 @@ struct _HandshakeCheck {
     GCancellable *cancel;
     int proc_dir, fd;     /* the thread's own copies */
     PfMsg *msg;           /* the message checked, its descriptors with it */
+    char *name;           /* a REGION's name, the peer's: escaped before
+                           * anything says or keeps it */
     gboolean protect;     /* a REGION that must be write-protected too */
     PfRegionSpan *spans;  /* the live regions whose protection is looked at */
     guint *index;         /* ... and their indexes among the link's */
@@ -135,6 +138,7 @@ check_free(HandshakeCheck *c)
         g_free(c->spans[i].name);
         g_free(c->why[i]);
     }
+    g_free(c->name);
     g_free(c->spans);
     g_free(c->index);
     g_free(c->why);
@@ -150,7 +154,7 @@ check_thread(GTask *task, gpointer source, gpointer data, GCancellable *cancel)
     if (c->msg->header.type == PF_MSG_REGION) {
         const PfWireRegion *wr = pf_msg_region(c->msg);
 
-        if (!pf_region_check_mapping(c->proc_dir, c->fd, wr->name, wr->host_addr, wr->offset,
+        if (!pf_region_check_mapping(c->proc_dir, c->fd, c->name, wr->host_addr, wr->offset,
                                      wr->size, cancel, &c->error)) {
             return;
         }
@@ -189,11 +193,14 @@ check_start(PfLink *l, PfMsg *msg, gboolean protect, HandshakeDone done)
     c->spans = g_new0(PfRegionSpan, MAX(regions->len, 1));
     c->index = g_new0(guint, MAX(regions->len, 1));
     c->why = g_new0(char *, MAX(regions->len, 1));
-    if (msg->header.type == PF_MSG_REGION && protect) {
+    if (msg->header.type == PF_MSG_REGION) {
         const PfWireRegion *wr = pf_msg_region(msg);
 
-        c->spans[0] = (PfRegionSpan){ g_strdup(wr->name), wr->host_addr, wr->size };
-        c->n_spans = 1;
+        c->name = pf_escape_text(wr->name, -1);
+        if (protect) {
+            c->spans[0] = (PfRegionSpan){ g_strdup(c->name), wr->host_addr, wr->size };
+            c->n_spans = 1;
+        }
     }
     for (guint i = 0; msg->header.type == PF_MSG_READY && i < regions->len; i++) {
         const PfRegion *r = g_ptr_array_index(regions, i);
@@ -234,7 +241,8 @@ handshake_cancel_check(PfLink *l)
 /* A REGION whose mapping passed: it must overlap no live region of the VM
  * (regions: those announced before) and keep the VM within its cap. */
 static gboolean
-region_fits(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, GError **error)
+region_fits(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, const char *name,
+            GError **error)
 {
     for (guint i = 0; i < regions->len; i++) {
         const PfRegion *r = g_ptr_array_index(regions, i);
@@ -244,14 +252,14 @@ region_fits(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, GError **erro
         }
         if (wr->host_addr < r->host_addr + r->size && r->host_addr < wr->host_addr + wr->size) {
             g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                        "region %s overlaps region %u (%s)", wr->name, i, r->name);
+                        "region %s overlaps region %u (%s)", name, i, r->name);
             return FALSE;
         }
     }
     if (wr->size > PF_MAX_VM_BYTES - l->announced_bytes) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "region %s: regions of more than %" G_GUINT64_FORMAT " GiB in all",
-                    wr->name, PF_MAX_VM_BYTES >> 30);
+                    name, PF_MAX_VM_BYTES >> 30);
         return FALSE;
     }
     return TRUE;
@@ -271,16 +279,16 @@ region_checked(PfLink *l, HandshakeCheck *c)
     GError *error = g_steal_pointer(&c->error);
     PfRegion *r = NULL;
 
-    if (error == NULL && region_fits(l, regions, wr, &error)) {
-        r = pf_region_new(wr->name, c->msg->fds[0], wr->host_addr, wr->offset, wr->size,
+    if (error == NULL && region_fits(l, regions, wr, c->name, &error)) {
+        r = pf_region_new(c->name, c->msg->fds[0], wr->host_addr, wr->offset, wr->size,
                           &error);
         c->msg->n_fds = 0; /* taken, or closed on error */
     }
     if (r == NULL) {
-        g_message("agent of process %d: region %u refused: %s", l->peer_pid, wr->index,
-                  error->message);
+        link_peer_message(l->srv, l->peer_uid, "agent of process %d: region %u refused: %s",
+                          l->peer_pid, wr->index, error->message);
         l->n_refused++;
-        r = pf_region_new_refused(wr->name, wr->host_addr, wr->size, error->message);
+        r = pf_region_new_refused(c->name, wr->host_addr, wr->size, error->message);
         g_error_free(error);
         return r;
     }
@@ -302,8 +310,9 @@ ready_checked(PfLink *l, HandshakeCheck *c)
         if (why == NULL || !pf_region_live(r)) {
             continue;
         }
-        g_message("agent of process %d: region %u refused at READY: %s", l->peer_pid,
-                  c->index[k], why);
+        link_peer_message(l->srv, l->peer_uid,
+                          "agent of process %d: region %u refused at READY: %s", l->peer_pid,
+                          c->index[k], why);
         l->announced_bytes -= r->size;
         pf_region_refuse(r, why);
         l->n_refused++;

@@ -27,6 +27,7 @@ struct _PfLinkServer {
     guint answer_timeout_ms;
     gboolean group_allowed; /* besides root and pagefoldd's own user */
     gid_t group;
+    GHashTable *log_budgets; /* uid -> its LogBudget (link.c), this window */
 };
 
 typedef struct _PfLink PfLink;
@@ -57,6 +58,12 @@ struct _PfLink {
                             * reads nothing from its peer meanwhile */
     gboolean ended;
 };
+
+/* ---- link.c, for handshake.c ---- */
+
+/* g_message() of a line a peer of that uid caused, unless that uid has
+ * had its share of lines for now (link.c says how many). */
+void link_peer_message(PfLinkServer *srv, uid_t uid, const char *fmt, ...) G_GNUC_PRINTF(3, 4);
 
 /* ---- handshake.c ---- */
 

@@ -58,6 +58,7 @@
 #include "channel.h"
 #include "libvirt-status.h"
 #include "link-internal.h"
+#include "escape.h"
 #include "util.h"
 
 /* A handshake is a few messages the agent sends at once: an agent that
@@ -73,6 +74,73 @@
 /* An agent with requests to answer that answered nothing for this long is
  * not going to: pf_link_server_set_answer_timeout(). */
 #define DEFAULT_ANSWER_TIMEOUT_MS 30000
+/* Lines a uid's peers may cause in pagefoldd's log per window: a process
+ * that connects in a loop (refused, or giving up its handshake) would
+ * otherwise write a line or two a connection, as fast as it connects.
+ * Per uid, the one thing a peer cannot choose (under libvirt every QEMU
+ * shares one: a window's lines are enough for many VMs starting at once);
+ * the rest is counted and said in one line as the window ends. */
+#define PEER_LOG_LINES 20
+#define PEER_LOG_WINDOW_S 10
+
+/* A uid's lines in the window that its first line opened. */
+typedef struct {
+    PfLinkServer *srv;
+    uid_t uid;
+    guint lines;
+    guint suppressed;
+    guint timer;
+} LogBudget;
+
+static void
+log_budget_free(gpointer p)
+{
+    LogBudget *b = p;
+
+    g_clear_handle_id(&b->timer, g_source_remove);
+    g_free(b);
+}
+
+/* The window is over: what was held back is said, and the uid starts
+ * afresh with its next line. */
+static gboolean
+log_window_end_cb(gpointer user)
+{
+    LogBudget *b = user;
+
+    b->timer = 0;
+    if (b->suppressed > 0) {
+        g_message("agent connections of uid %u: %u more line(s) suppressed in %d s",
+                  (guint)b->uid, b->suppressed, PEER_LOG_WINDOW_S);
+    }
+    g_hash_table_remove(b->srv->log_budgets, GUINT_TO_POINTER(b->uid));
+    return G_SOURCE_REMOVE;
+}
+
+void
+link_peer_message(PfLinkServer *srv, uid_t uid, const char *fmt, ...)
+{
+    LogBudget *b = g_hash_table_lookup(srv->log_budgets, GUINT_TO_POINTER(uid));
+    g_autofree char *text = NULL;
+    va_list ap;
+
+    if (b == NULL) {
+        b = g_new0(LogBudget, 1);
+        b->srv = srv;
+        b->uid = uid;
+        b->timer = g_timeout_add_seconds(PEER_LOG_WINDOW_S, log_window_end_cb, b);
+        g_hash_table_insert(srv->log_budgets, GUINT_TO_POINTER(uid), b);
+    }
+    if (b->lines >= PEER_LOG_LINES) {
+        b->suppressed++;
+        return;
+    }
+    b->lines++;
+    va_start(ap, fmt);
+    text = g_strdup_vprintf(fmt, ap);
+    va_end(ap);
+    g_message("%s", text);
+}
 
 /*
  * Drops what the peer sent that will never be read: closing a socket with
@@ -171,8 +239,9 @@ link_close(PfLink *l, const char *why)
         pf_scanner_detach(l->srv->scanner, l->vm, why);
         return;
     }
-    g_message("agent connection of process %d closed during its handshake: %s", l->peer_pid,
-              why);
+    link_peer_message(l->srv, l->peer_uid,
+                      "agent connection of process %d closed during its handshake: %s",
+                      l->peer_pid, why);
     link_end(l);
 }
 
@@ -210,9 +279,9 @@ static void
 link_broken_cb(const char *why, gpointer user)
 {
     PfLink *l = user;
+    g_autofree char *name = pf_escape_text(l->vm ? l->vm->name : l->hello.name, -1);
 
-    g_message("agent of %s (process %d): %s", l->vm ? l->vm->name : l->hello.name,
-              l->peer_pid, why);
+    g_message("agent of %s (process %d): %s", name, l->peer_pid, why);
     l->broken_why = g_strdup_printf("cannot send to its agent: %s", why);
     l->close_idle = g_idle_add_full(G_PRIORITY_DEFAULT, close_idle_cb, l, NULL);
 }
@@ -426,7 +495,9 @@ on_advise(PfLink *l, const PfMsg *msg)
     if (!pf_vm_merges(l->vm)) {
         return link_refuse(l, "ADVISE from an agent that is not merging");
     }
-    pf_scanner_step_back(l->srv->scanner, l->vm, pf_msg_mode(msg)->reason);
+    g_autofree char *reason = pf_escape_text(pf_msg_mode(msg)->reason, -1);
+
+    pf_scanner_step_back(l->srv->scanner, l->vm, reason);
     return TRUE;
 }
 
@@ -502,9 +573,11 @@ on_message(PfLink *l, PfMsg *msg)
             return on_gone(l, msg);
         }
         if (msg->header.type == PF_MSG_ERROR) {
-            g_autofree char *text = g_strdup_printf("its agent gave up: %.*s",
-                                                    (int)msg->header.length,
-                                                    (const char *)msg->payload);
+            /* Any bytes at all: escaped, all of them (a NUL cuts nothing
+             * short). */
+            g_autofree char *said = pf_escape_text((const char *)msg->payload,
+                                                   msg->header.length);
+            g_autofree char *text = g_strdup_printf("its agent gave up: %s", said);
 
             link_close(l, text);
             return FALSE;
@@ -606,12 +679,13 @@ handshake_timeout_cb(gpointer user)
     return G_SOURCE_REMOVE;
 }
 
-/* Refuses a connection that never became a link. */
+/* Refuses a connection that never became a link; uid: its peer's, or
+ * (uid_t)-1 when unknown. */
 static void
-refuse_socket(int sock, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...) G_GNUC_PRINTF(4, 5);
 
 static void
-refuse_socket(int sock, const char *fmt, ...)
+refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...)
 {
     va_list ap;
     g_autofree char *text = NULL;
@@ -619,7 +693,7 @@ refuse_socket(int sock, const char *fmt, ...)
     va_start(ap, fmt);
     text = g_strdup_vprintf(fmt, ap);
     va_end(ap);
-    g_message("agent connection refused: %s", text);
+    link_peer_message(srv, uid, "agent connection refused: %s", text);
     pf_proto_send(sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
     drain_socket(sock);
     close(sock);
@@ -652,11 +726,12 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     }
     /* pid 0: a process outside pagefoldd's pid namespace. */
     if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.pid <= 0) {
-        refuse_socket(sock, "no process id for this connection");
+        refuse_socket(srv, sock, (uid_t)-1, "no process id for this connection");
         return G_SOURCE_CONTINUE;
     }
     if (!handshake_peer_permitted(srv, sock, &cred)) {
-        refuse_socket(sock, "process %d (uid %u, gid %u) may not be an agent: only root%s%s",
+        refuse_socket(srv, sock, cred.uid,
+                      "process %d (uid %u, gid %u) may not be an agent: only root%s%s",
                       cred.pid, (guint)cred.uid, (guint)cred.gid,
                       srv->group_allowed ? " and the members of the agent socket's group" : "",
                       srv->group_allowed ? "" : " (pagefoldd --agent-group opens it to a group)");
@@ -664,12 +739,13 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     }
     /* A process that holds its places idle only loses its own time. */
     if (handshakes_of(srv, cred.pid) >= MAX_HANDSHAKES_PER_PROCESS) {
-        refuse_socket(sock, "process %d already has %u agent handshakes in progress", cred.pid,
+        refuse_socket(srv, sock, cred.uid,
+                      "process %d already has %u agent handshakes in progress", cred.pid,
                       MAX_HANDSHAKES_PER_PROCESS);
         return G_SOURCE_CONTINUE;
     }
     if (!handshake_pin_peer(sock, cred.pid, &pidfd, &proc_dir, &error)) {
-        refuse_socket(sock, "%s", error->message);
+        refuse_socket(srv, sock, cred.uid, "%s", error->message);
         return G_SOURCE_CONTINUE;
     }
     /* Many processes holding places idle: the oldest gives way.  An agent
@@ -754,6 +830,7 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     srv->handshakes = g_ptr_array_new();
     srv->running = g_hash_table_new(NULL, NULL);
     srv->ended = g_ptr_array_new_with_free_func((GDestroyNotify)link_free);
+    srv->log_budgets = g_hash_table_new_full(NULL, NULL, NULL, log_budget_free);
     srv->uffd_dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
     srv->libvirt_run_dir = g_strdup(PF_LIBVIRT_QEMU_RUN_DIR);
     srv->fd = pf_unix_listen(path, SOCK_SEQPACKET, error);
@@ -836,6 +913,7 @@ pf_link_server_free(PfLinkServer *srv)
     }
     g_clear_handle_id(&srv->reap, g_source_remove);
     g_ptr_array_unref(srv->ended);
+    g_hash_table_unref(srv->log_budgets);
     g_hash_table_unref(srv->running);
     g_ptr_array_unref(srv->handshakes);
     if (srv->fd >= 0) {

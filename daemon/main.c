@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #include "control.h"
+#include "escape.h"
 #include "libvirt-metadata.h"
 #include "libvirt-status.h"
 #include "link.h"
@@ -22,6 +23,28 @@
 #if PF_HAVE_SYSTEMD
 #include <systemd/sd-daemon.h>
 #endif
+
+/*
+ * Every line pagefoldd logs, escaped (escape.h) on its way out.  Peers'
+ * words are escaped where they come in (link.c, handshake.c, vm.c); this
+ * is the one place no line can pass by, whoever adds it later.  Escaping
+ * is idempotent: text escaped already shows the same.
+ */
+static GLogWriterOutput
+escaping_writer(GLogLevelFlags level, const GLogField *fields, gsize n_fields, gpointer user)
+{
+    g_autofree GLogField *copy = g_memdup2(fields, n_fields * sizeof(*fields));
+    g_autofree char *message = NULL;
+
+    for (gsize i = 0; i < n_fields; i++) {
+        if (g_str_equal(copy[i].key, "MESSAGE") && copy[i].value != NULL) {
+            message = pf_escape_text(copy[i].value, copy[i].length);
+            copy[i].value = message;
+            copy[i].length = -1;
+        }
+    }
+    return g_log_writer_default(level, copy, n_fields, user);
+}
 
 static gboolean
 on_signal(gpointer user)
@@ -289,6 +312,7 @@ main(int argc, char **argv)
     int status;
 
     setlocale(LC_ALL, "");
+    g_log_set_writer_func(escaping_writer, NULL, NULL);
     /* A peer that hangs up is an error on the write, not the end of
      * pagefoldd: libvirt's client library writes without MSG_NOSIGNAL (a
      * libvirtd killed or restarted), as any library may. */

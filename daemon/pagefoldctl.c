@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "client.h"
+#include "escape.h"
 #include "stats.h"
 #include "util.h"
 
@@ -28,6 +29,25 @@ static const char usage_text[] =
     "  unmerge [VM]               put every merged page back in its VM's memory\n"
     "  merge-domain VM [NAME]     the VMs it may share pages with; NAME sets it\n"
     "                             (refused while it shares pages; 'default': all)\n";
+
+/*
+ * What pagefoldd said, as it is shown in a table or a line: escaped
+ * (escape.h).  pagefoldd escapes its peers' words already; this holds
+ * for a pagefoldd that did not, or for text that reached it some other
+ * way.  JSON (--json) is json-glib's, which escapes control characters.
+ * Freed with the next call but three: a line needs at most four.
+ */
+static const char *
+shown(const char *text)
+{
+    static char *ring[4];
+    static guint next;
+    char **slot = &ring[next++ % G_N_ELEMENTS(ring)];
+
+    g_free(*slot);
+    *slot = text != NULL ? pf_escape_text(text, -1) : NULL;
+    return *slot;
+}
 
 static int
 usage_error(const char *msg)
@@ -59,12 +79,12 @@ print_list(JsonArray *vms)
         const char *uuid = json_object_get_string_member_with_default(vm, "uuid", NULL);
 
         g_print("%-20s %7" G_GINT64_FORMAT " %-7s %8u %10.1f %-36s\n",
-                json_object_get_string_member(vm, "name"),
+                shown(json_object_get_string_member(vm, "name")),
                 json_object_get_int_member(vm, "pid"),
-                json_object_get_string_member(vm, "mode"),
+                shown(json_object_get_string_member(vm, "mode")),
                 json_array_get_length(regions),
                 (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0,
-                uuid != NULL ? uuid : "-");
+                uuid != NULL ? shown(uuid) : "-");
         /* Regions that are not scanned, and why. */
         for (guint k = 0; k < json_array_get_length(regions); k++) {
             JsonObject *r = json_array_get_object_element(regions, k);
@@ -72,9 +92,10 @@ print_list(JsonArray *vms)
 
             if (why != NULL) {
                 g_print("  region %u (%s) refused: %s\n", k,
-                        json_object_get_string_member(r, "name"), why);
+                        shown(json_object_get_string_member(r, "name")), shown(why));
             } else if (json_object_get_boolean_member_with_default(r, "gone", FALSE)) {
-                g_print("  region %u (%s) gone\n", k, json_object_get_string_member(r, "name"));
+                g_print("  region %u (%s) gone\n", k,
+                        shown(json_object_get_string_member(r, "name")));
             }
         }
     }
@@ -86,7 +107,7 @@ print_knobs(JsonObject *knobs)
     g_autoptr(GList) names = json_object_get_members(knobs);
 
     for (GList *l = names; l != NULL; l = l->next) {
-        g_print("%-22s %" G_GINT64_FORMAT "\n", (const char *)l->data,
+        g_print("%-22s %" G_GINT64_FORMAT "\n", shown(l->data),
                 json_object_get_int_member(knobs, l->data));
     }
 }
@@ -281,8 +302,8 @@ show_attached(JsonNode *ret, const Invocation *inv)
     JsonObject *vm = json_node_get_object(ret);
 
     g_print("attached VM %s (pid %" G_GINT64_FORMAT ", mode %s): %u region(s), %.1f MiB\n",
-            json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
-            json_object_get_string_member(vm, "mode"),
+            shown(json_object_get_string_member(vm, "name")),
+            json_object_get_int_member(vm, "pid"), shown(json_object_get_string_member(vm, "mode")),
             json_array_get_length(json_object_get_array_member(vm, "regions")),
             (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0);
 }
@@ -290,7 +311,7 @@ show_attached(JsonNode *ret, const Invocation *inv)
 static void
 show_detached(JsonNode *ret, const Invocation *inv)
 {
-    g_print("detached VM %s\n", inv->argv[2]);
+    g_print("detached VM %s\n", shown(inv->argv[2]));
 }
 
 static void
@@ -299,8 +320,9 @@ show_merge_domain(JsonNode *ret, const Invocation *inv)
     JsonObject *vm = json_node_get_object(ret);
 
     g_print("VM %s (pid %" G_GINT64_FORMAT "): merge domain %s\n",
-            json_object_get_string_member(vm, "name"), json_object_get_int_member(vm, "pid"),
-            json_object_get_string_member(vm, "merge_domain"));
+            shown(json_object_get_string_member(vm, "name")),
+            json_object_get_int_member(vm, "pid"),
+            shown(json_object_get_string_member(vm, "merge_domain")));
 }
 
 typedef struct {
@@ -354,7 +376,7 @@ print_notes(JsonNode *ret, const char *cmd)
         for (guint i = 0; d != NULL && i < json_array_get_length(d); i++) {
             g_printerr("pagefoldctl: %s: %s: %s\n", cmd, k == 0 ? "detached meanwhile"
                                                                : "not all done",
-                       json_array_get_string_element(d, i));
+                       shown(json_array_get_string_element(d, i)));
         }
     }
 }
@@ -390,11 +412,11 @@ main(int argc, char **argv)
     ret = pf_client_execute(inv.socket_path ? inv.socket_path : PF_DEFAULT_SOCKET, request, -1,
                             &error);
     if (ret == NULL && g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
-        g_printerr("pagefoldctl: %s: %s\n", cmd, error->message);
+        g_printerr("pagefoldctl: %s: %s\n", cmd, shown(error->message));
         return 1;
     }
     if (ret == NULL) {
-        g_printerr("pagefoldctl: %s\n", error->message);
+        g_printerr("pagefoldctl: %s\n", shown(error->message));
         return 1;
     }
     print_notes(ret, cmd);

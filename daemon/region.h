@@ -42,7 +42,8 @@ typedef struct _PfVm PfVm;
 typedef struct {
     PfVm *vm;
     guint index;         /* in vm->regions (pf_vm_add_region()) */
-    char *name;          /* memfd name, e.g. "memory-backend-memfd" */
+    char *name;          /* memfd name, e.g. "memory-backend-memfd"; escaped
+                          * (escape.h): its VMM's or agent's */
     guint64 host_addr;   /* where the VM process maps it */
     guint64 file_offset; /* of host_addr in the memfd */
     gsize size;

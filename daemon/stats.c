@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "escape.h"
 #include "util.h"
 
 typedef struct {
@@ -177,11 +178,15 @@ static void
 table_row(GString *out, const char *name, const char *pid, const char *mode,
           JsonObject *o)
 {
+    /* A table is for a terminal: a VM's name may be an agent's words. */
+    g_autofree char *shown_name = pf_escape_text(name, -1);
+    g_autofree char *shown_mode = pf_escape_text(mode, -1);
+
     g_string_append_printf(out,
         "%-20s %7s %-7s %10" G_GINT64_FORMAT " %10" G_GINT64_FORMAT
         " %10" G_GINT64_FORMAT " %10" G_GINT64_FORMAT " %10" G_GINT64_FORMAT
         " %6" G_GINT64_FORMAT " %10.1f\n",
-        name, pid, mode, member_int(o, "pages_shared"),
+        shown_name, pid, shown_mode, member_int(o, "pages_shared"),
         member_int(o, "pages_sharing"), member_int(o, "pages_unshared"),
         member_int(o, "pages_volatile"), member_int(o, "zero_pages"),
         member_int(o, "full_scans"), saved_mib(o));

@@ -28,6 +28,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include "escape.h"
 #include "util.h"
 
 typedef struct {
@@ -88,7 +89,10 @@ read_memfd_ranges(int pid, GError **error)
             const char *n = name + strlen("/memfd:");
             const char *del = g_strrstr(n, " (deleted)");
 
-            r.name = del ? g_strndup(n, del - n) : g_strdup(n);
+            g_autofree char *raw = del ? g_strndup(n, del - n) : g_strdup(n);
+
+            /* Whoever made the memfd named it: escaped like an agent's. */
+            r.name = pf_escape_text(raw, -1);
             g_array_append_val(out, r);
         }
     }
@@ -255,19 +259,22 @@ name_from_cmdline(int pid)
     return NULL;
 }
 
+/* The process's owner chose its command line and its name: escaped
+ * like an agent's. */
 static char *
 default_name(int pid)
 {
     g_autofree char *path = g_strdup_printf("/proc/%d/comm", pid);
     g_autofree char *comm = NULL;
-    char *name = name_from_cmdline(pid);
+    g_autofree char *name = name_from_cmdline(pid);
 
     if (name != NULL) {
-        return name;
+        return pf_escape_text(name, -1);
     }
     if (g_file_get_contents(path, &comm, NULL, NULL)) {
-        g_strstrip(comm);
-        return g_strdup_printf("%s-%d", comm, pid);
+        g_autofree char *shown = pf_escape_text(g_strstrip(comm), -1);
+
+        return g_strdup_printf("%s-%d", shown, pid);
     }
     return g_strdup_printf("pid-%d", pid);
 }
@@ -324,11 +331,13 @@ pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const g
                     g_strerror(errno));
         return NULL;
     }
-    vm->name = g_strdup(name);
+    /* The agent's words: escaped once, here, so that the log, replies
+     * and JSON all show the one same printable text. */
+    vm->name = pf_escape_text(name, -1);
     memcpy(vm->uuid, uuid, sizeof(vm->uuid));
     vm->mode = mode;
     g_free(vm->mode_reason);
-    vm->mode_reason = mode == PF_MODE_MERGE ? NULL : g_strdup(reason);
+    vm->mode_reason = mode == PF_MODE_MERGE ? NULL : pf_escape_text(reason, -1);
     vm->outbox = pf_outbox_new();
     return g_steal_pointer(&vm);
 }

@@ -33,14 +33,16 @@ typedef struct {
 #define PF_DOMAIN_UNLABELLED 0x80000000u
 
 struct _PfVm {
-    char *name;          /* a label: VMs may share one (the pid is who) */
+    /* A label: VMs may share one (the pid is who).  An agent's or a
+     * process's own is kept escaped (escape.h), root's as given. */
+    char *name;
     int pid;
     guint8 uuid[16];     /* as the agent or QEMU's -uuid says; all zero:
                           * none.  A label too: a peer may claim any */
     int pidfd;
     GPtrArray *regions;  /* PfRegion*, owned */
     PfMode mode;         /* merge only with an agent that merges */
-    char *mode_reason;   /* why advise, when it is */
+    char *mode_reason;   /* why advise, when it is; an agent's escaped */
     PfOutbox *outbox;    /* an agent's VM: its requests, owned; NULL if
                           * attached by pid */
     int pagemap_fd;      /* /proc/PID/pagemap, to see copy-on-write */

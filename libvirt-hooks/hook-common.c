@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "client.h"
+#include "escape.h"
 
 /* The longest wait for one control call, within HOOK_DEADLINE_MS. */
 #define CALL_TIMEOUT_MS 1000
@@ -24,7 +25,8 @@ void
 hook_say(Hook *h, const char *fmt, ...)
 {
     g_autofree char *msg = NULL;
-    g_autoptr(GString) line = g_string_new("pagefold-hook: ");
+    g_autofree char *shown = NULL;
+    g_autoptr(GString) line = g_string_new(NULL);
     va_list ap;
 
     va_start(ap, fmt);
@@ -34,12 +36,10 @@ hook_say(Hook *h, const char *fmt, ...)
         g_string_append_printf(line, "%s %s %s: ", h->name, h->op, h->subop);
     }
     g_string_append(line, msg);
-    for (gsize i = 0; i < line->len; i++) {
-        if (g_ascii_iscntrl(line->str[i])) {
-            line->str[i] = '?';
-        }
-    }
-    g_string_append_c(line, '\n');
+    /* The domain's name and XML, and VMs' names from pagefoldd (an agent's
+     * words), may hold anything: one line, printable, goes out. */
+    shown = pf_escape_text(line->str, (gssize)line->len);
+    g_string_printf(line, "pagefold-hook: %s\n", shown);
     /* One write each: O_APPEND keeps a line whole among QEMU's. */
     (void)!write(STDERR_FILENO, line->str, line->len);
     if (h->log_fd >= 0) {

@@ -1498,6 +1498,179 @@ test_uffd_not_vouched(void)
     }
 }
 
+/* What a peer may say to forge a line of pagefoldd's log, or to work a
+ * terminal that shows it: a line break and a line of its own, a colour, a
+ * window title, a C1 control (CSI), a bidi override; its ERROR may carry a
+ * NUL and bytes that are not UTF-8. */
+#define EVIL_NAME "vm\n** Message: FORGED-N\x1b[31m\xc2\x9b\xe2\x80\xae"
+#define EVIL_REGION "ram\r\nFORGED-R\x1b]0;t\x07"
+#define EVIL_REASON "no\nFORGED-A\x1b[2J\x7f"
+
+/* No byte of text below 0x20 but line breaks, no DEL, nothing that is not
+ * UTF-8, no C1 control or bidi override; no line that a peer began. */
+static void
+assert_no_peer_controls(const char *what, const char *text)
+{
+    g_auto(GStrv) lines = g_strsplit(text, "\n", -1);
+
+    if (!g_utf8_validate(text, -1, NULL)) {
+        g_error("%s is not UTF-8:\n%s", what, text);
+    }
+    for (const char *p = text; *p; p = g_utf8_next_char(p)) {
+        gunichar c = g_utf8_get_char(p);
+
+        if ((c < 0x20 && c != '\n') || (c >= 0x7f && c < 0xa0) || c == 0x202e) {
+            g_error("%s has U+%04X at byte %td:\n%s", what, c, p - text, text);
+        }
+    }
+    for (char **l = lines; *l != NULL; l++) {
+        if (g_str_has_prefix(*l, "FORGED") || g_str_has_prefix(*l, "** Message: FORGED")) {
+            g_error("%s has a line of the peer's: '%s'", what, *l);
+        }
+    }
+}
+
+/* pagefoldctl with args; its stdout. */
+static char *
+ctl_output(PfTestDaemon *d, const char *arg1, const char *arg2)
+{
+    const char *argv[] = { g_getenv("PAGEFOLDCTL"), "--socket", d->sock, arg1, arg2, NULL };
+    g_autoptr(GError) error = NULL;
+    g_autoptr(GSubprocess) p =
+        pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE, argv, &error);
+    char *out = NULL;
+
+    g_assert_no_error(error);
+    g_assert_true(g_subprocess_communicate_utf8(p, NULL, NULL, &out, NULL, &error));
+    g_assert_no_error(error);
+    g_assert_true(g_subprocess_get_successful(p));
+    return out;
+}
+
+/* The VM of this process, as list has it (a new reference), once it is
+ * (or is no longer: NULL) listed. */
+static JsonObject *
+wait_own_vm(PfTestDaemon *d, gboolean listed)
+{
+    for (int i = 0; i < 500; i++) {
+        JsonNode *n = pf_test_ctl_json(d, "list", NULL);
+        JsonObject *o = pf_test_find_vm_pid(json_node_get_array(n), getpid());
+
+        o = o != NULL ? json_object_ref(o) : NULL;
+        json_node_unref(n);
+        if ((o != NULL) == listed) {
+            return o;
+        }
+        g_clear_pointer(&o, json_object_unref);
+        g_usleep(10000);
+    }
+    g_error("this process's VM is %slisted", listed ? "not " : "still ");
+}
+
+/* A peer's words reach pagefoldd's log and pagefoldctl's list escaped:
+ * its VM's name (HELLO), a region's (REGION, refused), its reason (READY)
+ * and its ERROR text, all of it (nothing cut at a NUL). */
+static void
+test_peer_text_escaped(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start_logged("--set", "run=0", NULL);
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    static const char error_text[] = "bye\nFORGED-E\x1b[1;1H\xff\xfe\0after NUL";
+    g_autofree char *log = NULL;
+    g_autofree char *list = NULL;
+    g_autofree char *json = NULL;
+    g_autoptr(JsonObject) vm = NULL;
+    PfWireHello h = { PF_PROTO_VERSION, (guint32)getpid() };
+    PfWireRegion r = { 0, PF_PAGE_SIZE, 16 * PF_PAGE_SIZE, PF_PAGE_SIZE, 0 };
+    int fd = connect_agent(d);
+    int notmemfd = open("/dev/null", O_RDWR | O_CLOEXEC);
+
+    h.n_regions = 1;
+    pf_wire_set_string(h.name, sizeof(h.name), EVIL_NAME);
+    g_assert_true(pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL));
+    /* Not a memfd: refused, and its name said in why. */
+    pf_wire_set_string(r.name, sizeof(r.name), EVIL_REGION);
+    g_assert_true(pf_proto_send(fd, PF_MSG_REGION, 0, &r, sizeof(r), &notmemfd, 1, NULL));
+    close(notmemfd);
+    expect_welcome(fd, m);
+    pf_msg_close_fds(m);
+    send_ready(fd, PF_MODE_ADVISE, EVIL_REASON);
+    vm = wait_own_vm(d, TRUE);
+    log = pf_test_daemon_log(d);
+    g_test_message("pagefoldd's log:\n%s", log);
+    assert_no_peer_controls("pagefoldd's log", log);
+    g_assert_nonnull(strstr(log, "vm\\n** Message: FORGED-N\\x1b[31m\\u009b\\u202e"));
+    g_assert_nonnull(strstr(log, "ram\\r\\nFORGED-R\\x1b]0;t\\x07"));
+    g_assert_nonnull(strstr(log, "no\\nFORGED-A\\x1b[2J\\x7f"));
+    /* pagefoldd holds them escaped: its JSON says what its log says. */
+    g_assert_cmpstr(json_object_get_string_member(vm, "name"), ==,
+                    "vm\\n** Message: FORGED-N\\x1b[31m\\u009b\\u202e");
+    list = ctl_output(d, "list", NULL);
+    g_test_message("pagefoldctl list:\n%s", list);
+    assert_no_peer_controls("pagefoldctl list", list);
+    g_assert_nonnull(strstr(list, "FORGED-R"));
+    json = ctl_output(d, "--json", "list");
+    assert_no_peer_controls("pagefoldctl --json list", json);
+    g_assert_true(pf_proto_send(fd, PF_MSG_ERROR, 0, error_text, sizeof(error_text) - 1, NULL,
+                                0, NULL));
+    g_clear_pointer(&vm, json_object_unref);
+    vm = wait_own_vm(d, FALSE);
+    close(fd);
+    /* The detach is logged before the VM leaves the list. */
+    g_clear_pointer(&log, g_free);
+    log = pf_test_daemon_log(d);
+    g_test_message("pagefoldd's log:\n%s", log);
+    assert_no_peer_controls("pagefoldd's log", log);
+    g_assert_nonnull(strstr(log, "bye\\nFORGED-E\\x1b[1;1H\\xff\\xfe\\x00after NUL"));
+}
+
+static guint
+count_lines_with(const char *text, const char *what)
+{
+    guint n = 0;
+
+    for (const char *p = text; (p = strstr(p, what)) != NULL; p += strlen(what)) {
+        n++;
+    }
+    return n;
+}
+
+/* A peer that connects in a loop and sends garbage: pagefoldd refuses
+ * each, and logs a bounded number of lines about its uid's connections,
+ * then one that says how many more it held back. */
+static void
+test_log_flood(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start_logged("--set", "run=0", NULL);
+    g_autofree char *log = NULL;
+    guint closed;
+
+    for (int i = 0; i < 200; i++) {
+        int fd = connect_agent(d);
+        struct pollfd hup = { fd, 0, 0 };
+
+        g_assert_cmpint(send(fd, "garbage", 7, 0), ==, 7);
+        g_assert_cmpint(poll(&hup, 1, 20000), ==, 1);
+        close(fd);
+    }
+    /* The window (10 s in link.c) ends, and its summary is said. */
+    for (int i = 0; i < 200; i++) {
+        g_clear_pointer(&log, g_free);
+        log = pf_test_daemon_log(d);
+        if (strstr(log, "suppressed") != NULL) {
+            break;
+        }
+        g_usleep(100000);
+    }
+    closed = count_lines_with(log, "closed during its handshake");
+    g_test_message("%u of 200 refusals logged:\n%s", closed, log);
+    g_assert_cmpuint(closed, >=, 1);
+    g_assert_cmpuint(closed, <=, 40);
+    g_assert_cmpuint(count_lines_with(log, "\n"), <=, 50);
+    g_assert_nonnull(strstr(log, "agent connections of uid 0: "));
+    g_assert_nonnull(strstr(log, " more line(s) suppressed"));
+}
+
 int
 main(int argc, char **argv)
 {
@@ -1516,5 +1689,7 @@ main(int argc, char **argv)
     g_test_add_func("/link/region-gone", test_region_gone);
     g_test_add_func("/link/agent-group", test_agent_group);
     g_test_add_func("/link/uffd-not-vouched", test_uffd_not_vouched);
+    g_test_add_func("/link/peer-text-escaped", test_peer_text_escaped);
+    g_test_add_func("/link/log-flood", test_log_flood);
     return g_test_run();
 }

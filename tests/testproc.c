@@ -281,7 +281,16 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
     }
     g_ptr_array_add(argv, NULL);
     g_unlink(d->sock);
-    d->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, (const char *const *)argv->pdata, &error);
+    if (d->log != NULL) {
+        g_autoptr(GSubprocessLauncher) l = g_subprocess_launcher_new(G_SUBPROCESS_FLAGS_NONE);
+
+        g_subprocess_launcher_set_child_setup(l, die_with_parent, NULL, NULL);
+        g_subprocess_launcher_set_stderr_file_path(l, d->log);
+        d->proc = g_subprocess_launcher_spawnv(l, (const char *const *)argv->pdata, &error);
+    } else {
+        d->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, (const char *const *)argv->pdata,
+                                 &error);
+    }
     g_assert_no_error(error);
     for (int i = 0; i < 200 && !(g_file_test(d->sock, G_FILE_TEST_EXISTS) &&
                                  g_file_test(d->agent_sock, G_FILE_TEST_EXISTS)); i++) {
@@ -303,21 +312,52 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
     }
 }
 
-PfTestDaemon *
-pf_test_daemon_start(const char *first_arg, ...)
+static PfTestDaemon *
+daemon_new(gboolean logged)
 {
     PfTestDaemon *d = g_new0(PfTestDaemon, 1);
     g_autoptr(GError) error = NULL;
-    va_list ap;
 
     d->dir = g_dir_make_tmp("pagefold-test-XXXXXX", &error);
     g_assert_no_error(error);
     d->sock = g_build_filename(d->dir, "pagefoldd.sock", NULL);
     d->agent_sock = g_build_filename(d->dir, "agent.sock", NULL);
+    d->log = logged ? g_build_filename(d->dir, "pagefoldd.log", NULL) : NULL;
+    return d;
+}
+
+PfTestDaemon *
+pf_test_daemon_start(const char *first_arg, ...)
+{
+    PfTestDaemon *d = daemon_new(FALSE);
+    va_list ap;
+
     va_start(ap, first_arg);
     daemon_spawn(d, first_arg, ap);
     va_end(ap);
     return d;
+}
+
+PfTestDaemon *
+pf_test_daemon_start_logged(const char *first_arg, ...)
+{
+    PfTestDaemon *d = daemon_new(TRUE);
+    va_list ap;
+
+    va_start(ap, first_arg);
+    daemon_spawn(d, first_arg, ap);
+    va_end(ap);
+    return d;
+}
+
+char *
+pf_test_daemon_log(PfTestDaemon *d)
+{
+    char *text = NULL;
+
+    g_assert_nonnull(d->log);
+    g_assert_true(g_file_get_contents(d->log, &text, NULL, NULL));
+    return text;
 }
 
 void
@@ -341,6 +381,10 @@ pf_test_daemon_free(PfTestDaemon *d)
     }
     g_unlink(d->sock);
     g_unlink(d->agent_sock);
+    if (d->log != NULL) {
+        g_unlink(d->log);
+        g_free(d->log);
+    }
     g_rmdir(d->dir);
     g_free(d->sock);
     g_free(d->agent_sock);

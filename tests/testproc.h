@@ -63,12 +63,17 @@ typedef struct {
     char *dir;
     char *sock;       /* control */
     char *agent_sock; /* agents */
+    char *log;        /* its stderr, when started logged; else NULL (the test's) */
     GSubprocess *proc;
 } PfTestDaemon;
 
 /* Starts pagefoldd with the extra NULL-terminated arguments, waits for its
  * sockets. */
 PfTestDaemon *pf_test_daemon_start(const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
+/* The same with its stderr (its log) in a file of the test's, d->log. */
+PfTestDaemon *pf_test_daemon_start_logged(const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
+/* All it has logged so far (started logged). */
+char *pf_test_daemon_log(PfTestDaemon *d);
 /* Starts it again on the same sockets (after a kill). */
 void pf_test_daemon_restart(PfTestDaemon *d, const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
 void pf_test_daemon_free(PfTestDaemon *d);
