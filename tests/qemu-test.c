@@ -809,14 +809,11 @@ test_odirect(gconstpointer data)
 
 /* ---- a VM's whole life ---- */
 
-/* The live regions pagefoldd lists for VM name (refused and gone ones
- * aside). */
+/* The live regions of a VM's "regions" in list (refused and gone ones
+ * aside); *addr_of: the address of the one named region. */
 static guint
-live_regions(PfTestDaemon *d, const char *name, guint64 *addr_of, const char *region)
+count_live(JsonArray *regions, guint64 *addr_of, const char *region)
 {
-    JsonNode *list = pf_test_ctl_json(d, "list", NULL);
-    JsonArray *regions = json_object_get_array_member(attached_vm(json_node_get_array(list), name),
-                                                      "regions");
     guint n = 0;
 
     for (guint i = 0; i < json_array_get_length(regions); i++) {
@@ -830,8 +827,49 @@ live_regions(PfTestDaemon *d, const char *name, guint64 *addr_of, const char *re
             *addr_of = (guint64)json_object_get_int_member(r, "host_addr");
         }
     }
+    return n;
+}
+
+/* The live regions pagefoldd lists for VM name (refused and gone ones
+ * aside). */
+static guint
+live_regions(PfTestDaemon *d, const char *name, guint64 *addr_of, const char *region)
+{
+    JsonNode *list = pf_test_ctl_json(d, "list", NULL);
+    JsonArray *regions = json_object_get_array_member(attached_vm(json_node_get_array(list), name),
+                                                      "regions");
+    guint n = count_live(regions, addr_of, region);
+
     json_node_unref(list);
     return n;
+}
+
+/* The same, G_MAXUINT while the VM is not attached (yet). */
+static guint
+live_regions_if_attached(PfTestDaemon *d, const char *name, guint64 *addr_of,
+                         const char *region)
+{
+    g_autoptr(JsonNode) list = pf_test_ctl_json(d, "list", NULL);
+    JsonObject *vm = pf_test_find_vm(json_node_get_array(list), name);
+
+    return vm != NULL ? count_live(json_object_get_array_member(vm, "regions"), addr_of, region)
+                      : G_MAXUINT;
+}
+
+
+/* Waits until pagefoldd lists want live regions for VM name: a region the
+ * agent announces is checked off pagefoldd's main loop, so it is listed a
+ * little after QEMU has done with it. */
+static void
+wait_live_regions(PfTestDaemon *d, const char *name, guint want, guint64 *addr_of,
+                  const char *region)
+{
+    for (int i = 0; live_regions_if_attached(d, name, addr_of, region) != want; i++) {
+        if (i >= 3000) {
+            g_error("VM %s: pagefoldd did not list %u live regions within 60 s", name, want);
+        }
+        g_usleep(20000);
+    }
 }
 
 /* The agent's view of one region: merging, or why not (NULL: absent). */
@@ -939,12 +977,12 @@ test_hotplug(void)
     json_node_unref(pf_test_guest_qmp(g, "object-add",
                                       "{\"qom-type\": \"memory-backend-memfd\", \"id\": \"mem1\","
                                       " \"size\": 134217728, \"share\": true}"));
-    g_assert_cmpuint(live_regions(d, g->name, NULL, NULL), ==, 1);
+    wait_live_regions(d, g->name, 1, NULL, NULL);
     json_node_unref(pf_test_guest_qmp(g, "device_add",
                                       "{\"driver\": \"pc-dimm\", \"id\": \"dimm1\","
                                       " \"memdev\": \"mem1\"}"));
     g_free(pf_test_guest_expect(g, "PFGUEST LATE filled", 120));
-    g_assert_cmpuint(live_regions(d, g->name, &dimm, "mem1"), ==, 2);
+    wait_live_regions(d, g->name, 2, &dimm, "mem1");
     g_assert_cmpuint(dimm, !=, 0);
     ino = mapped_inode(g->pid, dimm); /* its memfd, before any merge */
 
@@ -1037,7 +1075,7 @@ test_regions(void)
     assert_region_refused(g, "m3", "merge=off");
     assert_region_refused(g, "m4", "NUMA");
     g_assert_null(agent_region(g, "spare"));
-    g_assert_cmpuint(live_regions(d, g->name, &m0_addr, "m0"), ==, 1);
+    wait_live_regions(d, g->name, 1, &m0_addr, "m0");
 
     /* m0 merges; its remapped pages carry its dump=off, nothing else is
      * write-protected. */
@@ -1071,7 +1109,7 @@ test_regions(void)
     json_node_unref(pf_test_guest_qmp(g, "qom-set",
                                       "{\"path\": \"/objects/m0\", \"property\": \"merge\","
                                       " \"value\": true}"));
-    g_assert_cmpuint(live_regions(d, g->name, NULL, NULL), ==, 1);
+    wait_live_regions(d, g->name, 1, NULL, NULL);
     s = pf_test_ctl_json(d, "scan-now", "3", NULL);
     g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 32 * 256 / 5 * 9 / 10);
     json_node_unref(s);
@@ -1178,7 +1216,7 @@ test_object_add(void)
     args = g_strdup_printf("{\"qom-type\": \"x-pagefold-agent\", \"id\": \"pf0\","
                            " \"socket\": \"%s\"}", d->agent_sock);
     json_node_unref(pf_test_guest_qmp(g, "object-add", args));
-    for (int i = 0; i < 100; i++) {
+    for (int i = 0; i < 1200; i++) {
         g_clear_pointer(&agent, json_object_unref);
         agent = agent_info(g);
         if (json_object_get_boolean_member(agent, "connected")) {
@@ -1188,6 +1226,7 @@ test_object_add(void)
     }
     g_assert_true(json_object_get_boolean_member(agent, "connected"));
     g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
+    wait_live_regions(d, g->name, 1, NULL, NULL);
     s = pf_test_ctl_json(d, "scan-now", "3", NULL);
     g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 16 * 256 / 5 * 9 / 10);
     json_node_unref(s);
