@@ -56,12 +56,13 @@ guest_start(const char *agent_sock, const char *name, int seed, int seconds, gbo
     return pf_test_guest_start(&spec);
 }
 
-/* The guest's next check passes, then its whole run (it powers off). */
+/* The guest's next check passes, then its whole run (told to end, it
+ * powers off). */
 static void
 guest_passes(Guest *g)
 {
     g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 180));
+    g_free(pf_test_guest_expect_pass(g, 180));
     pf_test_guest_free(g);
 }
 
@@ -109,7 +110,7 @@ test_two_guests(void)
     /* The guests check everything while merged, and at the end. */
     for (int i = 0; i < 2; i++) {
         g_free(pf_test_guest_expect(g[i], "PFGUEST CHECK ok", 60));
-        g_free(pf_test_guest_expect(g[i], "PFGUEST PASS", 120));
+        g_free(pf_test_guest_expect_pass(g[i], 120));
     }
     json_node_unref(s);
     for (int i = 0; i < 2; i++) {
@@ -131,8 +132,9 @@ test_reboot_restart_shutdown(void)
         return;
     }
     d = pf_test_daemon_start("--set", "run=0", NULL);
-    g[0] = guest_start(d->agent_sock, "rb0", 1, 16, TRUE);  /* reboots after 16 s */
-    g[1] = guest_start(d->agent_sock, "rb1", 2, 16, FALSE); /* powers off after 16 s */
+    /* After 16 s, once told: rb0 reboots, rb1 powers off. */
+    g[0] = guest_start(d->agent_sock, "rb0", 1, 16, TRUE);
+    g[1] = guest_start(d->agent_sock, "rb1", 2, 16, FALSE);
     for (int i = 0; i < 2; i++) {
         g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
     }
@@ -141,16 +143,16 @@ test_reboot_restart_shutdown(void)
     json_node_unref(s);
 
     /* rb0 reboots: the same RAM, rewritten by a fresh kernel and pfguest. */
-    g_free(pf_test_guest_expect(g[0], "PFGUEST PASS", 120));
+    g_free(pf_test_guest_expect_pass(g[0], 120));
     g_free(pf_test_guest_expect(g[0], "PFGUEST READY", 120));
     s = pf_test_ctl_json(d, "scan-now", "2", NULL);
     json_node_unref(s);
     g_free(pf_test_guest_expect(g[0], "PFGUEST CHECK ok", 60));
 
     /* rb1 powers off while merged: its slots go with it. */
-    g_free(pf_test_guest_expect(g[1], "PFGUEST PASS", 120));
+    g_free(pf_test_guest_expect_pass(g[1], 120));
     g_subprocess_wait(g[1]->proc, NULL, NULL);
-    for (int i = 0; i < 100; i++) {
+    for (int i = 0; i < 1200; i++) {
         s = pf_test_ctl_json(d, "list", NULL);
         if (json_array_get_length(json_node_get_array(s)) == 1) {
             json_node_unref(s);
@@ -169,7 +171,7 @@ test_reboot_restart_shutdown(void)
     g_subprocess_wait(d->proc, NULL, NULL);
     pf_test_daemon_restart(d, "--set", "run=0", NULL);
     g_free(pf_test_guest_expect(g[0], "PFGUEST CHECK ok", 60));
-    g_free(pf_test_guest_expect(g[0], "PFGUEST PASS", 120));
+    g_free(pf_test_guest_expect_pass(g[0], 120));
     for (int i = 0; i < 2; i++) {
         pf_test_guest_free(g[i]);
     }
@@ -364,7 +366,7 @@ test_advise_vhost_user(void)
     g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
     json_node_unref(s);
     assert_advise(d, g, "vhost-user");
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
+    g_free(pf_test_guest_expect_pass(g, 120));
     pf_test_guest_free(g);
     fake_vhost_user_free(f);
     g_rmdir(dir);
@@ -571,7 +573,7 @@ test_advise_private_ram(void)
     g = pf_test_guest_start(&spec);
     g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
     assert_advise(d, g, "not shared memfd RAM");
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
+    g_free(pf_test_guest_expect_pass(g, 120));
     pf_test_guest_free(g);
 }
 
@@ -784,6 +786,7 @@ test_odirect(gconstpointer data)
         g_autofree char *counts = NULL;
         unsigned long reads = 0, pages = 0, bad = 1;
 
+        pf_test_guest_tell_stop(g[i]);
         for (;;) {
             char *line = pf_test_guest_expect(g[i], "PFGUEST", ODIRECT_SECONDS + 60);
 
@@ -1289,7 +1292,7 @@ test_no_name(void)
     }
     json_node_unref(list);
     for (int i = 0; i < 2; i++) {
-        g_free(pf_test_guest_expect(g[i], "PFGUEST PASS", 120));
+        g_free(pf_test_guest_expect_pass(g[i], 120));
         pf_test_guest_free(g[i]);
     }
 }
@@ -1319,7 +1322,7 @@ test_advise_virtio_gpu_blob(void)
     g = pf_test_guest_start(&spec);
     g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
     assert_advise(d, g, "virtio-gpu blob");
-    g_free(pf_test_guest_expect(g, "PFGUEST PASS", 120));
+    g_free(pf_test_guest_expect_pass(g, 120));
     pf_test_guest_free(g);
 }
 

@@ -81,7 +81,7 @@ pf_test_guest_start(const PfGuestSpec *spec)
                                              spec->agent_sock);
     g_autofree char *append = g_strdup_printf(
         "console=ttyS0 quiet pfguest.mib=%d pfguest.seed=%d pfguest.seconds=%d "
-        "pfguest.check_s=%d pfguest.reboot=%d %s", spec->fill_mib, spec->seed, spec->seconds,
+        "pfguest.until_told=1 pfguest.check_s=%d pfguest.reboot=%d %s", spec->fill_mib, spec->seed, spec->seconds,
         spec->check_s, spec->reboot, spec->cmdline ? spec->cmdline : "");
     g_autofree char *guestname = g_strdup_printf("guest=%s", spec->name);
     g_autofree char *m = spec->maxmem_mib > 0
@@ -186,6 +186,24 @@ char *
 pf_test_guest_expect_text(Guest *g, const char *text, guint seconds)
 {
     return expect_line(g, text, TRUE, seconds);
+}
+
+void
+pf_test_guest_tell_stop(Guest *g)
+{
+    static const char stop[] = "pfguest-stop\n";
+    g_autoptr(GError) error = NULL;
+
+    g_assert_true(g_output_stream_write_all(g_subprocess_get_stdin_pipe(g->proc), stop,
+                                            strlen(stop), NULL, NULL, &error));
+    g_assert_no_error(error);
+}
+
+char *
+pf_test_guest_expect_pass(Guest *g, guint seconds)
+{
+    pf_test_guest_tell_stop(g);
+    return expect_line(g, "PFGUEST PASS", FALSE, seconds);
 }
 
 void

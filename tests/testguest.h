@@ -15,7 +15,8 @@ typedef struct {
     int ram_mib;
     int fill_mib;           /* what pfguest fills */
     int seed;
-    int seconds;            /* pfguest runs this long, then powers off */
+    int seconds;            /* pfguest runs at least this long, and until
+                             * pf_test_guest_tell_stop(); then powers off */
     int check_s;            /* between its checks of all it wrote */
     gboolean reboot;        /* reboot instead of powering off */
     gboolean private_ram;   /* with the agent, memfd RAM without share=on */
@@ -47,6 +48,12 @@ char *pf_test_guest_expect(Guest *g, const char *prefix, guint seconds);
 /* The same for a line that contains text anywhere: QEMU's own lines
  * (those that say "pagefold") start with its program name. */
 char *pf_test_guest_expect_text(Guest *g, const char *text, guint seconds);
+/* The test is done with the guest: pfguest ends its run once its seconds
+ * have passed (never before it is told: a slow host must not see a guest
+ * end while the test still needs it). */
+void pf_test_guest_tell_stop(Guest *g);
+/* Tells it, and waits for its "PFGUEST PASS". */
+char *pf_test_guest_expect_pass(Guest *g, guint seconds);
 /* A whole check of all the guest wrote, begun after this call, passes
  * (lines queued before it are passed over, and fail on a FAIL). */
 void pf_test_guest_check_now(Guest *g);

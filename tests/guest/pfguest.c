@@ -14,6 +14,10 @@
  * pfguest.scratch_mib= (0) and pfguest.scratch_s= (10): memory filled
  * right after READY (half zero, half one content repeated) and given back
  * to the guest kernel after scratch_s seconds, for a balloon to take.
+ * pfguest.until_told=1: it runs on past pfguest.seconds until its console
+ * says "pfguest-stop" (the host test sends it when it is done with the
+ * guest): a run's end is then the test's to decide, not a race between
+ * the guest's clock and a host that may be slow.
  * pfguest.late_mib= (0): once the guest has that much more RAM than at
  * the start (memory plugged in and onlined), fill that much more the same
  * way as scratch, keep it and check it with the rest: it lands in the new
@@ -41,6 +45,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -199,6 +204,36 @@ odirect_read(Odirect *o)
     }
 }
 
+/* Whether the console said "pfguest-stop" (non-blocking; the terminal
+ * hands over whole lines). */
+static int
+told_to_stop(void)
+{
+    static char seen[256];
+    static size_t len;
+    struct pollfd p = { 0, POLLIN, 0 };
+    ssize_t got;
+
+    while (poll(&p, 1, 0) == 1 && (p.revents & POLLIN)) {
+        if (len == sizeof(seen) - 1) {
+            len = 0;
+        }
+        got = read(0, seen + len, sizeof(seen) - 1 - len);
+        if (got <= 0) {
+            return 0;
+        }
+        len += (size_t)got;
+        seen[len] = 0;
+        if (strstr(seen, "pfguest-stop") != NULL) {
+            return 1;
+        }
+        if (memchr(seen, '\n', len) != NULL) {
+            len = 0;
+        }
+    }
+    return 0;
+}
+
 /* Reads for ms milliseconds. */
 static void
 odirect_for(Odirect *o, unsigned long ms)
@@ -256,7 +291,8 @@ main(void)
     char cmdline[4096] = "";
     FILE *f;
     unsigned long mib, seed, vol_pct, period_ms, check_s, seconds, reboot_after;
-    unsigned long scratch_mib, scratch_s, odirect_bufs, late_mib;
+    unsigned long scratch_mib, scratch_s, odirect_bufs, late_mib, until_told;
+    int told = 0;
     uint8_t *scratch = NULL, *late = NULL;
     unsigned long long ram_at_start = 0;
     Odirect od = { .fd = -1 };
@@ -284,6 +320,7 @@ main(void)
     scratch_s = param(cmdline, "pfguest.scratch_s=", 10);
     odirect_bufs = param(cmdline, "pfguest.odirect=", 0);
     late_mib = param(cmdline, "pfguest.late_mib=", 0);
+    until_told = param(cmdline, "pfguest.until_told=", 0);
     ram_at_start = total_ram();
 
     pages = mib * 256;
@@ -338,10 +375,11 @@ main(void)
     }
 
     start = last_check = now();
-    while (seconds == 0 || now() - start < seconds) {
+    while (seconds == 0 || now() - start < seconds || (until_told && !told)) {
         size_t bad = 0;
         double t0;
 
+        told = told || (until_told && told_to_stop());
         if (scratch != NULL && now() - start >= scratch_s) {
             /* Back to the guest kernel's free pages, merged as they are. */
             munmap(scratch, scratch_mib << 20);
