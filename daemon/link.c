@@ -710,24 +710,81 @@ handshakes_of(PfLinkServer *srv, pid_t pid)
     return n;
 }
 
+/*
+ * The handshake that gives way when all places are taken: the oldest of
+ * the uid that holds the most (the newcomer's own counted), so that a uid
+ * whose processes connect in a loop takes places from itself, never from
+ * another uid's VMs.  Where no uid holds more than one, the oldest of
+ * all.
+ */
+static PfLink *
+handshake_to_evict(PfLinkServer *srv, uid_t newcomer)
+{
+    g_autoptr(GHashTable) held = g_hash_table_new(NULL, NULL);
+    guint most = 0;
+    uid_t top = newcomer;
+    PfLink *oldest = NULL;
+
+    g_hash_table_insert(held, GUINT_TO_POINTER(newcomer), GUINT_TO_POINTER(1));
+    for (guint i = 0; i < srv->handshakes->len; i++) {
+        PfLink *l = g_ptr_array_index(srv->handshakes, i);
+        guint n = GPOINTER_TO_UINT(g_hash_table_lookup(held, GUINT_TO_POINTER(l->peer_uid)));
+
+        g_hash_table_insert(held, GUINT_TO_POINTER(l->peer_uid), GUINT_TO_POINTER(n + 1));
+    }
+    most = GPOINTER_TO_UINT(g_hash_table_lookup(held, GUINT_TO_POINTER(newcomer)));
+    for (guint i = 0; i < srv->handshakes->len; i++) {
+        PfLink *l = g_ptr_array_index(srv->handshakes, i);
+        guint n = GPOINTER_TO_UINT(g_hash_table_lookup(held, GUINT_TO_POINTER(l->peer_uid)));
+
+        if (n > most) {
+            most = n;
+            top = l->peer_uid;
+        }
+    }
+    for (guint i = 0; i < srv->handshakes->len && oldest == NULL; i++) {
+        PfLink *l = g_ptr_array_index(srv->handshakes, i);
+
+        if (l->peer_uid == top) {
+            oldest = l;
+        }
+    }
+    return oldest != NULL ? oldest : g_ptr_array_index(srv->handshakes, 0);
+}
+
+static void accept_one(PfLinkServer *srv, int sock);
+
+/* Every connection waiting is taken at once: one a wake-up would let a
+ * peer that connects in a loop keep the queue full for everyone. */
 static gboolean
 listen_cb(gint fd, GIOCondition cond, gpointer user)
 {
     PfLinkServer *srv = user;
+
+    for (guint i = 0; i < 4 * MAX_HANDSHAKES; i++) {
+        int sock = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+
+        if (sock < 0) {
+            break;
+        }
+        accept_one(srv, sock);
+    }
+    return G_SOURCE_CONTINUE;
+}
+
+static void
+accept_one(PfLinkServer *srv, int sock)
+{
     g_autoptr(GError) error = NULL;
     struct ucred cred;
     socklen_t len = sizeof(cred);
-    int sock = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     int pidfd, proc_dir, buf = SOCKET_SNDBUF;
     PfLink *l;
 
-    if (sock < 0) {
-        return G_SOURCE_CONTINUE;
-    }
     /* pid 0: a process outside pagefoldd's pid namespace. */
     if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.pid <= 0) {
         refuse_socket(srv, sock, (uid_t)-1, "no process id for this connection");
-        return G_SOURCE_CONTINUE;
+        return;
     }
     if (!handshake_peer_permitted(srv, sock, &cred)) {
         refuse_socket(srv, sock, cred.uid,
@@ -735,25 +792,25 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
                       cred.pid, (guint)cred.uid, (guint)cred.gid,
                       srv->group_allowed ? " and the members of the agent socket's group" : "",
                       srv->group_allowed ? "" : " (pagefoldd --agent-group opens it to a group)");
-        return G_SOURCE_CONTINUE;
+        return;
     }
     /* A process that holds its places idle only loses its own time. */
     if (handshakes_of(srv, cred.pid) >= MAX_HANDSHAKES_PER_PROCESS) {
         refuse_socket(srv, sock, cred.uid,
                       "process %d already has %u agent handshakes in progress", cred.pid,
                       MAX_HANDSHAKES_PER_PROCESS);
-        return G_SOURCE_CONTINUE;
+        return;
     }
     if (!handshake_pin_peer(sock, cred.pid, &pidfd, &proc_dir, &error)) {
         refuse_socket(srv, sock, cred.uid, "%s", error->message);
-        return G_SOURCE_CONTINUE;
+        return;
     }
-    /* Many processes holding places idle: the oldest gives way.  An agent
-     * sends its whole handshake at once, so that is rarely a real one. */
+    /* Many processes holding places idle: one gives way (an agent sends
+     * its whole handshake at once, so that is rarely a real one). */
     if (srv->handshakes->len >= MAX_HANDSHAKES) {
-        link_refuse(g_ptr_array_index(srv->handshakes, 0),
-                    "too many agent handshakes in progress (%u): the oldest gives way",
-                    MAX_HANDSHAKES);
+        link_refuse(handshake_to_evict(srv, cred.uid),
+                    "too many agent handshakes in progress (%u): the oldest of the uid "
+                    "holding the most gives way", MAX_HANDSHAKES);
     }
     /* Enough for a few batches; more waits in the link's queue. */
     setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
@@ -769,7 +826,6 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     l->watch = g_unix_fd_add(sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
     l->handshake_timer = g_timeout_add(HANDSHAKE_TIMEOUT_MS, handshake_timeout_cb, l);
     g_ptr_array_add(srv->handshakes, l);
-    return G_SOURCE_CONTINUE;
 }
 
 /* ---- the scanner's listener ---- */

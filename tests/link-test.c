@@ -826,6 +826,69 @@ test_many_idle(void)
     }
 }
 
+/* A process of uid nobody that connects in a loop, as fast as it can:
+ * it holds up to 4 connections, and drops the oldest for a new one. */
+static int
+flooder(PfTestDaemon *d)
+{
+    int pid = fork();
+
+    g_assert_cmpint(pid, >=, 0);
+    if (pid == 0) {
+        struct sockaddr_un addr = { .sun_family = AF_UNIX };
+        int held[4] = { -1, -1, -1, -1 };
+
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (setgroups(0, NULL) < 0 || setgid(65534) < 0 || setuid(65534) < 0) {
+            _exit(1);
+        }
+        g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
+        for (guint i = 0;; i++) {
+            int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+
+            if (held[i % 4] >= 0) {
+                close(held[i % 4]);
+            }
+            held[i % 4] = connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0 ? fd : -1;
+            if (held[i % 4] < 0) {
+                close(fd);
+            }
+        }
+    }
+    return pid;
+}
+
+/*
+ * A flood of connections from one uid (32 processes of nobody, in the
+ * agent socket's group, reconnecting in a loop) costs the VMs of another
+ * uid nothing: each VM started meanwhile attaches, merging.  pagefoldd
+ * takes every connection waiting at each wake-up, and when all handshake
+ * places are taken, the uid holding the most gives one up.
+ */
+static void
+test_flood(void)
+{
+    g_autoptr(PfTestDaemon) d =
+        pf_test_daemon_start("--set", "run=0", "--agent-group", "nogroup", NULL);
+    int flooders[32];
+
+    for (guint i = 0; i < G_N_ELEMENTS(flooders); i++) {
+        flooders[i] = flooder(d);
+    }
+    g_usleep(G_USEC_PER_SEC); /* the flood under way */
+    for (int i = 0; i < 3; i++) {
+        g_autofree char *name = g_strdup_printf("vm%d", i);
+        g_autoptr(PfTestVmm) v = vmm_start(d, name, "4");
+
+        g_assert_nonnull(v);
+        g_test_message("%s: mode %s", name, v->mode);
+        g_assert_cmpstr(v->mode, ==, "merge");
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(flooders); i++) {
+        pf_guest_release(flooders[i]);
+    }
+}
+
 /*
  * A merging peer that stops reading its socket is given up without
  * pagefoldd ever waiting on it: the control socket keeps answering at once
@@ -1682,6 +1745,7 @@ main(int argc, char **argv)
     g_test_add_func("/link/ready", test_ready);
     g_test_add_func("/link/handshake-timeout", test_handshake_timeout);
     g_test_add_func("/link/many-idle", test_many_idle);
+    g_test_add_func("/link/flood", test_flood);
     g_test_add_func("/link/not-reading", test_not_reading);
     g_test_add_func("/link/no-region", test_no_region);
     g_test_add_func("/link/bad-region-kept", test_bad_region_kept);
