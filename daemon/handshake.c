@@ -373,6 +373,8 @@ static gboolean
 handshake_vouched(PfLink *l, char **why)
 {
     g_autoptr(GError) error = NULL;
+    g_autofree char *name = NULL;
+    g_autofree char *reason = NULL;
     int pid;
 
     if (l->peer_uid == 0 || l->peer_uid == geteuid()) {
@@ -382,10 +384,12 @@ handshake_vouched(PfLink *l, char **why)
     if (pid == l->peer_pid) {
         return TRUE;
     }
+    /* Both hold the name the peer chose. */
+    name = pf_escape_text(l->hello.name, -1);
+    reason = pf_escape_text(error ? error->message : "it names another process", -1);
     *why = g_strdup_printf("uid %u is not root's, and libvirt's status file of domain '%s' "
                            "does not name process %d as its QEMU: %s",
-                           (guint)l->peer_uid, l->hello.name, l->peer_pid,
-                           error ? error->message : "it names another process");
+                           (guint)l->peer_uid, name, l->peer_pid, reason);
     return FALSE;
 }
 
@@ -415,8 +419,7 @@ handshake_welcome(PfLink *l, PfWireMode *w)
          * reason is prefixed with this (handshake_ready()). */
         l->no_uffd_why = g_strdup_printf("not vouched for by root: no /dev/userfaultfd (%s)",
                                          why);
-        g_message("agent of process %d (VM '%s'): %s", l->peer_pid, l->hello.name,
-                  l->no_uffd_why);
+        g_message("agent of process %d: %s", l->peer_pid, l->no_uffd_why);
         fd = -1;
     }
     l->offered_merge = w->mode == PF_MODE_MERGE;
