@@ -238,8 +238,35 @@ handshake_cancel_check(PfLink *l)
     }
 }
 
+/* Guest RAM the live links of a uid that root vouched for none of
+ * announce, in all (handshakes and running VMs). */
+static guint64
+unvouched_bytes_of(PfLinkServer *srv, uid_t uid)
+{
+    GHashTableIter it;
+    gpointer value;
+    guint64 sum = 0;
+
+    for (guint i = 0; i < srv->handshakes->len; i++) {
+        PfLink *l = g_ptr_array_index(srv->handshakes, i);
+
+        sum += l->peer_uid == uid && !l->vouched ? l->announced_bytes : 0;
+    }
+    g_hash_table_iter_init(&it, srv->running);
+    while (g_hash_table_iter_next(&it, NULL, &value)) {
+        PfLink *l = value;
+
+        sum += l->peer_uid == uid && !l->vouched ? l->announced_bytes : 0;
+    }
+    return sum;
+}
+
 /* A REGION whose mapping passed: it must overlap no live region of the VM
- * (regions: those announced before) and keep the VM within its cap. */
+ * (regions: those announced before) and keep the VM within its cap, and
+ * the VMs of its uid within theirs where root vouched for none of them:
+ * page ids are 32-bit and given for all RAM announced, sparse or not, so
+ * without it a few processes of any uid in the agent group could take
+ * every id and leave later VMs unmerged. */
 static gboolean
 region_fits(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, const char *name,
             GError **error)
@@ -260,6 +287,16 @@ region_fits(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, const char *n
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "region %s: regions of more than %" G_GUINT64_FORMAT " GiB in all",
                     name, PF_MAX_VM_BYTES >> 30);
+        return FALSE;
+    }
+    if (!l->vouched &&
+        wr->size > PF_MAX_UNVOUCHED_UID_BYTES - MIN(unvouched_bytes_of(l->srv, l->peer_uid),
+                                                    PF_MAX_UNVOUCHED_UID_BYTES)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "region %s: the VMs of uid %u, none of them vouched for by root, would "
+                    "announce more than %" G_GUINT64_FORMAT " GiB in all (page ids are kept "
+                    "for the others)",
+                    name, (guint)l->peer_uid, PF_MAX_UNVOUCHED_UID_BYTES >> 30);
         return FALSE;
     }
     return TRUE;
@@ -393,10 +430,15 @@ handshake_vouched(PfLink *l, char **why)
     return FALSE;
 }
 
+void
+handshake_vouch(PfLink *l)
+{
+    l->vouched = handshake_vouched(l, &l->vouch_why);
+}
+
 int
 handshake_welcome(PfLink *l, PfWireMode *w)
 {
-    g_autofree char *why = NULL;
     int fd = l->srv->uffd_dev;
 
     *w = (PfWireMode){ PF_PROTO_VERSION, PF_MODE_MERGE, "" };
@@ -412,13 +454,13 @@ handshake_welcome(PfLink *l, PfWireMode *w)
         w->mode = PF_MODE_ADVISE;
         pf_wire_set_string(w->reason, sizeof(w->reason), first);
         fd = -1;
-    } else if (fd >= 0 && !handshake_vouched(l, &why)) {
+    } else if (fd >= 0 && !l->vouched) {
         /* Merge is still offered: a VMM the kernel lets make a userfaultfd
          * of its own (vm.unprivileged_userfaultfd=1) needs nothing of
          * pagefoldd's.  One that cannot stays in advise mode, and READY's
          * reason is prefixed with this (handshake_ready()). */
         l->no_uffd_why = g_strdup_printf("not vouched for by root: no /dev/userfaultfd (%s)",
-                                         why);
+                                         l->vouch_why);
         g_message("agent of process %d: %s", l->peer_pid, l->no_uffd_why);
         fd = -1;
     }

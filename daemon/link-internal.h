@@ -45,6 +45,8 @@ struct _PfLink {
     guint handshake_timer;
     gboolean offered_merge; /* WELCOME said merge */
     char *no_uffd_why; /* merge offered without /dev/userfaultfd: why */
+    gboolean vouched;  /* root vouched for it (handshake_vouch()), from HELLO */
+    char *vouch_why;   /* why not */
     guint64 announced_bytes; /* of its live regions */
     guint n_refused;         /* regions refused (placeholders) */
     PfWireHello hello;
@@ -71,6 +73,10 @@ void link_peer_message(PfLinkServer *srv, uid_t uid, const char *fmt, ...) G_GNU
  * pidfd showed it alive. */
 gboolean handshake_pin_peer(int sock, pid_t pid, int *pidfd_out, int *proc_dir_out,
                             GError **error);
+/* HELLO taken: whether root vouched for the peer as a VMM (l->vouched,
+ * l->vouch_why), which decides what it may have: /dev/userfaultfd, and
+ * page ids past its uid's share. */
+void handshake_vouch(PfLink *l);
 /* Whether the connecting process may be an agent. */
 gboolean handshake_peer_permitted(PfLinkServer *srv, int sock, const struct ucred *cred);
 /* Where a link goes on once a message was checked, from the main loop:

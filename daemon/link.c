@@ -177,6 +177,7 @@ link_free(PfLink *l)
 {
     g_free(l->broken_why);
     g_free(l->no_uffd_why);
+    g_free(l->vouch_why);
     g_free(l);
 }
 
@@ -534,6 +535,7 @@ on_message(PfLink *l, PfMsg *msg)
             return link_refuse(l, "HELLO says pid %u, the socket says %d", h->pid, l->peer_pid);
         }
         l->hello = *h;
+        handshake_vouch(l);
         l->state = LINK_REGIONS;
         return h->n_regions > 0 || link_welcome(l);
     }
