@@ -168,6 +168,10 @@ int pfa_fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy,
 int pfa_remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c,
                   guint32 slot);
 
+/* agent-link.c: one message of pagefoldd's, checked by pf_proto_recv(),
+ * done (the agent thread's serve(), and the fuzzer's seam). */
+gboolean pfa_dispatch(PfAgent *a, PfMsg *msg, GError **error);
+
 /* agent-items.c */
 gboolean pfa_handle_request(PfAgent *a, const PfMsg *msg, GError **error);
 

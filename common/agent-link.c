@@ -204,9 +204,10 @@ stopping(PfAgent *a)
 /*
  * Does what one message of pagefoldd asks; FALSE when the link is to end
  * (with error set, but for pagefoldd's own ERROR).  Called with work held.
+ * Not static: tests/fuzz/agent-dispatch.c feeds it decoded messages.
  */
-static gboolean
-dispatch(PfAgent *a, PfMsg *msg, GError **error)
+gboolean
+pfa_dispatch(PfAgent *a, PfMsg *msg, GError **error)
 {
     switch (msg->header.type) {
     case PF_MSG_POOL:
@@ -254,7 +255,7 @@ serve(PfAgent *a)
             return;
         }
         g_mutex_lock(&a->work);
-        ok = dispatch(a, msg, &error);
+        ok = pfa_dispatch(a, msg, &error);
         pf_msg_close_fds(msg);
         if (!ok && error != NULL) {
             g_warning("pagefold agent: %s; disconnecting", error->message);

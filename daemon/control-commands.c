@@ -138,10 +138,17 @@ end_reply(JsonBuilder *b, JsonNode *id)
     return json_to_string(root, FALSE);
 }
 
+/*
+ * desc made valid UTF-8 first: a reply is JSON, and json-glib's own parse
+ * errors quote the request's bad token undecoded (a broken \u escape
+ * comes out as bytes of no character), which the generator would copy
+ * into a reply no client can parse.
+ */
 char *
 pf_control_reply_error(const char *klass, const char *desc, JsonNode *id)
 {
     g_autoptr(JsonBuilder) b = json_builder_new();
+    g_autofree char *valid = g_utf8_make_valid(desc, -1);
 
     json_builder_begin_object(b);
     json_builder_set_member_name(b, "error");
@@ -149,7 +156,7 @@ pf_control_reply_error(const char *klass, const char *desc, JsonNode *id)
     json_builder_set_member_name(b, "class");
     json_builder_add_string_value(b, klass);
     json_builder_set_member_name(b, "desc");
-    json_builder_add_string_value(b, desc);
+    json_builder_add_string_value(b, valid);
     json_builder_end_object(b);
     return end_reply(b, id);
 }

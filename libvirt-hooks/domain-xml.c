@@ -416,8 +416,8 @@ gboolean
 domain_xml_parse(const char *name, const GString *xml, Domain *dom, GError **error)
 {
     static const GMarkupParser parser = { on_start, on_end, on_text, NULL, NULL };
-    Parse p = { .stack = g_ptr_array_new_with_free_func((GDestroyNotify)frame_free), .dom = dom };
-    g_autoptr(GPtrArray) stack = p.stack;
+    g_autoptr(GPtrArray) stack = g_ptr_array_new_with_free_func((GDestroyNotify)frame_free);
+    Parse p = { .stack = stack, .dom = dom };
     g_autoptr(GMarkupParseContext) ctx =
         g_markup_parse_context_new(&parser, G_MARKUP_PREFIX_ERROR_POSITION, &p, NULL);
     g_autoptr(GError) local = NULL;

@@ -19,9 +19,9 @@
  * leave a process holding its stdout or stderr (libvirtd reads them to
  * EOF).
  *
- * This file has the arguments, the operations and main(), and calls down
- * into the others, never the other way: the domain XML is read and parsed
- * in domain-xml.c, pagefoldd started in start-pagefoldd.c, and what all
+ * This file has the operations and main(), and calls down into the
+ * others, never the other way: the command line is parsed in hook-args.c,
+ * the domain XML read and parsed in domain-xml.c, pagefoldd started in start-pagefoldd.c, and what all
  * three share (the Hook, saying what it does, control calls) is in
  * hook-common.c, which calls none of them.
  */
@@ -36,6 +36,7 @@
 
 #include "client.h"
 #include "domain-xml.h"
+#include "hook-args.h"
 #include "hook-common.h"
 #include "hook-config.h"
 #include "label.h"
@@ -63,22 +64,6 @@ static const char usage_text[] =
 
 /* ---- the domain's name and log ---- */
 
-/* The domain's name as a file name: libvirt refuses '/' in names, but the
- * hook makes paths of it as root, so it checks again. */
-static gboolean
-name_is_file_name(const char *name)
-{
-    if (!pf_libvirt_name_is_file_name(name)) {
-        return FALSE;
-    }
-    for (const char *p = name; *p; p++) {
-        if (g_ascii_iscntrl(*p)) {
-            return FALSE;
-        }
-    }
-    return TRUE;
-}
-
 static void
 open_domain_log(Hook *h)
 {
@@ -89,72 +74,6 @@ open_domain_log(Hook *h)
      * link is not followed: the hook runs as root. */
     h->log_fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY,
                      0600);
-}
-
-/* ---- arguments ---- */
-
-static gboolean
-parse_args(Hook *h, int argc, char **argv, GError **error)
-{
-    static const char *const known[] = {
-        "socket", "pagefoldd", "pagefoldd-arg", "pagefoldd-log", "agent-group", "run-dir",
-        "log-dir", NULL
-    };
-    int n_opts = argc - 1 - 4;
-
-    /* libvirt's four come last, whatever they look like (a domain may be
-     * called "--socket"): what is before them must be options. */
-    if (n_opts < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "%d argument(s) where libvirt passes 4: NAME OP SUBOP EXTRA", argc - 1);
-        return FALSE;
-    }
-    for (int i = 1; i <= n_opts; i++) {
-        const char *a = argv[i], *eq, *value;
-        g_autofree char *opt = NULL;
-
-        if (!g_str_has_prefix(a, "--")) {
-            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                        "unexpected argument '%s': libvirt passes 4, NAME OP SUBOP EXTRA, "
-                        "after the options", a);
-            return FALSE;
-        }
-        eq = strchr(a, '=');
-        opt = eq ? g_strndup(a + 2, (gsize)(eq - a - 2)) : g_strdup(a + 2);
-        if (!g_strv_contains(known, opt)) {
-            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "unknown option '%s'", a);
-            return FALSE;
-        }
-        if (eq != NULL) {
-            value = eq + 1;
-        } else if (i < n_opts) {
-            value = argv[++i];
-        } else {
-            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                        "option '%s' wants a value", a);
-            return FALSE;
-        }
-        if (g_str_equal(opt, "socket")) {
-            h->socket_path = value;
-        } else if (g_str_equal(opt, "pagefoldd")) {
-            h->pagefoldd = value;
-            h->pagefoldd_given = TRUE;
-        } else if (g_str_equal(opt, "pagefoldd-arg")) {
-            g_ptr_array_add(h->pagefoldd_args, (char *)value);
-        } else if (g_str_equal(opt, "pagefoldd-log")) {
-            h->pagefoldd_log = value;
-        } else if (g_str_equal(opt, "agent-group")) {
-            h->agent_group = value;
-        } else if (g_str_equal(opt, "run-dir")) {
-            h->run_dir = value;
-        } else {
-            h->log_dir = value;
-        }
-    }
-    h->name = argv[argc - 4];
-    h->op = argv[argc - 3];
-    h->subop = argv[argc - 2];
-    return TRUE;
 }
 
 /* ---- the operations ---- */
@@ -573,12 +492,12 @@ main(int argc, char **argv)
      * exits 0, whatever happens. */
     signal(SIGPIPE, SIG_IGN);
     h.pagefoldd_args = extra;
-    if (!parse_args(&h, argc, argv, &error)) {
+    if (!hook_parse_args(&h, argc, argv, &error)) {
         hook_say(&h, "%s; nothing done", error->message);
         (void)!write(STDERR_FILENO, usage_text, strlen(usage_text));
         return 0;
     }
-    if (!name_is_file_name(h.name)) {
+    if (!hook_name_is_file_name(h.name)) {
         h.name = NULL;
         hook_say(&h, "domain name '%s' cannot name a file: nothing done", argv[argc - 4]);
         return 0;
