@@ -86,6 +86,8 @@ struct _PfAgent {
     PfAgentSyscalls sys;
 
     int sock;
+    char *connect_to; /* pagefoldd's queue was full: the agent thread
+                       * connects, trying again until it may */
     int uffd;
     gboolean uffd_lost; /* closed because protection could not be lifted */
     GPtrArray *chunks;  /* Chunk*, indexed by chunk id, NULL where unknown */

@@ -150,6 +150,49 @@ wait_readable(PfAgent *a, int timeout_ms, GError **error)
 }
 
 /*
+ * Connects where pagefoldd's queue was full at pf_agent_start(): again
+ * after 10 ms, doubling up to 5 s, for as long as the VM runs (the agent
+ * stopping ends it).  FALSE with error when pagefoldd went, or stopping.
+ */
+static gboolean
+connect_later(PfAgent *a, GError **error)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    int wait_ms = 10;
+
+    strcpy(addr.sun_path, a->connect_to);
+    for (;;) {
+        struct pollfd p = { a->stop[0], POLLIN, 0 };
+        int n = poll(&p, 1, wait_ms), e;
+
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n != 0) {
+            g_set_error(error, PF_ERROR, PF_ERROR_CLOSED, "the agent is stopping");
+            return FALSE;
+        }
+        if (connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) == 0) {
+            break;
+        }
+        e = errno;
+        if (e != EAGAIN) {
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot connect to pagefoldd at %s: %s",
+                        a->connect_to, g_strerror(e));
+            return FALSE;
+        }
+        wait_ms = MIN(wait_ms * 2, 5000);
+    }
+    g_clear_pointer(&a->connect_to, g_free);
+    if (fcntl(a->sock, F_SETFL, 0) < 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot set up the link: %s",
+                    g_strerror(errno));
+        return FALSE;
+    }
+    return TRUE;
+}
+
+/*
  * Announces the VM and its regions and settles the mode.  Only the agent
  * thread waits for pagefoldd meanwhile.
  */
@@ -281,7 +324,7 @@ agent_thread(gpointer data)
 {
     PfAgent *a = data;
     g_autoptr(GError) error = NULL;
-    gboolean ok = handshake(a, &error);
+    gboolean ok = (a->connect_to == NULL || connect_later(a, &error)) && handshake(a, &error);
 
     if (!ok) {
         g_autofree char *why = g_strdup_printf("not attached to pagefoldd: %s",
@@ -351,17 +394,22 @@ link_open(PfAgent *a, const char *socket_path, GError **error)
      * said at once, not waited for.
      */
     a->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (a->sock < 0 ||
-        connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
-        e = errno;
+    e = a->sock < 0 ? errno
+                    : connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0 ? errno : 0;
+    /*
+     * EAGAIN: pagefoldd is there, its queue full (busy, or flooded by
+     * other processes of the agent group): the agent thread tries again
+     * (connect_later()).
+     */
+    if (e != 0 && !(a->sock >= 0 && e == EAGAIN)) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                    "cannot connect to pagefoldd at %s: %s%s",
-                    socket_path, g_strerror(e),
-                    e == EAGAIN ? " (it accepts no connection: stuck, or "
-                                  "overloaded)" : "");
+                    "cannot connect to pagefoldd at %s: %s", socket_path, g_strerror(e));
         return FALSE;
     }
-    if (fcntl(a->sock, F_SETFL, 0) < 0 ||
+    if (e == EAGAIN) {
+        a->connect_to = g_strdup(socket_path);
+    }
+    if ((a->connect_to == NULL && fcntl(a->sock, F_SETFL, 0) < 0) ||
         setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
         setsockopt(a->sock, SOL_SOCKET, SO_SNDBUF, &sndbuf,
                    sizeof(sndbuf)) < 0 ||

@@ -127,6 +127,7 @@ pf_agent_free(PfAgent *a)
     g_mutex_clear(&a->out);
     g_cond_clear(&a->settled_cond);
     g_free(a->start_error);
+    g_free(a->connect_to);
     g_free(a->advise_reason);
     g_free(a->reason);
     g_free(a->name);

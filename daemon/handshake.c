@@ -146,19 +146,17 @@ check_free(HandshakeCheck *c)
     g_free(c);
 }
 
+/* What it found is in c (c->error, c->why): the task itself only says
+ * that it is done. */
 static void
-check_thread(GTask *task, gpointer source, gpointer data, GCancellable *cancel)
+check_run(HandshakeCheck *c, GCancellable *cancel)
 {
-    HandshakeCheck *c = data;
-
     if (c->msg->header.type == PF_MSG_REGION) {
         const PfWireRegion *wr = pf_msg_region(c->msg);
 
         if (!pf_region_check_mapping(c->proc_dir, c->fd, c->name, wr->host_addr, wr->offset,
-                                     wr->size, cancel, &c->error)) {
-            return;
-        }
-        if (!c->protect) {
+                                     wr->size, cancel, &c->error) ||
+            !c->protect) {
             return;
         }
     }
@@ -170,6 +168,13 @@ check_thread(GTask *task, gpointer source, gpointer data, GCancellable *cancel)
     if (c->n_spans == 1 && c->why[0] != NULL && c->msg->header.type == PF_MSG_REGION) {
         g_set_error_literal(&c->error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, c->why[0]);
     }
+}
+
+static void
+check_thread(GTask *task, gpointer source, gpointer data, GCancellable *cancel)
+{
+    check_run(data, cancel);
+    g_task_return_boolean(task, TRUE);
 }
 
 static void check_done(GObject *source, GAsyncResult *res, gpointer user);
@@ -238,27 +243,28 @@ handshake_cancel_check(PfLink *l)
     }
 }
 
-/* Guest RAM the live links of a uid that root vouched for none of
- * announce, in all (handshakes and running VMs). */
-static guint64
-unvouched_bytes_of(PfLinkServer *srv, uid_t uid)
+/* Guest RAM the live links root vouched for none of announce, in all
+ * (handshakes and running VMs): those of uid alone, and of every uid. */
+static void
+unvouched_bytes(PfLinkServer *srv, uid_t uid, guint64 *of_uid, guint64 *of_all)
 {
     GHashTableIter it;
     gpointer value;
-    guint64 sum = 0;
 
+    *of_uid = *of_all = 0;
     for (guint i = 0; i < srv->handshakes->len; i++) {
         PfLink *l = g_ptr_array_index(srv->handshakes, i);
 
-        sum += l->peer_uid == uid && !l->vouched ? l->announced_bytes : 0;
+        *of_uid += l->peer_uid == uid && !l->vouched ? l->announced_bytes : 0;
+        *of_all += !l->vouched ? l->announced_bytes : 0;
     }
     g_hash_table_iter_init(&it, srv->running);
     while (g_hash_table_iter_next(&it, NULL, &value)) {
         PfLink *l = value;
 
-        sum += l->peer_uid == uid && !l->vouched ? l->announced_bytes : 0;
+        *of_uid += l->peer_uid == uid && !l->vouched ? l->announced_bytes : 0;
+        *of_all += !l->vouched ? l->announced_bytes : 0;
     }
-    return sum;
 }
 
 /* A REGION whose mapping passed: it must overlap no live region of the VM
@@ -271,6 +277,8 @@ static gboolean
 region_fits(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, const char *name,
             GError **error)
 {
+    guint64 of_uid, of_all;
+
     for (guint i = 0; i < regions->len; i++) {
         const PfRegion *r = g_ptr_array_index(regions, i);
 
@@ -289,14 +297,23 @@ region_fits(PfLink *l, GPtrArray *regions, const PfWireRegion *wr, const char *n
                     name, PF_MAX_VM_BYTES >> 30);
         return FALSE;
     }
-    if (!l->vouched &&
-        wr->size > PF_MAX_UNVOUCHED_UID_BYTES - MIN(unvouched_bytes_of(l->srv, l->peer_uid),
-                                                    PF_MAX_UNVOUCHED_UID_BYTES)) {
+    if (l->vouched) {
+        return TRUE;
+    }
+    unvouched_bytes(l->srv, l->peer_uid, &of_uid, &of_all);
+    if (wr->size > PF_MAX_UNVOUCHED_UID_BYTES - MIN(of_uid, PF_MAX_UNVOUCHED_UID_BYTES)) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "region %s: the VMs of uid %u, none of them vouched for by root, would "
                     "announce more than %" G_GUINT64_FORMAT " GiB in all (page ids are kept "
                     "for the others)",
                     name, (guint)l->peer_uid, PF_MAX_UNVOUCHED_UID_BYTES >> 30);
+        return FALSE;
+    }
+    if (wr->size > PF_MAX_UNVOUCHED_BYTES - MIN(of_all, PF_MAX_UNVOUCHED_BYTES)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "region %s: VMs root vouched for none of would announce more than %"
+                    G_GUINT64_FORMAT " GiB in all (page ids are kept for the others)",
+                    name, PF_MAX_UNVOUCHED_BYTES >> 30);
         return FALSE;
     }
     return TRUE;
@@ -461,7 +478,8 @@ handshake_welcome(PfLink *l, PfWireMode *w)
          * reason is prefixed with this (handshake_ready()). */
         l->no_uffd_why = g_strdup_printf("not vouched for by root: no /dev/userfaultfd (%s)",
                                          l->vouch_why);
-        g_message("agent of process %d: %s", l->peer_pid, l->no_uffd_why);
+        link_peer_message(l->srv, l->peer_uid, "agent of process %d: %s", l->peer_pid,
+                          l->no_uffd_why);
         fd = -1;
     }
     l->offered_merge = w->mode == PF_MODE_MERGE;

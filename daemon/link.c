@@ -354,11 +354,21 @@ on_ready(PfLink *l, const PfMsg *msg)
     if (g_ptr_array_find(l->srv->handshakes, l, &idx)) {
         g_ptr_array_remove_index(l->srv->handshakes, idx);
     }
-    g_message("VM %s (pid %d) attached by its agent in mode %s%s%s: %u region(s) (%u "
-              "refused), %zu pages",
-              vm->name, vm->pid, pf_vm_mode_name(vm), vm->mode_reason ? " because " : "",
-              vm->mode_reason ? vm->mode_reason : "", vm->regions->len, l->n_refused,
-              pf_vm_n_pages(vm));
+    {
+        g_autofree char *line = g_strdup_printf(
+            "VM %s (pid %d) attached by its agent in mode %s%s%s: %u region(s) (%u refused), "
+            "%zu pages", vm->name, vm->pid, pf_vm_mode_name(vm),
+            vm->mode_reason ? " because " : "", vm->mode_reason ? vm->mode_reason : "",
+            vm->regions->len, l->n_refused, pf_vm_n_pages(vm));
+
+        /* A process root did not vouch for may attach in a loop: its
+         * lines count against its uid's. */
+        if (l->vouched) {
+            g_message("%s", line);
+        } else {
+            link_peer_message(l->srv, l->peer_uid, "%s", line);
+        }
+    }
     if (old != NULL) {
         /* Whom it may share with was said of the process (libvirt's hook). */
         pf_scanner_replace_vm(s, old, vm);

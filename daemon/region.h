@@ -24,9 +24,11 @@
  * a 16-byte record, so one VM's claim must not use up everyone's. */
 #define PF_MAX_REGION_BYTES (G_GUINT64_CONSTANT(1) << 40)
 #define PF_MAX_VM_BYTES (G_GUINT64_CONSTANT(1) << 40)
-/* All VMs of one uid that root vouched for none of (link.c): a quarter of
- * the page ids (16 TiB of guest RAM in all). */
+/* All VMs of one uid that root vouched for none of (handshake.c): a
+ * quarter of the page ids (16 TiB of guest RAM in all); and all such VMs
+ * of every uid, half of them. */
 #define PF_MAX_UNVOUCHED_UID_BYTES (G_GUINT64_CONSTANT(4) << 40)
+#define PF_MAX_UNVOUCHED_BYTES (G_GUINT64_CONSTANT(8) << 40)
 /* Regions an agent may announce in its VM's life, refused and gone ones
  * included (indexes are never reused): HELLO's bound (proto.c), kept at run
  * time, so that a VMM that plugs and unplugs RAM forever cannot grow a

@@ -1292,6 +1292,7 @@ vmm_start_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int se
     Vmm *v = pf_test_vmm_spawn(argv);
 
     g_assert_nonnull(v);
+    pf_test_daemon_wait_vmm(d, v);
     return v;
 }
 

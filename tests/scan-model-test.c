@@ -1060,6 +1060,7 @@ test_ids_reused(void)
     Model *m = model_new();
     ModelVm *x = model_add_vm(m, &own, 3), *a, *b;
     guint8 k1[PF_PAGE_SIZE], k2[PF_PAGE_SIZE], junk[PF_PAGE_SIZE];
+    guint64 born;
     guint32 n;
 
     a = model_add_vm(m, &pair, 1);
@@ -1076,6 +1077,7 @@ test_ids_reused(void)
     pf_scanner_scan(m->s, N_IDENTICAL);
     g_assert_cmpuint(m->s->joins->len, ==, 1);
     n = g_array_index(m->s->joins, Joining, 0).node;
+    born = g_array_index(m->s->joins, Joining, 0).born;
     for (guint i = 0; i < 2; i++) {
         memset(junk, 'a' + i, sizeof(junk));
         guest_writes(m, i == 0 ? a : b, 0, 0, junk);
@@ -1090,7 +1092,9 @@ test_ids_reused(void)
         while (g_main_context_iteration(NULL, FALSE)) {
         }
     }
-    g_test_message("node %u is %s", n, node_at(m->s, n)->live ? "back" : "gone");
+    /* The id came back, for content x never had. */
+    g_assert_true(node_at(m->s, n)->live);
+    g_assert_cmpuint(node_at(m->s, n)->born, !=, born);
     run_passes(m, 2, "after");
     g_assert_true(holds_content(m, a, k2));
     g_assert_false(holds_content(m, x, k2));
