@@ -64,7 +64,7 @@ setup(Fixture *f, gconstpointer data)
     memset(f, 0, sizeof(*f));
     pf_test_fault_set(NULL, 0, 0, 0, FALSE);
     f->peer = pf_test_peer_new();
-    f->guest = pf_guest_new("memory-backend-memfd", &l, 1);
+    f->guest = pf_guest_new_aligned("memory-backend-memfd", &l, 1);
     f->agent = pf_agent_new("vm-test", NULL);
     r = (PfAgentRegion){ "pc.ram", f->guest->mem, PAGES * PF_PAGE_SIZE, f->guest->fd, 0,
                          { MADV_DONTFORK } };

@@ -75,10 +75,10 @@ pf_guest_new(const char *name, const PfLayout *l, guint32 seed)
     return pf_guest_new_full(name, l, seed, FALSE);
 }
 
-/* QEMU with transparent huge pages: RAM aligned to 2 MiB and advised
- * MADV_HUGEPAGE before the guest touches it. */
+/* RAM aligned to 2 MiB; with huge, advised MADV_HUGEPAGE before the
+ * guest touches it, as QEMU with transparent huge pages maps it. */
 static guint8 *
-map_huge(int fd, gsize size)
+map_aligned(int fd, gsize size, gboolean huge_advice)
 {
     gsize huge = 2u << 20;
     guint8 *area = mmap(NULL, size + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -87,12 +87,29 @@ map_huge(int fd, gsize size)
     g_assert(area != MAP_FAILED);
     mem = (guint8 *)(((guintptr)area + huge - 1) & ~(guintptr)(huge - 1));
     g_assert(mmap(mem, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == mem);
-    madvise(mem, size, MADV_HUGEPAGE);
+    if (huge_advice) {
+        madvise(mem, size, MADV_HUGEPAGE);
+    }
     return mem;
 }
 
+static PfGuest *guest_new(const char *name, const PfLayout *l, guint32 seed, gboolean aligned,
+                          gboolean huge);
+
 PfGuest *
 pf_guest_new_full(const char *name, const PfLayout *l, guint32 seed, gboolean huge)
+{
+    return guest_new(name, l, seed, huge, huge);
+}
+
+PfGuest *
+pf_guest_new_aligned(const char *name, const PfLayout *l, guint32 seed)
+{
+    return guest_new(name, l, seed, TRUE, FALSE);
+}
+
+static PfGuest *
+guest_new(const char *name, const PfLayout *l, guint32 seed, gboolean aligned, gboolean huge)
 {
     g_autoptr(PfGuest) g = g_new0(PfGuest, 1);
     gsize idx = 0;
@@ -103,9 +120,9 @@ pf_guest_new_full(const char *name, const PfLayout *l, guint32 seed, gboolean hu
     g->fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     g_assert_cmpint(g->fd, >=, 0);
     g_assert_cmpint(ftruncate(g->fd, (off_t)(g->n_pages * PF_PAGE_SIZE)), ==, 0);
-    g->mem = huge ? map_huge(g->fd, g->n_pages * PF_PAGE_SIZE)
-                  : mmap(NULL, g->n_pages * PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED,
-                         g->fd, 0);
+    g->mem = aligned ? map_aligned(g->fd, g->n_pages * PF_PAGE_SIZE, huge)
+                     : mmap(NULL, g->n_pages * PF_PAGE_SIZE, PROT_READ | PROT_WRITE,
+                            MAP_SHARED, g->fd, 0);
     g_assert(g->mem != MAP_FAILED);
 
     for (gsize i = 0; i < l->identical; i++, idx++) {
