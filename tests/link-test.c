@@ -826,11 +826,13 @@ test_many_idle(void)
     }
 }
 
-/* A process of uid nobody that connects in a loop, as fast as it can:
- * it holds up to 4 connections, and drops the oldest for a new one. */
+/* A process of uid nobody that connects in a loop, as fast as it can,
+ * for 10 s: it holds up to 4 connections, and drops the oldest for a new
+ * one. */
 static int
 flooder(PfTestDaemon *d)
 {
+    gint64 end = g_get_monotonic_time() + 10 * G_USEC_PER_SEC;
     int pid = fork();
 
     g_assert_cmpint(pid, >=, 0);
@@ -844,7 +846,7 @@ flooder(PfTestDaemon *d)
             _exit(1);
         }
         g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
-        for (guint i = 0;; i++) {
+        for (guint i = 0; g_get_monotonic_time() < end; i++) {
             int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 
             if (held[i % 4] >= 0) {
@@ -858,16 +860,20 @@ flooder(PfTestDaemon *d)
                 g_usleep(1000);
             }
         }
+        _exit(0);
     }
     return pid;
 }
 
 /*
  * A flood of connections from one uid (32 processes of nobody, in the
- * agent socket's group, reconnecting in a loop) costs the VMs of another
- * uid nothing: each VM started meanwhile attaches, merging.  pagefoldd
+ * agent socket's group, reconnecting in a loop for 10 s) keeps no VM of
+ * another uid out: each VM started meanwhile attaches, merging.  pagefoldd
  * takes every connection waiting at each wake-up, and when all handshake
- * places are taken, the uid holding the most gives one up.
+ * places are taken, the uid holding the most gives one up; an agent that
+ * finds the listen queue full (it is the kernel's, shared by all, and a
+ * flood on a slow host keeps it full) tries again until it gets in, at the
+ * latest once the flood is over.
  */
 static void
 test_flood(void)
@@ -894,9 +900,10 @@ test_flood(void)
     for (guint i = 0; i < G_N_ELEMENTS(flooders); i++) {
         pf_guest_release(flooders[i]);
     }
-    /* pagefoldd saw the flood (its lines of it are limited). */
+    /* pagefoldd saw the flood (its lines of it are limited): connections
+     * refused, or closed during their handshake. */
     log = pf_test_daemon_log(d);
-    g_assert_nonnull(strstr(log, "agent handshakes in progress"));
+    g_assert_nonnull(strstr(log, "agent connection"));
 }
 
 /*
