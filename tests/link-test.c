@@ -1448,6 +1448,40 @@ test_agent_group(void)
 }
 
 /*
+ * In a forked child (system calls only: the test has threads): connects,
+ * announces one region of name's guest RAM (size bytes at mem, from
+ * memfd) and reads WELCOME into msg.  Returns the socket, or -1.
+ */
+static int
+child_announce(PfTestDaemon *d, const char *name, const void *mem, guint64 size, int memfd,
+               PfMsg *msg)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    PfWireHello h = { 0 };
+    PfWireRegion r = { 0 };
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+
+    g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
+    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+        return -1;
+    }
+    h.version = PF_PROTO_VERSION;
+    h.pid = (guint32)getpid();
+    h.n_regions = 1;
+    pf_wire_set_string(h.name, sizeof(h.name), name);
+    r.page_size = PF_PAGE_SIZE;
+    r.host_addr = (guint64)(guintptr)mem;
+    r.size = size;
+    pf_wire_set_string(r.name, sizeof(r.name), "pc.ram");
+    if (!pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL) ||
+        !pf_proto_send(fd, PF_MSG_REGION, 0, &r, sizeof(r), &memfd, 1, NULL) ||
+        !pf_proto_recv(fd, msg, NULL) || msg->header.type != PF_MSG_WELCOME) {
+        return -1;
+    }
+    return fd;
+}
+
+/*
  * A forked child that takes on uid and gid (the agent socket's group),
  * waits for a byte on go (so that the test can vouch for its pid first),
  * connects and hands over guest RAM it maps shared from a memfd sealed
@@ -1467,33 +1501,12 @@ welcome_fds_as(PfTestDaemon *d, uid_t uid, gid_t gid, const char *name, const Pf
     pid = fork();
     g_assert_cmpint(pid, >=, 0);
     if (pid == 0) {
-        struct sockaddr_un addr = { .sun_family = AF_UNIX };
-        PfWireHello h = { 0 };
-        PfWireRegion r = { 0 };
         char c;
-        int fd;
 
         close(go[1]);
         if (setgroups(0, NULL) < 0 || setgid(gid) < 0 || setuid(uid) < 0 ||
-            read(go[0], &c, 1) != 1) {
-            _exit(3);
-        }
-        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-        g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
-        if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
-            _exit(3);
-        }
-        h.version = PF_PROTO_VERSION;
-        h.pid = (guint32)getpid();
-        h.n_regions = 1;
-        pf_wire_set_string(h.name, sizeof(h.name), name);
-        r.page_size = PF_PAGE_SIZE;
-        r.host_addr = (guint64)(guintptr)g->mem;
-        r.size = g->n_pages * PF_PAGE_SIZE;
-        pf_wire_set_string(r.name, sizeof(r.name), "pc.ram");
-        if (!pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL) ||
-            !pf_proto_send(fd, PF_MSG_REGION, 0, &r, sizeof(r), &g->fd, 1, NULL) ||
-            !pf_proto_recv(fd, &msg, NULL) || msg.header.type != PF_MSG_WELCOME ||
+            read(go[0], &c, 1) != 1 ||
+            child_announce(d, name, g->mem, g->n_pages * PF_PAGE_SIZE, g->fd, &msg) < 0 ||
             pf_msg_mode(&msg)->mode != PF_MODE_MERGE) {
             _exit(3);
         }
@@ -1522,10 +1535,7 @@ sparse_vm_as_nobody(PfTestDaemon *d, gid_t gid, char *said)
     pid = fork();
     g_assert_cmpint(pid, >=, 0);
     if (pid == 0) {
-        struct sockaddr_un addr = { .sun_family = AF_UNIX };
         const guint64 size = G_GUINT64_CONSTANT(1) << 40;
-        PfWireHello h = { 0 };
-        PfWireRegion r = { 0 };
         PfWireMode ready = { PF_PROTO_VERSION, PF_MODE_ADVISE, "" };
         int fd, memfd;
         void *mem;
@@ -1541,22 +1551,7 @@ sparse_vm_as_nobody(PfTestDaemon *d, gid_t gid, char *said)
             _exit(3);
         }
         mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, memfd, 0);
-        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-        g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
-        if (mem == MAP_FAILED || connect(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
-            _exit(3);
-        }
-        h.version = PF_PROTO_VERSION;
-        h.pid = (guint32)getpid();
-        h.n_regions = 1;
-        pf_wire_set_string(h.name, sizeof(h.name), "sparse");
-        r.page_size = PF_PAGE_SIZE;
-        r.host_addr = (guint64)(guintptr)mem;
-        r.size = size;
-        pf_wire_set_string(r.name, sizeof(r.name), "pc.ram");
-        if (!pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL) ||
-            !pf_proto_send(fd, PF_MSG_REGION, 0, &r, sizeof(r), &memfd, 1, NULL) ||
-            !pf_proto_recv(fd, &msg, NULL) || msg.header.type != PF_MSG_WELCOME) {
+        if (mem == MAP_FAILED || (fd = child_announce(d, "sparse", mem, size, memfd, &msg)) < 0) {
             _exit(3);
         }
         c = pf_msg_mode(&msg)->mode == PF_MODE_MERGE ? 'm' : 'a';
