@@ -812,13 +812,22 @@ test_odirect(gconstpointer data)
 
 /* ---- a VM's whole life ---- */
 
-/* The live regions of a VM's "regions" in list (refused and gone ones
- * aside); *addr_of: the address of the one named region. */
+/* The live regions pagefoldd lists for VM name (refused and gone ones
+ * aside), G_MAXUINT while the VM is not attached (yet); *addr_of: the
+ * address of the one named region. */
 static guint
-count_live(JsonArray *regions, guint64 *addr_of, const char *region)
+live_regions_if_attached(PfTestDaemon *d, const char *name, guint64 *addr_of,
+                         const char *region)
 {
+    g_autoptr(JsonNode) list = pf_test_ctl_json(d, "list", NULL);
+    JsonObject *vm = pf_test_find_vm(json_node_get_array(list), name);
+    JsonArray *regions;
     guint n = 0;
 
+    if (vm == NULL) {
+        return G_MAXUINT;
+    }
+    regions = json_object_get_array_member(vm, "regions");
     for (guint i = 0; i < json_array_get_length(regions); i++) {
         JsonObject *r = json_array_get_object_element(regions, i);
 
@@ -833,32 +842,17 @@ count_live(JsonArray *regions, guint64 *addr_of, const char *region)
     return n;
 }
 
-/* The live regions pagefoldd lists for VM name (refused and gone ones
- * aside). */
+/* The same for a VM that must be attached. */
 static guint
-live_regions(PfTestDaemon *d, const char *name, guint64 *addr_of, const char *region)
+live_regions(PfTestDaemon *d, const char *name)
 {
-    JsonNode *list = pf_test_ctl_json(d, "list", NULL);
-    JsonArray *regions = json_object_get_array_member(attached_vm(json_node_get_array(list), name),
-                                                      "regions");
-    guint n = count_live(regions, addr_of, region);
+    guint n = live_regions_if_attached(d, name, NULL, NULL);
 
-    json_node_unref(list);
+    if (n == G_MAXUINT) {
+        g_error("VM %s is not attached", name);
+    }
     return n;
 }
-
-/* The same, G_MAXUINT while the VM is not attached (yet). */
-static guint
-live_regions_if_attached(PfTestDaemon *d, const char *name, guint64 *addr_of,
-                         const char *region)
-{
-    g_autoptr(JsonNode) list = pf_test_ctl_json(d, "list", NULL);
-    JsonObject *vm = pf_test_find_vm(json_node_get_array(list), name);
-
-    return vm != NULL ? count_live(json_object_get_array_member(vm, "regions"), addr_of, region)
-                      : G_MAXUINT;
-}
-
 
 /* Waits until pagefoldd lists want live regions for VM name: a region the
  * agent announces is checked off pagefoldd's main loop, so it is listed a
@@ -1009,7 +1003,7 @@ test_hotplug(void)
         g_assert_cmpint(i, <, 1199);
         g_usleep(100000);
     }
-    g_assert_cmpuint(live_regions(d, g->name, NULL, NULL), ==, 1);
+    g_assert_cmpuint(live_regions(d, g->name), ==, 1);
     json_node_unref(pf_test_guest_qmp(g, "object-del", "{\"id\": \"mem1\"}"));
     s = pf_test_ctl_json(d, "scan-now", "1", NULL);
     json_node_unref(s);
@@ -1099,7 +1093,7 @@ test_regions(void)
     g_assert_cmpint(agent_stat(g, "remapped"), ==, 0);
     g_assert_cmpint(pf_test_count_vmas(g->pid, m0_addr, 192 << 20), ==, 1);
     g_assert_cmpint(pf_test_count_vmas_flag(g->pid, 0, 0, "uw"), ==, 0);
-    g_assert_cmpuint(live_regions(d, g->name, NULL, NULL), ==, 0);
+    g_assert_cmpuint(live_regions(d, g->name), ==, 0);
     assert_region_refused(g, "m0", "merge=off");
     /* The guest reads every page it wrote: the zero pages folded back
      * (holes in the memfd) are allocated again, for the next merge. */
