@@ -81,8 +81,9 @@ pf_test_guest_start(const PfGuestSpec *spec)
                                              spec->agent_sock);
     g_autofree char *append = g_strdup_printf(
         "console=ttyS0 quiet pfguest.mib=%d pfguest.seed=%d pfguest.seconds=%d "
-        "pfguest.until_told=1 pfguest.check_s=%d pfguest.reboot=%d %s", spec->fill_mib, spec->seed, spec->seconds,
-        spec->check_s, spec->reboot, spec->cmdline ? spec->cmdline : "");
+        "pfguest.until_told=1 pfguest.check_s=%d pfguest.reboot=%d %s", spec->fill_mib,
+        spec->seed, spec->seconds, spec->check_s, spec->reboot,
+        spec->cmdline ? spec->cmdline : "");
     g_autofree char *guestname = g_strdup_printf("guest=%s", spec->name);
     g_autofree char *m = spec->maxmem_mib > 0
                              ? g_strdup_printf("%dM,slots=2,maxmem=%dM", spec->ram_mib,

@@ -24,13 +24,24 @@ die_with_parent(gpointer user)
     prctl(PR_SET_PDEATHSIG, SIGKILL);
 }
 
-GSubprocess *
-pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
+/* pf_test_spawnv(), its stderr into the file stderr_path where not NULL. */
+static GSubprocess *
+spawnv_to(GSubprocessFlags flags, const char *stderr_path, const char *const *argv,
+          GError **error)
 {
     g_autoptr(GSubprocessLauncher) l = g_subprocess_launcher_new(flags);
 
     g_subprocess_launcher_set_child_setup(l, die_with_parent, NULL, NULL);
+    if (stderr_path != NULL) {
+        g_subprocess_launcher_set_stderr_file_path(l, stderr_path);
+    }
     return g_subprocess_launcher_spawnv(l, argv, error);
+}
+
+GSubprocess *
+pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
+{
+    return spawnv_to(flags, NULL, argv, error);
 }
 
 static gboolean take_ready(PfTestVmm *v, const char *line, GError **error);
@@ -281,16 +292,8 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
     }
     g_ptr_array_add(argv, NULL);
     g_unlink(d->sock);
-    if (d->log != NULL) {
-        g_autoptr(GSubprocessLauncher) l = g_subprocess_launcher_new(G_SUBPROCESS_FLAGS_NONE);
-
-        g_subprocess_launcher_set_child_setup(l, die_with_parent, NULL, NULL);
-        g_subprocess_launcher_set_stderr_file_path(l, d->log);
-        d->proc = g_subprocess_launcher_spawnv(l, (const char *const *)argv->pdata, &error);
-    } else {
-        d->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, (const char *const *)argv->pdata,
-                                 &error);
-    }
+    d->proc = spawnv_to(G_SUBPROCESS_FLAGS_NONE, d->log, (const char *const *)argv->pdata,
+                        &error);
     g_assert_no_error(error);
     for (int i = 0; i < 200 && !(g_file_test(d->sock, G_FILE_TEST_EXISTS) &&
                                  g_file_test(d->agent_sock, G_FILE_TEST_EXISTS)); i++) {
