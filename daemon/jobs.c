@@ -111,7 +111,7 @@ passes_step(PfScanJob *j)
         if (!pf_scanner_in_pass(s) && answers_due(vms, TRUE)) {
             return STEP_WAIT;
         }
-        return pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC) > 0 ? STEP_AGAIN : STEP_WAIT;
+        return pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC, TRUE) > 0 ? STEP_AGAIN : STEP_WAIT;
     }
     pf_scanner_flush(s);
     for (guint i = 0; i < vms->len; i++) {

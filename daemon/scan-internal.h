@@ -97,6 +97,11 @@ struct _PfScanner {
     gsize cur_page;
     gsize data_end; /* end of the memfd data extent holding cur_page */
     gboolean blocked; /* the last scan stopped at an agent's full outbox */
+    gboolean revisiting; /* every VM had its turn: the cursor goes back to
+                          * those it deferred (PfVm.deferred) */
+    gboolean whole_passes; /* a pass waits for every agent that answers */
+    gint64 deferred_wait; /* usec the pass waited for deferred VMs */
+    gint64 wait_since;    /* monotonic: it waits for them since (or 0) */
     gint64 slice_end; /* monotonic: a scan stops here (0: at max_pages) */
 
     guint64 full_scans;
@@ -116,6 +121,25 @@ struct _PfScanner {
 };
 
 /* ---- small reads of the state ---- */
+
+/* The cursor goes to the VM at index i: where it left it, if it did. */
+static inline void
+cursor_to_vm(PfScanner *s, guint i)
+{
+    s->cur_vm = i;
+    s->cur_region = 0;
+    s->cur_page = 0;
+    s->data_end = 0;
+    if (i < s->vms->len) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (vm->resume) {
+            vm->resume = FALSE;
+            s->cur_region = vm->resume_region;
+            s->cur_page = vm->resume_page;
+        }
+    }
+}
 
 static inline PfRegion *
 region_of(PfScanner *s, guint32 id)

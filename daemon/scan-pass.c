@@ -1,8 +1,9 @@
 /*
  * scan-pass.c - the pass loop: the cursor over every VM's regions, holes of
  * the memfds stepped over, pages read in slices under the SIGBUS guard,
- * each VM looked at again as the cursor comes to it, and the waits at a VM
- * whose agent has as much to answer as its outbox takes.
+ * each VM looked at again as the cursor comes to it, and the VMs whose
+ * agent has as much to answer as its outbox takes: left for later in the
+ * pass, and waited for a bounded while at its end.
  *
  * Owns the cursor; a visit's decision is scan-visit.c's.  Never blocks:
  * a scan stops at the end of its slice, of its pages, of the pass, or at
@@ -24,6 +25,12 @@
  * passed over for the rest of the pass: one stopped VM must not hold up
  * the scanning of the others (its link gives it up later). */
 #define STUCK_USEC (G_USEC_PER_SEC / 2)
+/* The pass waits, in all, at least this long for the VMs it left for later
+ * (a quarter of its scanning time if more); then it ends without them,
+ * and the next pass visits them on from where they were left.  An agent
+ * answering just often enough not to look silent slows the other VMs'
+ * passes by at most that. */
+#define DEFERRED_WAIT_USEC (2 * G_USEC_PER_SEC)
 /* Pages looked up in memory at a time (mincore()) before they are read. */
 #define RESIDENT_PAGES 32
 
@@ -182,13 +189,87 @@ check_dropped(PfScanner *s, PfVm *vm, GError **error)
     return TRUE;
 }
 
+/* On from the VM the cursor is done with (or left): to the next, or, once
+ * every VM had its turn, back to those it deferred (to_deferred()). */
 static void
-cursor_to_vm(PfScanner *s, guint vm)
+next_vm(PfScanner *s)
 {
-    s->cur_vm = vm;
-    s->cur_region = 0;
-    s->cur_page = 0;
-    s->data_end = 0;
+    cursor_to_vm(s, s->revisiting ? s->vms->len : s->cur_vm + 1);
+}
+
+/* The cursor leaves the VM it is at before its end: to come back to it in
+ * this pass if later, and to start where it left it next time. */
+static void
+leave_vm(PfScanner *s, PfVm *vm, gboolean later)
+{
+    vm->resume = TRUE;
+    vm->resume_region = s->cur_region;
+    vm->resume_page = s->cur_page;
+    vm->deferred = later;
+    next_vm(s);
+}
+
+static gboolean
+waited_enough(PfScanner *s, gint64 now)
+{
+    gint64 waited = s->deferred_wait + (s->wait_since != 0 ? now - s->wait_since : 0);
+    gint64 scanning = now - s->pass_start_usec - waited;
+
+    return !s->whole_passes && waited > MAX(DEFERRED_WAIT_USEC, scanning / 4);
+}
+
+/*
+ * Every VM had its turn: the cursor goes back to one it deferred that has
+ * room now (or whose agent went silent: vm_room() passes it over).  While
+ * none has, the pass waits for them (the scan stops, blocked), a bounded
+ * while (waited_enough()).  FALSE when the pass may end: the VMs still
+ * deferred are visited on next pass.
+ */
+static gboolean
+to_deferred(PfScanner *s)
+{
+    gint64 now = g_get_monotonic_time();
+    gboolean waiting = FALSE;
+
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (!vm->deferred) {
+            continue;
+        }
+        if (vm->outbox == NULL || pf_outbox_room(vm->outbox) / 2 > 0 ||
+            pf_scanner_agent_silent(vm)) {
+            if (s->wait_since != 0) {
+                s->deferred_wait += now - s->wait_since;
+                s->wait_since = 0;
+            }
+            vm->deferred = FALSE;
+            s->revisiting = TRUE;
+            cursor_to_vm(s, i);
+            s->entered = i;
+            return TRUE;
+        }
+        waiting = TRUE;
+    }
+    if (!waiting) {
+        return FALSE;
+    }
+    if (s->wait_since == 0) {
+        s->wait_since = now;
+    }
+    if (!waited_enough(s, now)) {
+        s->blocked = TRUE;
+        return FALSE;
+    }
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (vm->deferred) {
+            g_debug("VM %s: its agent answers slowly: the pass ends without the rest of it",
+                    vm->name);
+        }
+    }
+    return FALSE;
 }
 
 static gboolean
@@ -218,6 +299,9 @@ begin_pass(PfScanner *s)
     moves_evacuate(s);
     s->in_pass = TRUE;
     s->entered = G_MAXUINT;
+    s->revisiting = FALSE;
+    s->deferred_wait = 0;
+    s->wait_since = 0;
     cursor_to_vm(s, 0);
     s->pass_start_usec = g_get_monotonic_time();
     return TRUE;
@@ -268,6 +352,9 @@ enter_vm(PfScanner *s, PfVm *vm)
 static void
 end_pass(PfScanner *s)
 {
+    for (guint i = 0; i < s->vms->len; i++) {
+        ((PfVm *)g_ptr_array_index(s->vms, i))->deferred = FALSE;
+    }
     moves_make_joins(s);
     s->in_pass = FALSE;
     s->full_scans++;
@@ -277,9 +364,9 @@ end_pass(PfScanner *s)
 /*
  * How many pages of vm the cursor may take now.  A merging VM's agent
  * answers at its own pace: while its outbox has no room for more requests
- * the cursor waits there (0), and goes on as answers come; a VM being
- * unmerged, or whose agent has answered nothing for a while, is passed
- * over for this pass (*skip).
+ * (0) the cursor leaves it for later in the pass; a VM being unmerged, or
+ * whose agent has answered nothing for a while, is passed over for this
+ * pass (*skip).
  */
 static gsize
 vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
@@ -310,7 +397,7 @@ scan_step(PfScanner *s, PfVm *vm, gsize max)
 
     if (s->cur_region >= vm->regions->len) {
         vm->full_scans++;
-        cursor_to_vm(s, s->cur_vm + 1);
+        next_vm(s);
         return 0;
     }
     r = g_ptr_array_index(vm->regions, s->cur_region);
@@ -346,7 +433,12 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
             break;
         }
         if (s->cur_vm >= s->vms->len) {
-            end_pass(s);
+            if (to_deferred(s)) {
+                continue;
+            }
+            if (!s->blocked) {
+                end_pass(s);
+            }
             break;
         }
         vm = g_ptr_array_index(s->vms, s->cur_vm);
@@ -357,13 +449,9 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
             }
         }
         room = vm_room(s, vm, &skip);
-        if (skip) {
-            cursor_to_vm(s, s->cur_vm + 1);
+        if (skip || room == 0) {
+            leave_vm(s, vm, !skip);
             continue;
-        }
-        if (room == 0) {
-            s->blocked = TRUE;
-            break;
         }
         done += scan_step(s, vm, MIN(max_pages - done, room));
     }
@@ -372,11 +460,12 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
 }
 
 gsize
-pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec)
+pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes)
 {
     guint64 scans = s->full_scans;
     gsize done = 0;
 
+    s->whole_passes = whole_passes;
     s->slice_end = g_get_monotonic_time() + usec;
     while (done < max_pages) {
         gsize n = pf_scanner_scan(s, MIN(max_pages - done, 4096));
@@ -387,5 +476,6 @@ pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec)
         }
     }
     s->slice_end = 0;
+    s->whole_passes = FALSE;
     return done;
 }

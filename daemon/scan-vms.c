@@ -14,7 +14,9 @@
 #include <glib-unix.h>
 #include <unistd.h>
 
-/* The cursor's VM (index idx) leaves: the cursor stays right. */
+/* The VM at index idx left the scanner's list: the cursor stays right (if
+ * it was at that VM, on to the next one, or back to those deferred once
+ * every VM had its turn). */
 static void
 cursor_vm_removed(PfScanner *s, guint idx)
 {
@@ -23,17 +25,20 @@ cursor_vm_removed(PfScanner *s, guint idx)
         s->entered -= s->entered != G_MAXUINT;
     } else if (idx == s->cur_vm) {
         s->entered = G_MAXUINT;
-        s->cur_region = 0;
-        s->cur_page = 0;
-        s->data_end = 0;
+        cursor_to_vm(s, s->revisiting ? s->vms->len : idx);
     }
 }
 
-/* Region k of vm left it (removed) or changed: the cursor, if there,
- * stays right. */
+/* Region k of vm left it (removed) or changed: the cursor, if there, and
+ * where it left the VM stay right. */
 static void
 cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
 {
+    if (vm->resume && removed && k < vm->resume_region) {
+        vm->resume_region--;
+    } else if (vm->resume && k == vm->resume_region) {
+        vm->resume_page = 0;
+    }
     if (s->cur_vm >= s->vms->len || g_ptr_array_index(s->vms, s->cur_vm) != vm) {
         return;
     }
@@ -222,8 +227,8 @@ vm_leave(PfScanner *s, PfVm *vm, const char *why)
     requests_abandon(s, vm, keep);
     scan_emit_vm_gone(s, vm, why);
     g_ptr_array_find(s->vms, vm, &idx);
-    cursor_vm_removed(s, idx);
     gone = g_ptr_array_steal_index(s->vms, idx);
+    cursor_vm_removed(s, idx);
     for (guint k = 0; k < vm->regions->len; k++) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
 

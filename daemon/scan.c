@@ -188,7 +188,7 @@ scanner_tick(gpointer user)
             s->batch_start = g_get_monotonic_time();
             s->batch_cpu = thread_cpu_usec();
         }
-        s->batch_left -= MIN(s->batch_left, pf_scanner_scan_slice(s, s->batch_left, SLICE_USEC));
+        s->batch_left -= MIN(s->batch_left, pf_scanner_scan_slice(s, s->batch_left, SLICE_USEC, FALSE));
         if (s->batch_left > 0 && !s->blocked) {
             s->timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
             return G_SOURCE_REMOVE;

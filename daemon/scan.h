@@ -116,13 +116,17 @@ PfVm *pf_scanner_lookup_vm(PfScanner *s, const char *key, GError **error);
 /* pf_scanner_lookup_vm() without the error. */
 PfVm *pf_scanner_find_vm(PfScanner *s, const char *key);
 
-/* Visits up to max_pages pages; stops early at the end of a pass, or at a
- * VM whose agent has as many requests to answer as its outbox takes.
- * Returns the pages visited, holes of the memfd stepped over included. */
+/* Visits up to max_pages pages; stops early at the end of a pass, or when
+ * every VM left in the pass has an agent with as many requests to answer
+ * as its outbox takes.  Returns the pages visited, holes of the memfd
+ * stepped over included. */
 gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
 /* Scans for about usec, or up to max_pages, or to the end of the pass;
- * returns the pages visited. */
-gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec);
+ * returns the pages visited.  whole_passes: a pass waits for every agent
+ * that answers, however slowly (root asked for whole passes); else it
+ * waits for slow agents a bounded while, and visits the rest of their
+ * VMs next pass. */
+gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes);
 /* Passes ended so far, and whether one is under way. */
 guint64 pf_scanner_full_scans(PfScanner *s);
 gboolean pf_scanner_in_pass(PfScanner *s);

@@ -51,6 +51,13 @@ struct _PfVm {
     guint64 pages_scanned;
     guint64 pages_skipped;
     guint64 full_scans;
+    /* The cursor left it before its end (its outbox was full, or its agent
+     * silent): it comes back to it later in the pass if deferred, and
+     * starts at resume_region, resume_page when it next comes. */
+    gboolean resume;
+    gboolean deferred;
+    guint resume_region;
+    gsize resume_page;
     guint64 cow;         /* merged pages written since (copy-on-write) */
     guint64 vmas;        /* mappings of the process: counted at each pass,
                           * plus the most the requests since can add */

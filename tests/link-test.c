@@ -1017,18 +1017,25 @@ request_regions(const PfMsg *m)
     return mask;
 }
 
+/* Answers the REQUEST numbered seq, of n items, with status for each. */
+static void
+answer_seq(int fd, guint32 seq, guint32 n, PfResultStatus status)
+{
+    g_autofree PfWireResult *res = g_new0(PfWireResult, MAX(n, 1));
+
+    for (guint32 i = 0; i < n; i++) {
+        res[i].status = (guint8)status;
+    }
+    g_assert_true(pf_proto_send_results(fd, seq, res, n, NULL));
+}
+
 static void
 answer(int fd, const PfMsg *m, PfResultStatus status)
 {
     guint32 n;
-    g_autofree PfWireResult *res = NULL;
 
     pf_msg_items(m, &n);
-    res = g_new0(PfWireResult, n);
-    for (guint32 i = 0; i < n; i++) {
-        res[i].status = (guint8)status;
-    }
-    g_assert_true(pf_proto_send_results(fd, m->header.seq, res, n, NULL));
+    answer_seq(fd, m->header.seq, n, status);
 }
 
 /* The next message within ms (a pool chunk's descriptor closed); FALSE if
@@ -1088,6 +1095,82 @@ wait_request(int fd, PfMsg *m, guint32 region)
         answer(fd, m, PF_RESULT_CHANGED);
     }
     g_error("no request for region %u came", region);
+}
+
+/*
+ * An agent that answers slowly, one batch at a time but often enough never
+ * to look silent, holds up no other VM: the cursor leaves a VM whose
+ * outbox is full for later in the pass, and the pass waits for it a
+ * bounded while, then ends; its pages are visited on from where the cursor
+ * left them.  (The cursor once waited at such a VM for as long as it kept
+ * answering: here about 100 s a pass, with the other VM never scanned
+ * again meanwhile.)
+ */
+static void
+test_slow_answers(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start(
+        "--set", "pages_to_scan=100", "--set", "sleep_millisecs=20", "--agent-timeout", "600",
+        NULL);
+    g_autoptr(PfTestVmm) v = vmm_start(d, "served", "8");
+    /* Zero pages: each one visited is a request. */
+    g_autoptr(PfGuest) g = sealed_guest(64 * 1024, 64 * 1024);
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    g_autoptr(GArray) due = g_array_new(FALSE, FALSE, sizeof(guint64));
+    int uffd = register_wp(g);
+    int fd;
+    gint64 t0, next, look = 0, scans0, fake0 = -1;
+    guint answered = 0;
+
+    g_assert_nonnull(v);
+    fd = handshake(d, g, PF_MODE_MERGE, "");
+    wait_listed(d, "fake", TRUE);
+    scans0 = pf_test_vm_counter(d, "served", "full_scans");
+    t0 = next = g_get_monotonic_time();
+    for (;;) {
+        gint64 now = g_get_monotonic_time();
+
+        if (now >= look) {
+            gint64 scans = pf_test_vm_counter(d, "served", "full_scans");
+
+            /* The fake's pages are visited on while it stays attached. */
+            g_assert_cmpint(pf_test_vm_counter(d, "fake", "pages_scanned"), >=, fake0);
+            if (fake0 < 0 && scans > scans0) {
+                fake0 = pf_test_vm_counter(d, "fake", "pages_scanned");
+            }
+            if (scans >= scans0 + 4 &&
+                pf_test_vm_counter(d, "fake", "pages_scanned") > fake0) {
+                break;
+            }
+            if (now - t0 > 60 * G_USEC_PER_SEC) {
+                g_error("the other VM made %" G_GINT64_FORMAT " passes in 60 s, answering "
+                        "the slow one's %u batches",
+                        scans - scans0, answered);
+            }
+            look = now + G_USEC_PER_SEC / 2;
+        }
+        if (now >= next && due->len > 0) {
+            guint64 b = g_array_index(due, guint64, 0);
+
+            answer_seq(fd, (guint32)(b >> 32), (guint32)b, PF_RESULT_CHANGED);
+            g_array_remove_index(due, 0);
+            answered++;
+            next = now + 300 * 1000;
+        }
+        if (next_msg(fd, m, 50) && m->header.type == PF_MSG_REQUEST) {
+            guint32 n;
+            guint64 b;
+
+            pf_msg_items(m, &n);
+            b = (guint64)m->header.seq << 32 | n;
+            g_array_append_val(due, b);
+        }
+    }
+    g_test_message("the other VM made 4 passes in %.1f s, the slow one answering %u batches",
+                   (g_get_monotonic_time() - t0) / 1e6, answered);
+    wait_listed(d, "fake", TRUE);
+    close(fd);
+    close(uffd);
 }
 
 static guint
@@ -1864,6 +1947,7 @@ main(int argc, char **argv)
     g_test_add_func("/link/flood", test_flood);
     g_test_add_func("/link/uid-page-ids", test_uid_page_ids);
     g_test_add_func("/link/not-reading", test_not_reading);
+    g_test_add_func("/link/slow-answers", test_slow_answers);
     g_test_add_func("/link/no-region", test_no_region);
     g_test_add_func("/link/bad-region-kept", test_bad_region_kept);
     g_test_add_func("/link/region-join", test_region_join);
