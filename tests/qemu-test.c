@@ -1320,6 +1320,99 @@ test_advise_virtio_gpu_blob(void)
     pf_test_guest_free(g);
 }
 
+/* Whether the guest's first vCPU exposes feature (a QOM property of x86
+ * CPUs: "vmx", "svm"). */
+static gboolean
+cpu_has(Guest *g, const char *feature)
+{
+    JsonNode *cpus = pf_test_guest_qmp(g, "query-cpus-fast", NULL);
+    JsonObject *cpu0 = json_array_get_object_element(json_node_get_array(cpus), 0);
+    g_autofree char *args = g_strdup_printf("{\"path\": \"%s\", \"property\": \"%s\"}",
+                                            json_object_get_string_member(cpu0, "qom-path"),
+                                            feature);
+    JsonNode *v = pf_test_guest_qmp(g, "qom-get", args);
+    gboolean has = json_node_get_boolean(v);
+
+    json_node_unref(v);
+    json_node_unref(cpus);
+    return has;
+}
+
+/* Whether QEMU really runs a guest under KVM here (scripts/probe-kvm:
+ * /dev/kvm can exist where QEMU 7.2 cannot use it); says why not. */
+static gboolean
+kvm_usable(void)
+{
+    g_autofree char *probe = g_build_filename(g_getenv("PAGEFOLD_SOURCE_DIR"), "scripts",
+                                              "probe-kvm", NULL);
+    const char *argv[] = { probe, g_getenv("QEMU_BINARY"), g_getenv("GUEST_KERNEL"),
+                           g_getenv("GUEST_INITRD"), NULL };
+    /* A guest under KVM prints its banner within a second. */
+    g_auto(GStrv) env = g_environ_setenv(g_get_environ(), "PROBE_S", "10", TRUE);
+    g_autofree char *out = NULL;
+    g_autoptr(GError) error = NULL;
+    gint status = 0;
+
+    if (g_spawn_sync(NULL, (char **)argv, env, G_SPAWN_DEFAULT, NULL, NULL, &out, NULL,
+                     &status, &error) &&
+        g_spawn_check_wait_status(status, NULL)) {
+        return TRUE;
+    }
+    g_test_message("no guest under KVM here: %s",
+                   error != NULL ? error->message : g_strstrip(out));
+    return FALSE;
+}
+
+/*
+ * Under KVM, a VM whose vCPUs expose nested virtualization (VMX or SVM)
+ * stays in advise mode: KVM writes its nested guests' state to guest RAM
+ * outside QEMU's page tables.  Under TCG (`-cpu max` exposes SVM) it
+ * merges: QEMU emulates nested virtualization through its own mappings of
+ * guest RAM.  The KVM half runs where QEMU really runs a guest under KVM.
+ */
+static void
+test_nested(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    const char *extra[] = { "-cpu", "max", NULL };
+    PfGuestSpec spec = { "nested0", NULL, 256, FILL_MIB, 1, 10, 4, FALSE, FALSE, extra };
+    g_autoptr(JsonObject) agent = NULL;
+    Guest *g;
+
+    if (!have_qemu()) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    spec.agent_sock = d->agent_sock;
+    g = pf_test_guest_start(&spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    g_assert_true(cpu_has(g, "svm"));
+    wait_live_regions(d, g->name, 1, NULL, NULL);
+    json_node_unref(pf_test_ctl_json(d, "scan-now", "2", NULL));
+    agent = agent_info(g);
+    g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
+    g_assert_cmpint(json_object_get_int_member(agent, "remapped"), >, 0);
+    g_free(pf_test_guest_expect_pass(g, 120));
+    pf_test_guest_free(g);
+
+    if (!kvm_usable()) {
+        g_test_message("the KVM half is not run");
+        return;
+    }
+    extra[1] = "host";
+    spec.name = "nested1";
+    spec.accel = "kvm";
+    g = pf_test_guest_start(&spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    if (cpu_has(g, "vmx") || cpu_has(g, "svm")) {
+        assert_advise(d, g, "nested virtualization under KVM");
+    } else {
+        g_test_message("this host's KVM offers guests no nested virtualization");
+    }
+    g_free(pf_test_guest_expect_pass(g, 120));
+    pf_test_guest_free(g);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -1339,5 +1432,6 @@ main(int argc, char **argv)
     g_test_add_func("/qemu/life/no-name", test_no_name);
     g_test_add_func("/qemu/life/object-add", test_object_add);
     g_test_add_func("/qemu/advise/virtio-gpu-blob", test_advise_virtio_gpu_blob);
+    g_test_add_func("/qemu/advise/nested", test_nested);
     return g_test_run();
 }

@@ -77,6 +77,9 @@ pf_test_guest_start(const PfGuestSpec *spec)
     g_autofree char *mem = g_strdup_printf("memory-backend-memfd,id=ram,size=%dM,share=%s",
                                            spec->ram_mib, spec->private_ram ? "off" : "on");
     g_autofree char *qmp = NULL;
+    const char *accel = spec->accel != NULL ? spec->accel : "tcg";
+    g_autofree char *machine = g_strdup_printf("pc,accel=%s", accel);
+    g_autofree char *machine_ram = g_strdup_printf("pc,accel=%s,memory-backend=ram", accel);
     g_autofree char *agent = g_strdup_printf("x-pagefold-agent,id=pf0,socket=%s",
                                              spec->agent_sock);
     g_autofree char *append = g_strdup_printf(
@@ -115,14 +118,14 @@ pf_test_guest_start(const PfGuestSpec *spec)
     }
     if (spec->own_ram) {
         g_ptr_array_add(argv, (char *)"-machine");
-        g_ptr_array_add(argv, (char *)"pc,accel=tcg");
+        g_ptr_array_add(argv, machine);
         if (spec->agent_sock != NULL) {
             g_ptr_array_add(argv, (char *)"-object");
             g_ptr_array_add(argv, agent);
         }
     } else if (spec->agent_sock != NULL) {
         g_ptr_array_add(argv, (char *)"-machine");
-        g_ptr_array_add(argv, (char *)"pc,accel=tcg,memory-backend=ram");
+        g_ptr_array_add(argv, machine_ram);
         g_ptr_array_add(argv, (char *)"-object");
         g_ptr_array_add(argv, mem);
         g_ptr_array_add(argv, (char *)"-object");
@@ -130,7 +133,7 @@ pf_test_guest_start(const PfGuestSpec *spec)
     } else {
         /* QEMU's default RAM: anonymous, MADV_MERGEABLE (mem-merge=on). */
         g_ptr_array_add(argv, (char *)"-machine");
-        g_ptr_array_add(argv, (char *)"pc,accel=tcg");
+        g_ptr_array_add(argv, machine);
     }
     if (!spec->reboot) {
         g_ptr_array_add(argv, (char *)"-no-reboot");

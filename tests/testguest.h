@@ -26,6 +26,7 @@ typedef struct {
     gboolean own_ram;       /* guest RAM comes from extra (NUMA nodes);
                              * without agent_sock, no agent either */
     gboolean no_name;       /* no -name: QEMU's default */
+    const char *accel;      /* QEMU's accelerator; NULL: tcg */
 } PfGuestSpec;
 
 typedef struct {
