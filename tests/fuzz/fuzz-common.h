@@ -51,7 +51,21 @@ fuzz_check_fds(int before, const char *what)
     int after = fuzz_count_fds();
 
     if (after != before) {
-        fprintf(stderr, "fuzz: %s leaked %d descriptor(s)\n", what, after - before);
+        DIR *d = opendir("/proc/self/fd");
+        struct dirent *e;
+
+        fprintf(stderr, "fuzz: %s leaked %d descriptor(s); open now:\n", what, after - before);
+        while (d != NULL && (e = readdir(d)) != NULL) {
+            char path[300], target[256];
+            ssize_t n;
+
+            snprintf(path, sizeof(path), "/proc/self/fd/%s", e->d_name);
+            n = readlink(path, target, sizeof(target) - 1);
+            if (n > 0) {
+                target[n] = '\0';
+                fprintf(stderr, "  %s -> %s\n", e->d_name, target);
+            }
+        }
         abort();
     }
 }
