@@ -334,6 +334,105 @@ test_pool_apart(void)
     }
 }
 
+/* Waits until VM name has finished n more passes. */
+static void
+wait_vm_passes(PfTestDaemon *d, const char *name, int n)
+{
+    gint64 want = pf_test_vm_counter(d, name, "full_scans") + n;
+
+    for (int i = 0; i < 3000 && pf_test_vm_counter(d, name, "full_scans") < want; i++) {
+        g_usleep(10000);
+    }
+    g_assert_cmpint(pf_test_vm_counter(d, name, "full_scans"), >=, want);
+}
+
+/* How many pages of fill seed seed v can read in the pool ("pool-find"). */
+static gsize
+pool_find(Vmm *v, guint64 seed)
+{
+    g_autofree char *probe = pf_test_vmm_cmdf(v, "pool-find %" G_GUINT64_FORMAT, seed);
+    gsize files, pages, found;
+
+    g_assert_cmpint(sscanf(probe, "probe files %zu pages %zu found %zu", &files, &pages, &found),
+                    ==, 3);
+    return found;
+}
+
+/* Waits until v can read one page of fill seed seed in the pool (it is
+ * merged; within 10 passes of VM "x"), then n more passes of x. */
+static void
+wait_pooled(PfTestDaemon *d, Vmm *v, guint64 seed, int n)
+{
+    for (int i = 0; i < 10 && pool_find(v, seed) != 1; i++) {
+        wait_vm_passes(d, "x", 1);
+    }
+    g_assert_cmpuint(pool_find(v, seed), ==, 1);
+    wait_vm_passes(d, "x", n);
+}
+
+/*
+ * Ids reused, live (the model's /scan-model/ids-reused, with real
+ * stand-ins and the background scan): x comes to hold content K1 that a
+ * and b share in a chunk of theirs alone, and is to be sent that chunk at
+ * the end of the pass; in that pass a and b zero K1, so its node, slot
+ * and chunk are freed, and pair K2 (written when x wrote K1), which may
+ * be given them anew.  x is first in the cursor's order and each write
+ * comes as a pass begins, so x's page is looked at before theirs.  x must
+ * never hold K2; a does.  (With the join checked by node id, liveness and
+ * slot only, as before issue 20, x held K2 in the first round, 3 runs of
+ * 3 here.)
+ */
+static void
+test_ids_reused_live(void)
+{
+    /* Every page visited each pass (no smart scan skipping the unique
+     * pages that never matched), at 5000 pages a second. */
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start(
+        "--set", "pages_to_scan=100", "--set", "sleep_millisecs=20", "--set", "smart_scan=0",
+        NULL);
+    Vmm *x = vmm_start(d, "x", 3, 0, FALSE);
+    Vmm *ab[2] = { vmm_start(d, "a", 1, 0, FALSE), vmm_start(d, "b", 2, 0, FALSE) };
+    /* K1 early in each VM's RAM, K2 at its end: by the time the cursor
+     * comes to K2, the agents have answered for K1, and its slot, chunk
+     * and node are free to be given again. */
+    const gsize page = IDENTICAL, last = IDENTICAL + UNIQUE - 1;
+
+    for (guint64 round = 0; round < 2; round++) {
+        guint64 k1 = 1000 + round, k2 = 2000 + round;
+
+        for (int i = 0; i < 2; i++) {
+            g_free(pf_test_vmm_cmdf(ab[i], "fill %zu %" G_GUINT64_FORMAT, page, k1));
+        }
+        wait_pooled(d, ab[0], k1, 0);
+        /* A page is looked up in the trees once its checksum held for a
+         * pass: x's K1 and a and b's K2 are first seen in the next pass,
+         * and looked up in the one after, in which a and b zero K1. */
+        wait_vm_passes(d, "b", 1);
+        g_free(pf_test_vmm_cmdf(x, "fill %zu %" G_GUINT64_FORMAT, page, k1));
+        for (int i = 0; i < 2; i++) {
+            g_free(pf_test_vmm_cmdf(ab[i], "fill %zu %" G_GUINT64_FORMAT, last, k2));
+        }
+        wait_vm_passes(d, "b", 1);
+        for (int i = 0; i < 2; i++) {
+            g_free(pf_test_vmm_cmdf(ab[i], "fill %zu 0", page));
+        }
+        wait_pooled(d, ab[0], k2, 2);
+        g_assert_cmpuint(pool_find(x, k2), ==, 0);
+        /* Nothing of this round is left shared for the next. */
+        for (int i = 0; i < 2; i++) {
+            g_free(pf_test_vmm_cmdf(ab[i], "fill %zu 0", last));
+        }
+        g_free(pf_test_vmm_cmdf(x, "fill %zu 0", page));
+        wait_vm_passes(d, "x", 3);
+    }
+    pf_test_vmm_verify(x);
+    for (int i = 0; i < 2; i++) {
+        pf_test_vmm_verify(ab[i]);
+        pf_test_vmm_quit(ab[i]);
+    }
+    pf_test_vmm_quit(x);
+}
+
 /* pagefoldd's pool memory, measured by the kernel (the blocks of every
  * pool memfd it and the VMMs still hold), follows what is shared: chunks
  * whose slots all went are let go by everyone, sparse ones are emptied
@@ -1426,6 +1525,7 @@ main(int argc, char **argv)
     g_test_add_data_func("/agent/cow-and-remerge/pagemap", "pagemap", test_cow_and_remerge);
     g_test_add_func("/agent/unmerge-all", test_unmerge_all);
     g_test_add_func("/agent/pool-apart", test_pool_apart);
+    g_test_add_func("/agent/ids-reused", test_ids_reused_live);
     g_test_add_func("/agent/pool-memory", test_pool_memory);
     g_test_add_func("/agent/pool-kept", test_pool_kept);
     g_test_add_func("/agent/unmerge-fails", test_unmerge_fails);

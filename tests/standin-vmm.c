@@ -41,6 +41,8 @@
  *                   pool chunk it holds a descriptor or a mapping of, read
  *                   whole, searched for the first N unique pages of a
  *                   guest of seed SEED         -> "probe files F pages P found X"
+ *   pool-find SEED  the same, searched for the content "fill PAGE SEED"
+ *                   writes                     -> "probe files F pages P found X"
  *   hold-pool       keep a descriptor of every pool chunk the agent holds
  *                   now, as a misbehaving VMM could          -> "ok N"
  *   fill PAGE SEED  write pf_fill_page(SEED) content into a page (SEED 0:
@@ -178,9 +180,10 @@ probe_file(int fd, GHashTable *seen, GHashTable *secret, gsize *files, gsize *pa
 
 /* The agent's view of the pool does not matter: a compromised VMM reads
  * every descriptor it holds and every file it maps (a mapping can be
- * grown with mremap, or opened through map_files). */
+ * grown with mremap, or opened through map_files), looking for pages
+ * made from the given fill seeds. */
 static void
-pool_probe(guint32 seed, gsize n)
+pool_probe(const guint64 *seeds, gsize n)
 {
     g_autoptr(GHashTable) secret = g_hash_table_new_full(g_int64_hash, g_int64_equal, NULL,
                                                           g_free);
@@ -194,7 +197,7 @@ pool_probe(guint32 seed, gsize n)
     for (gsize i = 0; i < n; i++) {
         guint8 *page = g_malloc(PF_PAGE_SIZE);
 
-        pf_fill_page(page, pf_page_seed(3, seed, i, 0));
+        pf_fill_page(page, seeds[i]);
         g_hash_table_insert(secret, page, page); /* keyed by its first 8 bytes */
     }
     while (dir != NULL && (e = g_dir_read_name(dir)) != NULL) {
@@ -222,7 +225,10 @@ pool_probe(guint32 seed, gsize n)
             continue;
         }
         path = g_strdup_printf("/proc/self/map_files/%s", range);
-        if ((fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
+        if ((fd = open(path, O_RDONLY | O_CLOEXEC)) < 0 && errno == ENOENT) {
+            continue; /* the agent unmapped it since (a DROP) */
+        }
+        if (fd < 0) {
             g_error("pool-probe: %s: %s (run as root)", path, g_strerror(errno));
         }
         probe_file(fd, seen, secret, &files, &pages, &found);
@@ -463,8 +469,16 @@ main(int argc, char **argv)
                 }
             }
             printf("ok\n");
-        } else if (sscanf(line, "pool-probe %d %" G_GUINT64_FORMAT, &skip, &n) == 2) {
-            pool_probe((guint32)skip, n);
+        } else if (sscanf(line, "pool-probe %d %" G_GUINT64_FORMAT, &skip, &n) == 2 &&
+                   n <= pages) {
+            g_autofree guint64 *seeds = g_new(guint64, MAX(n, 1));
+
+            for (gsize i = 0; i < n; i++) {
+                seeds[i] = pf_page_seed(3, (guint32)skip, i, 0);
+            }
+            pool_probe(seeds, n);
+        } else if (sscanf(line, "pool-find %" G_GUINT64_FORMAT, &n) == 1) {
+            pool_probe(&n, 1);
         } else if (g_str_equal(line, "hold-pool")) {
             g_autoptr(GDir) dir = g_dir_open("/proc/self/fd", 0, NULL);
             g_autoptr(GPtrArray) fds = g_ptr_array_new();
