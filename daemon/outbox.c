@@ -195,7 +195,13 @@ pf_outbox_sent_seq(PfOutbox *ob)
 gboolean
 pf_outbox_answered_since(PfOutbox *ob, guint32 seq)
 {
-    return ob->answered_seq - seq - 1 < G_MAXUINT32 / 2;
+    return pf_outbox_seq_after(ob->answered_seq, seq);
+}
+
+guint32
+pf_outbox_answered_seq(PfOutbox *ob)
+{
+    return ob->answered_seq;
 }
 
 /* Drops the requests of a list not sent yet that func settles; returns

@@ -98,6 +98,14 @@ gint64 pf_outbox_waiting_usec(PfOutbox *ob);
  * before). */
 guint32 pf_outbox_sent_seq(PfOutbox *ob);
 gboolean pf_outbox_answered_since(PfOutbox *ob, guint32 seq);
+/* The last batch answered; whether that one came after batch seq (the
+ * numbers wrap). */
+guint32 pf_outbox_answered_seq(PfOutbox *ob);
+static inline gboolean
+pf_outbox_seq_after(guint32 answered, guint32 seq)
+{
+    return answered - seq - 1 < G_MAXUINT32 / 2;
+}
 
 /* Hands func every request not answered yet, queued, held or sent.  One
  * func returns TRUE for is settled: if not sent, it never is; if sent, its

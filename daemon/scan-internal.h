@@ -92,7 +92,6 @@ struct _PfScanner {
     /* cursor: the next page to visit */
     gboolean in_pass;
     guint cur_vm;
-    guint entered;  /* the VM at cur_vm was looked at (enter_vm()) */
     guint cur_region;
     gsize cur_page;
     gsize data_end; /* end of the memfd data extent holding cur_page */

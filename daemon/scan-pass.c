@@ -40,6 +40,17 @@ pf_scanner_agent_silent(PfVm *vm)
     return vm->outbox != NULL && pf_outbox_waiting_usec(vm->outbox) > STUCK_USEC;
 }
 
+gboolean
+pf_scanner_looking(PfScanner *s)
+{
+    for (guint i = 0; i < s->vms->len; i++) {
+        if (((PfVm *)g_ptr_array_index(s->vms, i))->looking != NULL) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
 guint64
 pf_scanner_full_scans(PfScanner *s)
 {
@@ -154,31 +165,34 @@ find_data(PfScanner *s, PfRegion *r, gsize budget)
 /*
  * An agent is told to drop a chunk when no page of its VM maps it: its
  * memory can only come back once every process lets go of it.  One that
- * still holds it once it has answered a request sent after the DROP (or a
- * minute after, if none was) keeps memory pagefoldd freed, and could do
- * so with every chunk it is sent: its VM is detached.  (A compromised VMM
- * can hide a descriptor where /proc does not show it: see the README's
- * trust boundary.)
+ * still held it when its look began (enter_vm()), having answered a
+ * request sent after the DROP by then (or a minute after, if none was),
+ * keeps memory pagefoldd freed, and could do so with every chunk it is
+ * sent: its VM is detached.  (A compromised VMM can hide a descriptor
+ * where /proc does not show it: see the README's trust boundary.)
  */
 static gboolean
-check_dropped(PfScanner *s, PfVm *vm, GError **error)
+check_dropped(PfScanner *s, PfVm *vm, const PfVmLook *look, GError **error)
 {
-    g_autoptr(GHashTable) held = NULL;
+    GHashTable *held = pf_vm_look_held_pool(look);
     guint kept = 0;
 
-    if (vm->dropped == NULL || vm->dropped->len == 0 || vm->outbox == NULL) {
+    if (vm->dropped == NULL || vm->outbox == NULL) {
         return TRUE;
     }
-    held = pf_vm_held_pool(vm);
     for (guint i = 0; i < vm->dropped->len;) {
         const PfDropped *d = &g_array_index(vm->dropped, PfDropped, i);
 
+        if (d->usec >= vm->look_usec) {
+            i++; /* dropped after the look began: for the next one */
+            continue;
+        }
         if (!g_hash_table_contains(held, &d->ino)) {
             g_array_remove_index_fast(vm->dropped, i);
             continue;
         }
-        kept += pf_outbox_answered_since(vm->outbox, d->seq) ||
-                g_get_monotonic_time() - d->usec > DROP_GRACE_USEC;
+        kept += pf_outbox_seq_after(vm->look_answered, d->seq) ||
+                vm->look_usec - d->usec > DROP_GRACE_USEC;
         i++;
     }
     if (kept > 0) {
@@ -237,8 +251,9 @@ to_deferred(PfScanner *s)
         if (!vm->deferred) {
             continue;
         }
-        if (vm->outbox == NULL || pf_outbox_room(vm->outbox) / 2 > 0 ||
-            pf_scanner_agent_silent(vm)) {
+        if ((vm->entered || vm->look != NULL) &&
+            (vm->outbox == NULL || pf_outbox_room(vm->outbox) / 2 > 0 ||
+             pf_scanner_agent_silent(vm))) {
             if (s->wait_since != 0) {
                 s->deferred_wait += now - s->wait_since;
                 s->wait_since = 0;
@@ -246,7 +261,6 @@ to_deferred(PfScanner *s)
             vm->deferred = FALSE;
             s->revisiting = TRUE;
             cursor_to_vm(s, i);
-            s->entered = i;
             return TRUE;
         }
         waiting = TRUE;
@@ -270,6 +284,48 @@ to_deferred(PfScanner *s)
         }
     }
     return FALSE;
+}
+
+typedef struct {
+    PfVm *vm;
+    GCancellable *cancel; /* the VM's looking, cancelled when it goes */
+} LookCall;
+
+static void
+look_done(GObject *source, GAsyncResult *res, gpointer user)
+{
+    LookCall *call = user;
+    PfVmLook *look = pf_vm_look_finish(res, NULL);
+
+    if (!g_cancellable_is_cancelled(call->cancel)) {
+        call->vm->look = look;
+        g_clear_object(&call->vm->looking);
+    } else {
+        pf_vm_look_free(look);
+    }
+    g_object_unref(call->cancel);
+    g_free(call);
+}
+
+/* Starts the VM's look for this pass, unless one is under way or done. */
+static void
+look_start(PfVm *vm)
+{
+    LookCall *call;
+
+    if (vm->looking != NULL || vm->look != NULL) {
+        return;
+    }
+    call = g_new0(LookCall, 1);
+    call->vm = vm;
+    call->cancel = g_cancellable_new();
+    vm->looking = g_object_ref(call->cancel);
+    vm->look_usec = g_get_monotonic_time();
+    vm->look_answered = vm->outbox != NULL ? pf_outbox_answered_seq(vm->outbox) : 0;
+    pf_vm_look_async(vm,
+                     (vm->outbox == NULL ? PF_VM_LOOK_RANGES : 0) |
+                         (vm->dropped != NULL && vm->dropped->len > 0 ? PF_VM_LOOK_HELD : 0),
+                     call->cancel, look_done, call);
 }
 
 static gboolean
@@ -297,8 +353,16 @@ begin_pass(PfScanner *s)
         }
     }
     moves_evacuate(s);
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        /* A look the last pass ended without is older than this pass:
+         * its count of mappings would be short by what merged since. */
+        vm->entered = FALSE;
+        g_clear_pointer(&vm->look, pf_vm_look_free);
+        look_start(vm);
+    }
     s->in_pass = TRUE;
-    s->entered = G_MAXUINT;
     s->revisiting = FALSE;
     s->deferred_wait = 0;
     s->wait_since = 0;
@@ -307,23 +371,33 @@ begin_pass(PfScanner *s)
     return TRUE;
 }
 
+typedef enum { ENTER_DONE, ENTER_LATER, ENTER_GONE } Enter;
+
 /*
  * The cursor comes to a VM: what it maps is looked at again (its regions
- * if attached by pid, the pool chunks it was told to drop, its mappings),
- * here rather than for every VM as the pass begins: each look reads its
- * /proc/PID/maps, which waits for the process's mmap lock, and a busy VMM
- * remapping its RAM holds it for a while.  FALSE when the VM was detached
- * (the cursor is at the next one then).
+ * if attached by pid, the pool chunks it was told to drop, its mappings).
+ * Each look reads its /proc/PID/maps, which waits for the process's mmap
+ * lock, held by a busy VMM remapping its RAM (or a hostile one) as long as
+ * it likes: so the look runs on a thread, started as the pass begins, and
+ * a VM whose look is not done yet is left for later in the pass
+ * (ENTER_LATER).  ENTER_GONE when the VM was detached (the cursor is at
+ * the next one then).
  */
-static gboolean
+static Enter
 enter_vm(PfScanner *s, PfVm *vm)
 {
     g_autoptr(GPtrArray) gone = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
     g_autoptr(GPtrArray) added = g_ptr_array_new();
     g_autoptr(GError) error = NULL;
+    g_autoptr(PfVmLook) look = NULL;
+    gboolean ok;
 
-    gboolean ok = pf_vm_refresh(vm, gone, added, &error) && check_dropped(s, vm, &error);
-
+    if (vm->look == NULL) {
+        look_start(vm);
+        return ENTER_LATER;
+    }
+    look = g_steal_pointer(&vm->look);
+    ok = pf_vm_refresh(vm, look, gone, added, &error) && check_dropped(s, vm, look, &error);
     /* Regions it no longer maps leave the page space before they are
      * freed, whether or not the VM stays. */
     for (guint k = 0; k < gone->len; k++) {
@@ -331,9 +405,9 @@ enter_vm(PfScanner *s, PfVm *vm)
     }
     if (!ok) {
         pf_scanner_detach(s, vm, error->message);
-        s->entered = G_MAXUINT;
-        return FALSE;
+        return ENTER_GONE;
     }
+    vm->entered = TRUE;
     for (guint k = 0; k < added->len; k++) {
         PfRegion *r = g_ptr_array_index(added, k);
 
@@ -343,10 +417,10 @@ enter_vm(PfScanner *s, PfVm *vm)
         }
     }
     if (pf_vm_merges(vm)) {
-        vm->vmas = pf_vm_count_vmas(vm);
+        vm->vmas = pf_vm_look_vmas(look);
         vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
     }
-    return TRUE;
+    return ENTER_DONE;
 }
 
 static void
@@ -442,9 +516,13 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
             break;
         }
         vm = g_ptr_array_index(s->vms, s->cur_vm);
-        if (s->entered != s->cur_vm) {
-            s->entered = s->cur_vm;
-            if (!enter_vm(s, vm)) {
+        if (!vm->entered) {
+            Enter e = enter_vm(s, vm);
+
+            if (e == ENTER_LATER) {
+                leave_vm(s, vm, TRUE);
+            }
+            if (e != ENTER_DONE) {
                 continue;
             }
         }

@@ -22,9 +22,7 @@ cursor_vm_removed(PfScanner *s, guint idx)
 {
     if (idx < s->cur_vm) {
         s->cur_vm--;
-        s->entered -= s->entered != G_MAXUINT;
     } else if (idx == s->cur_vm) {
-        s->entered = G_MAXUINT;
         cursor_to_vm(s, s->revisiting ? s->vms->len : idx);
     }
 }
@@ -139,7 +137,8 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
         if (zero != NULL) {
             scan_emit_chunk(s, vm, zero, FALSE);
         }
-        vm->vmas = pf_vm_count_vmas(vm);
+        /* Its mappings are counted as the cursor first comes to it,
+         * before any request for it. */
         vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
     }
     g_ptr_array_add(s->vms, vm);

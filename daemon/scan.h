@@ -127,6 +127,10 @@ gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
  * waits for slow agents a bounded while, and visits the rest of their
  * VMs next pass. */
 gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes);
+/* Whether a VM's look at its process (its /proc files, read on a thread as
+ * a pass begins) is under way: a scan may stop for it, and goes on once
+ * the main context has run the look's end. */
+gboolean pf_scanner_looking(PfScanner *s);
 /* Passes ended so far, and whether one is under way. */
 guint64 pf_scanner_full_scans(PfScanner *s);
 gboolean pf_scanner_in_pass(PfScanner *s);

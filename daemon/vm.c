@@ -43,21 +43,16 @@ maps_range_clear(gpointer p)
     g_free(((MapsRange *)p)->name);
 }
 
-/* The shared memfd mappings of a process, adjacent pieces of one file
- * joined (QEMU's own madvise() calls can split one RAM block's VMA). */
+/* The shared memfd mappings of a process's maps (text), adjacent pieces of
+ * one file joined (QEMU's own madvise() calls can split one RAM block's
+ * VMA). */
 static GArray *
-read_memfd_ranges(int pid, GError **error)
+memfd_ranges(const char *text)
 {
-    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
-    g_autofree char *text = NULL;
-    g_auto(GStrv) lines = NULL;
+    g_auto(GStrv) lines = g_strsplit(text, "\n", -1);
     g_autoptr(GArray) out = g_array_new(FALSE, TRUE, sizeof(MapsRange));
 
     g_array_set_clear_func(out, maps_range_clear);
-    if (!g_file_get_contents(path, &text, NULL, error)) {
-        return NULL;
-    }
-    lines = g_strsplit(text, "\n", -1);
     for (char **l = lines; *l != NULL; l++) {
         guint64 start, end, offset, ino;
         char perms[8];
@@ -139,10 +134,124 @@ region_matches(const PfRegion *r, const MapsRange *m)
            r->size == m->end - m->start && r->file_offset == m->offset;
 }
 
-gboolean
-pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
+struct _PfVmLook {
+    GError *error;    /* maps could not be read */
+    GArray *ranges;   /* MapsRange, with PF_VM_LOOK_RANGES */
+    GHashTable *held; /* guint64* inodes */
+    guint64 vmas;
+};
+
+void
+pf_vm_look_free(PfVmLook *look)
 {
-    g_autoptr(GArray) ranges = NULL;
+    if (look == NULL) {
+        return;
+    }
+    g_clear_error(&look->error);
+    g_clear_pointer(&look->ranges, g_array_unref);
+    g_clear_pointer(&look->held, g_hash_table_unref);
+    g_free(look);
+}
+
+/* The pool chunks a process maps (from its maps text) or holds a
+ * descriptor of, into held. */
+static void
+held_pool(int pid, const char *text, GHashTable *held)
+{
+    static const char tag[] = "/memfd:pagefold-pool-";
+    g_autofree char *fd_path = g_strdup_printf("/proc/%d/fd", pid);
+    g_auto(GStrv) lines = g_strsplit(text, "\n", -1);
+    g_autoptr(GDir) dir = NULL;
+    const char *e;
+
+    for (guint i = 0; lines[i] != NULL; i++) {
+        guint64 ino;
+
+        if (strstr(lines[i], tag) != NULL &&
+            sscanf(lines[i], "%*s %*s %*s %*s %" G_GUINT64_FORMAT, &ino) == 1) {
+            g_hash_table_add(held, g_memdup2(&ino, sizeof(ino)));
+        }
+    }
+    dir = g_dir_open(fd_path, 0, NULL);
+    while (dir != NULL && (e = g_dir_read_name(dir)) != NULL) {
+        g_autofree char *path = g_build_filename(fd_path, e, NULL);
+        g_autofree char *target = g_file_read_link(path, NULL);
+        struct stat st;
+
+        if (target != NULL && g_str_has_prefix(target, tag) && stat(path, &st) == 0) {
+            guint64 ino = st.st_ino;
+
+            g_hash_table_add(held, g_memdup2(&ino, sizeof(ino)));
+        }
+    }
+}
+
+static PfVmLook *
+look_read(int pid, guint what)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
+    g_autofree char *text = NULL;
+    PfVmLook *look = g_new0(PfVmLook, 1);
+    gsize len = 0;
+
+    look->held = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
+    if (g_file_get_contents(path, &text, &len, &look->error)) {
+        for (gsize i = 0; i < len; i++) {
+            look->vmas += text[i] == '\n';
+        }
+        if (what & PF_VM_LOOK_RANGES) {
+            look->ranges = memfd_ranges(text);
+        }
+        if (what & PF_VM_LOOK_HELD) {
+            held_pool(pid, text, look->held);
+        }
+    }
+    return look;
+}
+
+static void
+look_thread(GTask *task, gpointer source, gpointer data, GCancellable *cancel)
+{
+    guint what = GPOINTER_TO_UINT(data) & 3;
+    int pid = (int)(GPOINTER_TO_UINT(data) >> 2);
+
+    g_task_return_pointer(task, look_read(pid, what), (GDestroyNotify)pf_vm_look_free);
+}
+
+void
+pf_vm_look_async(const PfVm *vm, guint what, GCancellable *cancel, GAsyncReadyCallback callback,
+                 gpointer user)
+{
+    g_autoptr(GTask) task = g_task_new(NULL, cancel, callback, user);
+
+    /* Pids fit in 22 bits (PID_MAX_LIMIT). */
+    g_task_set_task_data(task, GUINT_TO_POINTER((guint)vm->pid << 2 | (what & 3)), NULL);
+    g_task_set_return_on_cancel(task, TRUE);
+    g_task_run_in_thread(task, look_thread);
+}
+
+PfVmLook *
+pf_vm_look_finish(GAsyncResult *res, GError **error)
+{
+    return g_task_propagate_pointer(G_TASK(res), error);
+}
+
+GHashTable *
+pf_vm_look_held_pool(const PfVmLook *look)
+{
+    return look->held;
+}
+
+guint64
+pf_vm_look_vmas(const PfVmLook *look)
+{
+    return look->vmas;
+}
+
+gboolean
+pf_vm_refresh(PfVm *vm, const PfVmLook *look, GPtrArray *gone, GPtrArray *added, GError **error)
+{
+    GArray *ranges = look->ranges;
     g_autoptr(GArray) seen = NULL;
 
     if (pf_vm_exited(vm)) {
@@ -153,10 +262,11 @@ pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added, GError **error)
     if (vm->outbox != NULL) {
         return TRUE; /* the agent says what its RAM is */
     }
-    ranges = read_memfd_ranges(vm->pid, error);
-    if (ranges == NULL) {
+    if (look->error != NULL) {
+        g_propagate_error(error, g_error_copy(look->error));
         return FALSE;
     }
+    g_return_val_if_fail(ranges != NULL, FALSE);
     seen = g_array_sized_new(FALSE, TRUE, sizeof(gboolean), ranges->len);
     g_array_set_size(seen, ranges->len);
 
@@ -375,72 +485,20 @@ pf_vm_merges(const PfVm *vm)
     return vm->mode == PF_MODE_MERGE;
 }
 
-guint64
-pf_vm_count_vmas(const PfVm *vm)
-{
-    g_autofree char *path = g_strdup_printf("/proc/%d/maps", vm->pid);
-    g_autofree char *text = NULL;
-    gsize len = 0;
-    guint64 n = 0;
-
-    if (!g_file_get_contents(path, &text, &len, NULL)) {
-        return 0;
-    }
-    for (gsize i = 0; i < len; i++) {
-        n += text[i] == '\n';
-    }
-    return n;
-}
-
-GHashTable *
-pf_vm_held_pool(const PfVm *vm)
-{
-    static const char tag[] = "/memfd:pagefold-pool-";
-    g_autofree char *maps_path = g_strdup_printf("/proc/%d/maps", vm->pid);
-    g_autofree char *fd_path = g_strdup_printf("/proc/%d/fd", vm->pid);
-    g_autofree char *text = NULL;
-    g_autoptr(GDir) dir = NULL;
-    GHashTable *held = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
-    const char *e;
-
-    if (g_file_get_contents(maps_path, &text, NULL, NULL)) {
-        g_auto(GStrv) lines = g_strsplit(text, "\n", -1);
-
-        for (guint i = 0; lines[i] != NULL; i++) {
-            guint64 ino;
-
-            if (strstr(lines[i], tag) != NULL &&
-                sscanf(lines[i], "%*s %*s %*s %*s %" G_GUINT64_FORMAT, &ino) == 1) {
-                g_hash_table_add(held, g_memdup2(&ino, sizeof(ino)));
-            }
-        }
-    }
-    dir = g_dir_open(fd_path, 0, NULL);
-    while (dir != NULL && (e = g_dir_read_name(dir)) != NULL) {
-        g_autofree char *path = g_build_filename(fd_path, e, NULL);
-        g_autofree char *target = g_file_read_link(path, NULL);
-        struct stat st;
-
-        if (target != NULL && g_str_has_prefix(target, tag) && stat(path, &st) == 0) {
-            guint64 ino = st.st_ino;
-
-            g_hash_table_add(held, g_memdup2(&ino, sizeof(ino)));
-        }
-    }
-    return held;
-}
-
 PfVm *
 pf_vm_attach(int pid, const char *name, GError **error)
 {
     g_autoptr(PfVm) vm = vm_new(pid, -1, error);
     g_autoptr(GPtrArray) gone = g_ptr_array_new();
     g_autoptr(GPtrArray) added = g_ptr_array_new();
+    g_autoptr(PfVmLook) look = NULL;
 
     if (vm == NULL) {
         return NULL;
     }
-    if (!pf_vm_refresh(vm, gone, added, error)) {
+    /* Root's command, once: its reads may wait here. */
+    look = look_read(pid, PF_VM_LOOK_RANGES);
+    if (!pf_vm_refresh(vm, look, gone, added, error)) {
         return NULL;
     }
     if (vm->regions->len == 0) {
@@ -484,6 +542,12 @@ pf_vm_free(PfVm *vm)
         close(vm->pagemap_fd);
     }
     g_clear_pointer(&vm->dropped, g_array_unref);
+    if (vm->looking != NULL) {
+        /* Its callback sees it cancelled, and touches nothing of the VM. */
+        g_cancellable_cancel(vm->looking);
+        g_clear_object(&vm->looking);
+    }
+    pf_vm_look_free(vm->look);
     pf_outbox_free(vm->outbox);
     g_free(vm->mode_reason);
     g_free(vm->name);

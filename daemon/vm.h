@@ -20,6 +20,7 @@
 #include "region.h"
 
 typedef struct _PfVm PfVm;
+typedef struct _PfVmLook PfVmLook; /* pf_vm_look_async() */
 
 typedef struct {
     guint64 ino;  /* the chunk's memfd */
@@ -56,6 +57,11 @@ struct _PfVm {
      * starts at resume_region, resume_page when it next comes. */
     gboolean resume;
     gboolean deferred;
+    gboolean entered;    /* looked at in this pass (the scanner's enter_vm()) */
+    GCancellable *looking; /* its look under way, or NULL */
+    PfVmLook *look;      /* its look, done, not yet taken by enter_vm() */
+    guint32 look_answered; /* its outbox's last answered batch, and the time, */
+    gint64 look_usec;    /* when its look began */
     guint resume_region;
     gsize resume_page;
     guint64 cow;         /* merged pages written since (copy-on-write) */
@@ -107,11 +113,36 @@ PfRegion *pf_vm_steal_region(PfVm *vm, guint k);
  * has none. */
 const char *pf_vm_uuid_string(const PfVm *vm, char buf[37]);
 gboolean pf_vm_merges(const PfVm *vm);
-/* The inodes (guint64*) of the pool chunks the process maps or holds a
- * descriptor of: what it keeps from being freed.  Empty if it is gone. */
-GHashTable *pf_vm_held_pool(const PfVm *vm);
-/* Lines of /proc/PID/maps: the mappings the process holds. */
-guint64 pf_vm_count_vmas(const PfVm *vm);
+
+/*
+ * What the scanner reads of a VM's process once a pass, from its
+ * /proc/PID/maps (read once for all of it) and fd directory: on a thread
+ * of GLib's pool, since each read waits for the process's mmap lock, which
+ * a busy (or hostile) VMM holds as long as it likes.  The thread sees only
+ * the pid; nothing of the PfVm.
+ */
+
+/* Starts the look; what: PF_VM_LOOK_* bits.  callback runs on the calling
+ * thread's main context, also when cancelled. */
+enum {
+    PF_VM_LOOK_RANGES = 1 << 0, /* its shared memfd mappings (attached by pid) */
+    PF_VM_LOOK_HELD = 1 << 1,   /* the pool chunks it maps or holds */
+};
+void pf_vm_look_async(const PfVm *vm, guint what, GCancellable *cancel,
+                      GAsyncReadyCallback callback, gpointer user);
+/* NULL only when cancelled; a look whose reads failed says so to
+ * pf_vm_refresh(). */
+PfVmLook *pf_vm_look_finish(GAsyncResult *res, GError **error);
+void pf_vm_look_free(PfVmLook *look);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfVmLook, pf_vm_look_free)
+/* The inodes (guint64*) of the pool chunks the process mapped or held a
+ * descriptor of, with PF_VM_LOOK_HELD: what it kept from being freed.
+ * Empty if it was gone. */
+GHashTable *pf_vm_look_held_pool(const PfVmLook *look);
+/* Lines of its /proc/PID/maps: the mappings the process held (0 if it was
+ * gone). */
+guint64 pf_vm_look_vmas(const PfVmLook *look);
+
 void pf_vm_free(PfVm *vm);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfVm, pf_vm_free)
 
@@ -119,10 +150,12 @@ gboolean pf_vm_exited(const PfVm *vm);
 gsize pf_vm_n_pages(const PfVm *vm);
 
 /*
- * Re-reads the VM's mappings.  Regions no longer mapped by the VM move from
- * vm->regions to *gone (the caller releases their pages, then frees them);
- * new ones are appended to vm->regions and to *added.
+ * Brings a VM attached by pid up to its mappings as look (with
+ * PF_VM_LOOK_RANGES) found them.  Regions no longer mapped by the VM move
+ * from vm->regions to *gone (the caller releases their pages, then frees
+ * them); new ones are appended to vm->regions and to *added.  An agent's
+ * VM says what its RAM is: nothing to do.
  */
-gboolean pf_vm_refresh(PfVm *vm, GPtrArray *gone, GPtrArray *added,
+gboolean pf_vm_refresh(PfVm *vm, const PfVmLook *look, GPtrArray *gone, GPtrArray *added,
                        GError **error);
 

@@ -37,6 +37,7 @@
 
 #include "guestmem.h"
 #include "jobs.h"
+#include "scan-helpers.h"
 #include "scan-internal.h"
 
 /* ---- the model: guests, and what their agents do ---- */
@@ -1012,7 +1013,7 @@ test_merge_domain_mid_pass(void)
     c = model_add_vm(m, &identical_only, 3);
     run_passes(m, 1, "c seen once");
     /* a's and b's pages, then c's: all found equal, waiting. */
-    pf_scanner_scan(m->s, 3 * N_IDENTICAL);
+    pf_test_scan(m->s, 3 * N_IDENTICAL);
     g_assert_cmpuint(m->s->joins->len, ==, N_IDENTICAL);
     g_assert_true(pf_scanner_set_merge_domain(m->s, c->vm, "tenant", NULL));
     run_passes(m, 3, "c in a domain of its own");
@@ -1074,7 +1075,7 @@ test_ids_reused(void)
     guest_writes(m, b, 0, 1, k2);
     run_passes(m, 1, "their checksums taken");
     /* x's pages come first in a pass: its page 0 waits to join N. */
-    pf_scanner_scan(m->s, N_IDENTICAL);
+    pf_test_scan(m->s, N_IDENTICAL);
     g_assert_cmpuint(m->s->joins->len, ==, 1);
     n = g_array_index(m->s->joins, Joining, 0).node;
     born = g_array_index(m->s->joins, Joining, 0).born;
@@ -1088,7 +1089,7 @@ test_ids_reused(void)
     g_assert_false(node_at(m->s, n)->live);
     /* a's and b's pages: their page 1 pairs, the pass ends. */
     while (pf_scanner_in_pass(m->s)) {
-        pf_scanner_scan(m->s, N_IDENTICAL);
+        pf_test_scan(m->s, N_IDENTICAL);
         while (g_main_context_iteration(NULL, FALSE)) {
         }
     }
@@ -1648,8 +1649,8 @@ test_region_gone_frees_chunk(void)
     g_assert_cmpuint(model_region_join(m, a, &duplicates_only, 1), ==, 1);
     /* A pass that sees its pages once, then one that merges them all;
      * their agent answers nothing meanwhile (no main loop). */
-    pf_scanner_scan(m->s, G_MAXSIZE);
-    pf_scanner_scan(m->s, G_MAXSIZE);
+    pf_test_scan(m->s, G_MAXSIZE);
+    pf_test_scan(m->s, G_MAXSIZE);
     g_assert_cmpuint(a->vm->count[PF_PAGE_PENDING], ==, N_IDENTICAL);
     g_assert_cmpuint(a->agent->n_in_flight, ==, N_IDENTICAL);
     b = g_queue_peek_head(&a->agent->in_flight);
@@ -1911,7 +1912,7 @@ fuzz_one(const FuzzMode *mode, guint32 seed)
             /* A batch, as the scanner's timer scans one; the agents answer
              * some of what they were sent, and the rest stays in flight
              * through what happens next. */
-            pf_scanner_scan(m->s, (gsize)g_rand_int_range(m->rand, 1, 600));
+            pf_test_scan(m->s, (gsize)g_rand_int_range(m->rand, 1, 600));
             for (guint i = 0; i < m->vms->len; i++) {
                 ModelVm *mv = g_ptr_array_index(m->vms, i);
 

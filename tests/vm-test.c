@@ -12,6 +12,7 @@
 
 #include "guestmem.h"
 #include "jobs.h"
+#include "scan-helpers.h"
 #include "scan.h"
 #include "util.h"
 
@@ -135,7 +136,7 @@ test_exit_mid_pass(Pair *p, gconstpointer data)
     PfCounters total, per[2];
 
     pf_scanner_run_passes(p->s, 2);
-    pf_scanner_scan(p->s, 300); /* part of the next pass, inside VM a */
+    pf_test_scan(p->s, 300); /* part of the next pass, inside VM a */
     pf_guest_release(p->pid[0]);
     p->pid[0] = 0;
     while (p->gone == 0) {

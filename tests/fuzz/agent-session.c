@@ -39,7 +39,7 @@
 #include "link.h"
 #include "pool.h"
 #include "proto.h"
-#include "scan.h"
+#include "scan-helpers.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -586,7 +586,7 @@ step(const uint8_t **data, size_t *size)
         break;
     case 3: /* a scan */
     case 4:
-        pf_scanner_scan(scanner, (gsize)a + 1);
+        pf_test_scan(scanner, (gsize)a + 1);
         break;
     case 5:
     case 6:

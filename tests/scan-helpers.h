@@ -1,0 +1,31 @@
+/*
+ * scan-helpers.h - what the tests that drive a PfScanner directly share:
+ * scanning a number of pages as one call did before a pass looked at each
+ * VM's process on a thread, by running the main context while a look is
+ * under way.
+ *
+ * Header-only and static, like the tests that include it.
+ */
+#pragma once
+
+#include <glib.h>
+
+#include "scan.h"
+
+/* pf_scanner_scan(), but a scan stopped for a VM's look goes on once the
+ * look is done: up to max_pages, the end of the pass, or a full outbox. */
+static inline gsize
+pf_test_scan(PfScanner *s, gsize max_pages)
+{
+    gsize done = 0;
+
+    for (;;) {
+        done += pf_scanner_scan(s, max_pages - done);
+        if (done >= max_pages || !pf_scanner_looking(s)) {
+            return done;
+        }
+        while (pf_scanner_looking(s)) {
+            g_main_context_iteration(NULL, TRUE);
+        }
+    }
+}
