@@ -56,6 +56,20 @@ guest_start(const char *agent_sock, const char *name, int seed, int seconds, gbo
     return pf_test_guest_start(&spec);
 }
 
+/* pagefoldd (scanning only when told) and the guest of spec with its
+ * agent, booted as far as pfguest's READY. */
+static Guest *
+daemon_and_guest(PfTestDaemon **d, PfGuestSpec *spec)
+{
+    Guest *g;
+
+    *d = pf_test_daemon_start("--set", "run=0", NULL);
+    spec->agent_sock = (*d)->agent_sock;
+    g = pf_test_guest_start(spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    return g;
+}
+
 /* The guest's next check passes, then its whole run (told to end, it
  * powers off). */
 static void
@@ -568,10 +582,7 @@ test_advise_private_ram(void)
     if (!have_qemu()) {
         return;
     }
-    d = pf_test_daemon_start("--set", "run=0", NULL);
-    spec.agent_sock = d->agent_sock;
-    g = pf_test_guest_start(&spec);
-    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    g = daemon_and_guest(&d, &spec);
     assert_advise(d, g, "not shared memfd RAM");
     g_free(pf_test_guest_expect_pass(g, 120));
     pf_test_guest_free(g);
@@ -967,10 +978,7 @@ test_hotplug(void)
     if (!have_qemu()) {
         return;
     }
-    d = pf_test_daemon_start("--set", "run=0", NULL);
-    spec.agent_sock = d->agent_sock;
-    g = pf_test_guest_start(&spec);
-    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    g = daemon_and_guest(&d, &spec);
     json_node_unref(pf_test_guest_qmp(g, "object-add",
                                       "{\"qom-type\": \"memory-backend-memfd\", \"id\": \"mem1\","
                                       " \"size\": 134217728, \"share\": true}"));
@@ -1054,10 +1062,7 @@ test_regions(void)
     if (!have_qemu()) {
         return;
     }
-    d = pf_test_daemon_start("--set", "run=0", NULL);
-    spec.agent_sock = d->agent_sock;
-    g = pf_test_guest_start(&spec);
-    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    g = daemon_and_guest(&d, &spec);
     {
         g_autoptr(JsonObject) agent = agent_info(g);
 
@@ -1311,10 +1316,7 @@ test_advise_virtio_gpu_blob(void)
         g_test_skip("no /dev/udmabuf on this host: QEMU refuses virtio-gpu blob=true");
         return;
     }
-    d = pf_test_daemon_start("--set", "run=0", NULL);
-    spec.agent_sock = d->agent_sock;
-    g = pf_test_guest_start(&spec);
-    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    g = daemon_and_guest(&d, &spec);
     assert_advise(d, g, "virtio-gpu blob");
     g_free(pf_test_guest_expect_pass(g, 120));
     pf_test_guest_free(g);
@@ -1382,10 +1384,7 @@ test_nested(void)
     if (!have_qemu()) {
         return;
     }
-    d = pf_test_daemon_start("--set", "run=0", NULL);
-    spec.agent_sock = d->agent_sock;
-    g = pf_test_guest_start(&spec);
-    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    g = daemon_and_guest(&d, &spec);
     g_assert_true(cpu_has(g, "svm"));
     wait_live_regions(d, g->name, 1, NULL, NULL);
     json_node_unref(pf_test_ctl_json(d, "scan-now", "2", NULL));
