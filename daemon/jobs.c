@@ -107,6 +107,11 @@ passes_step(PfScanJob *j)
     GPtrArray *vms = pf_scanner_get_vms(s);
     gboolean due = FALSE;
 
+    if (pf_scanner_joining(s)) {
+        /* The last pass's joins, made: their requests are the pass's. */
+        pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC, TRUE);
+        return STEP_AGAIN;
+    }
     if (pf_scanner_full_scans(s) < j->target && vms->len > 0) {
         if (!pf_scanner_in_pass(s) && answers_due(vms, TRUE)) {
             return STEP_WAIT;

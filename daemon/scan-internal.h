@@ -41,6 +41,7 @@ typedef struct {
     guint32 page;
     guint32 node;
     guint64 born;
+    guint8 equal;  /* its page equalled the slot when its batch was made */
 } Joining;
 
 /* Past this many, joins are made before the pass ends. */
@@ -77,6 +78,10 @@ struct _PfScanner {
 
     PfStableTree stable;
     PfUnstableTree unstable;
+    GArray *joining;     /* Joining: the joins being made, sorted, a slice
+                          * at a time, from joining_at on */
+    guint joining_at;
+    guint64 joining_pass; /* full_scans when they were found: the pass */
     GArray *joins;       /* Joining: pages found equal to nodes their VM may
                           * not read, joined when it ends (moves_make_joins()) */
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
@@ -120,6 +125,19 @@ struct _PfScanner {
 };
 
 /* ---- small reads of the state ---- */
+
+/*
+ * Whether the slice of main-loop time the scan runs in is spent.  Looked
+ * at page by page: reading a VMM's pagemap waits for its mmap lock, which
+ * its agent holds while it remaps, and lseek() on its memfd for the inode
+ * lock a punch holds; each wait is short, but a slice must not add up
+ * thousands of them.
+ */
+static inline gboolean
+past_slice(PfScanner *s)
+{
+    return s->slice_end != 0 && g_get_monotonic_time() >= s->slice_end;
+}
 
 /* The cursor goes to the VM at index i: where it left it, if it did. */
 static inline void
@@ -247,8 +265,12 @@ void moves_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 to);
 /* The page waits for the pass's end to join node, whose slot its VM may
  * not read (moves_make_joins()). */
 void moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 node);
-/* The joins waiting for the pass's end, made. */
+/* The joins waiting for the pass's end are to be made: as many as the
+ * scan's slice leaves time for, the rest by moves_continue_joins(). */
 void moves_make_joins(PfScanner *s);
+/* Makes more of the joins moves_make_joins() began, within the slice;
+ * FALSE while some are left. */
+gboolean moves_continue_joins(PfScanner *s);
 /* Forgets the waiting joins of one VM, or of all (vm NULL). */
 void moves_forget_joins(PfScanner *s, const PfVm *vm);
 /* A merged page of a retired node follows the node's successor. */

@@ -211,11 +211,19 @@ moves_forget_joins(PfScanner *s, const PfVm *vm)
 {
     if (vm == NULL) {
         g_array_set_size(s->joins, 0);
+        g_array_set_size(s->joining, 0);
+        s->joining_at = 0;
         return;
     }
     for (guint i = s->joins->len; i-- > 0;) {
         if (g_array_index(s->joins, Joining, i).vm == vm->serial) {
             g_array_remove_index_fast(s->joins, i);
+        }
+    }
+    /* The batch being made stays sorted. */
+    for (guint i = s->joining->len; i-- > s->joining_at;) {
+        if (g_array_index(s->joining, Joining, i).vm == vm->serial) {
+            g_array_remove_index(s->joining, i);
         }
     }
 }
@@ -236,10 +244,11 @@ cmp_joining(gconstpointer a, gconstpointer b)
 
 /* Can this waiting page still join the node it was found equal to?  The
  * same node (not one made since under its id), and the page still equal
- * to its slot now: what decides that its VM may be sent the slot's chunk,
- * or get a slot of that content of its own. */
+ * to its slot now (compared when compare, else as it was then): what
+ * decides that its VM may be sent the slot's chunk, or get a slot of that
+ * content of its own. */
 static gboolean
-join_still(PfScanner *s, const Joining *j)
+join_still(PfScanner *s, Joining *j, gboolean compare)
 {
     PfRegion *r = region_of(s, j->page);
     const PfStableNode *n = node_at(s, j->node);
@@ -252,12 +261,15 @@ join_still(PfScanner *s, const Joining *j)
         ledger_sharers(s, n) >= s->knobs.max_page_sharing || !page_in_memory(page)) {
         return FALSE;
     }
-    s->memcmp_calls++;
-    return memcmp(page, pf_pool_data(s->pool, n->slot), PF_PAGE_SIZE) == 0;
+    if (compare) {
+        s->memcmp_calls++;
+        j->equal = memcmp(page, pf_pool_data(s->pool, n->slot), PF_PAGE_SIZE) == 0;
+    }
+    return j->equal;
 }
 
-/* The joins of joins[i, e) (one chunk, one VM) whose pages still may
- * join, counted by distinct slot. */
+/* The joins of joining[i, e) (one chunk, one VM) whose pages still may
+ * join, counted by distinct slot; each page compared with its slot. */
 static guint
 distinct_joining(PfScanner *s, guint i, guint e)
 {
@@ -265,9 +277,9 @@ distinct_joining(PfScanner *s, guint i, guint e)
     guint distinct = 0;
 
     for (; i < e; i++) {
-        const Joining *j = &g_array_index(s->joins, Joining, i);
+        Joining *j = &g_array_index(s->joining, Joining, i);
 
-        if (j->slot != last_slot && join_still(s, j)) {
+        if (join_still(s, j, TRUE) && j->slot != last_slot) {
             distinct++;
             last_slot = j->slot;
         }
@@ -286,9 +298,9 @@ partial_waits(PfScanner *s, const Joining *first)
     gpointer seen;
 
     if (!g_hash_table_lookup_extended(s->partial, &key, NULL, &seen) ||
-        GPOINTER_TO_SIZE(seen) >= s->full_scans) {
+        GPOINTER_TO_SIZE(seen) >= s->joining_pass) {
         g_hash_table_insert(s->partial, g_memdup2(&key, sizeof(key)),
-                            GSIZE_TO_POINTER(s->full_scans));
+                            GSIZE_TO_POINTER(s->joining_pass));
         return TRUE;
     }
     g_hash_table_remove(s->partial, &key);
@@ -303,7 +315,7 @@ partial_expire(PfScanner *s)
 
     g_hash_table_iter_init(&it, s->partial);
     while (g_hash_table_iter_next(&it, NULL, &seen)) {
-        if (GPOINTER_TO_SIZE(seen) + 1 < s->full_scans) {
+        if (GPOINTER_TO_SIZE(seen) + 1 < s->joining_pass) {
             g_hash_table_iter_remove(&it);
         }
     }
@@ -315,18 +327,41 @@ partial_expire(PfScanner *s)
  * what others share: typically all of it), the chunk becomes its too (it
  * reads nothing it does not share) and its pages just merge; elsewhere
  * their nodes move (moves_join()), which costs a remap of every page
- * already sharing.
+ * already sharing.  Tens of thousands of joins take a good part of a
+ * second: they are made a chunk and VM at a time, as many as the scan's
+ * slice leaves time for, and the scan goes on with the rest first
+ * (moves_continue_joins()).  join_still() checks each again as it is made.
  */
 void
 moves_make_joins(PfScanner *s)
 {
-    g_array_sort(s->joins, cmp_joining);
-    for (guint i = 0; i < s->joins->len;) {
-        const Joining *first = &g_array_index(s->joins, Joining, i);
+    if (s->joins->len > 0) {
+        g_array_remove_range(s->joining, 0, s->joining_at);
+        s->joining_at = 0;
+        g_array_append_vals(s->joining, s->joins->data, s->joins->len);
+        g_array_set_size(s->joins, 0);
+        s->joining_pass = s->full_scans;
+        g_array_sort(s->joining, cmp_joining);
+    }
+    moves_continue_joins(s);
+}
+
+gboolean
+moves_continue_joins(PfScanner *s)
+{
+    guint start = s->joining_at, i = start;
+
+    while (i < s->joining->len && !(i > start && past_slice(s))) {
+        const Joining *first;
         guint e = i, distinct;
 
-        while (e < s->joins->len && g_array_index(s->joins, Joining, e).chunk == first->chunk &&
-               g_array_index(s->joins, Joining, e).vm == first->vm) {
+        /* A VM that goes meanwhile takes its joins from here on out. */
+        s->joining_at = i;
+        first = &g_array_index(s->joining, Joining, i);
+
+        while (e < s->joining->len &&
+               g_array_index(s->joining, Joining, e).chunk == first->chunk &&
+               g_array_index(s->joining, Joining, e).vm == first->vm) {
             e++;
         }
         distinct = distinct_joining(s, i, e);
@@ -339,18 +374,24 @@ moves_make_joins(PfScanner *s)
             i = e;
             continue;
         }
-        for (; i < e; i++) {
-            const Joining *j = &g_array_index(s->joins, Joining, i);
+        for (; i < e && i < s->joining->len; i++) {
+            Joining *j = &g_array_index(s->joining, Joining, i);
 
-            if (join_still(s, j)) {
+            if (join_still(s, j, FALSE)) {
                 PfRegion *r = region_of(s, j->page);
 
                 moves_join(s, r, pf_region_page(r, j->page - r->base), j->page, j->node);
             }
         }
     }
-    g_array_set_size(s->joins, 0);
+    s->joining_at = i;
+    if (i < s->joining->len) {
+        return FALSE;
+    }
+    g_array_set_size(s->joining, 0);
+    s->joining_at = 0;
     partial_expire(s);
+    return TRUE;
 }
 
 /* ---- the pool, and who is sent which chunk ---- */

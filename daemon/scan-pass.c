@@ -41,6 +41,12 @@ pf_scanner_agent_silent(PfVm *vm)
 }
 
 gboolean
+pf_scanner_joining(PfScanner *s)
+{
+    return s->joining->len > 0;
+}
+
+gboolean
 pf_scanner_looking(PfScanner *s)
 {
     for (guint i = 0; i < s->vms->len; i++) {
@@ -61,19 +67,6 @@ gboolean
 pf_scanner_in_pass(PfScanner *s)
 {
     return s->in_pass;
-}
-
-/*
- * Whether the slice of main-loop time the scan runs in is spent.  Looked
- * at page by page: reading a VMM's pagemap waits for its mmap lock, which
- * its agent holds while it remaps, and lseek() on its memfd for the inode
- * lock a punch holds; each wait is short, but a slice must not add up
- * thousands of them.
- */
-static gboolean
-past_slice(PfScanner *s)
-{
-    return s->slice_end != 0 && g_get_monotonic_time() >= s->slice_end;
 }
 
 /* A region faulted at pf_guard_addr: it is dropped, or its VM detached. */
@@ -498,6 +491,13 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
     gsize done = 0;
 
     s->blocked = FALSE;
+    if (s->joining->len > 0) {
+        /* The joins of a pass come before the next (or the rest of this
+         * one): this call makes as many as its slice allows. */
+        moves_continue_joins(s);
+        pf_scanner_flush(s);
+        return 0;
+    }
     while (done < max_pages && !(done > 0 && past_slice(s))) {
         PfVm *vm;
         gsize room;

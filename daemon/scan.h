@@ -127,6 +127,9 @@ gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
  * waits for slow agents a bounded while, and visits the rest of their
  * VMs next pass. */
 gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes);
+/* Whether joins found by a pass are still being made (a slice at a time):
+ * the next scans make them before they visit a page, and return 0. */
+gboolean pf_scanner_joining(PfScanner *s);
 /* Whether a VM's look at its process (its /proc files, read on a thread as
  * a pass begins) is under way: a scan may stop for it, and goes on once
  * the main context has run the look's end. */
