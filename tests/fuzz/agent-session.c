@@ -248,7 +248,9 @@ held_free(gpointer data)
 {
     Held *h = data;
 
-    close(h->fd);
+    if (h->fd >= 0) {
+        close(h->fd);
+    }
     g_free(h);
 }
 
@@ -292,7 +294,12 @@ check_slots(Peer *p)
     while (g_hash_table_iter_next(&it, NULL, &v)) {
         Held *h = v;
         gsize len = (gsize)h->n_slots * PF_PAGE_SIZE;
-        guint8 *map = mmap(NULL, len, PROT_READ, MAP_SHARED, h->fd, 0);
+        guint8 *map;
+
+        if (h->fd < 0) {
+            continue; /* let go of: it reads nothing of it now */
+        }
+        map = mmap(NULL, len, PROT_READ, MAP_SHARED, h->fd, 0);
 
         if (map == MAP_FAILED) {
             fail("a pool chunk it holds cannot be mapped", p);
@@ -497,7 +504,7 @@ answer(Peer *p, guint8 how)
         Held *h = g_hash_table_lookup(p->held, GUINT_TO_POINTER(it->chunk));
         gboolean equal = FALSE;
 
-        if (h != NULL && it->slot < h->n_slots && it->kind != PF_ITEM_COLLAPSE) {
+        if (h != NULL && h->fd >= 0 && it->slot < h->n_slots && it->kind != PF_ITEM_COLLAPSE) {
             guint8 slot[PF_PAGE_SIZE];
 
             equal = pread(h->fd, slot, sizeof(slot), (off_t)it->slot * PF_PAGE_SIZE) ==
@@ -636,14 +643,15 @@ step(const uint8_t **data, size_t *size)
         }
         break;
     }
-    case 13: { /* the agent lets go of a chunk it was not told to */
+    case 13: { /* the agent lets go of a chunk it was not told to: pagefoldd
+                * still takes it as held, and may name it */
         GHashTableIter it;
         gpointer k, v;
 
         g_hash_table_iter_init(&it, p->held);
-        if (g_hash_table_iter_next(&it, &k, &v) && (a & 1)) {
-            held_free(v);
-            g_hash_table_iter_remove(&it);
+        if (g_hash_table_iter_next(&it, &k, &v) && (a & 1) && ((Held *)v)->fd >= 0) {
+            close(((Held *)v)->fd);
+            ((Held *)v)->fd = -1;
         }
         break;
     }
