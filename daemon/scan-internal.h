@@ -82,6 +82,7 @@ struct _PfScanner {
                           * at a time, from joining_at on */
     guint joining_at;
     guint64 joining_pass; /* full_scans when they were found: the pass */
+    GHashTable *looking_pids; /* pids whose look's thread has not returned */
     GArray *joins;       /* Joining: pages found equal to nodes their VM may
                           * not read, joined when it ends (moves_make_joins()) */
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the

@@ -220,11 +220,18 @@ moves_forget_joins(PfScanner *s, const PfVm *vm)
             g_array_remove_index_fast(s->joins, i);
         }
     }
-    /* The batch being made stays sorted. */
-    for (guint i = s->joining->len; i-- > s->joining_at;) {
-        if (g_array_index(s->joining, Joining, i).vm == vm->serial) {
-            g_array_remove_index(s->joining, i);
+    /* The batch being made stays sorted: one sweep. */
+    {
+        guint to = s->joining_at;
+
+        for (guint i = s->joining_at; i < s->joining->len; i++) {
+            const Joining *j = &g_array_index(s->joining, Joining, i);
+
+            if (j->vm != vm->serial) {
+                g_array_index(s->joining, Joining, to++) = *j;
+            }
         }
+        g_array_set_size(s->joining, to);
     }
 }
 

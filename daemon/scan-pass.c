@@ -25,6 +25,10 @@
  * passed over for the rest of the pass: one stopped VM must not hold up
  * the scanning of the others (its link gives it up later). */
 #define STUCK_USEC (G_USEC_PER_SEC / 2)
+/* Past this long, a VM whose look at its process is not done is passed
+ * over for the rest of the pass: a process holds its mmap lock, which the
+ * read of its maps waits for, as long as it likes. */
+#define LOOK_USEC (5 * G_USEC_PER_SEC)
 /* The pass waits, in all, at least this long for the VMs it left for later
  * (a quarter of its scanning time if more); then it ends without them,
  * and the next pass visits them on from where they were left.  An agent
@@ -244,6 +248,13 @@ to_deferred(PfScanner *s)
         if (!vm->deferred) {
             continue;
         }
+        if (!vm->entered && vm->look == NULL && now - vm->look_usec > LOOK_USEC) {
+            g_debug("VM %s: its process's mappings took over %d s to read: passed over",
+                    vm->name, (int)(LOOK_USEC / G_USEC_PER_SEC));
+            vm->deferred = FALSE;
+            scan_emit_passed_over(s, vm);
+            continue;
+        }
         if ((vm->entered || vm->look != NULL) &&
             (vm->outbox == NULL || pf_outbox_room(vm->outbox) / 2 > 0 ||
              pf_scanner_agent_silent(vm))) {
@@ -282,6 +293,8 @@ to_deferred(PfScanner *s)
 typedef struct {
     PfVm *vm;
     GCancellable *cancel; /* the VM's looking, cancelled when it goes */
+    GHashTable *pids;     /* the scanner's looking_pids, referenced */
+    int pid;
 } LookCall;
 
 static void
@@ -290,30 +303,40 @@ look_done(GObject *source, GAsyncResult *res, gpointer user)
     LookCall *call = user;
     PfVmLook *look = pf_vm_look_finish(res, NULL);
 
+    g_hash_table_remove(call->pids, GINT_TO_POINTER(call->pid));
     if (!g_cancellable_is_cancelled(call->cancel)) {
         call->vm->look = look;
         g_clear_object(&call->vm->looking);
     } else {
         pf_vm_look_free(look);
     }
+    g_hash_table_unref(call->pids);
     g_object_unref(call->cancel);
     g_free(call);
 }
 
-/* Starts the VM's look for this pass, unless one is under way or done. */
+/* Starts the VM's look, unless one is under way or done, or a look at its
+ * process is still reading (a VM that went, its agent back since): a
+ * process that makes its reads wait holds one thread, however often it
+ * reconnects. */
 static void
-look_start(PfVm *vm)
+look_start(PfScanner *s, PfVm *vm)
 {
     LookCall *call;
 
-    if (vm->looking != NULL || vm->look != NULL) {
+    if (vm->looking != NULL || vm->look != NULL ||
+        g_hash_table_contains(s->looking_pids, GINT_TO_POINTER(vm->pid))) {
         return;
     }
     call = g_new0(LookCall, 1);
     call->vm = vm;
     call->cancel = g_cancellable_new();
+    call->pids = g_hash_table_ref(s->looking_pids);
+    call->pid = vm->pid;
+    g_hash_table_add(s->looking_pids, GINT_TO_POINTER(vm->pid));
     vm->looking = g_object_ref(call->cancel);
     vm->look_usec = g_get_monotonic_time();
+    vm->vmas_since_look = 0;
     vm->look_answered = vm->outbox != NULL ? pf_outbox_answered_seq(vm->outbox) : 0;
     pf_vm_look_async(vm,
                      (vm->outbox == NULL ? PF_VM_LOOK_RANGES : 0) |
@@ -349,11 +372,14 @@ begin_pass(PfScanner *s)
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        /* A look the last pass ended without is older than this pass:
-         * its count of mappings would be short by what merged since. */
+        /* A look the last pass ended without is taken as it is: its count
+         * of mappings is made up by what was asked since
+         * (vmas_since_look). */
         vm->entered = FALSE;
-        g_clear_pointer(&vm->look, pf_vm_look_free);
-        look_start(vm);
+        look_start(s, vm);
+        if (s->whole_passes) {
+            vm->resume = FALSE; /* root asked for whole passes */
+        }
     }
     s->in_pass = TRUE;
     s->revisiting = FALSE;
@@ -386,7 +412,7 @@ enter_vm(PfScanner *s, PfVm *vm)
     gboolean ok;
 
     if (vm->look == NULL) {
-        look_start(vm);
+        look_start(s, vm);
         return ENTER_LATER;
     }
     look = g_steal_pointer(&vm->look);
@@ -400,6 +426,9 @@ enter_vm(PfScanner *s, PfVm *vm)
         pf_scanner_detach(s, vm, error->message);
         return ENTER_GONE;
     }
+    if (gone->len > 0) {
+        cursor_to_vm(s, s->cur_vm); /* where it was left may be another region now */
+    }
     vm->entered = TRUE;
     for (guint k = 0; k < added->len; k++) {
         PfRegion *r = g_ptr_array_index(added, k);
@@ -410,7 +439,7 @@ enter_vm(PfScanner *s, PfVm *vm)
         }
     }
     if (pf_vm_merges(vm)) {
-        vm->vmas = pf_vm_look_vmas(look);
+        vm->vmas = pf_vm_look_vmas(look) + vm->vmas_since_look;
         vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
     }
     return ENTER_DONE;

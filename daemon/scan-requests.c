@@ -42,6 +42,7 @@ request_page(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, 
      * a pass cannot overshoot the budget. */
     if (kind != PF_ITEM_UNMERGE && !continues_run(vm, id, kind, slot)) {
         vm->vmas += 2;
+        vm->vmas_since_look += 2;
     }
     vm->run_next_page = id + 1;
     vm->run_next_slot = slot + 1;

@@ -371,6 +371,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     pf_unstable_tree_init(&s->unstable, page_of, s);
     s->joins = g_array_new(FALSE, FALSE, sizeof(Joining));
     s->joining = g_array_new(FALSE, FALSE, sizeof(Joining));
+    s->looking_pids = g_hash_table_new(NULL, NULL);
     s->partial = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
     pf_scanner_set_hash_func(s, s->algo->func);
     return s;
@@ -432,6 +433,7 @@ pf_scanner_free(PfScanner *s)
     pf_unstable_tree_destroy(&s->unstable);
     g_array_unref(s->joins);
     g_array_unref(s->joining);
+    g_hash_table_unref(s->looking_pids);
     g_hash_table_unref(s->partial);
     g_free(s);
 }

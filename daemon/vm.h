@@ -62,6 +62,7 @@ struct _PfVm {
     PfVmLook *look;      /* its look, done, not yet taken by enter_vm() */
     guint32 look_answered; /* its outbox's last answered batch, and the time, */
     gint64 look_usec;    /* when its look began */
+    guint64 vmas_since_look; /* mappings its requests may have added since */
     guint resume_region;
     gsize resume_page;
     guint64 cow;         /* merged pages written since (copy-on-write) */

@@ -20,7 +20,7 @@
  *   - who may read which slot: every page of every chunk a VM holds is
  *     zero or a content that VM's own guest RAM held at some time (a chunk
  *     reaching a VM with another VM's page in it is finding 1 of issue 20:
- *     ids reused);
+ *     ids reused); all start with content 1, and 7 more are written;
  * and, at the end of each input, no descriptor leaked.
  */
 #include <poll.h>
@@ -46,7 +46,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 #define N_PEERS 3
 #define GUEST_PAGES 32 /* two regions of 16 */
 #define REGION_PAGES 16
-#define N_CONTENTS 5   /* 0 is the zero page */
+#define N_CONTENTS 8   /* 0 is the zero page */
 
 typedef struct {
     guint32 seq;
@@ -591,9 +591,12 @@ step(const uint8_t **data, size_t *size)
     case 2:
         write_page(p, a % GUEST_PAGES, (a >> 5) % N_CONTENTS);
         break;
-    case 3: /* a scan */
-    case 4:
+    case 3: /* a scan, looks at the VMs' processes waited for */
         pf_test_scan(scanner, (gsize)a + 1);
+        break;
+    case 4: /* one slice of the background scan, or of root's scan-now:
+             * joins made a slice at a time, VMs left for later */
+        pf_scanner_scan_slice(scanner, (gsize)a * 4 + 1, 100 + (a & 0x70) * 20, a >> 7);
         break;
     case 5:
     case 6:
