@@ -192,12 +192,6 @@ pf_outbox_sent_seq(PfOutbox *ob)
     return ob->next_seq;
 }
 
-gboolean
-pf_outbox_answered_since(PfOutbox *ob, guint32 seq)
-{
-    return pf_outbox_seq_after(ob->answered_seq, seq);
-}
-
 guint32
 pf_outbox_answered_seq(PfOutbox *ob)
 {

@@ -93,13 +93,10 @@ gsize pf_outbox_room(PfOutbox *ob);
 /* How long the agent has had requests to answer without answering any
  * (0 when none are sent). */
 gint64 pf_outbox_waiting_usec(PfOutbox *ob);
-/* The last batch sent; whether one sent after that was answered (the
- * agent reads its messages in order: it has dealt with everything sent
- * before). */
+/* The last batch sent, and the last answered; whether that one came after
+ * batch seq (the numbers wrap; the agent reads its messages in order: it
+ * has dealt with everything sent before). */
 guint32 pf_outbox_sent_seq(PfOutbox *ob);
-gboolean pf_outbox_answered_since(PfOutbox *ob, guint32 seq);
-/* The last batch answered; whether that one came after batch seq (the
- * numbers wrap). */
 guint32 pf_outbox_answered_seq(PfOutbox *ob);
 static inline gboolean
 pf_outbox_seq_after(guint32 answered, guint32 seq)
