@@ -220,6 +220,14 @@ leave_vm(PfScanner *s, PfVm *vm, gboolean later)
     next_vm(s);
 }
 
+/* How many pages of vm the cursor may visit for its outbox now: a visit
+ * asks for two pages at most (a pair from the unstable tree). */
+static gsize
+outbox_visits(PfVm *vm)
+{
+    return vm->outbox == NULL ? G_MAXSIZE : pf_outbox_room(vm->outbox) / 2;
+}
+
 static gboolean
 waited_enough(PfScanner *s, gint64 now)
 {
@@ -255,9 +263,9 @@ to_deferred(PfScanner *s)
             scan_emit_passed_over(s, vm);
             continue;
         }
+        /* vm_room() takes it now, or passes it over. */
         if ((vm->entered || vm->look != NULL) &&
-            (vm->outbox == NULL || pf_outbox_room(vm->outbox) / 2 > 0 ||
-             pf_scanner_agent_silent(vm))) {
+            (outbox_visits(vm) > 0 || vm->unmerging || pf_scanner_agent_silent(vm))) {
             if (s->wait_since != 0) {
                 s->deferred_wait += now - s->wait_since;
                 s->wait_since = 0;
@@ -470,11 +478,10 @@ vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
     gsize room;
 
     *skip = vm->unmerging;
-    if (*skip || vm->outbox == NULL) {
+    if (*skip) {
         return G_MAXSIZE;
     }
-    /* A visit asks for two pages at most (a pair from the unstable tree). */
-    room = pf_outbox_room(vm->outbox) / 2;
+    room = outbox_visits(vm);
     if (room == 0 && pf_scanner_agent_silent(vm)) {
         g_debug("VM %s: its agent has answered nothing for %" G_GINT64_FORMAT
                 " ms: passed over", vm->name, pf_outbox_waiting_usec(vm->outbox) / 1000);
