@@ -27,6 +27,8 @@
 #include <string.h>
 #include <sys/prctl.h>
 
+#include "testproc.h"
+
 #define TAIL_LINES 40
 
 typedef struct {
@@ -270,21 +272,12 @@ attach_kernel_lines(void)
 static const char *
 accelerator(void)
 {
-    g_autofree char *probe = g_build_filename(g_getenv("PAGEFOLD_SOURCE_DIR"), "scripts",
-                                              "probe-kvm", NULL);
-    const char *argv[] = { probe, g_getenv("QEMU_BINARY"), kernel_path(),
-                           g_getenv("KERNEL_TEST_INITRD"), NULL };
-    g_autofree char *out = NULL;
-    g_autoptr(GError) error = NULL;
-    gint status = 0;
+    g_autofree char *why = NULL;
 
-    if (g_spawn_sync(NULL, (char **)argv, NULL, G_SPAWN_DEFAULT, NULL, NULL, &out, NULL,
-                     &status, &error) &&
-        g_spawn_check_wait_status(status, NULL)) {
+    if (pf_test_probe_kvm(kernel_path(), g_getenv("KERNEL_TEST_INITRD"), &why)) {
         return "kvm";
     }
-    g_test_message("the guest runs under TCG: %s",
-                   error != NULL ? error->message : g_strstrip(out));
+    g_test_message("the guest runs under TCG: %s", why);
     return "tcg";
 }
 

@@ -1340,28 +1340,16 @@ cpu_has(Guest *g, const char *feature)
     return has;
 }
 
-/* Whether QEMU really runs a guest under KVM here (scripts/probe-kvm:
- * /dev/kvm can exist where QEMU 7.2 cannot use it); says why not. */
+/* Whether QEMU really runs a guest under KVM here; says why not. */
 static gboolean
 kvm_usable(void)
 {
-    g_autofree char *probe = g_build_filename(g_getenv("PAGEFOLD_SOURCE_DIR"), "scripts",
-                                              "probe-kvm", NULL);
-    const char *argv[] = { probe, g_getenv("QEMU_BINARY"), g_getenv("GUEST_KERNEL"),
-                           g_getenv("GUEST_INITRD"), NULL };
-    /* A guest under KVM prints its banner within a second. */
-    g_auto(GStrv) env = g_environ_setenv(g_get_environ(), "PROBE_S", "10", TRUE);
-    g_autofree char *out = NULL;
-    g_autoptr(GError) error = NULL;
-    gint status = 0;
+    g_autofree char *why = NULL;
 
-    if (g_spawn_sync(NULL, (char **)argv, env, G_SPAWN_DEFAULT, NULL, NULL, &out, NULL,
-                     &status, &error) &&
-        g_spawn_check_wait_status(status, NULL)) {
+    if (pf_test_probe_kvm(g_getenv("GUEST_KERNEL"), g_getenv("GUEST_INITRD"), &why)) {
         return TRUE;
     }
-    g_test_message("no guest under KVM here: %s",
-                   error != NULL ? error->message : g_strstrip(out));
+    g_test_message("no guest under KVM here: %s", why);
     return FALSE;
 }
 

@@ -38,6 +38,27 @@ spawnv_to(GSubprocessFlags flags, const char *stderr_path, const char *const *ar
     return g_subprocess_launcher_spawnv(l, argv, error);
 }
 
+gboolean
+pf_test_probe_kvm(const char *kernel, const char *initrd, char **why)
+{
+    g_autofree char *probe = g_build_filename(g_getenv("PAGEFOLD_SOURCE_DIR"), "scripts",
+                                              "probe-kvm", NULL);
+    const char *argv[] = { probe, g_getenv("QEMU_BINARY"), kernel, initrd, NULL };
+    /* A guest under KVM prints its banner within a second. */
+    g_auto(GStrv) env = g_environ_setenv(g_get_environ(), "PROBE_S", "10", TRUE);
+    g_autofree char *out = NULL;
+    g_autoptr(GError) error = NULL;
+    gint status = 0;
+
+    if (g_spawn_sync(NULL, (char **)argv, env, G_SPAWN_DEFAULT, NULL, NULL, &out, NULL,
+                     &status, &error) &&
+        g_spawn_check_wait_status(status, NULL)) {
+        return TRUE;
+    }
+    *why = error != NULL ? g_strdup(error->message) : g_strdup(g_strstrip(out));
+    return FALSE;
+}
+
 GSubprocess *
 pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
 {

@@ -11,6 +11,10 @@
 
 /* A program meson built, from the environment meson test sets. */
 const char *pf_test_bin(const char *var);
+/* Whether QEMU_BINARY really runs a guest (kernel, initrd or NULL) under
+ * KVM here (scripts/probe-kvm: /dev/kvm can exist where QEMU 7.2 cannot
+ * use it); *why says why not. */
+gboolean pf_test_probe_kvm(const char *kernel, const char *initrd, char **why);
 /* Spawns a child that is killed if the test dies (an orphan daemon would
  * hold meson's output pipe open). */
 GSubprocess *pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error);
