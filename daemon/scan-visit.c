@@ -76,6 +76,34 @@ smart_skip(PfPage *p)
 }
 
 /*
+ * Advise mode: an advise node's content is its first page, which (unlike
+ * a pool slot) its guest may change.  A first page found changed, by the
+ * checksum, while a sharer still holds the node's content leaves the node
+ * then, rather than at its own visit: whichever page the cursor reaches
+ * first, the node lives on with the pages that still hold its content.
+ * FALSE when members[0] was not that: the sharer is the one to leave.
+ */
+static gboolean
+advise_drop_changed_first(PfScanner *s, guint32 node, guint64 c)
+{
+    const PfStableNode *n = node_at(s, node);
+    guint32 first = n->members[0];
+    const guint8 *fdata = page_data(s, first);
+    PfRegion *fr;
+    PfPage *fp;
+
+    if (c != n->checksum || !page_in_memory(fdata) || s->hash(fdata) == n->checksum) {
+        return FALSE;
+    }
+    fr = region_of(s, first);
+    fp = pf_region_page(fr, first - fr->base);
+    pf_stable_tree_remove(&s->stable, first);
+    ledger_maybe_drop(s, node);
+    set_state(fr, fp, PF_PAGE_VOLATILE);
+    return TRUE;
+}
+
+/*
  * Advise mode: does a page that would be merged still hold what it
  * shares?  A merged page would have left by copy-on-write.  A sharer must
  * still equal its node's first page (memcmp, no checksum needed); the
@@ -90,13 +118,24 @@ advise_still_shares(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guin
     if (p->state == PF_PAGE_SHARED) {
         const PfStableNode *n = node_at(s, p->node);
         guint32 node = p->node;
+        gboolean hashed = FALSE;
 
-        if (n->members[0] != id) {
+        while (n->members[0] != id) {
             if (page_equal(s, data, n->members[0])) {
                 return TRUE;
             }
+            if (!hashed) {
+                *c = s->hash(data);
+                hashed = TRUE;
+            }
+            if (!advise_drop_changed_first(s, node, *c)) {
+                break;
+            }
+        }
+        if (!hashed) {
             *c = s->hash(data);
-        } else if ((*c = s->hash(data)) == n->checksum) {
+        }
+        if (n->members[0] == id && *c == n->checksum) {
             return TRUE;
         }
         pf_stable_tree_remove(&s->stable, id);
