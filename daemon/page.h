@@ -25,8 +25,7 @@ typedef struct {
     guint32 node;     /* stable node id while SHARED */
     guint16 slot;     /* index in that node's member array */
     guint8 state : 3; /* PfPageState */
-    guint8 skips : 5; /* smart scan: visits still to skip */
-    guint8 age;       /* smart scan: visits without merging, saturating */
+    guint8 age;       /* smart scan: passes without merging, saturating */
 } PfPage;
 
 G_STATIC_ASSERT(sizeof(PfPage) == 16);

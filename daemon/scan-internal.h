@@ -214,7 +214,6 @@ reset_page(PfRegion *r, PfPage *p, PfPageState state)
     set_state(r, p, state);
     p->checksum = 0;
     p->age = 0;
-    p->skips = 0;
 }
 
 /* Merged (or, in advise mode, found shareable): smart scan starts over. */
@@ -223,7 +222,6 @@ mark_merged(PfRegion *r, PfPage *p, PfPageState state)
 {
     set_state(r, p, state);
     p->age = 0;
-    p->skips = 0;
 }
 
 /* ---- ledger.c: slot references and node lives ---- */

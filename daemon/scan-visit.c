@@ -38,41 +38,40 @@ node_equal(PfScanner *s, const guint8 *data, const PfStableNode *n)
     return memcmp(data, pf_pool_data(s->pool, n->slot), PF_PAGE_SIZE) == 0;
 }
 
+/* The passes between visits of a page that has failed to merge age times
+ * (passes since it last merged or was first seen), KSM's back-off: three
+ * visits at full rate, then every 2nd, every 4th, at most every 8th pass. */
 static guint
-skip_age(guint age)
+skip_period(guint age)
 {
-    if (age <= 3) {
+    if (age < 3) {
         return 1;
     }
-    if (age <= 5) {
+    if (age < 5) {
         return 2;
     }
-    if (age <= 8) {
+    if (age < 13) {
         return 4;
     }
     return 8;
 }
 
-/* KSM's smart scan (6.7): a page gets three visits at full rate, then is
- * skipped for 1, 2, 4 and at most 8 passes between visits while it keeps
- * failing to merge. */
+/* KSM's smart scan (6.7), with one change: a backed-off page is visited on
+ * the passes whose number its period divides, not after a countdown of its
+ * own.  Every period divides 8, so any two pages are both visited at least
+ * every 8th pass, and equal ones meet in the unstable tree: with KSM's
+ * countdowns, two pages whose back-offs began in different passes could
+ * stay out of step for good, as a VM's pages did with those of a VM that
+ * came into its merge domain later (/scan/smart-scan-late-partner). */
 static gboolean
-smart_skip(PfPage *p)
+smart_skip(PfPage *p, guint64 pass)
 {
     guint age = p->age;
 
     if (age != G_MAXUINT8) {
         p->age++;
     }
-    if (age < 3) {
-        return FALSE;
-    }
-    if (p->skips == 0) {
-        p->skips = skip_age(age);
-        return FALSE;
-    }
-    p->skips--;
-    return TRUE;
+    return pass % skip_period(age) != 0;
 }
 
 /*
@@ -335,7 +334,7 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
         return;
     }
     if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO &&
-        smart_skip(p)) {
+        smart_skip(p, s->full_scans)) {
         r->vm->pages_skipped++;
         return;
     }

@@ -325,7 +325,6 @@ smart_scan_over(PfVm *vm)
 
             if (p != NULL) {
                 p->age = 0;
-                p->skips = 0;
             }
         }
     }
