@@ -72,7 +72,7 @@ struct _PfCow {
 PfCow *
 pf_cow_new(void)
 {
-    PfCow *c = g_new0(PfCow, 1);
+    PfCow *c = g_atomic_rc_box_new0(PfCow);
     int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
     struct pf_page_region v;
     struct pf_pm_scan_arg arg = {
@@ -90,16 +90,26 @@ pf_cow_new(void)
     return c;
 }
 
-void
-pf_cow_free(PfCow *c)
+static void
+cow_clear(PfCow *c)
 {
-    if (c == NULL) {
-        return;
-    }
     if (c->kpageflags_fd >= 0) {
         close(c->kpageflags_fd);
     }
-    g_free(c);
+}
+
+PfCow *
+pf_cow_ref(PfCow *c)
+{
+    return g_atomic_rc_box_acquire(c);
+}
+
+void
+pf_cow_free(PfCow *c)
+{
+    if (c != NULL) {
+        g_atomic_rc_box_release_full(c, (GDestroyNotify)cow_clear);
+    }
 }
 
 const char *

@@ -25,6 +25,8 @@ typedef struct _PfCow PfCow;
 /* Probes the kernel once: PAGEMAP_SCAN unless it is missing or
  * PAGEFOLD_NO_PAGEMAP_SCAN is set in the environment. */
 PfCow *pf_cow_new(void);
+/* A reference for a thread (extents.c): pf_cow_find() only reads it. */
+PfCow *pf_cow_ref(PfCow *c);
 void pf_cow_free(PfCow *c);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfCow, pf_cow_free)
 

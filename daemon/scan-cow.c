@@ -64,6 +64,14 @@ cow_seen(gsize idx, gboolean zero_pfn, gpointer user)
     }
 }
 
+void
+cow_seen_in_hole(PfScanner *s, PfRegion *r, gsize idx, gboolean zero_pfn)
+{
+    CowCtx ctx = { s, r };
+
+    cow_seen(idx, zero_pfn, &ctx);
+}
+
 /* Whether any page of [from, to) is merged. */
 static gboolean
 any_merged(PfRegion *r, gsize from, gsize to)
@@ -104,11 +112,11 @@ cow_check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
  * are freed.
  */
 void
-cow_leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to)
+cow_leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to, gboolean look)
 {
     gboolean merges = pf_vm_merges(r->vm);
 
-    if (merges) {
+    if (merges && look) {
         cow_check_merged(s, r, from, to);
     }
     for (gsize i = pf_region_next_recorded(r, from, to); i < to;

@@ -83,6 +83,7 @@ struct _PfScanner {
     guint joining_at;
     guint64 joining_pass; /* full_scans when they were found: the pass */
     GHashTable *looking_pids; /* pids whose look's thread has not returned */
+    GHashTable *reading_pids; /* pids whose memfd window read has not */
     GArray *joins;       /* Joining: pages found equal to nodes their VM may
                           * not read, joined when it ends (moves_make_joins()) */
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
@@ -299,8 +300,12 @@ void requests_abandon(PfScanner *s, PfVm *vm, GArray *keep);
 
 /* Merged pages of [from, to) written since: they leave their nodes. */
 void cow_check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to);
-/* Pages [from, to) of r are holes of the memfd, or not in memory. */
-void cow_leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to);
+/* Pages [from, to) of r are holes of the memfd, or not in memory; look:
+ * whether to look for copy-on-write among them now (else a window read
+ * ahead did, and cow_seen_in_hole() had what it found). */
+void cow_leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to, gboolean look);
+/* What a window read ahead found of page idx, in a hole (extents.h). */
+void cow_seen_in_hole(PfScanner *s, PfRegion *r, gsize idx, gboolean zero_pfn);
 /* A page found written since it was merged. */
 void cow_found(PfScanner *s, PfRegion *r, gsize idx);
 

@@ -1,13 +1,16 @@
 /*
  * scan-pass.c - the pass loop: the cursor over every VM's regions, holes of
- * the memfds stepped over, pages read in slices under the SIGBUS guard,
- * each VM looked at again as the cursor comes to it, and the VMs whose
- * agent has as much to answer as its outbox takes: left for later in the
- * pass, and waited for a bounded while at its end.
+ * the memfds stepped over (where they are read ahead on a thread), pages
+ * read in slices under the SIGBUS guard, each VM looked at again as the
+ * cursor comes to it, and the VMs whose agent has as much to answer as its
+ * outbox takes, or whose look or window is not read yet: left for later in
+ * the pass, and waited for a bounded while at its end.
  *
  * Owns the cursor; a visit's decision is scan-visit.c's.  Never blocks:
  * a scan stops at the end of its slice, of its pages, of the pass, or at
- * a full outbox, and never waits for an agent.
+ * a full outbox, and never waits for an agent.  The holes' lseek()s and
+ * pagemap reads, which wait on a VMM's locks, are a thread's (a window's
+ * read that failed there is made here).
  */
 #include "scan-internal.h"
 
@@ -16,6 +19,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "extents.h"
 #include "guard.h"
 
 /* How long an agent that was sent no request since may take to drop a
@@ -54,7 +58,9 @@ gboolean
 pf_scanner_looking(PfScanner *s)
 {
     for (guint i = 0; i < s->vms->len; i++) {
-        if (((PfVm *)g_ptr_array_index(s->vms, i))->looking != NULL) {
+        const PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        if (vm->looking != NULL || vm->reading != NULL) {
             return TRUE;
         }
     }
@@ -120,7 +126,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
             if (resident[j] & 1) {
                 visit_page(s, r, i);
             } else {
-                cow_leave_hole(s, r, i, i + 1);
+                cow_leave_hole(s, r, i, i + 1, TRUE);
             }
         }
     }
@@ -129,34 +135,164 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
     return i - start;
 }
 
-/* Moves the cursor over holes of the memfd (cow_leave_hole()), at most
+typedef struct {
+    PfVm *vm;
+    GCancellable *cancel; /* the VM's reading, cancelled when it goes */
+    GHashTable *pids;     /* the scanner's reading_pids, referenced */
+    int pid;
+} ReadCall;
+
+static void
+window_read(GObject *source, GAsyncResult *res, gpointer user)
+{
+    ReadCall *call = user;
+    PfExtents *x = pf_extents_read_finish(res);
+
+    g_hash_table_remove(call->pids, GINT_TO_POINTER(call->pid));
+    g_hash_table_unref(call->pids);
+    if (!g_cancellable_is_cancelled(call->cancel)) {
+        PfVm *vm = call->vm;
+
+        g_clear_object(&vm->reading);
+        vm->read_failed = x == NULL;
+        if (vm->extents == NULL) {
+            vm->extents = x;
+        } else {
+            pf_extents_free(vm->extents_next);
+            vm->extents_next = x;
+        }
+    } else {
+        pf_extents_free(x);
+    }
+    g_object_unref(call->cancel);
+    g_free(call);
+}
+
+/* Starts reading the window of vm's memfds from page page of region k on
+ * (or of the next region with pages), unless a read is under way, or one
+ * for its process still is (a VM that went, its agent back since): a
+ * process that makes the reads wait holds one thread, however often it
+ * reconnects. */
+static void
+read_window(PfScanner *s, PfVm *vm, guint k, gsize page)
+{
+    ReadCall *call;
+    PfRegion *r = NULL;
+
+    for (; k < vm->regions->len; k++, page = 0) {
+        r = g_ptr_array_index(vm->regions, k);
+        if (page < r->n_pages) {
+            break;
+        }
+    }
+    if (k >= vm->regions->len || vm->reading != NULL ||
+        g_hash_table_contains(s->reading_pids, GINT_TO_POINTER(vm->pid))) {
+        return;
+    }
+    call = g_new0(ReadCall, 1);
+    call->vm = vm;
+    call->cancel = g_cancellable_new();
+    call->pids = g_hash_table_ref(s->reading_pids);
+    call->pid = vm->pid;
+    g_hash_table_add(s->reading_pids, GINT_TO_POINTER(vm->pid));
+    vm->reading = g_object_ref(call->cancel);
+    pf_extents_read_async(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow, page, call->cancel,
+                          window_read, call);
+}
+
+/* The index of the first of n records (of size bytes, in order of the
+ * gsize at offset) whose gsize is at least page. */
+static guint
+first_at_least(const void *records, guint n, gsize size, gsize offset, gsize page)
+{
+    guint lo = 0, hi = n;
+
+    while (lo < hi) {
+        guint mid = lo + (hi - lo) / 2;
+        gsize v;
+
+        memcpy(&v, (const guint8 *)records + mid * size + offset, sizeof(v));
+        if (v < page) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+/* The window read in this pass that holds the cursor, if there is one: a
+ * window read before may show holes that hold data since, or miss pages
+ * written since, for longer than a pass. */
+static PfExtents *
+window_at(PfScanner *s, PfVm *vm, PfRegion *r)
+{
+    for (int k = 0; k < 2; k++) {
+        PfExtents *x = k == 0 ? vm->extents : vm->extents_next;
+
+        if (x != NULL && x->region == r && x->usec >= s->pass_start_usec &&
+            x->from <= s->cur_page && s->cur_page < x->to) {
+            if (k == 1) {
+                pf_extents_free(vm->extents);
+                vm->extents = g_steal_pointer(&vm->extents_next);
+            }
+            return vm->extents;
+        }
+    }
+    return NULL;
+}
+
+/*
+ * Moves the cursor over holes of the memfd (cow_leave_hole()), at most
  * budget pages of one at a time: a merged VM's RAM is one long hole, whose
  * merged pages are looked at for copy-on-write, and a tick must stay short
- * however big the VM. */
-static void
-find_data(PfScanner *s, PfRegion *r, gsize budget)
+ * however big the VM.  Where the holes are, and which merged pages were
+ * written, come from a window read ahead on a thread (extents.h); FALSE
+ * when the cursor must wait for it (the VM is left for later).  A read
+ * that failed on a thread is made here.
+ */
+static gboolean
+find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget)
 {
-    off_t pos = (off_t)(r->file_offset + s->cur_page * PF_PAGE_SIZE);
-    off_t data = lseek(r->fd, pos, SEEK_DATA);
-    gsize first, end, stop;
+    PfExtents *x = window_at(s, vm, r);
+    const PfExtent *e;
+    gsize first, stop;
+    guint i;
 
-    if (data < 0) {
-        first = errno == ENXIO ? r->n_pages : s->cur_page;
-        end = r->n_pages;
-    } else {
-        off_t hole = lseek(r->fd, data, SEEK_HOLE);
-
-        first = MIN(r->n_pages, (gsize)(data - (off_t)r->file_offset) / PF_PAGE_SIZE);
-        end = hole < 0 ? r->n_pages
-                       : MIN(r->n_pages, (gsize)(hole - (off_t)r->file_offset) / PF_PAGE_SIZE);
+    if (x == NULL && vm->read_failed) {
+        vm->read_failed = FALSE;
+        pf_extents_free(vm->extents);
+        vm->extents = x = pf_extents_read(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow,
+                                          s->cur_page);
     }
+    if (x == NULL) {
+        read_window(s, vm, r->index, s->cur_page);
+        return FALSE;
+    }
+    if (vm->extents_next == NULL || vm->extents_next->usec < s->pass_start_usec) {
+        read_window(s, vm, r->index, x->to); /* ahead */
+    }
+    i = first_at_least(x->data->data, x->data->len, sizeof(PfExtent),
+                       G_STRUCT_OFFSET(PfExtent, end), s->cur_page + 1);
+    e = i < x->data->len ? &g_array_index(x->data, PfExtent, i) : NULL;
+    first = e != NULL ? MAX(e->first, s->cur_page) : x->to;
     stop = MIN(first, s->cur_page + MAX(budget, 1));
-    cow_leave_hole(s, r, s->cur_page, stop);
+    for (i = first_at_least(x->cow->data, x->cow->len, sizeof(PfCowSeen),
+                            G_STRUCT_OFFSET(PfCowSeen, page), s->cur_page);
+         i < x->cow->len && g_array_index(x->cow, PfCowSeen, i).page < stop; i++) {
+        const PfCowSeen *c = &g_array_index(x->cow, PfCowSeen, i);
+
+        cow_seen_in_hole(s, r, c->page, c->zero_pfn);
+    }
+    if (stop > s->cur_page) {
+        cow_leave_hole(s, r, s->cur_page, stop, FALSE);
+    }
     s->cur_page = stop;
     /* The rest of a long hole: looked up again from here next time.  The
      * data extent is a hint only: pages discarded since are found by
      * scan_range() before they are read. */
-    s->data_end = stop < first ? stop : MAX(end, first + 1);
+    s->data_end = stop < first || e == NULL ? stop : e->end;
+    return TRUE;
 }
 
 /*
@@ -264,7 +400,7 @@ to_deferred(PfScanner *s)
             continue;
         }
         /* vm_room() takes it now, or passes it over. */
-        if ((vm->entered || vm->look != NULL) &&
+        if ((vm->entered || vm->look != NULL) && vm->reading == NULL &&
             (outbox_visits(vm) > 0 || vm->unmerging || pf_scanner_agent_silent(vm))) {
             if (s->wait_since != 0) {
                 s->deferred_wait += now - s->wait_since;
@@ -395,6 +531,13 @@ begin_pass(PfScanner *s)
     s->wait_since = 0;
     cursor_to_vm(s, 0);
     s->pass_start_usec = g_get_monotonic_time();
+    /* Each VM's first window of memfd, read while the cursor is at the
+     * VMs before it. */
+    for (guint i = 0; i < s->vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        read_window(s, vm, vm->resume ? vm->resume_region : 0, vm->resume ? vm->resume_page : 0);
+    }
     return TRUE;
 }
 
@@ -515,7 +658,9 @@ scan_step(PfScanner *s, PfVm *vm, gsize max)
 
         /* Holes count as visited: batch_size() paces passes over all
          * pages, and merged pages are holes too. */
-        find_data(s, r, max);
+        if (!find_data(s, vm, r, max)) {
+            leave_vm(s, vm, TRUE);
+        }
         return s->cur_page - from;
     }
     return scan_range(s, r, MIN(max, s->data_end - s->cur_page));

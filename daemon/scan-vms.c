@@ -70,6 +70,7 @@ vms_release_region(PfScanner *s, PfRegion *r, GArray *keep)
         }
     }
     r->vm->count[PF_PAGE_ABSENT] -= r->n_pages;
+    pf_vm_forget_extents(r->vm);
     pf_table_clear(&s->unstable.table);
     moves_forget_joins(s, NULL);
     pf_page_space_remove(&s->space, r);

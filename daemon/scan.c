@@ -372,6 +372,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->joins = g_array_new(FALSE, FALSE, sizeof(Joining));
     s->joining = g_array_new(FALSE, FALSE, sizeof(Joining));
     s->looking_pids = g_hash_table_new(NULL, NULL);
+    s->reading_pids = g_hash_table_new(NULL, NULL);
     s->partial = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
     pf_scanner_set_hash_func(s, s->algo->func);
     return s;
@@ -434,6 +435,7 @@ pf_scanner_free(PfScanner *s)
     g_array_unref(s->joins);
     g_array_unref(s->joining);
     g_hash_table_unref(s->looking_pids);
+    g_hash_table_unref(s->reading_pids);
     g_hash_table_unref(s->partial);
     g_free(s);
 }

@@ -131,8 +131,9 @@ gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean
  * the next scans make them before they visit a page, and return 0. */
 gboolean pf_scanner_joining(PfScanner *s);
 /* Whether a VM's look at its process (its /proc files, read on a thread as
- * a pass begins) is under way: a scan may stop for it, and goes on once
- * the main context has run the look's end. */
+ * a pass begins), or a read of a window of its memfds ahead of the cursor
+ * (extents.h), is under way: a scan may stop for it, and goes on once the
+ * main context has run its end. */
 gboolean pf_scanner_looking(PfScanner *s);
 /* Passes ended so far, and whether one is under way. */
 guint64 pf_scanner_full_scans(PfScanner *s);

@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "escape.h"
+#include "extents.h"
 #include "util.h"
 
 typedef struct {
@@ -548,10 +549,23 @@ pf_vm_free(PfVm *vm)
         g_clear_object(&vm->looking);
     }
     pf_vm_look_free(vm->look);
+    pf_vm_forget_extents(vm);
     pf_outbox_free(vm->outbox);
     g_free(vm->mode_reason);
     g_free(vm->name);
     g_free(vm);
+}
+
+void
+pf_vm_forget_extents(PfVm *vm)
+{
+    if (vm->reading != NULL) {
+        /* Its callback sees it cancelled, and touches nothing of the VM. */
+        g_cancellable_cancel(vm->reading);
+        g_clear_object(&vm->reading);
+    }
+    g_clear_pointer(&vm->extents, pf_extents_free);
+    g_clear_pointer(&vm->extents_next, pf_extents_free);
 }
 
 gboolean

@@ -21,6 +21,7 @@
 
 typedef struct _PfVm PfVm;
 typedef struct _PfVmLook PfVmLook; /* pf_vm_look_async() */
+typedef struct _PfExtents PfExtents; /* extents.h */
 
 typedef struct {
     guint64 ino;  /* the chunk's memfd */
@@ -63,6 +64,12 @@ struct _PfVm {
     guint32 look_answered; /* its outbox's last answered batch, and the time, */
     gint64 look_usec;    /* when its look began */
     guint64 vmas_since_look; /* mappings its requests may have added since */
+    /* Its memfds ahead of the cursor (extents.h): the window the cursor is
+     * in or comes to next, the one after, and the read under way. */
+    PfExtents *extents;
+    PfExtents *extents_next;
+    GCancellable *reading;
+    gboolean read_failed; /* the last read on a thread failed */
     guint resume_region;
     gsize resume_page;
     guint64 cow;         /* merged pages written since (copy-on-write) */
@@ -148,6 +155,9 @@ void pf_vm_free(PfVm *vm);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfVm, pf_vm_free)
 
 gboolean pf_vm_exited(const PfVm *vm);
+/* Its windows of memfd read ahead, and any read under way, go: a region
+ * of it went, or it did. */
+void pf_vm_forget_extents(PfVm *vm);
 gsize pf_vm_n_pages(const PfVm *vm);
 
 /*

@@ -1,0 +1,173 @@
+/*
+ * extents.c - a window of a region's memfd read ahead of the cursor, on a
+ * thread (extents.h).  Owns the reads and its own descriptors; never reads
+ * guest RAM, never judges a page.
+ */
+#include "extents.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "util.h"
+
+typedef struct {
+    PfRegion *region; /* handed back, never touched on the thread */
+    int fd;           /* the memfd, duplicated */
+    int pagemap_fd;   /* duplicated, or -1 */
+    guint64 file_offset;
+    guint64 host_addr;
+    gsize n_pages;
+    gsize from;
+    gint64 usec;
+    PfCow *cow;
+} Read;
+
+static void
+read_free(Read *rd)
+{
+    if (rd->fd >= 0) {
+        close(rd->fd);
+    }
+    if (rd->pagemap_fd >= 0) {
+        close(rd->pagemap_fd);
+    }
+    pf_cow_free(rd->cow);
+    g_free(rd);
+}
+
+void
+pf_extents_free(PfExtents *x)
+{
+    if (x == NULL) {
+        return;
+    }
+    g_array_unref(x->data);
+    g_array_unref(x->cow);
+    g_free(x);
+}
+
+static void
+cow_seen(gsize page, gboolean zero_pfn, gpointer user)
+{
+    PfCowSeen c = { page, zero_pfn };
+
+    g_array_append_val((GArray *)user, c);
+}
+
+/* The data extents from rd->from on; x->to is where what they say ends. */
+static void
+read_data(const Read *rd, PfExtents *x)
+{
+    gsize limit = MIN(rd->n_pages, rd->from + PF_EXTENTS_WINDOW), pos = rd->from;
+
+    while (pos < limit && x->data->len < PF_EXTENTS_MAX) {
+        off_t data = lseek(rd->fd, (off_t)(rd->file_offset + pos * PF_PAGE_SIZE), SEEK_DATA);
+        PfExtent e;
+        off_t hole;
+
+        if (data < 0 && errno == ENXIO) {
+            pos = limit; /* nothing but holes to the end of the file */
+            break;
+        }
+        if (data < 0) {
+            /* Unknown: taken as data to the end, where each page is looked
+             * up in memory before it is read (the scanner's mincore()). */
+            e = (PfExtent){ pos, rd->n_pages };
+            g_array_append_val(x->data, e);
+            pos = rd->n_pages;
+            break;
+        }
+        e.first = MIN(rd->n_pages, (gsize)(data - (off_t)rd->file_offset) / PF_PAGE_SIZE);
+        if (e.first >= limit) {
+            pos = limit;
+            break;
+        }
+        hole = lseek(rd->fd, data, SEEK_HOLE);
+        e.end = hole < 0 ? rd->n_pages
+                         : MIN(rd->n_pages, (gsize)(hole - (off_t)rd->file_offset) / PF_PAGE_SIZE);
+        e.end = MAX(e.end, e.first + 1);
+        g_array_append_val(x->data, e);
+        pos = e.end;
+    }
+    x->to = pos;
+}
+
+static PfExtents *
+read_window(const Read *rd)
+{
+    PfExtents *x = g_new0(PfExtents, 1);
+    gsize hole = rd->from;
+
+    x->region = rd->region;
+    x->from = rd->from;
+    x->usec = rd->usec;
+    x->data = g_array_new(FALSE, FALSE, sizeof(PfExtent));
+    x->cow = g_array_new(FALSE, FALSE, sizeof(PfCowSeen));
+    read_data(rd, x);
+    /* Merged pages are holes: the copy-on-write look is at the holes. */
+    for (guint i = 0; rd->pagemap_fd >= 0 && i <= x->data->len; i++) {
+        gsize end = i < x->data->len ? g_array_index(x->data, PfExtent, i).first : x->to;
+
+        if (hole < end && !pf_cow_find(rd->cow, rd->pagemap_fd, rd->host_addr, hole, end,
+                                       cow_seen, x->cow)) {
+            break; /* the process is going: its pidfd will say so */
+        }
+        if (i < x->data->len) {
+            hole = g_array_index(x->data, PfExtent, i).end;
+        }
+    }
+    return x;
+}
+
+static void
+read_thread(GTask *task, gpointer source, gpointer data, GCancellable *cancel)
+{
+    g_task_return_pointer(task, read_window(data), (GDestroyNotify)pf_extents_free);
+}
+
+static Read
+read_of(PfRegion *r, gsize from)
+{
+    return (Read){
+        .region = r, .fd = r->fd, .file_offset = r->file_offset, .host_addr = r->host_addr,
+        .n_pages = r->n_pages, .from = from, .usec = g_get_monotonic_time(),
+    };
+}
+
+PfExtents *
+pf_extents_read(PfRegion *r, int pagemap_fd, PfCow *cow, gsize from)
+{
+    Read rd = read_of(r, from);
+
+    rd.pagemap_fd = pagemap_fd;
+    rd.cow = cow;
+    return read_window(&rd);
+}
+
+void
+pf_extents_read_async(PfRegion *r, int pagemap_fd, PfCow *cow, gsize from, GCancellable *cancel,
+                      GAsyncReadyCallback callback, gpointer user)
+{
+    g_autoptr(GTask) task = g_task_new(NULL, cancel, callback, user);
+    Read *rd = g_new(Read, 1);
+
+    *rd = read_of(r, from);
+    rd->fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 3);
+    rd->pagemap_fd = pagemap_fd >= 0 ? fcntl(pagemap_fd, F_DUPFD_CLOEXEC, 3) : -1;
+    rd->cow = pf_cow_ref(cow);
+    g_task_set_task_data(task, rd, (GDestroyNotify)read_free);
+    g_task_set_return_on_cancel(task, TRUE);
+    if (rd->fd < 0) {
+        g_task_return_new_error(task, G_IO_ERROR, g_io_error_from_errno(errno),
+                                "cannot duplicate the memfd: %s", g_strerror(errno));
+        return;
+    }
+    g_task_run_in_thread(task, read_thread);
+}
+
+PfExtents *
+pf_extents_read_finish(GAsyncResult *res)
+{
+    return g_task_propagate_pointer(G_TASK(res), NULL);
+}
