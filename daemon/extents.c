@@ -23,6 +23,14 @@ typedef struct {
     PfCow *cow;
 } Read;
 
+static int
+dup_cloexec(int fd)
+{
+    return fcntl(fd, F_DUPFD_CLOEXEC, 3);
+}
+
+int (*pf_extents_dup)(int fd) = dup_cloexec;
+
 static void
 read_free(Read *rd)
 {
@@ -153,8 +161,8 @@ pf_extents_read_async(PfRegion *r, int pagemap_fd, PfCow *cow, gsize from, GCanc
     Read *rd = g_new(Read, 1);
 
     *rd = read_of(r, from);
-    rd->fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 3);
-    rd->pagemap_fd = pagemap_fd >= 0 ? fcntl(pagemap_fd, F_DUPFD_CLOEXEC, 3) : -1;
+    rd->fd = pf_extents_dup(r->fd);
+    rd->pagemap_fd = pagemap_fd >= 0 ? pf_extents_dup(pagemap_fd) : -1;
     rd->cow = pf_cow_ref(cow);
     g_task_set_task_data(task, rd, (GDestroyNotify)read_free);
     g_task_set_return_on_cancel(task, TRUE);

@@ -47,6 +47,9 @@ typedef struct _PfExtents {
 #define PF_EXTENTS_MAX 512u
 void pf_extents_read_async(PfRegion *r, int pagemap_fd, PfCow *cow, gsize from,
                            GCancellable *cancel, GAsyncReadyCallback callback, gpointer user);
+/* How a read on a thread gets descriptors of its own (F_DUPFD_CLOEXEC):
+ * a seam the tests replace, to make it fail as with no descriptor left. */
+extern int (*pf_extents_dup)(int fd);
 /* NULL when cancelled, or when the memfd could not be read. */
 PfExtents *pf_extents_read_finish(GAsyncResult *res);
 /* The same read, on the calling thread: where a thread's could not be. */

@@ -5,9 +5,11 @@
  */
 #include <fcntl.h>
 #include <glib.h>
+#include <errno.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "extents.h"
 #include "guestmem.h"
 #include "jobs.h"
 #include "scan-helpers.h"
@@ -479,6 +481,47 @@ test_discarded_not_read(void)
     pf_guest_free(g);
 }
 
+static guint dups_failed;
+
+static int
+dup_fails(int fd)
+{
+    dups_failed++;
+    errno = EMFILE;
+    return -1;
+}
+
+/*
+ * The memfd's holes are read ahead on a thread, with descriptors of its
+ * own; where none can be had (no descriptor left), the read is made on the
+ * main loop, and the passes go on as ever (without that, the VM would wait
+ * for a window no thread can read, and the passes with it).
+ */
+static void
+test_window_read_fails(void)
+{
+    const PfLayout l = { .duplicate = 2, .unique = 100, .holes = 1000 };
+    PfCounters total, vm;
+    PfGuest *g;
+    int pid;
+    PfScanner *s = lone_guest(&l, &g, &pid);
+    int (*was)(int) = pf_extents_dup;
+
+    pf_extents_dup = dup_fails;
+    pf_scanner_run_passes(s, 3);
+    pf_extents_dup = was;
+    g_assert_cmpuint(dups_failed, >=, 3);
+    pf_scanner_collect(s, &total, &vm);
+    g_assert_cmpuint(total.full_scans, ==, 3);
+    g_assert_cmpuint(total.pages_tracked, ==, 102);
+    g_assert_cmpuint(total.pages_shared, ==, 1);
+    g_assert_cmpuint(total.pages_sharing, ==, 1);
+    g_assert_cmpuint(total.pages_unshared, ==, 100);
+    pf_scanner_free(s);
+    pf_guest_release(pid);
+    pf_guest_free(g);
+}
+
 /*
  * What pagefoldd keeps for a VM follows the pages present, not the size of
  * its RAM: a mostly empty 1 GiB guest costs little, and a guest whose RAM
@@ -618,5 +661,6 @@ main(int argc, char **argv)
                fixture_teardown);
     g_test_add_func("/scan/discarded-not-read", test_discarded_not_read);
     g_test_add_func("/scan/metadata-follows-pages", test_metadata_follows_pages);
+    g_test_add_func("/scan/window-read-fails", test_window_read_fails);
     return g_test_run();
 }
