@@ -1509,15 +1509,19 @@ test_region_gone_merged(void)
 /* Requests in flight for region 1 of the chosen VM that GONE settled. */
 static guint settled_by_gone;
 
-/* Before the chosen VM's agent answers the first batch that names region
- * 1, that region goes: the batch's items for it are settled by then. */
+/* Before the chosen VM's agent answers the first batch that merges a page
+ * of region 1 with another VM's, that region goes: the batch's items for
+ * it are settled by then.  (Its zero pages may come in a batch before,
+ * as the cursor visits the VMs in whatever order their reads end.) */
 static gboolean
 gone_before_answer(ModelAgent *l, const ModelBatch *b)
 {
     gboolean names = FALSE;
 
     for (guint i = 0; i < b->items->len; i++) {
-        names |= g_array_index(b->items, PfWireItem, i).region == 1;
+        const PfWireItem *it = &g_array_index(b->items, PfWireItem, i);
+
+        names |= it->region == 1 && it->kind == PF_ITEM_MERGE;
     }
     if (l->vm != model->chosen || !names || model_region(l->mv, 1)->gone) {
         return TRUE;
