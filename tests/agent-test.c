@@ -57,6 +57,18 @@ vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers, gboolea
     return v;
 }
 
+/* The agent sees its connection closed once it is done with the batch it
+ * was serving (a full one takes a while under load), and the test may ask
+ * before it has read the close. */
+static void
+wait_disconnected(Vmm *v)
+{
+    for (int k = 0; k < 200 && pf_test_vmm_stat(v, "connected") != 0; k++) {
+        g_usleep(50000);
+    }
+    g_assert_cmpint(pf_test_vmm_stat(v, "connected"), ==, 0);
+}
+
 static JsonObject *
 stats(PfTestDaemon *d, const char *cmd, const char *arg)
 {
@@ -533,7 +545,7 @@ test_pool_kept(void)
                             "it keeps"));
     g_assert_nonnull(vm_of(s, "a"));
     g_assert_cmpstr(json_object_get_string_member(vm_of(s, "a"), "mode"), ==, "merge");
-    g_assert_cmpint(pf_test_vmm_stat(v[1], "connected"), ==, 0);
+    wait_disconnected(v[1]);
     /* b's process still maps the slots it merged: they are kept until it
      * exits (how many depends on the passes since, as a's page may have
      * moved off a chunk b held).  Then only a's own slot is left. */
@@ -1328,12 +1340,7 @@ test_kill_daemon(void)
         g_subprocess_wait(d->proc, NULL, NULL);
         for (int i = 0; i < 2; i++) {
             pf_test_vmm_verify(v[i]);
-            /* The agent sees pagefoldd gone once it is done with the
-             * batch it was serving (a full one takes a while under load). */
-            for (int k = 0; k < 100 && pf_test_vmm_stat(v[i], "connected") != 0; k++) {
-                g_usleep(50000);
-            }
-            g_assert_cmpint(pf_test_vmm_stat(v[i], "connected"), ==, 0);
+            wait_disconnected(v[i]);
             pf_test_vmm_verify(v[i]);
             pf_test_vmm_quit(v[i]);
         }
