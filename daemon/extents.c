@@ -166,9 +166,10 @@ pf_extents_read_async(PfRegion *r, int pagemap_fd, PfCow *cow, gsize from, GCanc
     rd->cow = pf_cow_ref(cow);
     g_task_set_task_data(task, rd, (GDestroyNotify)read_free);
     g_task_set_return_on_cancel(task, TRUE);
-    if (rd->fd < 0) {
+    if (rd->fd < 0 || (pagemap_fd >= 0 && rd->pagemap_fd < 0)) {
+        /* The caller reads on its own thread instead. */
         g_task_return_new_error(task, G_IO_ERROR, g_io_error_from_errno(errno),
-                                "cannot duplicate the memfd: %s", g_strerror(errno));
+                                "cannot duplicate a descriptor: %s", g_strerror(errno));
         return;
     }
     g_task_run_in_thread(task, read_thread);

@@ -25,6 +25,7 @@ typedef struct {
     guint32 node;     /* stable node id while SHARED */
     guint16 slot;     /* index in that node's member array */
     guint8 state : 3; /* PfPageState */
+    guint8 seen : 5;  /* smart scan: the pass of its last visit, modulo 32 */
     guint8 age;       /* smart scan: passes without merging, saturating */
 } PfPage;
 

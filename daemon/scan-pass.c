@@ -267,8 +267,12 @@ find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget)
     }
     if (x == NULL) {
         read_window(s, vm, r->index, s->cur_page);
+        if (vm->window_wait == 0) {
+            vm->window_wait = g_get_monotonic_time();
+        }
         return FALSE;
     }
+    vm->window_wait = 0;
     if (vm->extents_next == NULL || vm->extents_next->usec < s->pass_start_usec) {
         read_window(s, vm, r->index, x->to); /* ahead */
     }
@@ -364,6 +368,17 @@ outbox_visits(PfVm *vm)
     return vm->outbox == NULL ? G_MAXSIZE : pf_outbox_room(vm->outbox) / 2;
 }
 
+/* Whether vm waits for a window of its memfd that is not read yet: one
+ * under way, or one no read can start for while a read for its process
+ * has not returned (a VM that went, its agent back since). */
+static gboolean
+window_pending(PfScanner *s, PfVm *vm)
+{
+    return vm->window_wait != 0 &&
+           (vm->reading != NULL ||
+            g_hash_table_contains(s->reading_pids, GINT_TO_POINTER(vm->pid)));
+}
+
 static gboolean
 waited_enough(PfScanner *s, gint64 now)
 {
@@ -392,15 +407,17 @@ to_deferred(PfScanner *s)
         if (!vm->deferred) {
             continue;
         }
-        if (!vm->entered && vm->look == NULL && now - vm->look_usec > LOOK_USEC) {
-            g_debug("VM %s: its process's mappings took over %d s to read: passed over",
-                    vm->name, (int)(LOOK_USEC / G_USEC_PER_SEC));
+        if ((!vm->entered && vm->look == NULL && now - vm->look_usec > LOOK_USEC) ||
+            (vm->window_wait != 0 && now - vm->window_wait > LOOK_USEC)) {
+            g_debug("VM %s: its process's mappings or its memfd took over %d s to read: "
+                    "passed over", vm->name, (int)(LOOK_USEC / G_USEC_PER_SEC));
             vm->deferred = FALSE;
+            vm->window_wait = 0;
             scan_emit_passed_over(s, vm);
             continue;
         }
         /* vm_room() takes it now, or passes it over. */
-        if ((vm->entered || vm->look != NULL) && vm->reading == NULL &&
+        if ((vm->entered || vm->look != NULL) && !window_pending(s, vm) &&
             (outbox_visits(vm) > 0 || vm->unmerging || pf_scanner_agent_silent(vm))) {
             if (s->wait_since != 0) {
                 s->deferred_wait += now - s->wait_since;
@@ -529,15 +546,16 @@ begin_pass(PfScanner *s)
     s->revisiting = FALSE;
     s->deferred_wait = 0;
     s->wait_since = 0;
-    cursor_to_vm(s, 0);
     s->pass_start_usec = g_get_monotonic_time();
     /* Each VM's first window of memfd, read while the cursor is at the
-     * VMs before it. */
+     * VMs before it (before the cursor takes the first VM's resume). */
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
+        vm->window_wait = 0;
         read_window(s, vm, vm->resume ? vm->resume_region : 0, vm->resume ? vm->resume_page : 0);
     }
+    cursor_to_vm(s, 0);
     return TRUE;
 }
 
@@ -659,7 +677,8 @@ scan_step(PfScanner *s, PfVm *vm, gsize max)
         /* Holes count as visited: batch_size() paces passes over all
          * pages, and merged pages are holes too. */
         if (!find_data(s, vm, r, max)) {
-            leave_vm(s, vm, TRUE);
+            leave_vm(s, vm, TRUE); /* the cursor is at another VM now */
+            return 0;
         }
         return s->cur_page - from;
     }

@@ -62,16 +62,23 @@ skip_period(guint age)
  * every 8th pass, and equal ones meet in the unstable tree: with KSM's
  * countdowns, two pages whose back-offs began in different passes could
  * stay out of step for good, as a VM's pages did with those of a VM that
- * came into its merge domain later (/scan/smart-scan-late-partner). */
+ * came into its merge domain later (/scan/smart-scan-late-partner).  A
+ * page the cursor does not reach every pass (its VM's walk cut short each
+ * pass, by a slow agent) might miss every such pass: one not visited for
+ * twice its period is visited then. */
 static gboolean
 smart_skip(PfPage *p, guint64 pass)
 {
-    guint age = p->age;
+    guint age = p->age, period = skip_period(age);
 
     if (age != G_MAXUINT8) {
         p->age++;
     }
-    return pass % skip_period(age) != 0;
+    if (pass % period != 0 && ((pass - p->seen) & 31) < 2 * period) {
+        return TRUE;
+    }
+    p->seen = pass & 31;
+    return FALSE;
 }
 
 /*

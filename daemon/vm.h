@@ -70,6 +70,7 @@ struct _PfVm {
     PfExtents *extents_next;
     GCancellable *reading;
     gboolean read_failed; /* the last read on a thread failed */
+    gint64 window_wait;  /* since when the cursor waits for its window, or 0 */
     guint resume_region;
     gsize resume_page;
     guint64 cow;         /* merged pages written since (copy-on-write) */
