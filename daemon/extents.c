@@ -58,7 +58,7 @@ pf_extents_free(PfExtents *x)
 static void
 cow_seen(gsize page, gboolean zero_pfn, gpointer user)
 {
-    PfCowSeen c = { page, zero_pfn };
+    PfCowSeen c = { (guint32)page, zero_pfn };
 
     g_array_append_val((GArray *)user, c);
 }
@@ -72,6 +72,7 @@ read_data(const Read *rd, PfExtents *x)
     while (pos < limit && x->data->len < PF_EXTENTS_MAX) {
         off_t data = lseek(rd->fd, (off_t)(rd->file_offset + pos * PF_PAGE_SIZE), SEEK_DATA);
         PfExtent e;
+        gsize first, end;
         off_t hole;
 
         if (data < 0 && errno == ENXIO) {
@@ -81,20 +82,20 @@ read_data(const Read *rd, PfExtents *x)
         if (data < 0) {
             /* Unknown: taken as data to the end, where each page is looked
              * up in memory before it is read (the scanner's mincore()). */
-            e = (PfExtent){ pos, rd->n_pages };
+            e = (PfExtent){ (guint32)pos, (guint32)rd->n_pages };
             g_array_append_val(x->data, e);
             pos = rd->n_pages;
             break;
         }
-        e.first = MIN(rd->n_pages, (gsize)(data - (off_t)rd->file_offset) / PF_PAGE_SIZE);
-        if (e.first >= limit) {
+        first = MIN(rd->n_pages, (gsize)(data - (off_t)rd->file_offset) / PF_PAGE_SIZE);
+        if (first >= limit) {
             pos = limit;
             break;
         }
         hole = lseek(rd->fd, data, SEEK_HOLE);
-        e.end = hole < 0 ? rd->n_pages
-                         : MIN(rd->n_pages, (gsize)(hole - (off_t)rd->file_offset) / PF_PAGE_SIZE);
-        e.end = MAX(e.end, e.first + 1);
+        end = hole < 0 ? rd->n_pages
+                       : MIN(rd->n_pages, (gsize)(hole - (off_t)rd->file_offset) / PF_PAGE_SIZE);
+        e = (PfExtent){ (guint32)first, (guint32)MAX(end, first + 1) };
         g_array_append_val(x->data, e);
         pos = e.end;
     }

@@ -22,13 +22,15 @@
 #include "cow.h"
 #include "region.h"
 
+/* Page indexes within a region, 32 bits (PF_MAX_REGION_BYTES): a window
+ * found all copied on write (a guest rebooting) holds 8 bytes a page. */
 typedef struct {
-    gsize first, end; /* pages [first, end) of the region hold data */
+    guint32 first, end; /* pages [first, end) of the region hold data */
 } PfExtent;
 
 typedef struct {
-    gsize page;       /* in a hole of the memfd, mapped copied on write */
-    gboolean zero_pfn;
+    guint32 page;       /* in a hole of the memfd, mapped copied on write */
+    guint32 zero_pfn;
 } PfCowSeen;
 
 typedef struct _PfExtents {
@@ -43,7 +45,7 @@ typedef struct _PfExtents {
  * or PF_EXTENTS_MAX data extents, whichever ends first; the copy-on-write
  * look only where the VM merges (pagemap_fd >= 0).  callback runs on the
  * calling thread's main context. */
-#define PF_EXTENTS_WINDOW 65536u
+#define PF_EXTENTS_WINDOW 32768u
 #define PF_EXTENTS_MAX 512u
 void pf_extents_read_async(PfRegion *r, int pagemap_fd, PfCow *cow, gsize from,
                            GCancellable *cancel, GAsyncReadyCallback callback, gpointer user);

@@ -201,7 +201,7 @@ read_window(PfScanner *s, PfVm *vm, guint k, gsize page)
 }
 
 /* The index of the first of n records (of size bytes, in order of the
- * gsize at offset) whose gsize is at least page. */
+ * guint32 page index at offset) whose page is at least page. */
 static guint
 first_at_least(const void *records, guint n, gsize size, gsize offset, gsize page)
 {
@@ -209,7 +209,7 @@ first_at_least(const void *records, guint n, gsize size, gsize offset, gsize pag
 
     while (lo < hi) {
         guint mid = lo + (hi - lo) / 2;
-        gsize v;
+        guint32 v;
 
         memcpy(&v, (const guint8 *)records + mid * size + offset, sizeof(v));
         if (v < page) {
