@@ -135,48 +135,81 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
     return i - start;
 }
 
+/*
+ * A read of a VM's process on a thread (its look, a window of its memfds):
+ * the VM keeps the cancellable, cancelled when it goes, so that the end
+ * touches nothing of it then; the pid stays in pids (the scanner's
+ * looking_pids or reading_pids) until the thread returns, so that a
+ * process that makes its reads wait holds one thread of each kind,
+ * however often its agent reconnects.
+ */
 typedef struct {
     PfVm *vm;
-    GCancellable *cancel; /* the VM's reading, cancelled when it goes */
-    GHashTable *pids;     /* the scanner's reading_pids, referenced */
+    GCancellable *cancel;
+    GHashTable *pids; /* referenced */
     int pid;
-} ReadCall;
+} ThreadCall;
+
+/* NULL when a read of this kind is under way for the pid; else *cancel
+ * holds the new call's cancellable. */
+static ThreadCall *
+thread_call_new(PfVm *vm, GHashTable *pids, GCancellable **cancel)
+{
+    ThreadCall *call;
+
+    if (g_hash_table_contains(pids, GINT_TO_POINTER(vm->pid))) {
+        return NULL;
+    }
+    call = g_new0(ThreadCall, 1);
+    call->vm = vm;
+    call->cancel = g_cancellable_new();
+    call->pids = g_hash_table_ref(pids);
+    call->pid = vm->pid;
+    g_hash_table_add(pids, GINT_TO_POINTER(vm->pid));
+    *cancel = g_object_ref(call->cancel);
+    return call;
+}
+
+/* The thread returned: the VM its call was for, or NULL if it went. */
+static PfVm *
+thread_call_end(ThreadCall *call)
+{
+    PfVm *vm = g_cancellable_is_cancelled(call->cancel) ? NULL : call->vm;
+
+    g_hash_table_remove(call->pids, GINT_TO_POINTER(call->pid));
+    g_hash_table_unref(call->pids);
+    g_object_unref(call->cancel);
+    g_free(call);
+    return vm;
+}
 
 static void
 window_read(GObject *source, GAsyncResult *res, gpointer user)
 {
-    ReadCall *call = user;
     PfExtents *x = pf_extents_read_finish(res);
+    PfVm *vm = thread_call_end(user);
 
-    g_hash_table_remove(call->pids, GINT_TO_POINTER(call->pid));
-    g_hash_table_unref(call->pids);
-    if (!g_cancellable_is_cancelled(call->cancel)) {
-        PfVm *vm = call->vm;
-
-        g_clear_object(&vm->reading);
-        vm->read_failed = x == NULL;
-        if (vm->extents == NULL) {
-            vm->extents = x;
-        } else {
-            pf_extents_free(vm->extents_next);
-            vm->extents_next = x;
-        }
-    } else {
+    if (vm == NULL) {
         pf_extents_free(x);
+        return;
     }
-    g_object_unref(call->cancel);
-    g_free(call);
+    g_clear_object(&vm->reading);
+    vm->read_failed = x == NULL;
+    if (vm->extents == NULL) {
+        vm->extents = x;
+    } else {
+        pf_extents_free(vm->extents_next);
+        vm->extents_next = x;
+    }
 }
 
 /* Starts reading the window of vm's memfds from page page of region k on
- * (or of the next region with pages), unless a read is under way, or one
- * for its process still is (a VM that went, its agent back since): a
- * process that makes the reads wait holds one thread, however often it
- * reconnects. */
+ * (or of the next region with pages), unless a read is under way for it,
+ * or for its process still (a VM that went, its agent back since). */
 static void
 read_window(PfScanner *s, PfVm *vm, guint k, gsize page)
 {
-    ReadCall *call;
+    ThreadCall *call;
     PfRegion *r = NULL;
 
     for (; k < vm->regions->len; k++, page = 0) {
@@ -186,16 +219,9 @@ read_window(PfScanner *s, PfVm *vm, guint k, gsize page)
         }
     }
     if (k >= vm->regions->len || vm->reading != NULL ||
-        g_hash_table_contains(s->reading_pids, GINT_TO_POINTER(vm->pid))) {
+        (call = thread_call_new(vm, s->reading_pids, &vm->reading)) == NULL) {
         return;
     }
-    call = g_new0(ReadCall, 1);
-    call->vm = vm;
-    call->cancel = g_cancellable_new();
-    call->pids = g_hash_table_ref(s->reading_pids);
-    call->pid = vm->pid;
-    g_hash_table_add(s->reading_pids, GINT_TO_POINTER(vm->pid));
-    vm->reading = g_object_ref(call->cancel);
     pf_extents_read_async(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow, page, call->cancel,
                           window_read, call);
 }
@@ -451,51 +477,31 @@ to_deferred(PfScanner *s)
     return FALSE;
 }
 
-typedef struct {
-    PfVm *vm;
-    GCancellable *cancel; /* the VM's looking, cancelled when it goes */
-    GHashTable *pids;     /* the scanner's looking_pids, referenced */
-    int pid;
-} LookCall;
-
 static void
 look_done(GObject *source, GAsyncResult *res, gpointer user)
 {
-    LookCall *call = user;
     PfVmLook *look = pf_vm_look_finish(res, NULL);
+    PfVm *vm = thread_call_end(user);
 
-    g_hash_table_remove(call->pids, GINT_TO_POINTER(call->pid));
-    if (!g_cancellable_is_cancelled(call->cancel)) {
-        call->vm->look = look;
-        g_clear_object(&call->vm->looking);
-    } else {
+    if (vm == NULL) {
         pf_vm_look_free(look);
+        return;
     }
-    g_hash_table_unref(call->pids);
-    g_object_unref(call->cancel);
-    g_free(call);
+    vm->look = look;
+    g_clear_object(&vm->looking);
 }
 
 /* Starts the VM's look, unless one is under way or done, or a look at its
- * process is still reading (a VM that went, its agent back since): a
- * process that makes its reads wait holds one thread, however often it
- * reconnects. */
+ * process is still reading (a VM that went, its agent back since). */
 static void
 look_start(PfScanner *s, PfVm *vm)
 {
-    LookCall *call;
+    ThreadCall *call;
 
     if (vm->looking != NULL || vm->look != NULL ||
-        g_hash_table_contains(s->looking_pids, GINT_TO_POINTER(vm->pid))) {
+        (call = thread_call_new(vm, s->looking_pids, &vm->looking)) == NULL) {
         return;
     }
-    call = g_new0(LookCall, 1);
-    call->vm = vm;
-    call->cancel = g_cancellable_new();
-    call->pids = g_hash_table_ref(s->looking_pids);
-    call->pid = vm->pid;
-    g_hash_table_add(s->looking_pids, GINT_TO_POINTER(vm->pid));
-    vm->looking = g_object_ref(call->cancel);
     vm->look_usec = g_get_monotonic_time();
     vm->vmas_since_look = 0;
     vm->look_answered = vm->outbox != NULL ? pf_outbox_answered_seq(vm->outbox) : 0;
