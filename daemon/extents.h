@@ -45,7 +45,7 @@ typedef struct _PfExtents {
  * or PF_EXTENTS_MAX data extents, whichever ends first; the copy-on-write
  * look only where the VM merges (pagemap_fd >= 0).  callback runs on the
  * calling thread's main context. */
-#define PF_EXTENTS_WINDOW 32768u
+#define PF_EXTENTS_WINDOW 65536u
 #define PF_EXTENTS_MAX 512u
 void pf_extents_read_async(PfRegion *r, int pagemap_fd, PfCow *cow, gsize from,
                            GCancellable *cancel, GAsyncReadyCallback callback, gpointer user);
