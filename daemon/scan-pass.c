@@ -247,17 +247,23 @@ first_at_least(const void *records, guint n, gsize size, gsize offset, gsize pag
     return lo;
 }
 
-/* The window read in this pass that holds the cursor, if there is one: a
- * window read before may show holes that hold data since, or miss pages
- * written since, for longer than a pass. */
+/* Whether window x counts: one read before this pass may show holes that
+ * hold data since, or miss pages written since, for longer than a pass. */
+static gboolean
+window_of_pass(PfScanner *s, const PfExtents *x)
+{
+    return x != NULL && x->usec >= s->pass_start_usec;
+}
+
+/* The window of this pass that holds the cursor, if there is one. */
 static PfExtents *
 window_at(PfScanner *s, PfVm *vm, PfRegion *r)
 {
     for (int k = 0; k < 2; k++) {
         PfExtents *x = k == 0 ? vm->extents : vm->extents_next;
 
-        if (x != NULL && x->region == r && x->usec >= s->pass_start_usec &&
-            x->from <= s->cur_page && s->cur_page < x->to) {
+        if (window_of_pass(s, x) && x->region == r && x->from <= s->cur_page &&
+            s->cur_page < x->to) {
             if (k == 1) {
                 pf_extents_free(vm->extents);
                 vm->extents = g_steal_pointer(&vm->extents_next);
@@ -299,7 +305,7 @@ find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget)
         return FALSE;
     }
     vm->window_wait = 0;
-    if (vm->extents_next == NULL || vm->extents_next->usec < s->pass_start_usec) {
+    if (!window_of_pass(s, vm->extents_next)) {
         read_window(s, vm, r->index, x->to); /* ahead */
     }
     i = first_at_least(x->data->data, x->data->len, sizeof(PfExtent),
