@@ -19,9 +19,16 @@
 
 #define MAX_SCAN_NOW_PASSES 1000
 
-/* One request being executed. */
+/*
+ * One request being executed: on the main loop, against the scanner; or,
+ * for a command that only reads (commands[].reads), elsewhere against a
+ * view (scanner NULL).
+ */
 typedef struct {
     PfScanner *scanner;
+    PfView *view;             /* what the reply is built from, or NULL */
+    gboolean view_counted;    /* view's counters taken for this request */
+    gboolean acts;            /* a command that does more than read ran */
     PfControlLater *starting; /* set by a command that replies later */
 } Request;
 
@@ -36,6 +43,7 @@ struct _PfControlLater {
     int pid;         /* unmerge of one VM (its stats in the reply); 0: all */
     PfScanJob *job;
     char *reply;     /* once done */
+    PfView *view;    /* the scanner as the job left it, counted */
     PfControlLaterFunc func; /* NULL: the caller steals the reply */
     gpointer user;
 };
@@ -110,6 +118,19 @@ find_vm(Request *r, const char *key, GError **error)
     return pf_scanner_lookup_vm(r->scanner, key, error);
 }
 
+/* The view a reading command answers from: the one it was given, or the
+ * scanner as it is now, its counters taken if counted. */
+static PfView *
+request_view(Request *r, gboolean counted)
+{
+    if (r->scanner != NULL && (r->view == NULL || (counted && !r->view_counted))) {
+        g_clear_pointer(&r->view, pf_view_unref);
+        r->view = pf_view_new(r->scanner, counted, NULL);
+        r->view_counted = counted;
+    }
+    return r->view;
+}
+
 /* ---- replies ---- */
 
 /* {"return": ...: what follows is the command's. */
@@ -174,8 +195,9 @@ error_class(const GError *error)
 
 /* The members that name a VM in every answer about it. */
 static void
-vm_identity_to_json(PfVm *vm, JsonBuilder *b)
+vm_identity_to_json(const PfViewVm *vm, JsonBuilder *b)
 {
+    static const guint8 none[16];
     char uuid[37];
 
     json_builder_set_member_name(b, "name");
@@ -183,16 +205,15 @@ vm_identity_to_json(PfVm *vm, JsonBuilder *b)
     json_builder_set_member_name(b, "pid");
     json_builder_add_int_value(b, vm->pid);
     json_builder_set_member_name(b, "uuid");
-    if (pf_vm_uuid_string(vm, uuid) != NULL) {
-        json_builder_add_string_value(b, uuid);
+    if (memcmp(vm->uuid, none, sizeof(none)) != 0) {
+        json_builder_add_string_value(b, pf_uuid_format(vm->uuid, uuid));
     } else {
         json_builder_add_null_value(b);
     }
     json_builder_set_member_name(b, "merge_domain");
-    json_builder_add_string_value(b, vm->scanner ? pf_scanner_merge_domain(vm->scanner, vm)
-                                                 : "default");
+    json_builder_add_string_value(b, vm->merge_domain);
     json_builder_set_member_name(b, "mode");
-    json_builder_add_string_value(b, pf_vm_mode_name(vm));
+    json_builder_add_string_value(b, vm->mode);
     if (vm->mode_reason != NULL) {
         json_builder_set_member_name(b, "mode_reason");
         json_builder_add_string_value(b, vm->mode_reason);
@@ -200,16 +221,16 @@ vm_identity_to_json(PfVm *vm, JsonBuilder *b)
 }
 
 static void
-vm_to_json(PfVm *vm, JsonBuilder *b)
+vm_to_json(const PfViewVm *vm, JsonBuilder *b)
 {
     json_builder_begin_object(b);
     vm_identity_to_json(vm, b);
     json_builder_set_member_name(b, "pages");
-    json_builder_add_int_value(b, (gint64)pf_vm_n_pages(vm));
+    json_builder_add_int_value(b, (gint64)vm->pages);
     json_builder_set_member_name(b, "regions");
     json_builder_begin_array(b);
-    for (guint i = 0; i < vm->regions->len; i++) {
-        PfRegion *r = g_ptr_array_index(vm->regions, i);
+    for (guint i = 0; i < vm->n_regions; i++) {
+        const PfViewRegion *r = &vm->regions[i];
 
         json_builder_begin_object(b);
         json_builder_set_member_name(b, "name");
@@ -235,23 +256,23 @@ vm_to_json(PfVm *vm, JsonBuilder *b)
 
 /* Every knob, as an object. */
 static void
-knobs_to_json(PfScanner *s, JsonBuilder *b)
+knobs_to_json(const PfKnobs *k, JsonBuilder *b)
 {
     json_builder_begin_object(b);
-    pf_knobs_to_json(pf_scanner_get_knobs(s), b);
+    pf_knobs_to_json(k, b);
     json_builder_end_object(b);
 }
 
 /* "merge" when every VM merges, "advise" when none does, else "mixed". */
 static const char *
-daemon_mode(GPtrArray *vms)
+daemon_mode(const PfView *v)
 {
     guint merging = 0;
 
-    for (guint i = 0; i < vms->len; i++) {
-        merging += pf_vm_merges(g_ptr_array_index(vms, i));
+    for (guint i = 0; i < v->n_vms; i++) {
+        merging += g_str_equal(v->vms[i].mode, "merge");
     }
-    return merging == 0 ? "advise" : merging == vms->len ? "merge" : "mixed";
+    return merging == 0 ? "advise" : merging == v->n_vms ? "merge" : "mixed";
 }
 
 static void
@@ -271,48 +292,39 @@ notes_to_json(JsonBuilder *b, const char *name, GPtrArray *notes)
 /* detached, passed_over: notes of the VMs a command could not do all for
  * (scan.h), or NULL. */
 static void
-stats_to_json(PfScanner *s, PfVm *only, JsonBuilder *b, GPtrArray *detached,
+stats_to_json(const PfView *v, const PfViewVm *only, JsonBuilder *b, GPtrArray *detached,
               GPtrArray *passed_over)
 {
-    GPtrArray *vms = pf_scanner_get_vms(s);
-    g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(vms->len, 1));
-    PfCounters total;
-    PfScanInfo info;
-
-    pf_scanner_collect(s, &total, per_vm);
-    pf_scanner_get_info(s, &info);
     json_builder_begin_object(b);
     json_builder_set_member_name(b, "mode");
-    json_builder_add_string_value(b, daemon_mode(vms));
+    json_builder_add_string_value(b, daemon_mode(v));
     json_builder_set_member_name(b, "hash");
-    json_builder_add_string_value(b, pf_scanner_get_hash(s)->name);
+    json_builder_add_string_value(b, v->hash);
     json_builder_set_member_name(b, "last_pass_usec");
-    json_builder_add_int_value(b, (gint64)info.last_pass_usec);
+    json_builder_add_int_value(b, (gint64)v->info.last_pass_usec);
     json_builder_set_member_name(b, "cow_detection");
-    json_builder_add_string_value(b, info.cow_detection);
+    json_builder_add_string_value(b, v->info.cow_detection);
     json_builder_set_member_name(b, "pool_slots");
-    json_builder_add_int_value(b, (gint64)info.pool_slots);
+    json_builder_add_int_value(b, (gint64)v->info.pool_slots);
     json_builder_set_member_name(b, "pool_bytes");
-    json_builder_add_int_value(b, (gint64)info.pool_bytes);
+    json_builder_add_int_value(b, (gint64)v->info.pool_bytes);
     json_builder_set_member_name(b, "pool_chunks");
-    json_builder_add_int_value(b, (gint64)info.pool_chunks);
+    json_builder_add_int_value(b, (gint64)v->info.pool_chunks);
     json_builder_set_member_name(b, "knobs");
-    knobs_to_json(s, b);
+    knobs_to_json(&v->knobs, b);
     json_builder_set_member_name(b, "total");
     json_builder_begin_object(b);
-    pf_counters_to_json(&total, b);
+    pf_counters_to_json(&v->total, b);
     json_builder_end_object(b);
     json_builder_set_member_name(b, "vms");
     json_builder_begin_array(b);
-    for (guint i = 0; i < vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(vms, i);
-
-        if (only != NULL && only != vm) {
+    for (guint i = 0; i < v->n_vms; i++) {
+        if (only != NULL && only != &v->vms[i]) {
             continue;
         }
         json_builder_begin_object(b);
-        vm_identity_to_json(vm, b);
-        pf_counters_to_json(&per_vm[i], b);
+        vm_identity_to_json(&v->vms[i], b);
+        pf_counters_to_json(&v->vms[i].counters, b);
         json_builder_end_object(b);
     }
     json_builder_end_array(b);
@@ -384,7 +396,7 @@ cmd_attach(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
         pf_scanner_remove_vm(r->scanner, added);
         return FALSE;
     }
-    vm_to_json(added, b);
+    vm_to_json(pf_view_vm_of_pid(request_view(r, FALSE), added->pid), b);
     return TRUE;
 }
 
@@ -400,7 +412,7 @@ cmd_merge_domain(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
         return FALSE;
     }
     json_builder_begin_object(b);
-    vm_identity_to_json(vm, b);
+    vm_identity_to_json(pf_view_vm_of_pid(request_view(r, FALSE), vm->pid), b);
     json_builder_end_object(b);
     return TRUE;
 }
@@ -422,11 +434,11 @@ cmd_detach(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_list(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    GPtrArray *vms = pf_scanner_get_vms(r->scanner);
+    PfView *v = request_view(r, FALSE);
 
     json_builder_begin_array(b);
-    for (guint i = 0; i < vms->len; i++) {
-        vm_to_json(g_ptr_array_index(vms, i), b);
+    for (guint i = 0; i < v->n_vms; i++) {
+        vm_to_json(&v->vms[i], b);
     }
     json_builder_end_array(b);
     return TRUE;
@@ -435,19 +447,21 @@ cmd_list(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_stats(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    PfVm *vm = NULL;
+    PfView *v = request_view(r, TRUE);
+    const PfViewVm *vm = NULL;
 
-    if (arg_str(args, "vm") != NULL && (vm = find_vm(r, arg_str(args, "vm"), error)) == NULL) {
+    if (arg_str(args, "vm") != NULL &&
+        (vm = pf_view_lookup_vm(v, arg_str(args, "vm"), error)) == NULL) {
         return FALSE;
     }
-    stats_to_json(r->scanner, vm, b, NULL, NULL);
+    stats_to_json(v, vm, b, NULL, NULL);
     return TRUE;
 }
 
 static gboolean
 cmd_knobs(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    knobs_to_json(r->scanner, b);
+    knobs_to_json(r->scanner != NULL ? pf_scanner_get_knobs(r->scanner) : &r->view->knobs, b);
     return TRUE;
 }
 
@@ -544,17 +558,18 @@ static const struct {
     const char *name;
     CommandFunc func;
     const ArgSpec *args;
+    gboolean reads; /* only reads: a view will do (request_view()) */
 } commands[] = {
-    { "qmp_capabilities", cmd_capabilities, ARGS() },
+    { "qmp_capabilities", cmd_capabilities, ARGS(), TRUE },
     { "attach", cmd_attach, ARGS({ "pid", ARG_INT, TRUE }, { "name", ARG_STRING, FALSE },
                                  { "uuid", ARG_STRING, FALSE },
                                  { "merge-domain", ARG_STRING, FALSE }, ) },
     { "detach", cmd_detach, ARGS({ "vm", ARG_STRING, TRUE }, ) },
     { "merge-domain", cmd_merge_domain,
       ARGS({ "vm", ARG_STRING, TRUE }, { "name", ARG_STRING, FALSE }, ) },
-    { "list", cmd_list, ARGS() },
-    { "stats", cmd_stats, ARGS({ "vm", ARG_STRING, FALSE }, ) },
-    { "knobs", cmd_knobs, ARGS() },
+    { "list", cmd_list, ARGS(), TRUE },
+    { "stats", cmd_stats, ARGS({ "vm", ARG_STRING, FALSE }, ), TRUE },
+    { "knobs", cmd_knobs, ARGS(), TRUE },
     { "set", cmd_set, ARGS({ "knob", ARG_STRING, TRUE }, { "value", ARG_INT, TRUE }, ) },
     { "scan-now", cmd_scan_now, ARGS({ "passes", ARG_INT, FALSE }, ) },
     { "unmerge", cmd_unmerge, ARGS({ "vm", ARG_STRING, FALSE }, ) },
@@ -622,29 +637,28 @@ parse_request(JsonParser *parser, const char *line, gsize len, JsonNode **id,
 /* Runs one command, its arguments checked first: its reply, or NULL when
  * its job will give it (*later). */
 static char *
-run_command(PfScanner *scanner, gsize k, JsonObject *args, JsonNode *id,
-            PfControlLater **later)
+run_command(Request *r, gsize k, JsonObject *args, JsonNode *id, PfControlLater **later)
 {
     g_autoptr(GError) error = NULL;
     g_autoptr(JsonBuilder) b = begin_return();
-    Request r = { scanner, NULL };
 
     if (!check_args(args, commands[k].args, &error) ||
-        !commands[k].func(&r, args, b, &error)) {
-        g_assert(r.starting == NULL);
+        !commands[k].func(r, args, b, &error)) {
+        g_assert(r->starting == NULL);
         return pf_control_reply_error(error_class(error), error->message, id);
     }
-    if (r.starting != NULL) {
-        *later = r.starting;
+    if (r->starting != NULL) {
+        *later = r->starting;
         (*later)->id = id != NULL ? json_node_copy(id) : NULL;
         return NULL;
     }
     return end_reply(b, id);
 }
 
-char *
-pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
-                           PfControlLater **later)
+/* The line's command run as r, or NULL for one that does more than read
+ * when r has no scanner. */
+static char *
+execute(Request *r, const char *line, gsize len, PfControlLater **later)
 {
     g_autoptr(JsonParser) parser = json_parser_new_immutable();
     g_autofree char *desc = NULL;
@@ -658,11 +672,40 @@ pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
     }
     for (gsize k = 0; k < G_N_ELEMENTS(commands); k++) {
         if (g_str_equal(commands[k].name, name)) {
-            return run_command(scanner, k, args, id, later);
+            if (r->scanner == NULL && !commands[k].reads) {
+                return NULL;
+            }
+            r->acts = !commands[k].reads;
+            return run_command(r, k, args, id, later);
         }
     }
     desc = g_strdup_printf("the command '%s' has not been found", name);
     return pf_control_reply_error("CommandNotFound", desc, id);
+}
+
+char *
+pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
+                           PfControlLater **later, PfView **counted)
+{
+    Request r = { scanner, NULL, FALSE, FALSE, NULL };
+    char *reply = execute(&r, line, len, later);
+
+    if (counted != NULL && reply != NULL && r.acts) {
+        request_view(&r, TRUE);
+    }
+    if (counted != NULL && r.view_counted) {
+        *counted = g_steal_pointer(&r.view);
+    }
+    g_clear_pointer(&r.view, pf_view_unref);
+    return reply;
+}
+
+char *
+pf_control_command_answer(PfView *view, const char *line, gsize len)
+{
+    Request r = { NULL, view, TRUE, FALSE, NULL };
+
+    return execute(&r, line, len, NULL);
 }
 
 /* ---- replies that come when a job is done ---- */
@@ -687,10 +730,12 @@ later_done(PfScanner *s, const GError *error, GPtrArray *detached, GPtrArray *pa
     } else {
         g_autoptr(JsonBuilder) b = begin_return();
 
+        l->view = pf_view_new(s, TRUE, NULL);
         if (g_str_equal(l->command, "set run 2")) {
-            knobs_to_json(s, b);
+            knobs_to_json(&l->view->knobs, b);
         } else {
-            stats_to_json(s, vm, b, detached, passed_over);
+            stats_to_json(l->view, vm != NULL ? pf_view_vm_of_pid(l->view, vm->pid) : NULL, b,
+                          detached, passed_over);
         }
         l->reply = end_reply(b, l->id);
     }
@@ -712,6 +757,12 @@ pf_control_later_steal_reply(PfControlLater *l)
     return g_steal_pointer(&l->reply);
 }
 
+PfView *
+pf_control_later_steal_view(PfControlLater *l)
+{
+    return g_steal_pointer(&l->view);
+}
+
 void
 pf_control_later_free(PfControlLater *l)
 {
@@ -719,6 +770,7 @@ pf_control_later_free(PfControlLater *l)
         pf_scan_job_forget(l->job);
     }
     g_clear_pointer(&l->id, json_node_unref);
+    g_clear_pointer(&l->view, pf_view_unref);
     g_free(l->reply);
     g_free(l);
 }

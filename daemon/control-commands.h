@@ -17,6 +17,7 @@
 #include <json-glib/json-glib.h>
 
 #include "scan.h"
+#include "view.h"
 
 /* A command's reply that comes when its job is done. */
 typedef struct _PfControlLater PfControlLater;
@@ -28,16 +29,27 @@ typedef void (*PfControlLaterFunc)(PfControlLater *l, gpointer user);
 /*
  * The reply to one request line (no newline), or NULL when a job will give
  * it: then *later is that job's, the caller's to free.  The job ends on
- * the default main context, never within this call.
+ * the default main context, never within this call.  On the main loop.
+ * counted, if not NULL: set to a view of the scanner, counted, as the
+ * command left it, when it took the counters (stats) or did more than read
+ * and replies now; else left alone.
  */
 char *pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
-                                 PfControlLater **later);
+                                 PfControlLater **later, PfView **counted);
+/*
+ * The reply to one request line from view, on any thread: for a command
+ * that only reads (stats, knobs, list, qmp_capabilities) or a request that
+ * is refused whatever the scanner holds; NULL for any other command.
+ */
+char *pf_control_command_answer(PfView *view, const char *line, gsize len);
 
 /* Calls func once the reply is there; unset, the reply waits for
  * pf_control_later_steal_reply(). */
 void pf_control_later_watch(PfControlLater *l, PfControlLaterFunc func, gpointer user);
 /* The reply (no newline) once the job is done, else NULL. */
 char *pf_control_later_steal_reply(PfControlLater *l);
+/* Once the job is done, the scanner as it left it, counted. */
+PfView *pf_control_later_steal_view(PfControlLater *l);
 /* Forgets the job if it is not done: its callback is never called. */
 void pf_control_later_free(PfControlLater *l);
 

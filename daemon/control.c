@@ -2,13 +2,27 @@
  * control.c - the socket side of pagefoldd's control socket (control.h):
  * listening, accepting, and each client's framing, one request per line in
  * and one reply per line out, in the order asked, a client's next lines
- * held back while one of its commands waits for its job.
+ * held back while one of its commands is answered.
  *
- * Owns the listening socket and each client's descriptor, buffers,
- * watches and waiting command (freed with the client).  Must never parse
- * a request or know a command (control-commands.c does), never block on a
- * client (one that does not read its replies is closed), and never let a
- * client's input, however long or malformed, reach another client.
+ * The socket is served by a thread of its own.  Every command runs on the
+ * main loop, as the scanner's state is the main loop's, and its reply
+ * comes back to the thread; but a read (stats, knobs, list) that the main
+ * loop has not answered within FALLBACK_MS is answered on the thread, from
+ * the view (view.h) the main loop last published: the main loop scans, and
+ * on a host whose cores are all busy it waits for one, while the thread,
+ * mostly asleep, is scheduled at once.  The main loop publishes a view
+ * after every command that changes anything or counts, and every
+ * COUNT_PERIOD_MS.  So a client reads its own writes, and at worst
+ * counters that old.
+ *
+ * Owns the thread and its context, the listening socket, each client's
+ * descriptor, buffers and sources, each call (a request on its way through
+ * the main loop), and the views published.  Must never parse a request or
+ * know a command (control-commands.c does), never touch the scanner or run
+ * a command off the main loop (only pf_control_command_answer() on a
+ * view), never block on a client (one that does not read its replies is
+ * closed), and never let a client's input, however long or malformed,
+ * reach another client.
  */
 #include "control.h"
 
@@ -24,66 +38,299 @@
 
 #define MAX_CLIENTS 64
 #define MAX_PENDING_OUTPUT (16u << 20)
+#define FALLBACK_MS 20
+#define COUNT_PERIOD_MS 1000
 
 struct _PfControl {
-    PfScanner *scanner;
+    PfScanner *scanner;  /* the main loop's */
     char *path;
     int listen_fd;
-    guint listen_watch;
-    GPtrArray *clients;
+    GMainContext *context; /* the thread's */
+    GMainLoop *loop;
+    GThread *thread;
+    GSource *listen_source;
+    GPtrArray *clients;  /* the thread's */
+    GPtrArray *laters;   /* the main loop's: calls waiting for a job */
+    guint count_timer;   /* the main loop's */
+    gint stopped;        /* atomic: pf_control_free() has begun */
+    GMutex lock;
+    PfView *published;   /* under lock */
 };
+
+typedef struct _Call Call;
 
 typedef struct {
     PfControl *ctl;
     int fd;
-    guint watch;
-    guint out_watch;
+    GSource *watch;
+    GSource *out_watch;
     GByteArray *in;
     GByteArray *out;
     gboolean discarding; /* inside an over-long line: drop to its end */
-    PfControlLater *later; /* the command it waits for: its next lines wait
-                            * too, as QMP answers in order */
+    Call *call;          /* the request it waits for: its next lines wait
+                          * too, as QMP answers in order */
 } Client;
+
+/* One request, from the thread to the main loop and its reply back;
+ * refcounted, as both hold it. */
+struct _Call {
+    PfControl *ctl;
+    Client *client;      /* the thread's: NULL once answered or gone */
+    char *line;
+    gsize len;
+    gint cancelled;      /* atomic: the main loop is not to run it */
+    GSource *fallback;   /* the thread's */
+    PfControlLater *later; /* the main loop's */
+};
 
 static void client_process(Client *cl);
 static gboolean client_flush(Client *cl);
 static void client_send(Client *cl, const char *text);
 static gboolean client_in_cb(gint fd, GIOCondition cond, gpointer user);
 
-/* ---- commands that reply when their job is done ---- */
+/* ---- the views ---- */
 
-/* A command of the client's got its reply: sent, then the lines that
- * waited behind it. */
+/* On the main loop; takes v. */
 static void
-client_later_done(PfControlLater *l, gpointer user)
+publish(PfControl *c, PfView *v)
 {
-    Client *cl = user;
-    g_autofree char *reply = pf_control_later_steal_reply(l);
+    PfView *old;
 
+    g_mutex_lock(&c->lock);
+    old = c->published;
+    c->published = v;
+    g_mutex_unlock(&c->lock);
+    if (old != NULL) {
+        pf_view_unref(old);
+    }
+}
+
+static PfView *
+get_published(PfControl *c)
+{
+    PfView *v;
+
+    g_mutex_lock(&c->lock);
+    v = c->published != NULL ? pf_view_ref(c->published) : NULL;
+    g_mutex_unlock(&c->lock);
+    return v;
+}
+
+static gboolean
+count_cb(gpointer user)
+{
+    PfControl *c = user;
+
+    publish(c, pf_view_new(c->scanner, TRUE, NULL));
+    return G_SOURCE_CONTINUE;
+}
+
+/* ---- sources ---- */
+
+/* func(data) on context, soon: never within this call, whoever owns it. */
+static void
+post(GMainContext *context, GSourceFunc func, gpointer data, GDestroyNotify destroy)
+{
+    GSource *src = g_idle_source_new();
+
+    g_source_set_priority(src, G_PRIORITY_DEFAULT);
+    g_source_set_callback(src, func, data, destroy);
+    g_source_attach(src, context);
+    g_source_unref(src);
+}
+
+static GSource *
+watch_fd(PfControl *c, int fd, GIOCondition cond, GUnixFDSourceFunc func, gpointer data)
+{
+    GSource *src = g_unix_fd_source_new(fd, cond);
+
+    g_source_set_callback(src, G_SOURCE_FUNC(func), data, NULL);
+    g_source_attach(src, c->context);
+    return src;
+}
+
+static void
+unwatch(GSource **src)
+{
+    if (*src != NULL) {
+        g_source_destroy(*src);
+        g_clear_pointer(src, g_source_unref);
+    }
+}
+
+/* ---- calls ---- */
+
+static Call *
+call_ref(Call *call)
+{
+    return g_atomic_rc_box_acquire(call);
+}
+
+static void control_unref(PfControl *c);
+
+static void
+call_clear(gpointer data)
+{
+    Call *call = data;
+
+    g_assert(call->later == NULL && call->fallback == NULL);
+    g_free(call->line);
+    control_unref(call->ctl);
+}
+
+static void
+call_unref(gpointer call)
+{
+    g_atomic_rc_box_release_full(call, call_clear);
+}
+
+/* On the thread: the reply goes to the call's client, if it still waits
+ * for one; then its next lines. */
+static void
+call_deliver(Call *call, const char *reply)
+{
+    Client *cl = call->client;
+
+    if (cl == NULL) {
+        return;
+    }
+    call->client = NULL;
+    unwatch(&call->fallback);
+    cl->call = NULL;
+    call_unref(call);
     client_send(cl, reply);
-    cl->later = NULL;
-    pf_control_later_free(l);
-    if (cl->watch == 0) {
-        cl->watch = g_unix_fd_add(cl->fd, G_IO_IN | G_IO_HUP | G_IO_ERR, client_in_cb, cl);
+    if (cl->watch == NULL) {
+        cl->watch = watch_fd(cl->ctl, cl->fd, G_IO_IN | G_IO_HUP | G_IO_ERR, client_in_cb, cl);
     }
     client_process(cl);
     client_flush(cl);
 }
 
-char *
-pf_control_execute(PfControl *c, const char *line, gsize len)
-{
-    PfControlLater *l = NULL;
-    char *reply = pf_control_command_execute(c->scanner, line, len, &l);
+typedef struct {
+    Call *call;
+    char *reply;
+} Reply;
 
-    if (reply != NULL) {
-        return reply;
+static void
+reply_free(gpointer data)
+{
+    Reply *r = data;
+
+    call_unref(r->call);
+    g_free(r->reply);
+    g_free(r);
+}
+
+static gboolean
+reply_cb(gpointer data)
+{
+    Reply *r = data;
+
+    if (!g_atomic_int_get(&r->call->ctl->stopped)) {
+        call_deliver(r->call, r->reply);
     }
-    while ((reply = pf_control_later_steal_reply(l)) == NULL) {
-        g_main_context_iteration(NULL, TRUE);
+    return G_SOURCE_REMOVE;
+}
+
+/* On the main loop: the reply to the thread; takes reply. */
+static void
+call_reply(Call *call, char *reply)
+{
+    Reply *r = g_new0(Reply, 1);
+
+    r->call = call_ref(call);
+    r->reply = reply;
+    post(call->ctl->context, reply_cb, r, reply_free);
+}
+
+static void
+call_later_done(PfControlLater *l, gpointer user)
+{
+    Call *call = user;
+    PfControl *c = call->ctl;
+    g_autoptr(PfView) view = pf_control_later_steal_view(l);
+    char *reply = pf_control_later_steal_reply(l);
+
+    if (view != NULL) {
+        publish(c, g_steal_pointer(&view));
     }
+    call->later = NULL;
     pf_control_later_free(l);
-    return reply;
+    call_reply(call, reply);
+    g_ptr_array_remove_fast(c->laters, call);
+}
+
+/* On the main loop: the command runs. */
+static gboolean
+call_run(gpointer data)
+{
+    Call *call = data;
+    PfControl *c = call->ctl;
+    PfView *view = NULL;
+    char *reply;
+
+    if (g_atomic_int_get(&c->stopped) || g_atomic_int_get(&call->cancelled)) {
+        return G_SOURCE_REMOVE;
+    }
+    reply = pf_control_command_execute(c->scanner, call->line, call->len, &call->later, &view);
+    if (view != NULL) {
+        publish(c, view);
+    }
+    if (reply != NULL) {
+        call_reply(call, reply);
+    } else {
+        g_ptr_array_add(c->laters, call_ref(call));
+        pf_control_later_watch(call->later, call_later_done, call);
+    }
+    return G_SOURCE_REMOVE;
+}
+
+/* On the main loop: the call's client went; so does its job's reply. */
+static gboolean
+call_forget(gpointer data)
+{
+    Call *call = data;
+
+    if (call->later != NULL) {
+        g_clear_pointer(&call->later, pf_control_later_free);
+        g_ptr_array_remove_fast(call->ctl->laters, call);
+    }
+    return G_SOURCE_REMOVE;
+}
+
+/* On the thread: the main loop has not answered in time. */
+static gboolean
+call_fallback(gpointer data)
+{
+    Call *call = data;
+    g_autoptr(PfView) view = get_published(call->ctl);
+    g_autofree char *reply = NULL;
+
+    g_clear_pointer(&call->fallback, g_source_unref);
+    if (view == NULL || call->client == NULL ||
+        (reply = pf_control_command_answer(view, call->line, call->len)) == NULL) {
+        return G_SOURCE_REMOVE;
+    }
+    g_atomic_int_set(&call->cancelled, 1);
+    call_deliver(call, reply);
+    return G_SOURCE_REMOVE;
+}
+
+/* On the thread: the client's request goes to the main loop. */
+static void
+call_start(Client *cl, const char *line, gsize len)
+{
+    Call *call = g_atomic_rc_box_new0(Call);
+
+    call->ctl = g_atomic_rc_box_acquire(cl->ctl);
+    call->client = cl;
+    call->line = g_strndup(line, len);
+    call->len = len;
+    cl->call = call;
+    post(NULL, call_run, call_ref(call), call_unref);
+    call->fallback = g_timeout_source_new(FALLBACK_MS);
+    g_source_set_callback(call->fallback, call_fallback, call_ref(call), call_unref);
+    g_source_attach(call->fallback, cl->ctl->context);
 }
 
 /* ---- the socket ---- */
@@ -120,8 +367,8 @@ client_flush(Client *cl)
         client_close(cl);
         return FALSE;
     }
-    if (cl->out->len > 0 && cl->out_watch == 0) {
-        cl->out_watch = g_unix_fd_add(cl->fd, G_IO_OUT, client_out_cb, cl);
+    if (cl->out->len > 0 && cl->out_watch == NULL) {
+        cl->out_watch = watch_fd(cl->ctl, cl->fd, G_IO_OUT, client_out_cb, cl);
     }
     return TRUE;
 }
@@ -131,7 +378,7 @@ client_out_cb(gint fd, GIOCondition cond, gpointer user)
 {
     Client *cl = user;
 
-    cl->out_watch = 0;
+    unwatch(&cl->out_watch);
     client_flush(cl);
     return G_SOURCE_REMOVE;
 }
@@ -148,7 +395,7 @@ client_process(Client *cl)
 {
     guint8 *nl;
 
-    while (cl->later == NULL && (nl = memchr(cl->in->data, '\n', cl->in->len)) != NULL) {
+    while (cl->call == NULL && (nl = memchr(cl->in->data, '\n', cl->in->len)) != NULL) {
         gsize len = (gsize)(nl - cl->in->data);
 
         if (cl->discarding) {
@@ -160,19 +407,12 @@ client_process(Client *cl)
                 l--;
             }
             if (l > 0) {
-                g_autofree char *reply = pf_control_command_execute(
-                    cl->ctl->scanner, (const char *)cl->in->data, l, &cl->later);
-
-                if (reply != NULL) {
-                    client_send(cl, reply);
-                } else {
-                    pf_control_later_watch(cl->later, client_later_done, cl);
-                }
+                call_start(cl, (const char *)cl->in->data, l);
             }
         }
         g_byte_array_remove_range(cl->in, 0, (guint)len + 1);
     }
-    if (cl->later == NULL && cl->in->len > PF_CONTROL_MAX_LINE) {
+    if (cl->call == NULL && cl->in->len > PF_CONTROL_MAX_LINE) {
         if (!cl->discarding) {
             g_autofree char *desc = g_strdup_printf(
                 "request longer than %d bytes; discarded up to the next newline",
@@ -197,7 +437,7 @@ client_in_cb(gint fd, GIOCondition cond, gpointer user)
         return G_SOURCE_CONTINUE;
     }
     if (n <= 0) {
-        cl->watch = 0;
+        unwatch(&cl->watch);
         client_close(cl);
         return G_SOURCE_REMOVE;
     }
@@ -206,9 +446,9 @@ client_in_cb(gint fd, GIOCondition cond, gpointer user)
     if (!client_flush(cl)) {
         return G_SOURCE_REMOVE;
     }
-    if (cl->later != NULL && cl->in->len > PF_CONTROL_MAX_LINE) {
-        /* Enough waiting behind the job: read on when it is done. */
-        cl->watch = 0;
+    if (cl->call != NULL && cl->in->len > PF_CONTROL_MAX_LINE) {
+        /* Enough waiting behind the call: read on when it is answered. */
+        unwatch(&cl->watch);
         return G_SOURCE_REMOVE;
     }
     return G_SOURCE_CONTINUE;
@@ -217,15 +457,19 @@ client_in_cb(gint fd, GIOCondition cond, gpointer user)
 static void
 client_free(Client *cl)
 {
-    if (cl->later != NULL) {
-        pf_control_later_free(cl->later);
+    Call *call = cl->call;
+
+    if (call != NULL) {
+        call->client = NULL;
+        g_atomic_int_set(&call->cancelled, 1);
+        unwatch(&call->fallback);
+        if (!g_atomic_int_get(&cl->ctl->stopped)) {
+            post(NULL, call_forget, call_ref(call), call_unref);
+        }
+        call_unref(call);
     }
-    if (cl->watch != 0) {
-        g_source_remove(cl->watch);
-    }
-    if (cl->out_watch != 0) {
-        g_source_remove(cl->out_watch);
-    }
+    unwatch(&cl->watch);
+    unwatch(&cl->out_watch);
     close(cl->fd);
     g_byte_array_unref(cl->in);
     g_byte_array_unref(cl->out);
@@ -260,25 +504,64 @@ listen_cb(gint fd, GIOCondition cond, gpointer user)
     greeting = g_strdup_printf(
         "{\"QMP\": {\"version\": {\"pagefold\": \"%s\"}, \"capabilities\": []}}", PF_VERSION);
     client_send(cl, greeting);
-    cl->watch = g_unix_fd_add(cfd, G_IO_IN | G_IO_HUP | G_IO_ERR, client_in_cb, cl);
+    cl->watch = watch_fd(c, cfd, G_IO_IN | G_IO_HUP | G_IO_ERR, client_in_cb, cl);
     client_flush(cl);
     return G_SOURCE_CONTINUE;
+}
+
+static gpointer
+control_thread(gpointer data)
+{
+    PfControl *c = data;
+
+    g_main_context_push_thread_default(c->context);
+    g_main_loop_run(c->loop);
+    g_main_context_pop_thread_default(c->context);
+    return NULL;
+}
+
+/* ---- life ---- */
+
+static void
+control_clear(gpointer data)
+{
+    PfControl *c = data;
+
+    g_clear_pointer(&c->published, pf_view_unref);
+    g_mutex_clear(&c->lock);
+    g_clear_pointer(&c->loop, g_main_loop_unref);
+    g_clear_pointer(&c->context, g_main_context_unref);
+    g_free(c->path);
+}
+
+static void
+control_unref(PfControl *c)
+{
+    g_atomic_rc_box_release_full(c, control_clear);
 }
 
 PfControl *
 pf_control_new(PfScanner *scanner, const char *path, GError **error)
 {
-    g_autoptr(PfControl) c = g_new0(PfControl, 1);
+    PfControl *c = g_atomic_rc_box_new0(PfControl);
 
     c->scanner = scanner;
+    g_mutex_init(&c->lock);
     c->clients = g_ptr_array_new_with_free_func((GDestroyNotify)client_free);
+    c->laters = g_ptr_array_new_with_free_func(call_unref);
     c->listen_fd = pf_unix_listen(path, SOCK_STREAM, error);
     if (c->listen_fd < 0) {
+        pf_control_free(c);
         return NULL;
     }
     c->path = g_strdup(path);
-    c->listen_watch = g_unix_fd_add(c->listen_fd, G_IO_IN, listen_cb, c);
-    return g_steal_pointer(&c);
+    c->context = g_main_context_new();
+    c->loop = g_main_loop_new(c->context, FALSE);
+    c->listen_source = watch_fd(c, c->listen_fd, G_IO_IN, listen_cb, c);
+    publish(c, pf_view_new(scanner, TRUE, NULL));
+    c->count_timer = g_timeout_add(COUNT_PERIOD_MS, count_cb, c);
+    c->thread = g_thread_new("pf-control", control_thread, c);
+    return c;
 }
 
 void
@@ -287,16 +570,45 @@ pf_control_free(PfControl *c)
     if (c == NULL) {
         return;
     }
-    if (c->listen_watch != 0) {
-        g_source_remove(c->listen_watch);
+    g_atomic_int_set(&c->stopped, 1);
+    if (c->thread != NULL) {
+        g_main_loop_quit(c->loop);
+        g_thread_join(c->thread);
     }
+    /* The thread is gone: what it held is this thread's now. */
     g_clear_pointer(&c->clients, g_ptr_array_unref);
+    unwatch(&c->listen_source);
+    while (c->context != NULL && g_main_context_iteration(c->context, FALSE)) {
+        /* replies posted to the thread, dropped */
+    }
+    for (guint i = 0; c->laters != NULL && i < c->laters->len; i++) {
+        Call *call = g_ptr_array_index(c->laters, i);
+
+        g_clear_pointer(&call->later, pf_control_later_free);
+    }
+    g_clear_pointer(&c->laters, g_ptr_array_unref);
+    g_clear_handle_id(&c->count_timer, g_source_remove);
     if (c->listen_fd >= 0) {
         close(c->listen_fd);
+        if (c->path != NULL) {
+            unlink(c->path);
+        }
     }
-    if (c->path != NULL) {
-        unlink(c->path);
+    control_unref(c);
+}
+
+char *
+pf_control_execute(PfControl *c, const char *line, gsize len)
+{
+    PfControlLater *l = NULL;
+    char *reply = pf_control_command_execute(c->scanner, line, len, &l, NULL);
+
+    if (reply != NULL) {
+        return reply;
     }
-    g_free(c->path);
-    g_free(c);
+    while ((reply = pf_control_later_steal_reply(l)) == NULL) {
+        g_main_context_iteration(NULL, TRUE);
+    }
+    pf_control_later_free(l);
+    return reply;
 }

@@ -39,66 +39,19 @@ pf_scanner_find_vm_by_pid(PfScanner *s, int pid)
     return NULL;
 }
 
-static PfVm *
-lookup_by_pid(PfScanner *s, const char *key, GError **error)
-{
-    guint64 pid = 0;
-    PfVm *vm = pf_parse_u64(key, 1, G_MAXINT, &pid, NULL)
-                   ? pf_scanner_find_vm_by_pid(s, (int)pid) : NULL;
-
-    if (vm == NULL) {
-        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no VM of pid %s is attached", key);
-    }
-    return vm;
-}
-
-/*
- * Names and UUIDs are labels (VMs started without -name are all "qemu",
- * and an agent may claim any UUID): a key that more than one VM answers to
- * names none of them.  Only the pid is an identity.  A key of digits is a
- * pid and a UUID-shaped one a UUID, never a name, so that no VM can name
- * itself after another's pid or UUID and be taken for it.
- */
 PfVm *
 pf_scanner_lookup_vm(PfScanner *s, const char *key, GError **error)
 {
-    g_autoptr(GPtrArray) found = g_ptr_array_new();
-    g_autoptr(GString) pids = g_string_new(NULL);
-    guint8 uuid[16];
-    gboolean by_uuid;
+    g_autofree PfVmKey *keys = g_new(PfVmKey, MAX(s->vms->len, 1));
+    gssize i;
 
-    if (key == NULL || *key == '\0') {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "a VM is named by its pid, its UUID or its name");
-        return NULL;
-    }
-    if (strspn(key, "0123456789") == strlen(key)) {
-        return lookup_by_pid(s, key, error);
-    }
-    by_uuid = pf_uuid_parse(key, uuid);
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint k = 0; k < s->vms->len; k++) {
+        PfVm *vm = g_ptr_array_index(s->vms, k);
 
-        if (by_uuid ? memcmp(vm->uuid, uuid, sizeof(uuid)) == 0
-                    : g_strcmp0(vm->name, key) == 0) {
-            g_ptr_array_add(found, vm);
-        }
+        keys[k] = (PfVmKey){ vm->name, vm->pid, vm->uuid };
     }
-    if (found->len == 1) {
-        return g_ptr_array_index(found, 0);
-    }
-    if (found->len == 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no VM '%s' is attached", key);
-        return NULL;
-    }
-    for (guint i = 0; i < found->len; i++) {
-        g_string_append_printf(pids, "%s%d", i ? ", " : "",
-                               ((PfVm *)g_ptr_array_index(found, i))->pid);
-    }
-    g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                "%u VMs have the %s '%s' (pids %s): name one by its pid", found->len,
-                by_uuid ? "UUID" : "name", key, pids->str);
-    return NULL;
+    i = pf_vm_key_find(keys, s->vms->len, key, error);
+    return i < 0 ? NULL : g_ptr_array_index(s->vms, i);
 }
 
 PfVm *

@@ -324,6 +324,62 @@ pf_vm_uuid_string(const PfVm *vm, char buf[37])
     return pf_uuid_format(vm->uuid, buf);
 }
 
+/*
+ * Names and UUIDs are labels (VMs started without -name are all "qemu",
+ * and an agent may claim any UUID): a key that more than one VM answers to
+ * names none of them.  Only the pid is an identity.  A key of digits is a
+ * pid and a UUID-shaped one a UUID, never a name, so that no VM can name
+ * itself after another's pid or UUID and be taken for it.
+ */
+gssize
+pf_vm_key_find(const PfVmKey *keys, guint n, const char *key, GError **error)
+{
+    g_autoptr(GString) pids = g_string_new(NULL);
+    gssize found = -1;
+    guint n_found = 0;
+    guint8 uuid[16];
+    gboolean by_uuid;
+
+    if (key == NULL || *key == '\0') {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "a VM is named by its pid, its UUID or its name");
+        return -1;
+    }
+    if (strspn(key, "0123456789") == strlen(key)) {
+        guint64 pid = 0;
+
+        if (pf_parse_u64(key, 1, G_MAXINT, &pid, NULL)) {
+            for (guint i = 0; i < n; i++) {
+                if (keys[i].pid == (int)pid) {
+                    return i;
+                }
+            }
+        }
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no VM of pid %s is attached", key);
+        return -1;
+    }
+    by_uuid = pf_uuid_parse(key, uuid);
+    for (guint i = 0; i < n; i++) {
+        if (by_uuid ? memcmp(keys[i].uuid, uuid, sizeof(uuid)) == 0
+                    : g_strcmp0(keys[i].name, key) == 0) {
+            g_string_append_printf(pids, "%s%d", n_found ? ", " : "", keys[i].pid);
+            found = i;
+            n_found++;
+        }
+    }
+    if (n_found == 1) {
+        return found;
+    }
+    if (n_found == 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "no VM '%s' is attached", key);
+    } else {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "%u VMs have the %s '%s' (pids %s): name one by its pid", n_found,
+                    by_uuid ? "UUID" : "name", key, pids->str);
+    }
+    return -1;
+}
+
 /* The value of QEMU's option opt (e.g. "-name"), if the process has it. */
 static char *
 cmdline_option(int pid, const char *opt)

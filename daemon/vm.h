@@ -123,6 +123,16 @@ PfRegion *pf_vm_steal_region(PfVm *vm, guint k);
 const char *pf_vm_uuid_string(const PfVm *vm, char buf[37]);
 gboolean pf_vm_merges(const PfVm *vm);
 
+/* What a VM answers to when a user names it. */
+typedef struct {
+    const char *name;
+    int pid;
+    const guint8 *uuid; /* 16 bytes, all zero for none */
+} PfVmKey;
+/* Which of n VMs key names (its pid, UUID or name): its index, or -1 and
+ * error (PF_ERROR_NOT_FOUND when none does). */
+gssize pf_vm_key_find(const PfVmKey *keys, guint n, const char *key, GError **error);
+
 /*
  * What the scanner reads of a VM's process once a pass, from its
  * /proc/PID/maps (read once for all of it) and fd directory: on a thread

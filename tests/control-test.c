@@ -7,6 +7,7 @@
 #include <glib.h>
 #include <glib/gstdio.h>
 #include <json-glib/json-glib.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -54,6 +55,20 @@ send_all(int fd, const char *buf, gsize len)
             g_assert_cmpint(errno, ==, EAGAIN);
             g_main_context_iteration(NULL, FALSE);
         }
+    }
+}
+
+/* The same with the main loop left alone. */
+static void
+send_all_main_busy(int fd, const char *buf)
+{
+    gsize len = strlen(buf), off = 0;
+
+    while (off < len) {
+        ssize_t n = send(fd, buf + off, len - off, MSG_NOSIGNAL);
+
+        g_assert_cmpint(n, >, 0);
+        off += (gsize)n;
     }
 }
 
@@ -529,6 +544,87 @@ test_clients(Fixture *f, gconstpointer data)
     g_string_free(in2, TRUE);
 }
 
+/* A line from fd with the main loop left alone (it is "busy"). */
+static char *
+recv_line_main_busy(int fd, GString *in)
+{
+    for (;;) {
+        char *nl = memchr(in->str, '\n', in->len);
+        char buf[4096];
+        ssize_t n;
+
+        if (nl != NULL) {
+            char *line = g_strndup(in->str, (gsize)(nl - in->str));
+
+            g_string_erase(in, 0, nl - in->str + 1);
+            return line;
+        }
+        n = recv(fd, buf, sizeof(buf), 0);
+        if (n <= 0) {
+            return NULL;
+        }
+        g_string_append_len(in, buf, n);
+    }
+}
+
+/*
+ * The main loop, busy scanning on a host whose cores are all taken, does
+ * not run: reads are answered from the view it last published, and that
+ * view has every change the client made; a command that acts waits for
+ * the main loop, and its reply comes when it runs.
+ */
+static void
+test_main_loop_busy(Fixture *f, gconstpointer data)
+{
+    g_autofree char *a = g_strdup_printf(
+        "{\"execute\": \"attach\", \"arguments\": {\"pid\": %d, \"name\": \"vm-a\"}}",
+        f->pid[0]);
+    static const char set[] =
+        "{\"execute\": \"set\", \"arguments\": {\"knob\": \"pages_to_scan\", \"value\": 777}}";
+    static const char stats[] = "{\"execute\": \"stats\", \"arguments\": {\"vm\": \"vm-a\"}, \"id\": 3}\n";
+    g_autoptr(JsonObject) r = ok(f, a);
+    g_autoptr(JsonObject) k = NULL;
+    g_autoptr(JsonObject) st = NULL;
+    g_autoptr(JsonObject) done = NULL;
+    g_autofree char *line = NULL;
+    struct pollfd p = { .fd = f->fd, .events = POLLIN };
+    JsonArray *vms;
+
+    g_clear_pointer(&r, json_object_unref);
+    r = ok(f, set);
+    /* From here the main loop does not run until the end. */
+    send_all_main_busy(f->fd, stats);
+    line = recv_line_main_busy(f->fd, f->in);
+    st = parse_object(line);
+    g_assert_cmpint(json_object_get_int_member(st, "id"), ==, 3);
+    vms = json_object_get_array_member(json_object_get_object_member(st, "return"), "vms");
+    g_assert_cmpuint(json_array_get_length(vms), ==, 1);
+    g_assert_cmpstr(json_object_get_string_member(json_array_get_object_element(vms, 0), "name"),
+                    ==, "vm-a");
+    g_assert_cmpint(json_object_get_int_member(
+                        json_object_get_object_member(
+                            json_object_get_object_member(st, "return"), "knobs"),
+                        "pages_to_scan"),
+                    ==, 777);
+    g_clear_pointer(&line, g_free);
+    send_all_main_busy(f->fd, "{\"execute\": \"knobs\"}\n");
+    line = recv_line_main_busy(f->fd, f->in);
+    k = parse_object(line);
+    g_assert_cmpint(json_object_get_int_member(json_object_get_object_member(k, "return"),
+                                               "pages_to_scan"),
+                    ==, 777);
+    /* A detach acts: no reply while the main loop is busy (a reply is
+     * never taken back, so one now would be there still). */
+    send_all_main_busy(f->fd, "{\"execute\": \"detach\", \"arguments\": {\"vm\": \"vm-a\"}}\n");
+    g_usleep(200 * 1000);
+    g_assert_cmpint(poll(&p, 1, 0), ==, 0);
+    g_clear_pointer(&line, g_free);
+    line = recv_line(f->fd, f->in);
+    done = parse_object(line);
+    g_assert_true(json_object_has_member(done, "return"));
+    g_assert_cmpuint(pf_scanner_get_vms(f->scanner)->len, ==, 0);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -543,5 +639,6 @@ main(int argc, char **argv)
     g_test_add("/control/bad-requests", Fixture, NULL, setup, test_bad_requests, teardown);
     g_test_add("/control/huge-request", Fixture, NULL, setup, test_huge_request, teardown);
     g_test_add("/control/clients", Fixture, NULL, setup, test_clients, teardown);
+    g_test_add("/control/main-loop-busy", Fixture, NULL, setup, test_main_loop_busy, teardown);
     return g_test_run();
 }

@@ -2,14 +2,17 @@
  * control-command.c - fuzzes pf_control_command_execute(), what pagefoldd
  * does with one line of its control socket: JSON parsed, the request's
  * shape and each command's arguments checked, the command run against a
- * real PfScanner (with no VM) and answered.  The socket is root's, but a
- * request is still input: it must get a reply, never a crash.
+ * real PfScanner (with no VM) and answered; then
+ * pf_control_command_answer(), the control thread's answer to the same
+ * line from a view of that scanner.  The socket is root's, but a request
+ * is still input: it must get a reply, never a crash.
  *
  * Input: the request line (no newline), any bytes.
  *
  * Checks, beyond ASan/UBSan: every request gets exactly one reply, now or
  * from its job (run on the main context here), and the reply is one line
- * of JSON holding "return" or "error"; the scanner's knobs are put back
+ * of JSON holding "return" or "error", and so is the answer from a view,
+ * if the command only reads; the scanner's knobs are put back
  * after each input, so that one input's "set" does not change the next.
  *
  * "attach" is the one command that reaches outside: by pid, to whatever
@@ -101,6 +104,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     g_autofree char *defused = NULL;
     g_autofree char *reply = NULL;
     PfControlLater *later = NULL;
+    g_autoptr(PfView) counted = NULL;
+    g_autoptr(PfView) view = NULL;
+    g_autofree char *answer = NULL;
     gsize len = size, defused_len = 0;
 
     if (scanner == NULL) {
@@ -115,9 +121,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     line[size] = '\0';
     defused = defuse_attach(line, len, &defused_len);
     if (defused != NULL) {
-        reply = pf_control_command_execute(scanner, defused, defused_len, &later);
+        reply = pf_control_command_execute(scanner, defused, defused_len, &later, &counted);
     } else {
-        reply = pf_control_command_execute(scanner, line, len, &later);
+        reply = pf_control_command_execute(scanner, line, len, &later, &counted);
     }
     if (reply != NULL && later != NULL) {
         fprintf(stderr, "fuzz: a reply now and a job's too\n");
@@ -143,6 +149,13 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         abort();
     }
     check_reply(reply);
+    /* The control thread's answer from a view, to a read (or a request
+     * refused whatever the scanner holds). */
+    view = pf_view_new(scanner, TRUE, NULL);
+    answer = pf_control_command_answer(view, line, len);
+    if (answer != NULL) {
+        check_reply(answer);
+    }
     *pf_scanner_get_knobs(scanner) = default_knobs;
     return 0;
 }
