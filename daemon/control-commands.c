@@ -28,7 +28,7 @@ typedef struct {
     PfScanner *scanner;
     PfView *view;             /* what the reply is built from, or NULL */
     gboolean view_counted;    /* view's counters taken for this request */
-    gboolean acts;            /* a command that does more than read ran */
+    gboolean counters_read;   /* the reply tells counters */
     PfControlLater *starting; /* set by a command that replies later */
 } Request;
 
@@ -123,6 +123,7 @@ find_vm(Request *r, const char *key, GError **error)
 static PfView *
 request_view(Request *r, gboolean counted)
 {
+    r->counters_read |= counted;
     if (r->scanner != NULL && (r->view == NULL || (counted && !r->view_counted))) {
         g_clear_pointer(&r->view, pf_view_unref);
         r->view = pf_view_new(r->scanner, counted, NULL);
@@ -447,14 +448,21 @@ cmd_list(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_stats(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 {
-    PfView *v = request_view(r, TRUE);
     const PfViewVm *vm = NULL;
+    int pid = 0;
+    PfView *v;
 
-    if (arg_str(args, "vm") != NULL &&
-        (vm = pf_view_lookup_vm(v, arg_str(args, "vm"), error)) == NULL) {
-        return FALSE;
+    /* The VM first: counting walks the stable tree (and makes a new view,
+     * so only its pid is kept). */
+    if (arg_str(args, "vm") != NULL) {
+        vm = pf_view_lookup_vm(request_view(r, FALSE), arg_str(args, "vm"), error);
+        if (vm == NULL) {
+            return FALSE;
+        }
+        pid = vm->pid;
     }
-    stats_to_json(v, vm, b, NULL, NULL);
+    v = request_view(r, TRUE);
+    stats_to_json(v, pid != 0 ? pf_view_vm_of_pid(v, pid) : NULL, b, NULL, NULL);
     return TRUE;
 }
 
@@ -675,7 +683,6 @@ execute(Request *r, const char *line, gsize len, PfControlLater **later)
             if (r->scanner == NULL && !commands[k].reads) {
                 return NULL;
             }
-            r->acts = !commands[k].reads;
             return run_command(r, k, args, id, later);
         }
     }
@@ -690,9 +697,6 @@ pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
     Request r = { scanner, NULL, FALSE, FALSE, NULL };
     char *reply = execute(&r, line, len, later);
 
-    if (counted != NULL && reply != NULL && r.acts) {
-        request_view(&r, TRUE);
-    }
     if (counted != NULL && r.view_counted) {
         *counted = g_steal_pointer(&r.view);
     }
@@ -701,11 +705,13 @@ pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
 }
 
 char *
-pf_control_command_answer(PfView *view, const char *line, gsize len)
+pf_control_command_answer(PfView *view, const char *line, gsize len, gboolean *counters_read)
 {
     Request r = { NULL, view, TRUE, FALSE, NULL };
+    char *reply = execute(&r, line, len, NULL);
 
-    return execute(&r, line, len, NULL);
+    *counters_read = r.counters_read;
+    return reply;
 }
 
 /* ---- replies that come when a job is done ---- */
@@ -718,6 +724,9 @@ later_done(PfScanner *s, const GError *error, GPtrArray *detached, GPtrArray *pa
     PfVm *vm = l->pid != 0 ? pf_scanner_find_vm_by_pid(s, l->pid) : NULL;
 
     l->job = NULL;
+    if (error == NULL && !g_str_equal(l->command, "set run 2")) {
+        l->view = pf_view_new(s, TRUE, NULL);
+    }
     if (error == NULL && l->pid != 0 && vm == NULL) {
         g_autofree char *desc = g_strdup_printf("%s: VM of pid %d went meanwhile (its process "
                                                 "exited)", l->command, l->pid);
@@ -730,9 +739,8 @@ later_done(PfScanner *s, const GError *error, GPtrArray *detached, GPtrArray *pa
     } else {
         g_autoptr(JsonBuilder) b = begin_return();
 
-        l->view = pf_view_new(s, TRUE, NULL);
         if (g_str_equal(l->command, "set run 2")) {
-            knobs_to_json(&l->view->knobs, b);
+            knobs_to_json(pf_scanner_get_knobs(s), b);
         } else {
             stats_to_json(l->view, vm != NULL ? pf_view_vm_of_pid(l->view, vm->pid) : NULL, b,
                           detached, passed_over);

@@ -11,9 +11,11 @@
  * the view (view.h) the main loop last published: the main loop scans, and
  * on a host whose cores are all busy it waits for one, while the thread,
  * mostly asleep, is scheduled at once.  The main loop publishes a view
- * after every command that changes anything or counts, and every
- * COUNT_PERIOD_MS.  So a client reads its own writes, and at worst
- * counters that old.
+ * after every command, before its reply, and every COUNT_PERIOD_MS; its
+ * counters are taken again only by a stats command, a job's end, or
+ * that timer once a reply from a view has told counters (counting walks
+ * the stable tree).  So a client reads its own writes and never an older
+ * view than the main loop answered it from; counters may be older.
  *
  * Owns the thread and its context, the listening socket, each client's
  * descriptor, buffers and sources, each call (a request on its way through
@@ -40,18 +42,22 @@
 #define MAX_PENDING_OUTPUT (16u << 20)
 #define FALLBACK_MS 20
 #define COUNT_PERIOD_MS 1000
+/* Counting again waits at least this many times as long as it took. */
+#define COUNT_SPACING 50
 
 struct _PfControl {
     PfScanner *scanner;  /* the main loop's */
     char *path;
     int listen_fd;
     GMainContext *context; /* the thread's */
-    GMainLoop *loop;
     GThread *thread;
     GSource *listen_source;
     GPtrArray *clients;  /* the thread's */
     GPtrArray *laters;   /* the main loop's: calls waiting for a job */
     guint count_timer;   /* the main loop's */
+    gint64 next_count_usec; /* the main loop's */
+    gint counters_read;  /* atomic: a reply from a view told counters
+                          * since they were last taken */
     gint stopped;        /* atomic: pf_control_free() has begun */
     GMutex lock;
     PfView *published;   /* under lock */
@@ -67,9 +73,14 @@ typedef struct {
     GByteArray *in;
     GByteArray *out;
     gboolean discarding; /* inside an over-long line: drop to its end */
+    gboolean eof;        /* it sent all it will: it goes once answered */
     Call *call;          /* the request it waits for: its next lines wait
                           * too, as QMP answers in order */
 } Client;
+
+/* Who answers a call: the main loop once it starts it, else the thread
+ * from a view (or nobody, its client gone). */
+enum { CALL_QUEUED, CALL_RUNNING, CALL_TAKEN };
 
 /* One request, from the thread to the main loop and its reply back;
  * refcounted, as both hold it. */
@@ -78,7 +89,8 @@ struct _Call {
     Client *client;      /* the thread's: NULL once answered or gone */
     char *line;
     gsize len;
-    gint cancelled;      /* atomic: the main loop is not to run it */
+    gint state;          /* atomic: CALL_* */
+    GSource *run;        /* call_run() on the main loop's context */
     GSource *fallback;   /* the thread's */
     PfControlLater *later; /* the main loop's */
 };
@@ -116,12 +128,34 @@ get_published(PfControl *c)
     return v;
 }
 
+/* On the main loop: the scanner as it is now, its counters counted's if
+ * given, else those of the view published. */
+static void
+publish_now(PfControl *c, PfView *counted)
+{
+    g_autoptr(PfView) last = NULL;
+
+    if (counted != NULL) {
+        publish(c, counted);
+        return;
+    }
+    last = get_published(c);
+    publish(c, pf_view_new(c->scanner, FALSE, last));
+}
+
 static gboolean
 count_cb(gpointer user)
 {
     PfControl *c = user;
+    gint64 now = g_get_monotonic_time();
 
-    publish(c, pf_view_new(c->scanner, TRUE, NULL));
+    if (now >= c->next_count_usec && g_atomic_int_get(&c->counters_read)) {
+        g_atomic_int_set(&c->counters_read, 0);
+        publish(c, pf_view_new(c->scanner, TRUE, NULL));
+        c->next_count_usec = now + (g_get_monotonic_time() - now) * COUNT_SPACING;
+    } else {
+        publish_now(c, NULL);
+    }
     return G_SOURCE_CONTINUE;
 }
 
@@ -174,8 +208,22 @@ call_clear(gpointer data)
     Call *call = data;
 
     g_assert(call->later == NULL && call->fallback == NULL);
+    g_clear_pointer(&call->run, g_source_unref);
     g_free(call->line);
     control_unref(call->ctl);
+}
+
+/* On the thread: no main loop is to run the call.  FALSE if it runs it
+ * already. */
+static gboolean
+call_take(Call *call)
+{
+    if (!g_atomic_int_compare_and_exchange(&call->state, CALL_QUEUED, CALL_TAKEN)) {
+        return FALSE;
+    }
+    /* Thread-safe: the main loop drops it unrun, the line with it. */
+    g_source_destroy(call->run);
+    return TRUE;
 }
 
 static void
@@ -199,7 +247,7 @@ call_deliver(Call *call, const char *reply)
     cl->call = NULL;
     call_unref(call);
     client_send(cl, reply);
-    if (cl->watch == NULL) {
+    if (cl->watch == NULL && !cl->eof) {
         cl->watch = watch_fd(cl->ctl, cl->fd, G_IO_IN | G_IO_HUP | G_IO_ERR, client_in_cb, cl);
     }
     client_process(cl);
@@ -248,12 +296,9 @@ call_later_done(PfControlLater *l, gpointer user)
 {
     Call *call = user;
     PfControl *c = call->ctl;
-    g_autoptr(PfView) view = pf_control_later_steal_view(l);
     char *reply = pf_control_later_steal_reply(l);
 
-    if (view != NULL) {
-        publish(c, g_steal_pointer(&view));
-    }
+    publish_now(c, pf_control_later_steal_view(l));
     call->later = NULL;
     pf_control_later_free(l);
     call_reply(call, reply);
@@ -269,16 +314,16 @@ call_run(gpointer data)
     PfView *view = NULL;
     char *reply;
 
-    if (g_atomic_int_get(&c->stopped) || g_atomic_int_get(&call->cancelled)) {
+    if (g_atomic_int_get(&c->stopped) ||
+        !g_atomic_int_compare_and_exchange(&call->state, CALL_QUEUED, CALL_RUNNING)) {
         return G_SOURCE_REMOVE;
     }
     reply = pf_control_command_execute(c->scanner, call->line, call->len, &call->later, &view);
-    if (view != NULL) {
-        publish(c, view);
-    }
     if (reply != NULL) {
+        publish_now(c, view);
         call_reply(call, reply);
     } else {
+        publish_now(c, NULL);
         g_ptr_array_add(c->laters, call_ref(call));
         pf_control_later_watch(call->later, call_later_done, call);
     }
@@ -305,13 +350,18 @@ call_fallback(gpointer data)
     Call *call = data;
     g_autoptr(PfView) view = get_published(call->ctl);
     g_autofree char *reply = NULL;
+    gboolean counters_read = FALSE;
 
     g_clear_pointer(&call->fallback, g_source_unref);
     if (view == NULL || call->client == NULL ||
-        (reply = pf_control_command_answer(view, call->line, call->len)) == NULL) {
+        (reply = pf_control_command_answer(view, call->line, call->len, &counters_read)) ==
+            NULL ||
+        !call_take(call)) {
         return G_SOURCE_REMOVE;
     }
-    g_atomic_int_set(&call->cancelled, 1);
+    if (counters_read) {
+        g_atomic_int_set(&call->ctl->counters_read, 1);
+    }
     call_deliver(call, reply);
     return G_SOURCE_REMOVE;
 }
@@ -327,7 +377,10 @@ call_start(Client *cl, const char *line, gsize len)
     call->line = g_strndup(line, len);
     call->len = len;
     cl->call = call;
-    post(NULL, call_run, call_ref(call), call_unref);
+    call->run = g_idle_source_new();
+    g_source_set_priority(call->run, G_PRIORITY_DEFAULT);
+    g_source_set_callback(call->run, call_run, call_ref(call), call_unref);
+    g_source_attach(call->run, NULL);
     call->fallback = g_timeout_source_new(FALLBACK_MS);
     g_source_set_callback(call->fallback, call_fallback, call_ref(call), call_unref);
     g_source_attach(call->fallback, cl->ctl->context);
@@ -343,7 +396,8 @@ client_close(Client *cl)
 
 static gboolean client_out_cb(gint fd, GIOCondition cond, gpointer user);
 
-/* Returns FALSE when it had to close the client (cl is then freed). */
+/* Returns FALSE when it had to close the client (cl is then freed): it
+ * failed, or it has sent all it will and has every reply. */
 static gboolean
 client_flush(Client *cl)
 {
@@ -369,6 +423,10 @@ client_flush(Client *cl)
     }
     if (cl->out->len > 0 && cl->out_watch == NULL) {
         cl->out_watch = watch_fd(cl->ctl, cl->fd, G_IO_OUT, client_out_cb, cl);
+    }
+    if (cl->eof && cl->call == NULL && cl->out->len == 0) {
+        client_close(cl);
+        return FALSE;
     }
     return TRUE;
 }
@@ -436,9 +494,17 @@ client_in_cb(gint fd, GIOCondition cond, gpointer user)
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
         return G_SOURCE_CONTINUE;
     }
-    if (n <= 0) {
+    if (n < 0) {
         unwatch(&cl->watch);
         client_close(cl);
+        return G_SOURCE_REMOVE;
+    }
+    if (n == 0) {
+        /* Shut for writing (socat, nc -N, a script's last line): its
+         * lines are answered, then it goes. */
+        unwatch(&cl->watch);
+        cl->eof = TRUE;
+        client_flush(cl);
         return G_SOURCE_REMOVE;
     }
     g_byte_array_append(cl->in, buf, (guint)n);
@@ -461,9 +527,8 @@ client_free(Client *cl)
 
     if (call != NULL) {
         call->client = NULL;
-        g_atomic_int_set(&call->cancelled, 1);
         unwatch(&call->fallback);
-        if (!g_atomic_int_get(&cl->ctl->stopped)) {
+        if (!call_take(call) && !g_atomic_int_get(&cl->ctl->stopped)) {
             post(NULL, call_forget, call_ref(call), call_unref);
         }
         call_unref(call);
@@ -515,7 +580,10 @@ control_thread(gpointer data)
     PfControl *c = data;
 
     g_main_context_push_thread_default(c->context);
-    g_main_loop_run(c->loop);
+    /* Not g_main_loop_run(): a quit before it ran would be lost. */
+    while (!g_atomic_int_get(&c->stopped)) {
+        g_main_context_iteration(c->context, TRUE);
+    }
     g_main_context_pop_thread_default(c->context);
     return NULL;
 }
@@ -529,7 +597,6 @@ control_clear(gpointer data)
 
     g_clear_pointer(&c->published, pf_view_unref);
     g_mutex_clear(&c->lock);
-    g_clear_pointer(&c->loop, g_main_loop_unref);
     g_clear_pointer(&c->context, g_main_context_unref);
     g_free(c->path);
 }
@@ -556,7 +623,6 @@ pf_control_new(PfScanner *scanner, const char *path, GError **error)
     }
     c->path = g_strdup(path);
     c->context = g_main_context_new();
-    c->loop = g_main_loop_new(c->context, FALSE);
     c->listen_source = watch_fd(c, c->listen_fd, G_IO_IN, listen_cb, c);
     publish(c, pf_view_new(scanner, TRUE, NULL));
     c->count_timer = g_timeout_add(COUNT_PERIOD_MS, count_cb, c);
@@ -572,7 +638,7 @@ pf_control_free(PfControl *c)
     }
     g_atomic_int_set(&c->stopped, 1);
     if (c->thread != NULL) {
-        g_main_loop_quit(c->loop);
+        g_main_context_wakeup(c->context);
         g_thread_join(c->thread);
     }
     /* The thread is gone: what it held is this thread's now. */
@@ -595,20 +661,4 @@ pf_control_free(PfControl *c)
         }
     }
     control_unref(c);
-}
-
-char *
-pf_control_execute(PfControl *c, const char *line, gsize len)
-{
-    PfControlLater *l = NULL;
-    char *reply = pf_control_command_execute(c->scanner, line, len, &l, NULL);
-
-    if (reply != NULL) {
-        return reply;
-    }
-    while ((reply = pf_control_later_steal_reply(l)) == NULL) {
-        g_main_context_iteration(NULL, TRUE);
-    }
-    pf_control_later_free(l);
-    return reply;
 }

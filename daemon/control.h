@@ -21,9 +21,3 @@ typedef struct _PfControl PfControl;
 PfControl *pf_control_new(PfScanner *scanner, const char *path, GError **error);
 void pf_control_free(PfControl *c);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfControl, pf_control_free)
-
-/* Executes one request and returns the reply (no newline).  A command that
- * replies when its job is done (scan-now, unmerge, set run 2) is waited for
- * by iterating the default main context: for tests and tools; the socket
- * replies to those later, the main loop running on. */
-char *pf_control_execute(PfControl *c, const char *line, gsize len);

@@ -559,6 +559,8 @@ recv_line_main_busy(int fd, GString *in)
             g_string_erase(in, 0, nl - in->str + 1);
             return line;
         }
+        /* Long enough for any answer: only a hang waits that long. */
+        g_assert_cmpint(poll(&(struct pollfd){ .fd = fd, .events = POLLIN }, 1, 60000), ==, 1);
         n = recv(fd, buf, sizeof(buf), 0);
         if (n <= 0) {
             return NULL;
@@ -625,6 +627,50 @@ test_main_loop_busy(Fixture *f, gconstpointer data)
     g_assert_cmpuint(pf_scanner_get_vms(f->scanner)->len, ==, 0);
 }
 
+/* A client that shuts its side after its last line (socat, nc -N) gets
+ * every reply, an acting command's too, and is closed after. */
+static void
+test_half_close(Fixture *f, gconstpointer data)
+{
+    static const char lines[] =
+        "{\"execute\": \"knobs\", \"id\": 1}\n"
+        "{\"execute\": \"set\", \"arguments\": {\"knob\": \"pages_to_scan\", \"value\": 555}, \"id\": 2}\n"
+        "{\"execute\": \"list\", \"id\": 3}\n";
+    g_autofree char *last = NULL;
+
+    send_all(f->fd, lines, strlen(lines));
+    g_assert_cmpint(shutdown(f->fd, SHUT_WR), ==, 0);
+    for (int id = 1; id <= 3; id++) {
+        g_autofree char *line = recv_line(f->fd, f->in);
+        g_autoptr(JsonObject) r = parse_object(line);
+
+        g_assert_cmpint(json_object_get_int_member(r, "id"), ==, id);
+        g_assert_true(json_object_has_member(r, "return"));
+    }
+    g_assert_cmpuint(pf_scanner_get_knobs(f->scanner)->pages_to_scan, ==, 555);
+    last = recv_line(f->fd, f->in);
+    g_assert_null(last);
+}
+
+/* Freed as soon as made (pagefoldd failing to start after its control
+ * socket): its thread, not yet waiting, is not waited for ever. */
+static void
+test_free_at_once(void)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *dir = g_dir_make_tmp("pagefold-control-XXXXXX", &error);
+    g_autofree char *path = g_build_filename(dir, "s", NULL);
+    g_autoptr(PfScanner) scanner = pf_scanner_new(NULL);
+
+    for (int i = 0; i < 50; i++) {
+        PfControl *c = pf_control_new(scanner, path, &error);
+
+        g_assert_no_error(error);
+        pf_control_free(c);
+    }
+    g_rmdir(dir);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -640,5 +686,7 @@ main(int argc, char **argv)
     g_test_add("/control/huge-request", Fixture, NULL, setup, test_huge_request, teardown);
     g_test_add("/control/clients", Fixture, NULL, setup, test_clients, teardown);
     g_test_add("/control/main-loop-busy", Fixture, NULL, setup, test_main_loop_busy, teardown);
+    g_test_add("/control/half-close", Fixture, NULL, setup, test_half_close, teardown);
+    g_test_add_func("/control/free-at-once", test_free_at_once);
     return g_test_run();
 }
