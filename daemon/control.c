@@ -78,8 +78,9 @@ typedef struct {
                           * too, as QMP answers in order */
 } Client;
 
-/* Who answers a call: the main loop once it starts it, else the thread
- * from a view (or nobody, its client gone). */
+/* Whether the main loop is to run a call: QUEUED until it starts it
+ * (RUNNING), or the thread takes it (TAKEN: answered from a view, or its
+ * client gone) before. */
 enum { CALL_QUEUED, CALL_RUNNING, CALL_TAKEN };
 
 /* One request, from the thread to the main loop and its reply back;
@@ -355,10 +356,13 @@ call_fallback(gpointer data)
     g_clear_pointer(&call->fallback, g_source_unref);
     if (view == NULL || call->client == NULL ||
         (reply = pf_control_command_answer(view, call->line, call->len, &counters_read)) ==
-            NULL ||
-        !call_take(call)) {
+            NULL) {
         return G_SOURCE_REMOVE;
     }
+    /* A read the main loop has begun, and been taken off its CPU in,
+     * is answered here too: the view it will publish before its reply
+     * is no older than this one, and its reply finds the call answered. */
+    call_take(call);
     if (counters_read) {
         g_atomic_int_set(&call->ctl->counters_read, 1);
     }
