@@ -40,7 +40,11 @@ client_connect(Fixture *f)
     return fd;
 }
 
-/* The server runs on this thread's main context: spin it while waiting. */
+/* Whether the test leaves the main loop alone (it is "busy"); else the
+ * server's commands run on this thread's main context, spun while
+ * waiting. */
+static gboolean main_busy;
+
 static void
 send_all(int fd, const char *buf, gsize len)
 {
@@ -53,28 +57,18 @@ send_all(int fd, const char *buf, gsize len)
             off += (gsize)n;
         } else {
             g_assert_cmpint(errno, ==, EAGAIN);
-            g_main_context_iteration(NULL, FALSE);
+            if (main_busy || !g_main_context_iteration(NULL, FALSE)) {
+                g_usleep(500);
+            }
         }
-    }
-}
-
-/* The same with the main loop left alone. */
-static void
-send_all_main_busy(int fd, const char *buf)
-{
-    gsize len = strlen(buf), off = 0;
-
-    while (off < len) {
-        ssize_t n = send(fd, buf + off, len - off, MSG_NOSIGNAL);
-
-        g_assert_cmpint(n, >, 0);
-        off += (gsize)n;
     }
 }
 
 static char *
 recv_line(int fd, GString *in)
 {
+    gint64 start = g_get_monotonic_time();
+
     for (;;) {
         char *nl = memchr(in->str, '\n', in->len);
         char buf[4096];
@@ -93,7 +87,9 @@ recv_line(int fd, GString *in)
             return NULL;
         } else {
             g_assert_cmpint(errno, ==, EAGAIN);
-            if (!g_main_context_iteration(NULL, FALSE)) {
+            /* Long enough for any answer: only a hang waits that long. */
+            g_assert_cmpint(g_get_monotonic_time() - start, <, 60 * G_USEC_PER_SEC);
+            if (main_busy || !g_main_context_iteration(NULL, FALSE)) {
                 g_usleep(500);
             }
         }
@@ -544,31 +540,6 @@ test_clients(Fixture *f, gconstpointer data)
     g_string_free(in2, TRUE);
 }
 
-/* A line from fd with the main loop left alone (it is "busy"). */
-static char *
-recv_line_main_busy(int fd, GString *in)
-{
-    for (;;) {
-        char *nl = memchr(in->str, '\n', in->len);
-        char buf[4096];
-        ssize_t n;
-
-        if (nl != NULL) {
-            char *line = g_strndup(in->str, (gsize)(nl - in->str));
-
-            g_string_erase(in, 0, nl - in->str + 1);
-            return line;
-        }
-        /* Long enough for any answer: only a hang waits that long. */
-        g_assert_cmpint(poll(&(struct pollfd){ .fd = fd, .events = POLLIN }, 1, 60000), ==, 1);
-        n = recv(fd, buf, sizeof(buf), 0);
-        if (n <= 0) {
-            return NULL;
-        }
-        g_string_append_len(in, buf, n);
-    }
-}
-
 /*
  * The main loop, busy scanning on a host whose cores are all taken, does
  * not run: reads are answered from the view it last published, and that
@@ -583,7 +554,10 @@ test_main_loop_busy(Fixture *f, gconstpointer data)
         f->pid[0]);
     static const char set[] =
         "{\"execute\": \"set\", \"arguments\": {\"knob\": \"pages_to_scan\", \"value\": 777}}";
-    static const char stats[] = "{\"execute\": \"stats\", \"arguments\": {\"vm\": \"vm-a\"}, \"id\": 3}\n";
+    static const char stats[] =
+        "{\"execute\": \"stats\", \"arguments\": {\"vm\": \"vm-a\"}, \"id\": 3}\n";
+    static const char knobs[] = "{\"execute\": \"knobs\"}\n";
+    static const char detach[] = "{\"execute\": \"detach\", \"arguments\": {\"vm\": \"vm-a\"}}\n";
     g_autoptr(JsonObject) r = ok(f, a);
     g_autoptr(JsonObject) k = NULL;
     g_autoptr(JsonObject) st = NULL;
@@ -595,8 +569,9 @@ test_main_loop_busy(Fixture *f, gconstpointer data)
     g_clear_pointer(&r, json_object_unref);
     r = ok(f, set);
     /* From here the main loop does not run until the end. */
-    send_all_main_busy(f->fd, stats);
-    line = recv_line_main_busy(f->fd, f->in);
+    main_busy = TRUE;
+    send_all(f->fd, stats, strlen(stats));
+    line = recv_line(f->fd, f->in);
     st = parse_object(line);
     g_assert_cmpint(json_object_get_int_member(st, "id"), ==, 3);
     vms = json_object_get_array_member(json_object_get_object_member(st, "return"), "vms");
@@ -609,17 +584,18 @@ test_main_loop_busy(Fixture *f, gconstpointer data)
                         "pages_to_scan"),
                     ==, 777);
     g_clear_pointer(&line, g_free);
-    send_all_main_busy(f->fd, "{\"execute\": \"knobs\"}\n");
-    line = recv_line_main_busy(f->fd, f->in);
+    send_all(f->fd, knobs, strlen(knobs));
+    line = recv_line(f->fd, f->in);
     k = parse_object(line);
     g_assert_cmpint(json_object_get_int_member(json_object_get_object_member(k, "return"),
                                                "pages_to_scan"),
                     ==, 777);
     /* A detach acts: no reply while the main loop is busy (a reply is
      * never taken back, so one now would be there still). */
-    send_all_main_busy(f->fd, "{\"execute\": \"detach\", \"arguments\": {\"vm\": \"vm-a\"}}\n");
+    send_all(f->fd, detach, strlen(detach));
     g_usleep(200 * 1000);
     g_assert_cmpint(poll(&p, 1, 0), ==, 0);
+    main_busy = FALSE;
     g_clear_pointer(&line, g_free);
     line = recv_line(f->fd, f->in);
     done = parse_object(line);
