@@ -178,6 +178,9 @@ node_at(PfScanner *s, guint32 id)
     return pf_stable_tree_node(&s->stable, id);
 }
 
+/* Pages looked up in memory at a time (mincore()) before they are read. */
+#define RESIDENT_PAGES 32
+
 /* Whether a guest page is in memory (never read otherwise: reading would
  * allocate it, or swap it in).  The VMM may discard it right after this:
  * a window of a memcmp. */

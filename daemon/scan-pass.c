@@ -39,8 +39,6 @@
  * answering just often enough not to look silent slows the other VMs'
  * passes by at most that. */
 #define DEFERRED_WAIT_USEC (2 * G_USEC_PER_SEC)
-/* Pages looked up in memory at a time (mincore()) before they are read. */
-#define RESIDENT_PAGES 32
 
 gboolean
 pf_scanner_agent_silent(PfVm *vm)
