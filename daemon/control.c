@@ -11,11 +11,15 @@
  * the view (view.h) the main loop last published: the main loop scans, and
  * on a host whose cores are all busy it waits for one, while the thread,
  * mostly asleep, is scheduled at once.  The main loop publishes a view
- * after every command, before its reply, and every COUNT_PERIOD_MS; its
- * counters are taken again only by a stats command, a job's end, or
- * that timer once a reply from a view has told counters (counting walks
- * the stable tree).  So a client reads its own writes and never an older
- * view than the main loop answered it from; counters may be older.
+ * after every command, before its reply, and every COUNT_PERIOD_MS.  Its
+ * counters are taken by a stats command, a job's end, and that timer, at
+ * most every COUNT_SPACING times as long as counting took (it walks the
+ * stable tree); a reply that tells them (stats) waits COUNTERS_FALLBACK_MS
+ * for the main loop before it is answered from a view, and then only from
+ * one whose counters are younger than COUNTERS_MAX_AGE_MS.  So a client
+ * reads its own writes, never an older view than the main loop answered
+ * it from, and counters a second or two old only when the main loop is
+ * that late.
  *
  * Owns the thread and its context, the listening socket, each client's
  * descriptor, buffers and sources, each call (a request on its way through
@@ -41,6 +45,8 @@
 #define MAX_CLIENTS 64
 #define MAX_PENDING_OUTPUT (16u << 20)
 #define FALLBACK_MS 20
+#define COUNTERS_FALLBACK_MS 500
+#define COUNTERS_MAX_AGE_MS 2000
 #define COUNT_PERIOD_MS 1000
 /* Counting again waits at least this many times as long as it took. */
 #define COUNT_SPACING 50
@@ -56,8 +62,6 @@ struct _PfControl {
     GPtrArray *laters;   /* the main loop's: calls waiting for a job */
     guint count_timer;   /* the main loop's */
     gint64 next_count_usec; /* the main loop's */
-    gint counters_read;  /* atomic: a reply from a view told counters
-                          * since they were last taken */
     gint stopped;        /* atomic: pf_control_free() has begun */
     GMutex lock;
     PfView *published;   /* under lock */
@@ -91,6 +95,7 @@ struct _Call {
     char *line;
     gsize len;
     gint state;          /* atomic: CALL_* */
+    gint64 start_usec;
     GSource *run;        /* call_run() on the main loop's context */
     GSource *fallback;   /* the thread's */
     PfControlLater *later; /* the main loop's */
@@ -150,8 +155,7 @@ count_cb(gpointer user)
     PfControl *c = user;
     gint64 now = g_get_monotonic_time();
 
-    if (now >= c->next_count_usec && g_atomic_int_get(&c->counters_read)) {
-        g_atomic_int_set(&c->counters_read, 0);
+    if (now >= c->next_count_usec) {
         publish(c, pf_view_new(c->scanner, TRUE, NULL));
         c->next_count_usec = now + (g_get_monotonic_time() - now) * COUNT_SPACING;
     } else {
@@ -344,6 +348,17 @@ call_forget(gpointer data)
     return G_SOURCE_REMOVE;
 }
 
+static gboolean call_fallback(gpointer data);
+
+/* On the thread: call_fallback() in ms. */
+static void
+fallback_in(Call *call, guint ms)
+{
+    call->fallback = g_timeout_source_new(ms);
+    g_source_set_callback(call->fallback, call_fallback, call_ref(call), call_unref);
+    g_source_attach(call->fallback, call->ctl->context);
+}
+
 /* On the thread: the main loop has not answered in time. */
 static gboolean
 call_fallback(gpointer data)
@@ -352,6 +367,8 @@ call_fallback(gpointer data)
     g_autoptr(PfView) view = get_published(call->ctl);
     g_autofree char *reply = NULL;
     gboolean counters_read = FALSE;
+    gint64 now = g_get_monotonic_time();
+    gint64 due = call->start_usec + COUNTERS_FALLBACK_MS * 1000;
 
     g_clear_pointer(&call->fallback, g_source_unref);
     if (view == NULL || call->client == NULL ||
@@ -359,13 +376,17 @@ call_fallback(gpointer data)
             NULL) {
         return G_SOURCE_REMOVE;
     }
+    if (counters_read && now < due) {
+        fallback_in(call, (guint)((due - now) / 1000 + 1));
+        return G_SOURCE_REMOVE;
+    }
+    if (counters_read && now - view->counted_usec > COUNTERS_MAX_AGE_MS * 1000) {
+        return G_SOURCE_REMOVE;
+    }
     /* A read the main loop has begun, and been taken off its CPU in,
      * is answered here too: the view it will publish before its reply
      * is no older than this one, and its reply finds the call answered. */
     call_take(call);
-    if (counters_read) {
-        g_atomic_int_set(&call->ctl->counters_read, 1);
-    }
     call_deliver(call, reply);
     return G_SOURCE_REMOVE;
 }
@@ -378,6 +399,7 @@ call_start(Client *cl, const char *line, gsize len)
 
     call->ctl = g_atomic_rc_box_acquire(cl->ctl);
     call->client = cl;
+    call->start_usec = g_get_monotonic_time();
     call->line = g_strndup(line, len);
     call->len = len;
     cl->call = call;
@@ -385,9 +407,7 @@ call_start(Client *cl, const char *line, gsize len)
     g_source_set_priority(call->run, G_PRIORITY_DEFAULT);
     g_source_set_callback(call->run, call_run, call_ref(call), call_unref);
     g_source_attach(call->run, NULL);
-    call->fallback = g_timeout_source_new(FALLBACK_MS);
-    g_source_set_callback(call->fallback, call_fallback, call_ref(call), call_unref);
-    g_source_attach(call->fallback, cl->ctl->context);
+    fallback_in(call, FALLBACK_MS);
 }
 
 /* ---- the socket ---- */
