@@ -264,7 +264,7 @@ typedef struct {
 static gboolean
 resident(Resident *c, const PfRegion *r, const guint8 *page)
 {
-    if (page < c->base || page >= c->base + c->n * PF_PAGE_SIZE) {
+    if (c->base == NULL || page < c->base || page >= c->base + c->n * PF_PAGE_SIZE) {
         c->base = page;
         c->n = MIN(RESIDENT_PAGES, (gsize)(r->map + r->n_pages * PF_PAGE_SIZE - page) /
                                        PF_PAGE_SIZE);
