@@ -198,7 +198,6 @@ error_class(const GError *error)
 static void
 vm_identity_to_json(const PfViewVm *vm, JsonBuilder *b)
 {
-    static const guint8 none[16];
     char uuid[37];
 
     json_builder_set_member_name(b, "name");
@@ -206,8 +205,8 @@ vm_identity_to_json(const PfViewVm *vm, JsonBuilder *b)
     json_builder_set_member_name(b, "pid");
     json_builder_add_int_value(b, vm->pid);
     json_builder_set_member_name(b, "uuid");
-    if (memcmp(vm->uuid, none, sizeof(none)) != 0) {
-        json_builder_add_string_value(b, pf_uuid_format(vm->uuid, uuid));
+    if (pf_uuid_text(vm->uuid, uuid) != NULL) {
+        json_builder_add_string_value(b, uuid);
     } else {
         json_builder_add_null_value(b);
     }

@@ -166,16 +166,22 @@ count_cb(gpointer user)
 
 /* ---- sources ---- */
 
-/* func(data) on context, soon: never within this call, whoever owns it. */
+/* func(data) on context, soon: never within this call, whoever owns it.
+ * Its source goes to *keep if keep is given, else it is not kept. */
 static void
-post(GMainContext *context, GSourceFunc func, gpointer data, GDestroyNotify destroy)
+post(GMainContext *context, GSourceFunc func, gpointer data, GDestroyNotify destroy,
+     GSource **keep)
 {
     GSource *src = g_idle_source_new();
 
     g_source_set_priority(src, G_PRIORITY_DEFAULT);
     g_source_set_callback(src, func, data, destroy);
     g_source_attach(src, context);
-    g_source_unref(src);
+    if (keep != NULL) {
+        *keep = src;
+    } else {
+        g_source_unref(src);
+    }
 }
 
 static GSource *
@@ -293,7 +299,7 @@ call_reply(Call *call, char *reply)
 
     r->call = call_ref(call);
     r->reply = reply;
-    post(call->ctl->context, reply_cb, r, reply_free);
+    post(call->ctl->context, reply_cb, r, reply_free, NULL);
 }
 
 static void
@@ -403,10 +409,7 @@ call_start(Client *cl, const char *line, gsize len)
     call->line = g_strndup(line, len);
     call->len = len;
     cl->call = call;
-    call->run = g_idle_source_new();
-    g_source_set_priority(call->run, G_PRIORITY_DEFAULT);
-    g_source_set_callback(call->run, call_run, call_ref(call), call_unref);
-    g_source_attach(call->run, NULL);
+    post(NULL, call_run, call_ref(call), call_unref, &call->run);
     fallback_in(call, FALLBACK_MS);
 }
 
@@ -553,7 +556,7 @@ client_free(Client *cl)
         call->client = NULL;
         unwatch(&call->fallback);
         if (!call_take(call) && !g_atomic_int_get(&cl->ctl->stopped)) {
-            post(NULL, call_forget, call_ref(call), call_unref);
+            post(NULL, call_forget, call_ref(call), call_unref, NULL);
         }
         call_unref(call);
     }

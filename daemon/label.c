@@ -40,6 +40,14 @@ pf_uuid_format(const guint8 uuid[16], char buf[37])
     return buf;
 }
 
+const char *
+pf_uuid_text(const guint8 uuid[16], char buf[37])
+{
+    static const guint8 none[16];
+
+    return memcmp(uuid, none, sizeof(none)) == 0 ? NULL : pf_uuid_format(uuid, buf);
+}
+
 gboolean
 pf_label_is_valid(const char *what, const char *text, GError **error)
 {

@@ -17,6 +17,8 @@ gboolean pf_uuid_parse(const char *text, guint8 uuid[16]);
 /* A UUID as text: 36 characters, lowercase 8-4-4-4-12, and a NUL into buf;
  * returns buf. */
 const char *pf_uuid_format(const guint8 uuid[16], char buf[37]);
+/* The same, or NULL for the all-zero UUID, which stands for none. */
+const char *pf_uuid_text(const guint8 uuid[16], char buf[37]);
 /* The longest label of a VM: its name, its merge domain. */
 #define PF_MAX_LABEL_LEN 128
 /*

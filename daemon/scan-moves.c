@@ -275,6 +275,7 @@ resident(Resident *c, const PfRegion *r, const guint8 *page)
     }
     return c->v[(page - c->base) / PF_PAGE_SIZE] & 1;
 }
+
 /* Can this waiting page still join the node it was found equal to?  The
  * same node (not one made since under its id), and the page still equal
  * to its slot now (compared where res is given, else as it was then):

@@ -42,7 +42,6 @@ pf_view_new(PfScanner *s, gboolean count, const PfView *counters_of)
     GPtrArray *vms = pf_scanner_get_vms(s);
     PfView *v = g_atomic_rc_box_new0(PfView);
 
-    v->made_usec = g_get_monotonic_time();
     v->hash = pf_scanner_get_hash(s)->name;
     v->knobs = *pf_scanner_get_knobs(s);
     pf_scanner_get_info(s, &v->info);
@@ -55,10 +54,9 @@ pf_view_new(PfScanner *s, gboolean count, const PfView *counters_of)
         g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(v->n_vms, 1));
 
         pf_scanner_collect(s, &v->total, per_vm);
-        v->counted_usec = v->made_usec;
+        v->counted_usec = g_get_monotonic_time();
         for (guint i = 0; i < v->n_vms; i++) {
             v->vms[i].counters = per_vm[i];
-            v->vms[i].counted = TRUE;
         }
         return v;
     }
@@ -70,9 +68,8 @@ pf_view_new(PfScanner *s, gboolean count, const PfView *counters_of)
     for (guint i = 0; i < v->n_vms; i++) {
         const PfViewVm *old = pf_view_vm_of_pid(counters_of, v->vms[i].pid);
 
-        if (old != NULL && old->counted) {
+        if (old != NULL) {
             v->vms[i].counters = old->counters;
-            v->vms[i].counted = TRUE;
         }
     }
     return v;

@@ -32,14 +32,11 @@ typedef struct {
     guint64 pages;
     PfViewRegion *regions;
     guint n_regions;
-    gboolean counted;  /* counters holds its figures; else the VM came
-                        * after the counters were taken */
-    PfCounters counters;
+    PfCounters counters; /* zero for a VM that came after they were taken */
 } PfViewVm;
 
 typedef struct {
-    gint64 made_usec;    /* monotonic */
-    gint64 counted_usec; /* when the counters were taken; 0: never */
+    gint64 counted_usec; /* monotonic: when the counters were taken; 0: never */
     const char *hash;
     PfKnobs knobs;
     PfScanInfo info;     /* as made */
@@ -51,7 +48,7 @@ typedef struct {
 /*
  * The scanner as it is now.  If count, its counters are taken now too
  * (that walks the stable tree); else they are counters_of's, and a VM that
- * view did not have (or no view: all) has none, counted FALSE.
+ * view did not have (or no view: every VM) counts zero.
  */
 PfView *pf_view_new(PfScanner *s, gboolean count, const PfView *counters_of);
 PfView *pf_view_ref(PfView *v);

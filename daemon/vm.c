@@ -316,12 +316,7 @@ pf_vm_refresh(PfVm *vm, const PfVmLook *look, GPtrArray *gone, GPtrArray *added,
 const char *
 pf_vm_uuid_string(const PfVm *vm, char buf[37])
 {
-    static const guint8 none[16];
-
-    if (memcmp(vm->uuid, none, sizeof(none)) == 0) {
-        return NULL;
-    }
-    return pf_uuid_format(vm->uuid, buf);
+    return pf_uuid_text(vm->uuid, buf);
 }
 
 /*
