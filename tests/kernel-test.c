@@ -315,7 +315,7 @@ guest_run(void)
     qemu_log = g_build_filename(dir, "qemu.log", NULL);
     serial0 = g_strdup_printf("file:%s", console);
     serial1 = g_strdup_printf("file:%s", results);
-    append = g_strdup_printf("console=ttyS0 rdinit=/init panic=-1 quiet pf.timeout=%d%s%s",
+    append = g_strdup_printf("console=ttyS0 no_timer_check rdinit=/init panic=-1 quiet pf.timeout=%d%s%s",
                              env_int("KERNEL_TEST_PATH_TIMEOUT", 120),
                              guest.only != NULL ? " pf.only=" : "",
                              guest.only != NULL ? guest.only : "");

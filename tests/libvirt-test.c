@@ -245,7 +245,7 @@ domain_xml(const DomSpec *s, const char *uuid, const char *console)
         x,
         "  <os><type arch='x86_64' machine='pc'>hvm</type>\n"
         "    <kernel>%s</kernel><initrd>%s</initrd>\n"
-        "    <cmdline>console=ttyS0 quiet pfguest.mib=64 pfguest.seed=%d pfguest.seconds=%d "
+        "    <cmdline>console=ttyS0 no_timer_check quiet pfguest.mib=64 pfguest.seed=%d pfguest.seconds=%d "
         "pfguest.check_s=3 pfguest.reboot=%d</cmdline>\n  </os>\n"
         /* Without ACPI (libvirt's default) a guest's power-off only halts. */
         "  <features><acpi/></features>\n"
