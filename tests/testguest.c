@@ -83,7 +83,7 @@ pf_test_guest_start(const PfGuestSpec *spec)
     g_autofree char *agent = g_strdup_printf("x-pagefold-agent,id=pf0,socket=%s",
                                              spec->agent_sock);
     g_autofree char *append = g_strdup_printf(
-        "console=ttyS0 quiet pfguest.mib=%d pfguest.seed=%d pfguest.seconds=%d "
+        "console=ttyS0 no_timer_check quiet pfguest.mib=%d pfguest.seed=%d pfguest.seconds=%d "
         "pfguest.until_told=1 pfguest.check_s=%d pfguest.reboot=%d %s", spec->fill_mib,
         spec->seed, spec->seconds, spec->check_s, spec->reboot,
         spec->cmdline ? spec->cmdline : "");
@@ -143,7 +143,7 @@ pf_test_guest_start(const PfGuestSpec *spec)
     g->lines = g_async_queue_new_full(g_free);
     g_mutex_init(&g->tail_lock);
     g_queue_init(&g->tail);
-    g->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_MERGE |
+    g->proc = pf_test_spawnv_apart(G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_MERGE |
                              G_SUBPROCESS_FLAGS_STDIN_PIPE,
                              (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);

@@ -15,6 +15,8 @@
 #include <sys/un.h>
 #include <signal.h>
 #include <string.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -24,14 +26,32 @@ die_with_parent(gpointer user)
     prctl(PR_SET_PDEATHSIG, SIGKILL);
 }
 
-/* pf_test_spawnv(), its stderr into the file stderr_path where not NULL. */
+/*
+ * And sees an empty /run/pagefold: the patched QEMU makes an agent of its
+ * own accord where a pagefoldd of the host's listens there, which a test's
+ * VM must not meet.  Only root may; elsewhere no pagefoldd of the host can
+ * be written to by the test either.
+ */
+static void
+die_with_parent_apart(gpointer user)
+{
+    die_with_parent(user);
+    if (access("/run/pagefold", F_OK) == 0 && unshare(CLONE_NEWNS) == 0 &&
+        mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) == 0) {
+        (void)mount("pagefold-test", "/run/pagefold", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                    "mode=0755,size=64k");
+    }
+}
+
+/* pf_test_spawnv(), its stderr into the file stderr_path where not NULL,
+ * with setup in the child. */
 static GSubprocess *
-spawnv_to(GSubprocessFlags flags, const char *stderr_path, const char *const *argv,
-          GError **error)
+spawnv_to(GSubprocessFlags flags, const char *stderr_path, GSpawnChildSetupFunc setup,
+          const char *const *argv, GError **error)
 {
     g_autoptr(GSubprocessLauncher) l = g_subprocess_launcher_new(flags);
 
-    g_subprocess_launcher_set_child_setup(l, die_with_parent, NULL, NULL);
+    g_subprocess_launcher_set_child_setup(l, setup, NULL, NULL);
     if (stderr_path != NULL) {
         g_subprocess_launcher_set_stderr_file_path(l, stderr_path);
     }
@@ -62,7 +82,13 @@ pf_test_probe_kvm(const char *kernel, const char *initrd, char **why)
 GSubprocess *
 pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
 {
-    return spawnv_to(flags, NULL, argv, error);
+    return spawnv_to(flags, NULL, die_with_parent, argv, error);
+}
+
+GSubprocess *
+pf_test_spawnv_apart(GSubprocessFlags flags, const char *const *argv, GError **error)
+{
+    return spawnv_to(flags, NULL, die_with_parent_apart, argv, error);
 }
 
 static gboolean take_ready(PfTestVmm *v, const char *line, GError **error);
@@ -313,8 +339,8 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
     }
     g_ptr_array_add(argv, NULL);
     g_unlink(d->sock);
-    d->proc = spawnv_to(G_SUBPROCESS_FLAGS_NONE, d->log, (const char *const *)argv->pdata,
-                        &error);
+    d->proc = spawnv_to(G_SUBPROCESS_FLAGS_NONE, d->log, die_with_parent,
+                        (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);
     for (int i = 0; i < 200 && !(g_file_test(d->sock, G_FILE_TEST_EXISTS) &&
                                  g_file_test(d->agent_sock, G_FILE_TEST_EXISTS)); i++) {

@@ -18,6 +18,10 @@ gboolean pf_test_probe_kvm(const char *kernel, const char *initrd, char **why);
 /* Spawns a child that is killed if the test dies (an orphan daemon would
  * hold meson's output pipe open). */
 GSubprocess *pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error);
+/* The same, for a VMM that must not see the host's pagefoldd: it gets an
+ * empty /run/pagefold of its own (as root). */
+GSubprocess *pf_test_spawnv_apart(GSubprocessFlags flags, const char *const *argv,
+                                  GError **error);
 /* A stand-in VMM (tests/standin-vmm) and its command pipes. */
 typedef struct {
     GSubprocess *proc;
