@@ -251,16 +251,21 @@ void
 pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 {
     char uuid[37];
+    g_autofree char *gone = vm->gone_shared + vm->gone_zero == 0
+                                ? g_strdup("")
+                                : g_strdup_printf("; in its RAM that left before: merged pages "
+                                                  "%zu, zero pages %zu",
+                                                  vm->gone_shared, vm->gone_zero);
 
     /* Its last figures, for whoever asks how much it saved (a VM that
      * stops is dropped by pagefoldd before libvirt's hook could ask): its
      * own counts, not KSM's attributed ones, which would cost a walk of
      * every node at each of many VMs leaving at once. */
     g_message("VM %s (pid %d%s%s) detached: %s; mode %s, merged pages %zu, zero pages %zu, "
-              "cow %" G_GUINT64_FORMAT,
+              "cow %" G_GUINT64_FORMAT "%s",
               vm->name, vm->pid, pf_vm_uuid_string(vm, uuid) ? ", uuid " : "",
               pf_vm_uuid_string(vm, uuid) ? uuid : "", why, pf_vm_mode_name(vm),
-              vm->count[PF_PAGE_SHARED], vm->count[PF_PAGE_ZERO], vm->cow);
+              vm->count[PF_PAGE_SHARED], vm->count[PF_PAGE_ZERO], vm->cow, gone);
     vm_leave(s, vm, why);
 }
 
@@ -283,12 +288,17 @@ void
 pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index)
 {
     PfRegion *r = index < vm->regions->len ? g_ptr_array_index(vm->regions, index) : NULL;
+    gsize shared, zero;
 
     g_return_if_fail(r != NULL && pf_region_live(r));
     requests_settle_region(s, r);
+    shared = vm->count[PF_PAGE_SHARED];
+    zero = vm->count[PF_PAGE_ZERO];
     /* Its merged pages' references go with their records: none maps its
      * slot any more. */
     vms_release_region(s, r, NULL);
+    vm->gone_shared += shared - vm->count[PF_PAGE_SHARED];
+    vm->gone_zero += zero - vm->count[PF_PAGE_ZERO];
     pf_region_retire(r);
     cursor_region_changed(s, vm, index, FALSE);
     g_message("VM %s (pid %d): region %u (%s) left the VM", vm->name, vm->pid, index, r->name);

@@ -50,6 +50,11 @@ struct _PfVm {
     int pagemap_fd;      /* /proc/PID/pagemap, to see copy-on-write */
     /* pages of this VM in each PfPageState */
     gsize count[PF_PAGE_N_STATES];
+    /* Merged and zero pages its regions had as they left (QEMU frees
+     * guest RAM, telling its agent, as it exits): told with its last
+     * figures. */
+    gsize gone_shared;
+    gsize gone_zero;
     guint64 pages_scanned;
     guint64 pages_skipped;
     guint64 full_scans;

@@ -447,7 +447,8 @@ op_detach(Hook *h, const Domain *dom)
     }
     if (n_mine == 0) {
         hook_say(h, "%s", g_str_equal(h->op, "stopped")
-                   ? "not attached: pagefoldd already dropped it (QEMU exited)"
+                   ? "not attached: pagefoldd already dropped it (QEMU exited), "
+                     "logging its last figures"
                    : "not attached (detached at stopped, or dropped as QEMU exited)");
         return;
     }

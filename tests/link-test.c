@@ -1212,12 +1212,15 @@ send_gone(int fd, guint32 region, guint64 n_pages)
  * One bad region in a handshake costs that region only: here the first is
  * a memfd that can shrink.  The VM attaches in merge mode with the other,
  * which is scanned and merged (its zero pages requested, answered, counted),
- * and no request ever names the refused one.
+ * and no request ever names the refused one.  When that region then
+ * leaves and the VM goes, as QEMU's do when it exits, its last figures
+ * are logged with what the region held.
  */
 static void
 test_bad_region_kept(void)
 {
-    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "pages_to_scan=100000", NULL);
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start_logged("--set", "pages_to_scan=100000",
+                                                            NULL);
     PfLayout l = { .identical = 256 };
     g_autoptr(PfGuest) unsealed = pf_guest_new("memory-backend-memfd", &l, 2);
     g_autoptr(PfGuest) z = sealed_guest(256, 256);
@@ -1250,7 +1253,21 @@ test_bad_region_kept(void)
         serve(fd, 20, PF_RESULT_DONE);
     }
     g_assert_cmpint(pf_test_vm_counter(d, "fake", "zero_pages"), ==, 256);
+    send_gone(fd, 1, 256);
+    while (!region_is_gone(d, 1)) {
+        g_usleep(10000);
+    }
     close(fd);
+    wait_listed(d, "fake", FALSE);
+    for (;;) {
+        g_autofree char *log = pf_test_daemon_log(d);
+
+        if (strstr(log, "merged pages 0, zero pages 0, cow 0; in its RAM that left before: "
+                        "merged pages 0, zero pages 256") != NULL) {
+            break;
+        }
+        g_usleep(10000);
+    }
     close(uffd);
 }
 
