@@ -111,7 +111,10 @@ connect_socket(const char *path, const Deadline *d, GError **error)
         }
         g_set_error(error, PF_ERROR,
                     e == ENOENT || e == ECONNREFUSED ? PF_ERROR_NOT_FOUND : PF_ERROR_FAILED,
-                    "cannot connect to %s: %s (is pagefoldd running?)", path, g_strerror(e));
+                    "cannot connect to %s: %s (%s)", path, g_strerror(e),
+                    e == EACCES || e == EPERM
+                        ? "pagefoldd's control socket is root's alone: run this as root"
+                        : "is pagefoldd running? systemctl status pagefoldd");
         close(fd);
         return -1;
     }
