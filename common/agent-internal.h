@@ -88,6 +88,8 @@ struct _PfAgent {
     int sock;
     char *connect_to; /* pagefoldd's queue was full: the agent thread
                        * connects, trying again until it may */
+    char *socket_path; /* pagefoldd's, connected to again when it goes */
+    int relink_ms;     /* the last wait before connecting again */
     int uffd;
     gboolean uffd_lost; /* closed because protection could not be lifted */
     GPtrArray *chunks;  /* Chunk*, indexed by chunk id, NULL where unknown */
@@ -147,6 +149,9 @@ void pfa_uffd_release(PfAgent *a, guint8 *addr, gsize len);
 void pfa_region_protect(PfAgent *a, Region *r);
 void pfa_say_refused(PfAgent *a, const Region *r);
 gboolean pfa_uffd_setup(PfAgent *a, int dev_fd, char **why);
+/* The userfaultfd made for an earlier link: every region write-protected
+ * again (those plugged in since too), as pfa_uffd_setup() does. */
+gboolean pfa_uffd_resume(PfAgent *a, char **why);
 
 /* agent-dma.c */
 gboolean pfa_in_dma(PfAgent *a, const guint8 *lo, const guint8 *hi);
@@ -189,3 +194,6 @@ void pfa_region_clear(Region *r);
 
 /* agent-stepback.c */
 int pfa_fold_back_region(PfAgent *a, guint i, gboolean copy);
+/* The first n regions, pages in DMA left for later; the first failure,
+ * its region's name in *failed.  Without work. */
+int pfa_fold_back_regions(PfAgent *a, guint n, char **failed);

@@ -22,6 +22,10 @@
 #include <unistd.h>
 
 #define HANDSHAKE_MS 10000
+/* A link that lasted this long was no failure: relink() waits from 10 ms
+ * again (a pagefoldd that takes VMs and drops them at once is tried at most
+ * every 5 s). */
+#define RELINK_RESET_USEC G_USEC_PER_SEC
 
 static gboolean
 recv_expect(int sock, PfMsg *msg, PfMsgType type, GError **error)
@@ -59,7 +63,7 @@ settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
         why = g_strdup(a->advise_reason);
     } else if (welcome->mode != PF_MODE_MERGE) {
         why = g_strdup(welcome->reason);
-    } else if (pfa_uffd_setup(a, dev_fd, &why)) {
+    } else if (a->uffd >= 0 ? pfa_uffd_resume(a, &why) : pfa_uffd_setup(a, dev_fd, &why)) {
         mode = PF_MODE_MERGE;
     }
     pfa_set_mode(a, mode, why ? why : "");
@@ -193,6 +197,52 @@ connect_later(PfAgent *a, GError **error)
 }
 
 /*
+ * Pages merged under an earlier link, with advise mode to come: folded
+ * back before READY, since no pagefoldd will count them.  Its DISCARDs
+ * would come before READY, out of turn: the pagefoldd that answers reads
+ * the memfds as they are.  What cannot come back (in DMA) stays merged and
+ * valid, uncounted, and the userfaultfd with it.
+ */
+static void
+fold_back_untracked(PfAgent *a)
+{
+    g_autofree char *failed = NULL;
+    gboolean any = FALSE;
+    guint n;
+    int rc;
+
+    g_mutex_lock(&a->work);
+    n = a->regions->len;
+    for (guint i = 0; i < n && !any; i++) {
+        const Region *r = &g_array_index(a->regions, Region, i);
+
+        any = !r->gone && pfa_find_remapped(r, 0, r->n_pages, TRUE) < r->n_pages;
+    }
+    g_mutex_unlock(&a->work);
+    if (!any) {
+        return;
+    }
+    g_mutex_lock(&a->out);
+    a->posting = FALSE;
+    g_mutex_unlock(&a->out);
+    rc = pfa_fold_back_regions(a, n, &failed);
+    g_mutex_lock(&a->out);
+    a->posting = TRUE;
+    g_mutex_unlock(&a->out);
+    if (rc < 0) {
+        g_warning("pagefold agent: VM %s: cannot fold every merged page of %s back (%s): "
+                  "they stay merged, uncounted", a->name, failed, g_strerror(-rc));
+        return;
+    }
+    g_mutex_lock(&a->work);
+    if (a->uffd >= 0) {
+        close(a->uffd);
+        a->uffd = -1;
+    }
+    g_mutex_unlock(&a->work);
+}
+
+/*
  * Announces the VM and its regions and settles the mode.  Only the agent
  * thread waits for pagefoldd meanwhile.
  */
@@ -222,6 +272,9 @@ handshake(PfAgent *a, GError **error)
         dev_fd = msg->fds[0];
         msg->n_fds = 0;
     }
+    if (pf_msg_mode(msg)->mode != PF_MODE_MERGE || a->advise_reason != NULL) {
+        fold_back_untracked(a);
+    }
     g_mutex_lock(&a->work);
     settle_mode(a, pf_msg_mode(msg), dev_fd);
     g_mutex_unlock(&a->work);
@@ -232,6 +285,74 @@ handshake(PfAgent *a, GError **error)
         return FALSE;
     }
     pfa_set_connected(a, TRUE);
+    return TRUE;
+}
+
+/*
+ * The link ended and the agent is not stopping: pagefoldd went (a restart,
+ * an upgrade, a crash) or gave this VM up.  Merged pages stay as they are;
+ * the agent lets go of its pool chunks (the mappings keep their memory:
+ * the pagefoldd that answers finds them there and sends them again), and
+ * connects again after 10 ms, twice as long at each try, up to 5 s, for as
+ * long as the VM runs.  The socket's descriptor number stays a->sock's
+ * (pf_agent_free() may shut it from another thread).  FALSE when the
+ * agent is stopping.
+ */
+static gboolean
+relink(PfAgent *a)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    struct timeval tv = { .tv_sec = 5 };
+    int sndbuf = 256 << 10;
+
+    g_mutex_lock(&a->work);
+    g_mutex_lock(&a->out);
+    a->posting = FALSE;
+    a->hangup = FALSE;
+    g_queue_clear_full(&a->outbox, pfa_outgoing_free);
+    g_mutex_unlock(&a->out);
+    pfa_set_connected(a, FALSE);
+    g_ptr_array_set_size(a->chunks, 0); /* pfa_chunk_free() */
+    a->ready = FALSE;
+    a->announced = 0;
+    for (guint i = 0; i < a->regions->len; i++) {
+        g_array_index(a->regions, Region, i).gone_untold = FALSE;
+    }
+    if (a->mode == PF_MODE_MERGE) {
+        pfa_set_mode(a, PF_MODE_ADVISE, "pagefoldd went away: connecting to it again");
+    }
+    g_mutex_unlock(&a->work);
+    g_strlcpy(addr.sun_path, a->socket_path, sizeof(addr.sun_path));
+    for (;;) {
+        struct pollfd p = { a->stop[0], POLLIN, 0 };
+        int sock, n;
+
+        a->relink_ms = CLAMP(a->relink_ms * 2, 10, 5000);
+        n = poll(&p, 1, a->relink_ms);
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n != 0) {
+            return FALSE;
+        }
+        sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (sock < 0) {
+            continue;
+        }
+        /* Not blocking: a queue that is full is tried again later. */
+        if (connect(sock, (struct sockaddr *)&addr, sizeof(addr)) == 0 &&
+            fcntl(sock, F_SETFL, 0) == 0 &&
+            setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) == 0 &&
+            setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)) == 0 &&
+            dup3(sock, a->sock, O_CLOEXEC) == a->sock) {
+            close(sock);
+            break;
+        }
+        close(sock);
+    }
+    g_mutex_lock(&a->out);
+    a->posting = TRUE;
+    g_mutex_unlock(&a->out);
     return TRUE;
 }
 
@@ -346,8 +467,26 @@ agent_thread(gpointer data)
     a->start_error = ok ? NULL : g_strdup(error->message);
     g_cond_broadcast(&a->settled_cond);
     g_mutex_unlock(&a->lock);
-    if (ok) {
-        serve(a);
+    for (;;) {
+        gint64 since = g_get_monotonic_time();
+
+        if (ok) {
+            serve(a);
+        }
+        /* A link that lasted starts the next try over from 10 ms. */
+        if (ok && g_get_monotonic_time() - since > RELINK_RESET_USEC) {
+            a->relink_ms = 0;
+        }
+        g_clear_error(&error);
+        if (stopping(a) || !relink(a)) {
+            break;
+        }
+        ok = handshake(a, &error);
+        if (ok) {
+            g_message("pagefold agent: VM %s attached to pagefoldd again", a->name);
+        } else if (!stopping(a)) {
+            g_message("pagefold agent: VM %s: %s; trying again", a->name, error->message);
+        }
     }
     /* Under the work lock: nothing is queued once it ends. */
     g_mutex_lock(&a->work);
@@ -409,6 +548,7 @@ link_open(PfAgent *a, const char *socket_path, GError **error)
     if (e == EAGAIN) {
         a->connect_to = g_strdup(socket_path);
     }
+    a->socket_path = g_strdup(socket_path);
     if ((a->connect_to == NULL && fcntl(a->sock, F_SETFL, 0) < 0) ||
         setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
         setsockopt(a->sock, SOL_SOCKET, SO_SNDBUF, &sndbuf,

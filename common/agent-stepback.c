@@ -120,8 +120,8 @@ pfa_fold_back_region(PfAgent *a, guint i, gboolean copy)
  * all the same; any other failure stops.  Returns the first failure, with
  * its region's name in *failed.  Called without work.
  */
-static int
-fold_back_regions(PfAgent *a, guint n, char **failed)
+int
+pfa_fold_back_regions(PfAgent *a, guint n, char **failed)
 {
     int rc = 0;
 
@@ -208,7 +208,7 @@ step_back(PfAgent *a, const char *reason, gboolean final, GError **error)
     g_mutex_unlock(&a->work);
 
     /* Nothing merges any more (advise mode). */
-    rc = fold_back_regions(a, n, &failed);
+    rc = pfa_fold_back_regions(a, n, &failed);
 
     g_mutex_lock(&a->work);
     step_back_end(a, rc, final);

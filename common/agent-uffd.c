@@ -352,6 +352,20 @@ any_region_merges(PfAgent *a, char **why)
  * registered (postcopy or a background snapshot may want it later).
  */
 gboolean
+pfa_uffd_resume(PfAgent *a, char **why)
+{
+    for (guint i = 0; i < a->regions->len; i++) {
+        Region *r = &g_array_index(a->regions, Region, i);
+
+        if (!r->gone) {
+            g_clear_pointer(&r->refused, g_free);
+            pfa_region_protect(a, r);
+        }
+    }
+    return any_region_merges(a, why);
+}
+
+gboolean
 pfa_uffd_setup(PfAgent *a, int dev_fd, char **why)
 {
     if (!uffd_open(a, dev_fd, why)) {

@@ -128,6 +128,7 @@ pf_agent_free(PfAgent *a)
     g_cond_clear(&a->settled_cond);
     g_free(a->start_error);
     g_free(a->connect_to);
+    g_free(a->socket_path);
     g_free(a->advise_reason);
     g_free(a->reason);
     g_free(a->name);

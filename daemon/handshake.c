@@ -116,6 +116,10 @@ struct _HandshakeCheck {
     guint *index;         /* ... and their indexes among the link's */
     guint n_spans;
     char **why;           /* per span: why it is not protected */
+    gboolean adopt;       /* a REGION of the handshake: its pages may be
+                           * mapped from pool chunks (an agent whose
+                           * pagefoldd went); not RAM plugged in later */
+    PfPoolMapped *pooled; /* ... which they are */
     GError *error;        /* the REGION refused, or smaps unreadable */
     HandshakeDone done;
 };
@@ -142,6 +146,7 @@ check_free(HandshakeCheck *c)
     g_free(c->spans);
     g_free(c->index);
     g_free(c->why);
+    pf_pool_mapped_free(c->pooled);
     g_clear_error(&c->error);
     g_free(c);
 }
@@ -155,7 +160,8 @@ check_run(HandshakeCheck *c, GCancellable *cancel)
         const PfWireRegion *wr = pf_msg_region(c->msg);
 
         if (!pf_region_check_mapping(c->proc_dir, c->fd, c->name, wr->host_addr, wr->offset,
-                                     wr->size, cancel, &c->error) ||
+                                     wr->size, c->adopt ? &c->pooled : NULL, cancel,
+                                     &c->error) ||
             !c->protect) {
             return;
         }
@@ -194,6 +200,7 @@ check_start(PfLink *l, PfMsg *msg, gboolean protect, HandshakeDone done)
     c->fd = msg->n_fds > 0 ? fcntl(msg->fds[0], F_DUPFD_CLOEXEC, 3) : -1;
     c->msg = msg;
     c->protect = protect;
+    c->adopt = l->vm == NULL;
     c->done = done;
     c->spans = g_new0(PfRegionSpan, MAX(regions->len, 1));
     c->index = g_new0(guint, MAX(regions->len, 1));
@@ -337,6 +344,9 @@ region_checked(PfLink *l, HandshakeCheck *c)
         r = pf_region_new(c->name, c->msg->fds[0], wr->host_addr, wr->offset, wr->size,
                           &error);
         c->msg->n_fds = 0; /* taken, or closed on error */
+        if (r != NULL) {
+            r->pooled = g_steal_pointer(&c->pooled);
+        }
     }
     if (r == NULL) {
         link_peer_message(l->srv, l->peer_uid, "agent of process %d: region %u refused: %s",

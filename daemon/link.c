@@ -380,6 +380,7 @@ on_ready(PfLink *l, const PfMsg *msg)
             pf_scanner_set_unlabelled(s, vm);
         }
     }
+    pf_scanner_adopt(s, vm);
     return TRUE;
 }
 
@@ -552,6 +553,21 @@ on_message(PfLink *l, PfMsg *msg)
     case LINK_REGIONS: {
         const PfWireRegion *wr;
 
+        if (msg->header.type == PF_MSG_GONE) {
+            /* An agent whose pagefoldd went announces again the regions
+             * that left its VM since, which keep their indexes. */
+            const PfWireRange *gone = pf_msg_range(msg);
+            PfRegion *r;
+
+            if (gone->region != l->regions->len) {
+                return link_refuse(l, "GONE of region %u arrived as region %u", gone->region,
+                                   l->regions->len);
+            }
+            r = pf_region_new_refused("(gone)", 0, 0, NULL);
+            pf_region_retire(r);
+            handshake_region_checked(l, msg, r);
+            return !l->ended;
+        }
         if (msg->header.type != PF_MSG_REGION) {
             return link_refuse(l, "expected REGION, got message type %u", msg->header.type);
         }

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include "proto.h"
@@ -36,6 +37,10 @@ typedef struct {
     guint32 live;    /* slots in use */
     GArray *free;    /* guint32 indexes freed, reused first */
     gboolean evacuating;
+    /* made by an earlier pagefoldd (pf_pool_adopt_chunk()): no writable
+     * mapping, so no slot is filled, zeroed or reused, and no VM joins its
+     * set (a freed slot still holds what it held) */
+    gboolean adopted;
 } Chunk;
 
 /* The chunks that belong to one set of VMs. */
@@ -53,6 +58,7 @@ struct _PfPool {
     gsize in_use;
     gsize bytes;
     guint n_evacuating;
+    gboolean unmarked; /* a chunk could not be marked: said once */
     PfPoolChunkFunc new_chunk, drop_chunk;
     gpointer user;
 };
@@ -80,6 +86,43 @@ chunk_free(gpointer data)
     close(c->pub.fd);
     g_array_unref(c->free);
     g_free(c);
+}
+
+/* The id a new chunk gets: one freed first. */
+static gboolean
+next_id(PfPool *p, guint32 *id, GError **error)
+{
+    if (p->free_ids->len > 0) {
+        *id = g_array_index(p->free_ids, guint32, p->free_ids->len - 1);
+    } else if ((*id = p->chunks->len) >= PF_PROTO_MAX_CHUNKS) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: all %u chunks in use",
+                    PF_PROTO_MAX_CHUNKS);
+        return FALSE;
+    }
+    return TRUE;
+}
+
+/* The id next_id() gave is taken by c, of set (NULL: the zero chunk). */
+static void
+place_chunk(PfPool *p, Chunk *c, Set *set)
+{
+    if (p->free_ids->len > 0) {
+        g_array_set_size(p->free_ids, p->free_ids->len - 1);
+    } else {
+        g_ptr_array_add(p->chunks, NULL);
+        g_array_set_size(p->refs, p->refs->len + SLOTS);
+    }
+    c->free = g_array_new(FALSE, FALSE, sizeof(guint32));
+    c->set = set;
+    if (set != NULL) {
+        c->pub.vms = (const guint32 *)(gpointer)set->vms->data;
+        c->pub.n_vms = set->vms->len;
+        g_ptr_array_add(set->chunks, c);
+    }
+    g_ptr_array_index(p->chunks, c->pub.id) = c;
+    if (p->new_chunk != NULL) {
+        p->new_chunk(&c->pub, p->user);
+    }
 }
 
 PfPool *
@@ -126,23 +169,23 @@ chunk_of(PfPool *p, guint32 slot)
     return c;
 }
 
-/* A sealed memfd, mapped writable by us before the seal. */
+static Set *find_set(PfPool *p, const guint32 *vms, guint n_vms);
+
+/* A sealed memfd, mapped writable by us before the seal, and marked as
+ * the pool's where only root can mark (pf_pool_adopt_chunk()). */
 static Chunk *
 add_chunk(PfPool *p, Set *set, GError **error)
 {
     gsize size = (gsize)SLOTS * PF_PAGE_SIZE;
     guint32 id;
     g_autofree char *name = NULL;
+    const char *mark = set != NULL ? PF_POOL_MARK_CHUNK : PF_POOL_MARK_ZERO;
     struct stat st;
     Chunk *c;
     int fd;
     void *map;
 
-    if (p->free_ids->len > 0) {
-        id = g_array_index(p->free_ids, guint32, p->free_ids->len - 1);
-    } else if ((id = p->chunks->len) >= PF_PROTO_MAX_CHUNKS) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: all %u chunks in use",
-                    PF_PROTO_MAX_CHUNKS);
+    if (!next_id(p, &id, error)) {
         return NULL;
     }
     name = g_strdup_printf("pagefold-pool-%u", id);
@@ -155,6 +198,14 @@ add_chunk(PfPool *p, Set *set, GError **error)
         }
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: %s", g_strerror(e));
         return NULL;
+    }
+    /* Without the mark the pool works as before; only a VM's merged pages
+     * on this chunk are not taken back by a later pagefoldd. */
+    if (fsetxattr(fd, PF_POOL_MARK, mark, strlen(mark), 0) < 0 && !p->unmarked) {
+        g_warning("pool chunks cannot be marked as pagefoldd's (%s: %s): a pagefoldd started "
+                  "after this one will not take back the VMs' merged pages",
+                  PF_POOL_MARK, g_strerror(errno));
+        p->unmarked = TRUE;
     }
     map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (map == MAP_FAILED || fstat(fd, &st) < 0 ||
@@ -169,11 +220,74 @@ add_chunk(PfPool *p, Set *set, GError **error)
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: %s", g_strerror(e));
         return NULL;
     }
-    if (p->free_ids->len > 0) {
-        g_array_set_size(p->free_ids, p->free_ids->len - 1);
-    } else {
-        g_ptr_array_add(p->chunks, NULL);
-        g_array_set_size(p->refs, p->refs->len + SLOTS);
+    c = g_new0(Chunk, 1);
+    c->pub.id = id;
+    c->pub.fd = fd;
+    c->pub.map = map;
+    c->pub.n_slots = SLOTS;
+    c->pub.ino = st.st_ino;
+    place_chunk(p, c, set);
+    return c;
+}
+
+gboolean
+pf_pool_is_marked(int fd, gboolean *zero)
+{
+    char mark[16] = "";
+    ssize_t n = fgetxattr(fd, PF_POOL_MARK, mark, sizeof(mark) - 1);
+    int seals = fcntl(fd, F_GET_SEALS);
+    struct stat st;
+
+    if (n < 0 || seals < 0 || fstat(fd, &st) < 0 ||
+        (seals & PF_POOL_SEALS) != PF_POOL_SEALS ||
+        st.st_size != (off_t)SLOTS * PF_PAGE_SIZE) {
+        return FALSE;
+    }
+    mark[n] = '\0';
+    *zero = g_str_equal(mark, PF_POOL_MARK_ZERO);
+    return *zero || g_str_equal(mark, PF_POOL_MARK_CHUNK);
+}
+
+guint32
+pf_pool_find_ino(PfPool *p, guint64 ino)
+{
+    for (guint i = 1; i < p->chunks->len; i++) {
+        Chunk *c = g_ptr_array_index(p->chunks, i);
+
+        if (c != NULL && c->pub.ino == ino) {
+            return i;
+        }
+    }
+    return 0;
+}
+
+guint32
+pf_pool_adopt_chunk(PfPool *p, int fd, guint32 vm, GError **error)
+{
+    gsize size = (gsize)SLOTS * PF_PAGE_SIZE;
+    struct stat st;
+    guint32 id;
+    Chunk *c;
+    void *map;
+
+    /* Chunk 0 stays the zero chunk. */
+    if ((p->chunks->len == 0 && pf_pool_zero_slot(p, PF_POOL_SLOT_NONE, error) == 0) ||
+        !next_id(p, &id, error)) {
+        return 0;
+    }
+    fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    map = fd < 0 ? MAP_FAILED : mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED || fstat(fd, &st) < 0) {
+        int e = errno;
+
+        if (map != MAP_FAILED) {
+            munmap(map, size);
+        }
+        if (fd >= 0) {
+            close(fd);
+        }
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: %s", g_strerror(e));
+        return 0;
     }
     c = g_new0(Chunk, 1);
     c->pub.id = id;
@@ -181,18 +295,34 @@ add_chunk(PfPool *p, Set *set, GError **error)
     c->pub.map = map;
     c->pub.n_slots = SLOTS;
     c->pub.ino = st.st_ino;
-    c->free = g_array_new(FALSE, FALSE, sizeof(guint32));
-    c->set = set;
-    if (set != NULL) {
-        c->pub.vms = (const guint32 *)(gpointer)set->vms->data;
-        c->pub.n_vms = set->vms->len;
-        g_ptr_array_add(set->chunks, c);
+    c->adopted = TRUE;
+    /* Every slot counts as filled: which ones were is not known. */
+    c->next = SLOTS;
+    p->bytes += size;
+    place_chunk(p, c, find_set(p, &vm, 1));
+    return id;
+}
+
+gboolean
+pf_pool_adopt_slot(PfPool *p, guint32 slot)
+{
+    Chunk *c = chunk_at(p, (slot - 1) / SLOTS);
+
+    g_return_val_if_fail(c != NULL && c->adopted, FALSE);
+    if (g_array_index(p->refs, guint32, slot)++ > 0) {
+        return FALSE;
     }
-    g_ptr_array_index(p->chunks, id) = c;
-    if (p->new_chunk != NULL) {
-        p->new_chunk(&c->pub, p->user);
-    }
-    return c;
+    c->live++;
+    p->in_use++;
+    return TRUE;
+}
+
+gboolean
+pf_pool_is_adopted(PfPool *p, guint32 chunk)
+{
+    Chunk *c = chunk_at(p, chunk);
+
+    return c != NULL && c->adopted;
 }
 
 /* Its last slot is free: its VMs are told, and its memory goes with the
@@ -350,6 +480,13 @@ pf_pool_unref(PfPool *p, guint32 slot)
         drop_chunk(p, c);
         return TRUE;
     }
+    if (c->adopted) {
+        if (!c->evacuating && c->live * 4 <= SLOTS) {
+            c->evacuating = TRUE;
+            p->n_evacuating++;
+        }
+        return TRUE;
+    }
     /* The chunk's VMs all shared what the slot held, but whatever a slot
      * held last is nobody's to read once no page maps it. */
     memset(slot_data(p, slot), 0, PF_PAGE_SIZE);
@@ -375,21 +512,21 @@ pf_pool_chunk_live(PfPool *p, guint32 chunk)
     return c != NULL ? c->live : 0;
 }
 
-void
-pf_pool_extend(PfPool *p, guint32 chunk, guint32 vm)
+/* The VM of that serial is one of the chunk's VMs from now on; FALSE if it
+ * was already. */
+static gboolean
+extend_set(PfPool *p, Chunk *c, guint32 vm)
 {
-    Chunk *c = chunk_at(p, chunk);
-    Set *old;
-    g_autoptr(GArray) vms = NULL;
+    Set *old = c->set;
+    g_autoptr(GArray) vms = g_array_copy(old->vms);
     guint at = 0;
 
-    g_return_if_fail(c != NULL && c->set != NULL);
-    old = c->set;
-    vms = g_array_copy(old->vms);
     while (at < vms->len && g_array_index(vms, guint32, at) < vm) {
         at++;
     }
-    g_return_if_fail(at == vms->len || g_array_index(vms, guint32, at) != vm);
+    if (at < vms->len && g_array_index(vms, guint32, at) == vm) {
+        return FALSE;
+    }
     g_array_insert_val(vms, at, vm);
     c->set = find_set(p, (const guint32 *)(gpointer)vms->data, vms->len);
     c->pub.vms = (const guint32 *)(gpointer)c->set->vms->data;
@@ -399,6 +536,27 @@ pf_pool_extend(PfPool *p, guint32 chunk, guint32 vm)
     if (old->chunks->len == 0) {
         g_hash_table_remove(p->sets, old->key);
     }
+    return TRUE;
+}
+
+void
+pf_pool_extend(PfPool *p, guint32 chunk, guint32 vm)
+{
+    Chunk *c = chunk_at(p, chunk);
+
+    g_return_if_fail(c != NULL && c->set != NULL && !c->adopted);
+    if (!extend_set(p, c, vm)) {
+        g_return_if_reached();
+    }
+}
+
+gboolean
+pf_pool_adopt_holder(PfPool *p, guint32 chunk, guint32 vm)
+{
+    Chunk *c = chunk_at(p, chunk);
+
+    g_return_val_if_fail(c != NULL && c->adopted, FALSE);
+    return extend_set(p, c, vm);
 }
 
 gboolean

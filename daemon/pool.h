@@ -85,10 +85,45 @@ guint pf_pool_n_evacuating(PfPool *p);
  * The chunk belongs to one more VM from now on: the caller has seen that
  * VM's pages share the content of every slot of it in use (freed slots
  * read zero), and sends it the chunk.  Its free slots are for the new set.
- * Not the zero chunk.
+ * Not the zero chunk, nor an adopted one (its freed slots are not zeroed).
  */
 void pf_pool_extend(PfPool *p, guint32 chunk, guint32 vm);
 guint32 pf_pool_chunk_live(PfPool *p, guint32 chunk);
+
+/*
+ * Taking back what an earlier pagefoldd made (a restart): its chunks are
+ * marked with PF_POOL_MARK, an extended attribute of the trusted
+ * namespace, which only a process with CAP_SYS_ADMIN can set or read, so
+ * a VMM cannot pass off a memfd of its own as one.  The seals of every
+ * chunk, which agents check too.
+ */
+#define PF_POOL_MARK "trusted.pagefold.pool"
+#define PF_POOL_MARK_CHUNK "chunk"
+#define PF_POOL_MARK_ZERO "zero"
+#define PF_POOL_SEALS (0x0010 /* F_SEAL_FUTURE_WRITE */ | 0x0004 /* F_SEAL_GROW */ | \
+                       0x0002 /* F_SEAL_SHRINK */ | 0x0001 /* F_SEAL_SEAL */)
+/* Whether fd is a pool chunk some pagefoldd made: marked, sealed, of a
+ * chunk's size; *zero: its zero chunk, whose slots were never written. */
+gboolean pf_pool_is_marked(int fd, gboolean *zero);
+/* The chunk whose memfd has that inode number, or 0 (chunk 0 is this
+ * pool's zero chunk, never looked for). */
+guint32 pf_pool_find_ino(PfPool *p, guint64 ino);
+/*
+ * Takes a chunk fd (dup'd) an earlier pagefoldd made as one of this pool's,
+ * for the VM of that serial, whose pages map it: its id, or 0 and error.
+ * No slot of it is in use until pf_pool_adopt_slot(); none is ever filled
+ * again (there is no writable mapping of it any more), and no other VM is
+ * made one of its VMs but by pf_pool_adopt_holder(): its freed slots keep
+ * what they held.  Emptied as any chunk is (pf_pool_evacuating()).
+ */
+guint32 pf_pool_adopt_chunk(PfPool *p, int fd, guint32 vm, GError **error);
+/* Another VM maps the adopted chunk, held since the earlier pagefoldd sent
+ * it: one of its VMs now.  FALSE if it was already. */
+gboolean pf_pool_adopt_holder(PfPool *p, guint32 chunk, guint32 vm);
+/* A slot of an adopted chunk takes a reference; TRUE when it is its first
+ * (the slot's node is to be made). */
+gboolean pf_pool_adopt_slot(PfPool *p, guint32 slot);
+gboolean pf_pool_is_adopted(PfPool *p, guint32 chunk);
 
 const guint8 *pf_pool_data(PfPool *p, guint32 slot);
 void pf_pool_locate(PfPool *p, guint32 slot, guint32 *chunk, guint32 *index);

@@ -23,6 +23,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include "pool.h"
 #include "util.h"
 
 PfRegion *
@@ -231,11 +232,88 @@ check_vma(int proc_dir, const Vma *v, const struct stat *st, const char *name,
     return TRUE;
 }
 
+void
+pf_pool_mapped_free(PfPoolMapped *m)
+{
+    if (m == NULL) {
+        return;
+    }
+    g_array_unref(m->runs);
+    g_hash_table_unref(m->fds);
+    g_free(m);
+}
+
+static void
+close_fd(gpointer p)
+{
+    close(GPOINTER_TO_INT(p));
+}
+
+/*
+ * One private mapping of the process, v, covering at: pages of the region
+ * mapped from a pool chunk, as an agent maps merged pages.  The file is
+ * opened through map_files (the kernel's word on what is mapped, not the
+ * agent's) and must bear the pool's mark, which only root can set.
+ */
+static gboolean
+check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, guint64 at,
+             guint64 end, PfPoolMapped **pooled, GError **error)
+{
+    g_autofree char *entry = g_strdup_printf("map_files/%" G_GINT64_MODIFIER "x-%"
+                                             G_GINT64_MODIFIER "x", v->start, v->end);
+    guint64 until = MIN(v->end, end), index = v->offset / PF_PAGE_SIZE +
+                                              (at - v->start) / PF_PAGE_SIZE;
+    PfPoolRun run = { (at - host_addr) / PF_PAGE_SIZE, (until - at) / PF_PAGE_SIZE, v->ino,
+                      (guint32)index, FALSE };
+    gpointer known = NULL;
+    struct stat st;
+    int fd = -1;
+
+    if (*pooled != NULL) {
+        known = g_hash_table_lookup((*pooled)->fds, &run.ino);
+    }
+    if (known == NULL) {
+        fd = openat(proc_dir, entry, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || fstat(fd, &st) < 0 || st.st_ino != v->ino ||
+            makedev(v->major, v->minor) != st.st_dev ||
+            !pf_pool_is_marked(fd, &run.zero)) {
+            if (fd >= 0) {
+                close(fd);
+            }
+            return refuse_region(error, "region %s: the process maps another file at %#"
+                                 G_GINT64_MODIFIER "x, privately", name, at);
+        }
+    } else {
+        fd = GPOINTER_TO_INT(known);
+        (void)pf_pool_is_marked(fd, &run.zero); /* it was, and stays so */
+    }
+    if (v->offset % PF_PAGE_SIZE || index + run.n_pages > PF_POOL_CHUNK_SLOTS) {
+        if (known == NULL) {
+            close(fd);
+        }
+        return refuse_region(error, "region %s: the process maps a pool chunk at %#"
+                             G_GINT64_MODIFIER "x beyond its end", name, at);
+    }
+    if (*pooled == NULL) {
+        *pooled = g_new0(PfPoolMapped, 1);
+        (*pooled)->runs = g_array_new(FALSE, FALSE, sizeof(PfPoolRun));
+        (*pooled)->fds = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, close_fd);
+    }
+    if (known == NULL) {
+        g_hash_table_insert((*pooled)->fds, g_memdup2(&run.ino, sizeof(run.ino)),
+                            GINT_TO_POINTER(fd));
+    }
+    g_array_append_val((*pooled)->runs, run);
+    return TRUE;
+}
+
 gboolean
 pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
-                        guint64 offset, guint64 size, GCancellable *cancel, GError **error)
+                        guint64 offset, guint64 size, PfPoolMapped **pooled,
+                        GCancellable *cancel, GError **error)
 {
     g_autoptr(GArray) vmas = NULL;
+    g_autoptr(PfPoolMapped) found = NULL;
     guint64 end = host_addr + size, at = host_addr;
     struct stat st;
 
@@ -263,7 +341,12 @@ pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_add
         if (v->start > at) {
             break;
         }
-        if (!check_vma(proc_dir, v, &st, name, host_addr, offset, at, error)) {
+        if (pooled != NULL && v->perms[0] != '\0' && v->perms[3] == 'p' &&
+            (v->ino != (guint64)st.st_ino || makedev(v->major, v->minor) != st.st_dev)) {
+            if (!check_pooled(proc_dir, v, name, host_addr, at, end, &found, error)) {
+                return FALSE;
+            }
+        } else if (!check_vma(proc_dir, v, &st, name, host_addr, offset, at, error)) {
             return FALSE;
         }
         at = v->end;
@@ -271,6 +354,9 @@ pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_add
     if (at < end) {
         return refuse_region(error, "region %s: %#" G_GINT64_MODIFIER "x is not mapped by the "
                              "process", name, at);
+    }
+    if (pooled != NULL) {
+        *pooled = g_steal_pointer(&found);
     }
     return TRUE;
 }
@@ -349,6 +435,7 @@ region_clear(PfRegion *r)
     r->n_extents = r->extents_made = 0;
     g_clear_pointer(&r->huge_seen, g_free);
     g_clear_pointer(&r->huge_was, g_free);
+    g_clear_pointer(&r->pooled, pf_pool_mapped_free);
     r->n_pages = 0;
 }
 

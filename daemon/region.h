@@ -37,6 +37,26 @@
 
 typedef struct _PfVm PfVm;
 
+/* Pages of a region its process maps from a pool chunk that a pagefoldd
+ * made (pool.h's mark): merged before this pagefoldd started. */
+typedef struct {
+    gsize page;      /* the first, in the region */
+    gsize n_pages;
+    guint64 ino;     /* the chunk's memfd */
+    guint32 index;   /* the slot of page, in the chunk (from 0) */
+    gboolean zero;   /* the zero chunk */
+} PfPoolRun;
+
+/* What a region's check found its process maps from pool chunks. */
+typedef struct {
+    GArray *runs;    /* PfPoolRun, in page order */
+    GHashTable *fds; /* ino (guint64*) -> the chunk's memfd (int, owned),
+                      * opened through the process's map_files */
+} PfPoolMapped;
+
+void pf_pool_mapped_free(PfPoolMapped *m);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfPoolMapped, pf_pool_mapped_free)
+
 /*
  * A region of guest RAM.  An agent's regions keep the index it gave them
  * (vm->regions[i] is its region i), so a region it announced that was
@@ -67,6 +87,8 @@ typedef struct {
     guint8 *huge_was;    /* ... and it was a transparent huge page then */
     guint32 base;        /* page id of pages[0] */
     char *refused;       /* a placeholder: why the region was refused */
+    PfPoolMapped *pooled; /* pages merged before this pagefoldd started,
+                           * until the scanner takes them back */
     gboolean gone;       /* a placeholder: the region left the VM */
 } PfRegion;
 
@@ -76,11 +98,14 @@ typedef struct {
  * sealed against shrinking (pagefoldd's reads would fault past a
  * truncation), at most PF_MAX_REGION_BYTES, that range within it, and the
  * process mapping exactly that file there, shared, at those offsets, in
- * one mapping or several.  Allocates nothing for the region.
+ * one mapping or several.  Where pooled is not NULL, pages may be mapped
+ * privately from pool chunks instead (an agent whose pagefoldd restarted):
+ * *pooled says which, or is NULL where none is.  Allocates nothing for the
+ * region.
  */
 gboolean pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
-                                 guint64 offset, guint64 size, GCancellable *cancel,
-                                 GError **error);
+                                 guint64 offset, guint64 size, PfPoolMapped **pooled,
+                                 GCancellable *cancel, GError **error);
 
 /* Guest RAM as announced, for checks made away from the region itself. */
 typedef struct {

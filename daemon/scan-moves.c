@@ -402,6 +402,11 @@ moves_continue_joins(PfScanner *s)
             e++;
         }
         distinct = distinct_joining(s, i, e);
+        /* An adopted chunk's freed slots keep what they held: a VM joins
+         * its nodes by a move. */
+        if (pf_pool_is_adopted(s->pool, first->chunk)) {
+            distinct = 0;
+        }
         if (distinct > 0 && distinct == pf_pool_chunk_live(s->pool, first->chunk)) {
             PfRegion *r = region_of(s, first->page);
 
@@ -455,6 +460,7 @@ drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
 {
     PfScanner *s = user;
 
+    adopt_chunk_gone(s, chunk->id);
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 

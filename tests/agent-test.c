@@ -1347,6 +1347,122 @@ test_kill_daemon(void)
     }
 }
 
+/* The VM is listed by the pagefoldd running now, merging. */
+static void
+wait_merging(PfTestDaemon *d, const char *name)
+{
+    for (int i = 0; i < 600; i++) {
+        g_autoptr(JsonObject) vm = pf_test_listed_vm(d, name);
+
+        if (vm != NULL && g_str_equal(json_object_get_string_member(vm, "mode"), "merge")) {
+            return;
+        }
+        g_usleep(50000);
+    }
+    g_error("VM %s is not back in merge mode within 30 s", name);
+}
+
+/* Once every request is answered, the pool holds exactly the slots that
+ * guest pages map, the counters add up, and nothing is in flight. */
+static void
+assert_settled(PfTestDaemon *d)
+{
+    g_autoptr(JsonObject) s = stats(d, "scan-now", "1");
+
+    g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, total(s, "pages_shared"));
+}
+
+#define RESTARTS 20
+
+/*
+ * pagefoldd killed with -9 and started again, RESTARTS times, at random
+ * points of merging, copy-on-write (the writers), moves (three VMs, whose
+ * pages join nodes of chunks they do not hold) and unmerge (every fourth
+ * time, while 'set run 2' runs).  Each time every VM comes back merging,
+ * with the pages it had merged taken back rather than merged again, the
+ * pool exactly what is mapped, and no write lost; at the end an unmerge
+ * gives every page back.
+ */
+static void
+test_restart(void)
+{
+    const char *args[] = { "--set", "target_pass_millisecs=50", "--set", "sleep_millisecs=1",
+                           NULL };
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start(args[0], args[1], args[2], args[3], NULL);
+    const char *names[3] = { "r0", "r1", "r2" };
+    Vmm *v[3] = { vmm_start(d, names[0], 1, 2, FALSE), vmm_start(d, names[1], 2, 2, FALSE),
+                  vmm_start(d, names[2], 3, 0, FALSE) };
+    guint64 before_total = 0, taken_total = 0;
+    gint64 wait_total = 0;
+    g_autoptr(JsonObject) s = NULL;
+
+    for (int round = 0; round < RESTARTS; round++) {
+        g_autoptr(GSubprocess) unmerge = NULL;
+        guint64 before = 0, taken = 0;
+        gint64 start;
+
+        g_usleep(g_random_int_range(50000, 800000));
+        if (round % 4 == 3) {
+            const char *argv[] = { pf_test_bin("PAGEFOLDCTL"), "--socket", d->sock, "set",
+                                   "run", "2", NULL };
+
+            unmerge = pf_test_spawnv(G_SUBPROCESS_FLAGS_STDOUT_SILENCE |
+                                         G_SUBPROCESS_FLAGS_STDERR_SILENCE,
+                                     argv, NULL);
+            g_usleep(g_random_int_range(1000, 100000));
+        }
+        g_subprocess_send_signal(d->proc, SIGKILL);
+        g_subprocess_wait(d->proc, NULL, NULL);
+        for (int i = 0; i < 3; i++) {
+            wait_disconnected(v[i]);
+            before += pf_test_vmm_stat(v[i], "remapped");
+        }
+        start = g_get_monotonic_time();
+        /* Not scanning until every VM is back: what it counts then is
+         * what it took back, merged under its predecessor. */
+        pf_test_daemon_restart(d, args[0], args[1], args[2], args[3], "--set", "run=0", NULL);
+        for (int i = 0; i < 3; i++) {
+            wait_merging(d, names[i]);
+        }
+        wait_total += g_get_monotonic_time() - start;
+        g_clear_pointer(&s, json_object_unref);
+        s = stats(d, "stats", NULL);
+        taken = total(s, "pages_shared") + total(s, "pages_sharing") + total(s, "zero_pages");
+        g_test_message("restart %d: %" G_GUINT64_FORMAT " pages mapped from the pool, %"
+                       G_GUINT64_FORMAT " taken back", round, before, taken);
+        g_assert_cmpuint(taken, ==, before);
+        g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+        json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
+        before_total += before;
+        taken_total += taken;
+        for (int i = 0; i < 3; i++) {
+            pf_test_vmm_verify(v[i]);
+        }
+        assert_settled(d);
+    }
+    g_test_message("%d restarts: %" G_GUINT64_FORMAT " pages merged before them, %"
+                   G_GUINT64_FORMAT " taken back; %.2f s to merge again on average",
+                   RESTARTS, before_total, taken_total,
+                   (double)wait_total / RESTARTS / G_USEC_PER_SEC);
+    g_assert_cmpuint(taken_total, >, 0);
+    /* Merging goes on after the last one. */
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "scan-now", "2");
+    g_assert_cmpint(total(s, "pages_sharing"), >, 0);
+    json_node_unref(pf_test_ctl_json(d, "set", "run", "2", NULL));
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "stats", NULL);
+    g_assert_cmpint(total(s, "pages_shared") + total(s, "pages_sharing") +
+                        total(s, "zero_pages") + total(s, "pages_pending"), ==, 0);
+    g_assert_cmpint(json_object_get_int_member(s, "pool_slots"), ==, 0);
+    for (int i = 0; i < 3; i++) {
+        g_assert_cmpint(pf_test_vmm_stat(v[i], "remapped"), ==, 0);
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
+    }
+}
+
 /* A VMM killed mid-batch: pagefoldd drops it and frees its slots. */
 static void
 test_kill_vmm(void)
@@ -1549,6 +1665,7 @@ main(int argc, char **argv)
     g_test_add_func("/agent/concurrent-writers", test_concurrent_writers);
     g_test_add_func("/agent/kill-daemon", test_kill_daemon);
     g_test_add_func("/agent/kill-vmm", test_kill_vmm);
+    g_test_add_func("/agent/restart", test_restart);
     g_test_add_func("/agent/unprivileged", test_unprivileged);
     g_test_add_func("/agent/not-vouched", test_not_vouched);
     return g_test_run();
