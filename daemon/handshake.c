@@ -13,11 +13,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "escape.h"
+#include "label.h"
 #include "libvirt-status.h"
 #include "util.h"
 
@@ -116,6 +118,10 @@ struct _HandshakeCheck {
     guint *index;         /* ... and their indexes among the link's */
     guint n_spans;
     char **why;           /* per span: why it is not protected */
+    char *status_dir;     /* READY: libvirt's status files, where the */
+    char *domain_name;    /* domain the peer named in HELLO is looked up, */
+    pid_t peer_pid;       /* which this process must run */
+    PfLibvirtDomain *libvirt; /* ... and what its status file says, or NULL */
     gboolean adopt;       /* a REGION of the handshake: its pages may be
                            * mapped from pool chunks (an agent whose
                            * pagefoldd went); not RAM plugged in later */
@@ -147,8 +153,44 @@ check_free(HandshakeCheck *c)
     g_free(c->index);
     g_free(c->why);
     pf_pool_mapped_free(c->pooled);
+    g_free(c->status_dir);
+    g_free(c->domain_name);
+    pf_libvirt_domain_free(c->libvirt);
     g_clear_error(&c->error);
     g_free(c);
+}
+
+void
+pf_libvirt_domain_free(PfLibvirtDomain *d)
+{
+    if (d != NULL) {
+        g_free(d->merge_domain);
+        g_free(d->why_unlabelled);
+        g_free(d);
+    }
+}
+
+/* READY: the libvirt domain the peer named, if its status file says this
+ * process runs it (c->libvirt). */
+static void
+check_libvirt(HandshakeCheck *c)
+{
+    g_auto(Domain) dom = { 0 };
+    g_autoptr(GError) error = NULL;
+    guint8 uuid[16];
+
+    if (pf_libvirt_domain_status(c->status_dir, c->domain_name, &dom, &error) != c->peer_pid ||
+        !pf_uuid_parse(dom.uuid, uuid)) {
+        return;
+    }
+    c->libvirt = g_new0(PfLibvirtDomain, 1);
+    memcpy(c->libvirt->uuid, uuid, sizeof(uuid));
+    if (dom.merge_domain != NULL && !pf_label_is_valid("a merge domain", dom.merge_domain,
+                                                       &error)) {
+        c->libvirt->why_unlabelled = g_strdup(error->message);
+    } else {
+        c->libvirt->merge_domain = g_strdup(dom.merge_domain ? dom.merge_domain : "default");
+    }
 }
 
 /* What it found is in c (c->error, c->why): the task itself only says
@@ -156,6 +198,9 @@ check_free(HandshakeCheck *c)
 static void
 check_run(HandshakeCheck *c, GCancellable *cancel)
 {
+    if (c->msg->header.type == PF_MSG_READY && c->domain_name != NULL) {
+        check_libvirt(c);
+    }
     if (c->msg->header.type == PF_MSG_REGION) {
         const PfWireRegion *wr = pf_msg_region(c->msg);
 
@@ -214,7 +259,12 @@ check_start(PfLink *l, PfMsg *msg, gboolean protect, HandshakeDone done)
             c->n_spans = 1;
         }
     }
-    for (guint i = 0; msg->header.type == PF_MSG_READY && i < regions->len; i++) {
+    if (msg->header.type == PF_MSG_READY && pf_libvirt_name_is_file_name(l->hello.name)) {
+        c->status_dir = g_strdup(l->srv->libvirt_run_dir);
+        c->domain_name = g_strdup(l->hello.name);
+        c->peer_pid = l->peer_pid;
+    }
+    for (guint i = 0; msg->header.type == PF_MSG_READY && protect && i < regions->len; i++) {
         const PfRegion *r = g_ptr_array_index(regions, i);
 
         if (pf_region_live(r)) {
@@ -367,6 +417,7 @@ region_checked(PfLink *l, HandshakeCheck *c)
 static void
 ready_checked(PfLink *l, HandshakeCheck *c)
 {
+    l->libvirt = g_steal_pointer(&c->libvirt);
     for (guint k = 0; k < c->n_spans; k++) {
         PfRegion *r = g_ptr_array_index(l->regions, c->index[k]);
         const char *why = c->error != NULL ? c->error->message : c->why[k];
@@ -412,11 +463,7 @@ handshake_region(PfLink *l, PfMsg *msg, gboolean running, HandshakeDone done)
 void
 handshake_check_ready(PfLink *l, PfMsg *msg, HandshakeDone done)
 {
-    if (pf_msg_mode(msg)->mode != PF_MODE_MERGE) {
-        done(l, msg, NULL);
-        return;
-    }
-    check_start(l, msg, TRUE, done);
+    check_start(l, msg, pf_msg_mode(msg)->mode == PF_MODE_MERGE, done);
 }
 
 /*

@@ -15,6 +15,9 @@
 
 /* <domstatus ...> comes right after a comment of a few hundred bytes. */
 #define HEAD_BYTES 8192
+/* A status file holds the domain's XML and QEMU's capabilities: some
+ * hundred KiB. */
+#define MAX_STATUS_BYTES (4u << 20)
 
 gboolean
 pf_libvirt_name_is_file_name(const char *name)
@@ -23,23 +26,21 @@ pf_libvirt_name_is_file_name(const char *name)
            !g_str_equal(name, "..");
 }
 
-int
-pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error)
+/* The status file of domain name, opened: a regular file only root
+ * writes, through no link; -1 and error otherwise.  *path_out: its path. */
+static int
+open_status(const char *run_dir, const char *name, char **path_out, GError **error)
 {
     g_autofree char *base = NULL;
     g_autofree char *path = NULL;
-    char head[HEAD_BYTES + 1];
-    const char *tag, *end, *attr;
     struct stat st;
-    guint64 pid;
-    ssize_t n;
     int fd, e;
 
     /* libvirt refuses these in a domain's name; they would lead elsewhere. */
     if (!pf_libvirt_name_is_file_name(name)) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "domain name '%s' is not a file name", name);
-        return 0;
+        return -1;
     }
     base = g_strconcat(name, ".xml", NULL);
     path = g_build_filename(run_dir, base, NULL);
@@ -48,7 +49,7 @@ pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error)
         e = errno;
         g_set_error(error, PF_ERROR, PF_ERROR_NOT_FOUND, "cannot read %s: %s", path,
                     g_strerror(e));
-        return 0;
+        return -1;
     }
     if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_uid != 0 ||
         (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
@@ -56,6 +57,23 @@ pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error)
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
                     "%s is not libvirt's status file (a regular file only root writes)",
                     path);
+        return -1;
+    }
+    *path_out = g_steal_pointer(&path);
+    return fd;
+}
+
+int
+pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error)
+{
+    g_autofree char *path = NULL;
+    char head[HEAD_BYTES + 1];
+    const char *tag, *end, *attr;
+    guint64 pid;
+    ssize_t n;
+    int fd = open_status(run_dir, name, &path, error), e;
+
+    if (fd < 0) {
         return 0;
     }
     n = pread(fd, head, HEAD_BYTES, 0);
@@ -87,4 +105,34 @@ pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error)
         }
     }
     return (int)pid;
+}
+
+int
+pf_libvirt_domain_status(const char *run_dir, const char *name, Domain *dom, GError **error)
+{
+    g_autofree char *path = NULL;
+    g_autoptr(GString) xml = g_string_new(NULL);
+    g_autoptr(GError) local = NULL;
+    char buf[65536];
+    int fd = open_status(run_dir, name, &path, error), pid = 0;
+    ssize_t n;
+
+    if (fd < 0) {
+        return 0;
+    }
+    while ((n = read(fd, buf, sizeof(buf))) > 0 && xml->len <= MAX_STATUS_BYTES) {
+        g_string_append_len(xml, buf, n);
+    }
+    close(fd);
+    if (n < 0 || xml->len > MAX_STATUS_BYTES) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot read %s: %s", path,
+                    n < 0 ? g_strerror(errno) : "larger than libvirt writes");
+        return 0;
+    }
+    if (!domain_status_parse(name, xml, dom, &pid, &local)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "%s: %s", path,
+                    local->message);
+        return 0;
+    }
+    return pid;
 }

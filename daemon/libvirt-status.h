@@ -6,15 +6,20 @@
  * Not RUN_DIR/NAME.pid: libvirt hands that file's descriptor, open for
  * writing, to the QEMU (which holds its lock), so a compromised QEMU can
  * make it name any process.  The status file is root's (0600), written by
- * libvirtd alone.  Used by the libvirt hook (which VM to attach) and by
- * libvirt-metadata.c (which domain a VM's figures may go to).
+ * libvirtd alone.  Used by the libvirt hook (which VM to attach), by
+ * handshake.c (whether root vouches for an agent's process, and what
+ * libvirt says its domain is) and by libvirt-metadata.c (which domain a
+ * VM's figures may go to).
  *
- * Must never read more than the file's head, follow a symbolic link, block
- * on a FIFO, or believe a file that anyone but root could have written.
+ * Must never read more than the file's head where the pid is all that is
+ * wanted, nor more than 4 MiB, follow a symbolic link, block on a FIFO, or
+ * believe a file that anyone but root could have written.
  */
 #pragma once
 
 #include <glib.h>
+
+#include "domain-xml.h"
 
 #define PF_LIBVIRT_QEMU_RUN_DIR "/run/libvirt/qemu"
 
@@ -25,3 +30,8 @@ gboolean pf_libvirt_name_is_file_name(const char *name);
 /* The pid of domain name's QEMU, or 0 with error saying why (no such
  * domain running, a name that is no file name, a file not libvirt's). */
 int pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error);
+/* The same, the whole file read (at most 4 MiB) and its <domain> parsed
+ * into dom (domain-xml.h): what libvirt says the domain is, its merge
+ * domain among it.  Reads a file of some hundred KiB: not on a main loop. */
+int pf_libvirt_domain_status(const char *run_dir, const char *name, Domain *dom,
+                             GError **error);

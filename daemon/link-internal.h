@@ -33,6 +33,16 @@ struct _PfLinkServer {
 typedef struct _PfLink PfLink;
 typedef struct _HandshakeCheck HandshakeCheck;
 
+/* What libvirt's status file says of the domain whose QEMU an agent's
+ * process is (handshake.c): root's word, not the peer's. */
+typedef struct {
+    guint8 uuid[16];
+    char *merge_domain;   /* from its <metadata>; "default" without one */
+    char *why_unlabelled; /* or why the one it names cannot be */
+} PfLibvirtDomain;
+
+void pf_libvirt_domain_free(PfLibvirtDomain *d);
+
 struct _PfLink {
     PfLinkServer *srv;
     int sock;
@@ -56,6 +66,7 @@ struct _PfLink {
     PfChannel *ch;         /* what it sends, and what waits to be sent */
     char *broken_why;      /* it broke: closed from the main loop, why */
     guint close_idle;
+    PfLibvirtDomain *libvirt; /* READY: the libvirt domain it runs, or NULL */
     HandshakeCheck *check; /* its process's mappings being read: the link
                             * reads nothing from its peer meanwhile */
     gboolean ended;
@@ -88,9 +99,10 @@ typedef void (*HandshakeDone)(PfLink *l, PfMsg *msg, PfRegion *r);
  * announced after READY, when a merging VM's new region must be
  * write-protected as READY's were. */
 void handshake_region(PfLink *l, PfMsg *msg, gboolean running, HandshakeDone done);
-/* READY in merge mode: whether each live region is write-protected, off
- * the main loop (one that is not is refused alone), then done; at once
- * for advise mode (msg is then not taken). */
+/* READY, off the main loop: in merge mode, whether each live region is
+ * write-protected (one that is not is refused alone); and whether
+ * libvirt's status file of the domain named in HELLO says this process
+ * runs it (l->libvirt); then done, which takes msg. */
 void handshake_check_ready(PfLink *l, PfMsg *msg, HandshakeDone done);
 /* The link ends: a check in progress stops, its result goes nowhere. */
 void handshake_cancel_check(PfLink *l);

@@ -178,6 +178,7 @@ link_free(PfLink *l)
     g_free(l->broken_why);
     g_free(l->no_uffd_why);
     g_free(l->vouch_why);
+    pf_libvirt_domain_free(l->libvirt);
     g_free(l);
 }
 
@@ -333,6 +334,36 @@ on_result(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
+/*
+ * A new VM's merge domain.  libvirt's status file of the domain, where it
+ * names this process as its QEMU, is root's word on which domain it is
+ * and what its XML says: its merge domain then, however long libvirt's
+ * hook takes to say the same (or if it never runs, as after a restart of
+ * pagefoldd).  Otherwise any process of the socket's group may have
+ * connected: a VM no root process vouched for shares with nobody until
+ * one does.
+ */
+static void
+on_ready_domain(PfLink *l, PfVm *vm)
+{
+    PfScanner *s = l->srv->scanner;
+    g_autoptr(GError) error = NULL;
+
+    if (l->libvirt != NULL && l->libvirt->merge_domain != NULL) {
+        memcpy(vm->uuid, l->libvirt->uuid, sizeof(vm->uuid));
+        if (pf_scanner_set_merge_domain(s, vm, l->libvirt->merge_domain, &error)) {
+            return;
+        }
+        g_warning("VM %s (pid %d): %s", vm->name, vm->pid, error->message);
+    } else if (l->libvirt != NULL) {
+        g_message("VM %s (pid %d): libvirt's domain: %s; it shares with no other VM", vm->name,
+                  vm->pid, l->libvirt->why_unlabelled);
+    } else if (l->peer_uid == 0 || l->peer_uid == geteuid()) {
+        return;
+    }
+    pf_scanner_set_unlabelled(s, vm);
+}
+
 /* READY: the VM is made (handshake_ready()) and given to the scanner; the
  * link sends its requests from now on. */
 static gboolean
@@ -374,12 +405,9 @@ on_ready(PfLink *l, const PfMsg *msg)
         pf_scanner_replace_vm(s, old, vm);
     } else {
         pf_scanner_add_vm(s, vm);
-        if (l->peer_uid != 0 && l->peer_uid != geteuid()) {
-            /* Any process of the socket's group may connect: a VM no root
-             * process vouched for shares with nobody until one does. */
-            pf_scanner_set_unlabelled(s, vm);
-        }
+        on_ready_domain(l, vm);
     }
+    /* In its merge domain first: pages it shared across it stop. */
     pf_scanner_adopt(s, vm);
     return TRUE;
 }

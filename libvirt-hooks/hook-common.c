@@ -3,12 +3,15 @@
  */
 #include "hook-common.h"
 
+#include <errno.h>
 #include <gio/gio.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <unistd.h>
 
 #include "client.h"
 #include "escape.h"
+#include "util.h"
 
 /* The longest wait for one control call, within HOOK_DEADLINE_MS. */
 #define CALL_TIMEOUT_MS 1000
@@ -84,4 +87,55 @@ hook_ping(Hook *h, GError **error)
     g_autoptr(JsonNode) ret = hook_control(h, req, error);
 
     return ret != NULL;
+}
+
+/* Domain XML beyond this is not read: libvirt's are a few KiB. */
+#define MAX_XML_BYTES (16u << 20)
+
+GString *
+domain_xml_read(gint64 deadline, GError **error)
+{
+    g_autoptr(GString) xml = g_string_new(NULL);
+    gboolean too_big = FALSE;
+    char buf[65536];
+
+    for (;;) {
+        struct pollfd p = { .fd = STDIN_FILENO, .events = POLLIN };
+        int r = poll(&p, 1, hook_ms_left(deadline));
+        ssize_t n;
+
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r == 0) {
+            g_set_error(error, G_IO_ERROR, G_IO_ERROR_TIMED_OUT,
+                        "the domain XML did not end within %d ms", HOOK_DEADLINE_MS);
+            return NULL;
+        }
+        n = r < 0 ? -1 : read(STDIN_FILENO, buf, sizeof(buf));
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
+            continue;
+        }
+        if (n < 0) {
+            g_set_error(error, G_IO_ERROR, g_io_error_from_errno(errno),
+                        "cannot read the domain XML: %s", g_strerror(errno));
+            return NULL;
+        }
+        if (n == 0) {
+            break;
+        }
+        if (!too_big && xml->len + (gsize)n > MAX_XML_BYTES) {
+            too_big = TRUE;
+            g_string_truncate(xml, 0);
+        }
+        if (!too_big) {
+            g_string_append_len(xml, buf, n);
+        }
+    }
+    if (too_big) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "the domain XML is larger than %u MiB", MAX_XML_BYTES >> 20);
+        return NULL;
+    }
+    return g_steal_pointer(&xml);
 }

@@ -6,8 +6,8 @@
  * whether pagefoldd answers.
  *
  * Owns nothing at run time: main() fills the Hook once.  Must never call
- * into hook.c, domain-xml.c or start-pagefoldd.c (calls go one way: hook.c
- * down into those, and all of them down into this), and never grow into a
+ * into hook.c or start-pagefoldd.c (calls go one way: hook.c down into
+ * those, and all of them down into this), and never grow into a
  * second home for what one file is about: only what more than one of them
  * needs.  Whatever uses it keeps the hook's rules (hook.c): every wait
  * bounded by the deadline, nothing on stdout.
@@ -41,6 +41,10 @@ typedef struct {
 /* Milliseconds left until deadline (monotonic µs), rounded up; 0 once it
  * passed. */
 int hook_ms_left(gint64 deadline);
+/* All of stdin, within the deadline (monotonic µs): the domain XML
+ * (domain-xml.h); NULL (and the rest drained) if it is too big.  libvirt
+ * writes it and closes the pipe. */
+GString *domain_xml_read(gint64 deadline, GError **error);
 /*
  * One line, "pagefold-hook: NAME OP SUBOP: what", on stderr and appended
  * to libvirt's log of the domain.  Control characters (from XML or

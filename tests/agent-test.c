@@ -1502,8 +1502,8 @@ test_kill_vmm(void)
  * exec only after it wrote that file).
  */
 static Vmm *
-vmm_start_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int seed,
-                  const char *extra)
+vmm_start_vouched_in(PfTestDaemon *d, const char *run_dir, const char *name, int seed,
+                     const char *extra, const char *domain_xml)
 {
     g_autofree char *status = g_strdup_printf("%s/%s.xml", run_dir, name);
     g_autofree char *guest = g_strdup_printf("guest=%s", name);
@@ -1514,9 +1514,9 @@ vmm_start_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int se
     g_autofree char *setpriv = g_find_program_in_path("setpriv");
     const char *argv[] = {
         "sh", "-c",
-        "umask 022 && printf \"<domstatus state='running' reason='booted' pid='%s'>\\n</domstatus>\\n\" "
-        "$$ >\"$0\" && exec \"$@\"",
-        status,
+        "umask 022 && printf \"<domstatus state='running' reason='booted' pid='%s'>\\n%s"
+        "</domstatus>\\n\" $$ \"$1\" >\"$0\" && shift && exec \"$@\"",
+        status, domain_xml != NULL ? domain_xml : "",
         setpriv != NULL ? setpriv : "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
         pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket", d->agent_sock,
         "--mib", mib, "--seed", seedarg, "--writers", "1", extra, NULL
@@ -1526,6 +1526,13 @@ vmm_start_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int se
     g_assert_nonnull(v);
     pf_test_daemon_wait_vmm(d, v);
     return v;
+}
+
+static Vmm *
+vmm_start_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int seed,
+                  const char *extra)
+{
+    return vmm_start_vouched_in(d, run_dir, name, seed, extra, NULL);
 }
 
 /* QEMU under libvirt is not root: the agent makes its userfaultfd from
@@ -1576,6 +1583,90 @@ test_unprivileged(void)
     pf_test_vmm_quit(b);
     pf_test_write_libvirt_status(run_dir, "u0", NULL);
     pf_test_write_libvirt_status(run_dir, "u1", NULL);
+    g_assert_cmpint(g_rmdir(run_dir), ==, 0);
+}
+
+/* The merge domain pagefoldd lists the VM in. */
+static char *
+listed_domain(PfTestDaemon *d, const char *name)
+{
+    g_autoptr(JsonObject) vm = pf_test_listed_vm(d, name);
+
+    g_assert_nonnull(vm);
+    return g_strdup(json_object_get_string_member(vm, "merge_domain"));
+}
+
+/*
+ * libvirt's QEMU, not root, whose status file holds its domain's XML with
+ * a merge domain in pagefold's <metadata>: its VM is in that domain from
+ * the moment its agent connects, with no hook to say so, and merges with
+ * the other VM of the domain.  A pagefoldd killed and started again finds
+ * both there again, and takes back the pages they shared.
+ */
+static void
+test_libvirt_domain(void)
+{
+    g_autofree char *run_dir = g_dir_make_tmp("pagefold-run-XXXXXX", NULL);
+    const char *args[] = { "--set", "run=0", "--agent-group", "nogroup", "--libvirt-run-dir",
+                           run_dir, NULL };
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start(args[0], args[1], args[2], args[3],
+                                                     args[4], args[5], NULL);
+    const char *names[2] = { "blue0", "blue1" };
+    const char *uuids[2] = { "4f0c6a4e-3a1b-4e8e-9a51-8f5a0c1d2e01",
+                             "4f0c6a4e-3a1b-4e8e-9a51-8f5a0c1d2e02" };
+    Vmm *v[2];
+    g_autoptr(JsonObject) s = NULL;
+    gint64 sharing;
+
+    g_chmod(d->dir, 0755);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *xml = g_strdup_printf(
+            "<domain type='kvm'><name>%s</name><uuid>%s</uuid><metadata>"
+            "<pagefold:config xmlns:pagefold='urn:pagefold:domain:1' merge-domain='blue'/>"
+            "</metadata><memoryBacking><source type='memfd'/><access mode='shared'/>"
+            "</memoryBacking></domain>\n",
+            names[i], uuids[i]);
+        g_autofree char *domain = NULL;
+        g_autoptr(JsonObject) vm = NULL;
+
+        v[i] = vmm_start_vouched_in(d, run_dir, names[i], i + 1, "--writes-per-sec=200", xml);
+        domain = listed_domain(d, names[i]);
+        g_assert_cmpstr(domain, ==, "blue");
+        vm = pf_test_listed_vm(d, names[i]);
+        g_assert_cmpstr(json_object_get_string_member(vm, "uuid"), ==, uuids[i]);
+    }
+    for (int i = 0; i < 40 && (s == NULL || total(s, "pages_sharing") <= IDENTICAL / 2); i++) {
+        g_clear_pointer(&s, json_object_unref);
+        s = stats(d, "scan-now", "1");
+    }
+    sharing = total(s, "pages_sharing");
+    g_assert_cmpint(sharing, >, IDENTICAL / 2);
+
+    g_subprocess_send_signal(d->proc, SIGKILL);
+    g_subprocess_wait(d->proc, NULL, NULL);
+    for (int i = 0; i < 2; i++) {
+        wait_disconnected(v[i]);
+    }
+    pf_test_daemon_restart(d, args[0], args[1], args[2], args[3], args[4], args[5], NULL);
+    g_chmod(d->dir, 0755);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *domain = NULL;
+
+        wait_merging(d, names[i]);
+        domain = listed_domain(d, names[i]);
+        g_assert_cmpstr(domain, ==, "blue");
+    }
+    g_clear_pointer(&s, json_object_unref);
+    s = stats(d, "stats", NULL);
+    /* Taken back, not merged again (it does not scan): the writers copied
+     * a few on write. */
+    g_assert_cmpint(total(s, "pages_sharing"), >, sharing * 9 / 10);
+    g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+    for (int i = 0; i < 2; i++) {
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
+        pf_test_write_libvirt_status(run_dir, names[i], NULL);
+    }
     g_assert_cmpint(g_rmdir(run_dir), ==, 0);
 }
 
@@ -1668,5 +1759,6 @@ main(int argc, char **argv)
     g_test_add_func("/agent/restart", test_restart);
     g_test_add_func("/agent/unprivileged", test_unprivileged);
     g_test_add_func("/agent/not-vouched", test_not_vouched);
+    g_test_add_func("/agent/libvirt-domain", test_libvirt_domain);
     return g_test_run();
 }

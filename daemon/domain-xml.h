@@ -1,14 +1,15 @@
 /*
- * domain-xml.h - the domain XML libvirt writes on the hook's stdin: read
- * whole within the hook's deadline (16 MiB at most), parsed strictly with
- * GMarkup, namespaces resolved, into the little the hook needs of it (a
- * Domain): its name and UUID, whether its RAM is shared memfd, whether it
- * says <nosharepages/>, and pagefold's element in its <metadata> with the
- * merge domain; and what those mean for pagefold.
+ * domain-xml.h - a libvirt domain's XML, parsed strictly with GMarkup,
+ * namespaces resolved, into the little pagefold needs of it (a Domain):
+ * its name and UUID, whether its RAM is shared memfd, whether it says
+ * <nosharepages/>, and pagefold's element in its <metadata> with the
+ * merge domain; and what those mean for pagefold.  The libvirt hook reads
+ * the XML libvirt writes on its stdin; pagefoldd reads libvirt's status
+ * file of a domain (libvirt-status.h), which holds the same <domain>.
  *
  * Owns the strings of the Domain it fills (domain_clear()).  Must never
- * touch pagefoldd, the file system or any descriptor but stdin, and never
- * read a DTD or expand an external entity (GMarkup does neither).
+ * touch pagefoldd, a file or a descriptor, and never read a DTD or expand
+ * an external entity (GMarkup does neither).
  */
 #pragma once
 
@@ -32,15 +33,16 @@ typedef struct {
 void domain_clear(Domain *d);
 G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC(Domain, domain_clear)
 
-/* All of stdin, within the deadline (monotonic µs); NULL (and the rest
- * drained) if it is too big.  libvirt writes the XML and closes the pipe. */
-GString *domain_xml_read(gint64 deadline, GError **error);
 /*
  * The domain XML, strictly: well-formed, namespaces declared, root
  * libvirt's <domain>, one <name> that is argv's NAME and one valid
  * <uuid>.  GMarkup expands no external entities and reads no DTD.
  */
 gboolean domain_xml_parse(const char *name, const GString *xml, Domain *dom, GError **error);
+/* The same of a status file: <domstatus pid='N'> around the <domain>; *pid
+ * is N. */
+gboolean domain_status_parse(const char *name, const GString *xml, Domain *dom, int *pid,
+                             GError **error);
 /* RAM pagefold can merge: memfd, shared (all of it, or some NUMA cells;
  * pagefoldd takes what it finds shared). */
 gboolean domain_is_ours(const Domain *d);

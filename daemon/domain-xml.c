@@ -1,31 +1,21 @@
 /*
- * domain-xml.c - the domain XML on the hook's stdin (see domain-xml.h):
- * read whole within the deadline, then parsed by GMarkup, which leaves
- * namespaces to its user, so this file resolves them itself (a stack of
- * frames, one per open element, with the declarations made on it) and
- * keeps only the few elements the hook looks at.
+ * domain-xml.c - a libvirt domain's XML (see domain-xml.h), as the hook
+ * reads it on its stdin or pagefoldd in libvirt's status file, parsed by
+ * GMarkup, which leaves namespaces to its user, so this file resolves them
+ * itself (a stack of frames, one per open element, with the declarations
+ * made on it) and keeps only the few elements pagefold looks at.
  *
  * Owns the frames of one parse, and the strings of the Domain it fills
- * (domain_clear()).  Must never touch pagefoldd, the file system or any
- * descriptor but stdin, never wait past the deadline it is given, never
- * read a DTD or expand an external entity, and never call into hook.c or
- * start-pagefoldd.c: what it needs of the hook comes as arguments (the
- * deadline, argv's NAME), and it only calls down into hook-common.c.
+ * (domain_clear()).  Must never touch pagefoldd, a file or a descriptor
+ * (its callers read the XML), never read a DTD or expand an external
+ * entity.
  */
 #include "domain-xml.h"
 
-#include <errno.h>
-#include <gio/gio.h>
-#include <poll.h>
 #include <string.h>
-#include <unistd.h>
 
-#include "hook-common.h"
 #include "label.h"
 #include "util.h"
-
-/* Domain XML beyond this is not read: libvirt's are a few KiB. */
-#define MAX_XML_BYTES (16u << 20)
 
 void
 domain_clear(Domain *d)
@@ -33,54 +23,6 @@ domain_clear(Domain *d)
     g_free(d->name);
     g_free(d->uuid);
     g_free(d->merge_domain);
-}
-
-GString *
-domain_xml_read(gint64 deadline, GError **error)
-{
-    g_autoptr(GString) xml = g_string_new(NULL);
-    gboolean too_big = FALSE;
-    char buf[65536];
-
-    for (;;) {
-        struct pollfd p = { .fd = STDIN_FILENO, .events = POLLIN };
-        int r = poll(&p, 1, hook_ms_left(deadline));
-        ssize_t n;
-
-        if (r < 0 && errno == EINTR) {
-            continue;
-        }
-        if (r == 0) {
-            g_set_error(error, G_IO_ERROR, G_IO_ERROR_TIMED_OUT,
-                        "the domain XML did not end within %d ms", HOOK_DEADLINE_MS);
-            return NULL;
-        }
-        n = r < 0 ? -1 : read(STDIN_FILENO, buf, sizeof(buf));
-        if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
-            continue;
-        }
-        if (n < 0) {
-            g_set_error(error, G_IO_ERROR, g_io_error_from_errno(errno),
-                        "cannot read the domain XML: %s", g_strerror(errno));
-            return NULL;
-        }
-        if (n == 0) {
-            break;
-        }
-        if (!too_big && xml->len + (gsize)n > MAX_XML_BYTES) {
-            too_big = TRUE;
-            g_string_truncate(xml, 0);
-        }
-        if (!too_big) {
-            g_string_append_len(xml, buf, n);
-        }
-    }
-    if (too_big) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "the domain XML is larger than %u MiB", MAX_XML_BYTES >> 20);
-        return NULL;
-    }
-    return g_steal_pointer(&xml);
 }
 
 typedef struct {
@@ -100,6 +42,11 @@ typedef struct {
     guint n_roots;
     guint n_name, n_uuid, n_source, n_access;
     Domain *dom;
+    /* A status file: <domstatus pid='N'> holds the <domain>, one level
+     * down; *pid from its attribute. */
+    gboolean status;
+    guint n_domains;
+    int *pid;
 } Parse;
 
 static void
@@ -279,19 +226,35 @@ resolve_names(Parse *p, Frame *f, const char *element, const char **names, GErro
     return TRUE;
 }
 
-/* The root: one, and libvirt's <domain>. */
+/* The root: one, and libvirt's <domain>, or <domstatus> in a status
+ * file, with the QEMU's pid. */
 static void
-note_root(Parse *p, Frame *f, const char *element, GError **error)
+note_root(Parse *p, Frame *f, const char *element, const char **names, const char **values,
+          GError **error)
 {
+    const char *want = p->status ? "domstatus" : "domain";
+    guint64 pid;
+
     if (++p->n_roots > 1) {
         g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
                     "more than one root element");
         return;
     }
-    if (!is_plain(f, "domain")) {
+    if (!is_plain(f, want)) {
         g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
-                    "the root element is <%s>%s%s, not libvirt's <domain>", element,
-                    f->ns ? " of namespace " : "", f->ns ? f->ns : "");
+                    "the root element is <%s>%s%s, not libvirt's <%s>", element,
+                    f->ns ? " of namespace " : "", f->ns ? f->ns : "", want);
+        return;
+    }
+    if (p->status) {
+        const char *text = attr(names, values, "pid");
+
+        if (text == NULL || !pf_parse_u64(text, 1, G_MAXINT, &pid, NULL)) {
+            g_set_error(error, G_MARKUP_ERROR, G_MARKUP_ERROR_INVALID_CONTENT,
+                        "<domstatus pid=...> is no process id");
+            return;
+        }
+        *p->pid = (int)pid;
     }
 }
 
@@ -352,8 +315,21 @@ note_element(Parse *p, Frame *f, const char *element, const char **names,
     Frame *parent = ancestor(p, 0), *grandparent = ancestor(p, 1);
 
     if (depth == 0) {
-        note_root(p, f, element, error);
-    } else if (depth == 1) {
+        note_root(p, f, element, names, values, error);
+        return;
+    }
+    if (p->status) {
+        /* The status file's <domain>, once; only what is in it counts. */
+        if (depth == 1 && is_plain(f, "domain")) {
+            set_once(&p->n_domains, "<domstatus><domain>", error);
+        }
+        if (depth == 1 || p->stack->len < 2 ||
+            !is_plain(g_ptr_array_index(p->stack, 1), "domain")) {
+            return;
+        }
+        depth--;
+    }
+    if (depth == 1) {
         note_name_or_uuid(p, f, error);
     } else if (depth == 2 && is_plain(parent, "memoryBacking")) {
         note_memory_backing(p, f, names, values, error);
@@ -391,7 +367,7 @@ on_end(GMarkupParseContext *ctx, const char *element, gpointer user, GError **er
     Parse *p = user;
     Frame *f = g_ptr_array_steal_index(p->stack, p->stack->len - 1);
 
-    if (f->text != NULL && p->stack->len == 1) {
+    if (f->text != NULL && p->stack->len == (p->status ? 2u : 1u)) {
         if (g_str_equal(f->local, "name")) {
             p->dom->name = g_strdup(f->text->str);
         } else {
@@ -412,12 +388,12 @@ on_text(GMarkupParseContext *ctx, const char *text, gsize len, gpointer user, GE
     }
 }
 
-gboolean
-domain_xml_parse(const char *name, const GString *xml, Domain *dom, GError **error)
+static gboolean
+parse(const char *name, const GString *xml, Domain *dom, int *pid, GError **error)
 {
     static const GMarkupParser parser = { on_start, on_end, on_text, NULL, NULL };
     g_autoptr(GPtrArray) stack = g_ptr_array_new_with_free_func((GDestroyNotify)frame_free);
-    Parse p = { .stack = stack, .dom = dom };
+    Parse p = { .stack = stack, .dom = dom, .status = pid != NULL, .pid = pid };
     g_autoptr(GMarkupParseContext) ctx =
         g_markup_parse_context_new(&parser, G_MARKUP_PREFIX_ERROR_POSITION, &p, NULL);
     g_autoptr(GError) local = NULL;
@@ -432,6 +408,11 @@ domain_xml_parse(const char *name, const GString *xml, Domain *dom, GError **err
     }
     if (p.n_roots == 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, "empty domain XML");
+        return FALSE;
+    }
+    if (p.status && p.n_domains == 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "the status file holds no <domain>");
         return FALSE;
     }
     if (dom->name == NULL) {
@@ -456,6 +437,20 @@ domain_xml_parse(const char *name, const GString *xml, Domain *dom, GError **err
     g_free(dom->uuid);
     dom->uuid = g_strdup(pf_uuid_format(uuid, text));
     return TRUE;
+}
+
+gboolean
+domain_xml_parse(const char *name, const GString *xml, Domain *dom, GError **error)
+{
+    return parse(name, xml, dom, NULL, error);
+}
+
+gboolean
+domain_status_parse(const char *name, const GString *xml, Domain *dom, int *pid,
+                    GError **error)
+{
+    *pid = 0;
+    return parse(name, xml, dom, pid, error);
 }
 
 gboolean
