@@ -89,6 +89,8 @@ struct _PfAgent {
     char *connect_to; /* pagefoldd's queue was full: the agent thread
                        * connects, trying again until it may */
     char *socket_path; /* pagefoldd's, connected to again when it goes */
+    gboolean parted;   /* either side said ERROR: not connected again (under
+                        * work) */
     int relink_ms;     /* the last wait before connecting again */
     int uffd;
     gboolean uffd_lost; /* closed because protection could not be lifted */
@@ -136,6 +138,8 @@ void pfa_set_mode(PfAgent *a, PfMode mode, const char *reason);
 /* agent-outbox.c */
 void pfa_post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload,
               gsize length, int fd);
+/* ERROR, and the agent parts from pagefoldd for good.  Called with work
+ * held. */
 void pfa_post_error(PfAgent *a, const char *text);
 gboolean pfa_flush(PfAgent *a, GError **error);
 void pfa_outgoing_free(gpointer p);
@@ -150,7 +154,9 @@ void pfa_region_protect(PfAgent *a, Region *r);
 void pfa_say_refused(PfAgent *a, const Region *r);
 gboolean pfa_uffd_setup(PfAgent *a, int dev_fd, char **why);
 /* The userfaultfd made for an earlier link: every region write-protected
- * again (those plugged in since too), as pfa_uffd_setup() does. */
+ * again (those plugged in since too), as pfa_uffd_setup() does; on
+ * failure, why, the userfaultfd kept (merged pages may need it to fold
+ * back). */
 gboolean pfa_uffd_resume(PfAgent *a, char **why);
 
 /* agent-dma.c */

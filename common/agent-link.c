@@ -22,20 +22,19 @@
 #include <unistd.h>
 
 #define HANDSHAKE_MS 10000
-/* A link that lasted this long was no failure: relink() waits from 10 ms
- * again (a pagefoldd that takes VMs and drops them at once is tried at most
- * every 5 s). */
-#define RELINK_RESET_USEC G_USEC_PER_SEC
 
 static gboolean
-recv_expect(int sock, PfMsg *msg, PfMsgType type, GError **error)
+recv_expect(PfAgent *a, PfMsg *msg, PfMsgType type, GError **error)
 {
-    if (!pf_proto_recv(sock, msg, error)) {
+    if (!pf_proto_recv(a->sock, msg, error)) {
         return FALSE;
     }
     if (msg->header.type == PF_MSG_ERROR) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pagefoldd refused: %.*s",
                     (int)msg->header.length, (const char *)msg->payload);
+        g_mutex_lock(&a->work);
+        a->parted = TRUE;
+        g_mutex_unlock(&a->work);
         return FALSE;
     }
     if (msg->header.type != type) {
@@ -251,6 +250,7 @@ handshake(PfAgent *a, GError **error)
 {
     g_autofree PfMsg *msg = g_new0(PfMsg, 1);
     PfWireHello hello = { 0 };
+    gboolean stepped_back;
     int dev_fd = -1;
 
     g_mutex_lock(&a->work);
@@ -265,14 +265,17 @@ handshake(PfAgent *a, GError **error)
     }
     g_mutex_unlock(&a->work);
     if (!pfa_flush(a, error) || !wait_readable(a, HANDSHAKE_MS, error) ||
-        !recv_expect(a->sock, msg, PF_MSG_WELCOME, error)) {
+        !recv_expect(a, msg, PF_MSG_WELCOME, error)) {
         return FALSE;
     }
     if (msg->n_fds == 1) {
         dev_fd = msg->fds[0];
         msg->n_fds = 0;
     }
-    if (pf_msg_mode(msg)->mode != PF_MODE_MERGE || a->advise_reason != NULL) {
+    g_mutex_lock(&a->work);
+    stepped_back = a->advise_reason != NULL;
+    g_mutex_unlock(&a->work);
+    if (pf_msg_mode(msg)->mode != PF_MODE_MERGE || stepped_back) {
         fold_back_untracked(a);
     }
     g_mutex_lock(&a->work);
@@ -313,8 +316,9 @@ relink(PfAgent *a)
     g_mutex_unlock(&a->out);
     pfa_set_connected(a, FALSE);
     g_ptr_array_set_size(a->chunks, 0); /* pfa_chunk_free() */
+    /* a->announced stays: regions told before are pagefoldd's to hear of
+     * as gone (a new HELLO announces them all again). */
     a->ready = FALSE;
-    a->announced = 0;
     for (guint i = 0; i < a->regions->len; i++) {
         g_array_index(a->regions, Region, i).gone_untold = FALSE;
     }
@@ -356,6 +360,21 @@ relink(PfAgent *a)
     return TRUE;
 }
 
+/* Either side said ERROR: pagefoldd let go of this VM (root detached it,
+ * it answered too slowly, it kept dropped chunks) or refused it, or the
+ * agent gave up on pagefoldd.  It stays unattached: only a link that just
+ * broke (pagefoldd died, restarted, was upgraded) is made again. */
+static gboolean
+parted(PfAgent *a)
+{
+    gboolean p;
+
+    g_mutex_lock(&a->work);
+    p = a->parted;
+    g_mutex_unlock(&a->work);
+    return p;
+}
+
 /* pf_agent_free() stops the agent: a send it cut short is no news. */
 static gboolean
 stopping(PfAgent *a)
@@ -383,6 +402,7 @@ pfa_dispatch(PfAgent *a, PfMsg *msg, GError **error)
     case PF_MSG_ERROR:
         g_warning("pagefold agent: pagefoldd says: %.*s",
                   (int)msg->header.length, (const char *)msg->payload);
+        a->parted = TRUE;
         return FALSE;
     default:
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
@@ -409,12 +429,17 @@ serve(PfAgent *a)
             return;
         }
         if (!pf_proto_recv(a->sock, msg, &error)) {
-            if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED)) {
+            /* A message pagefoldd should never have sent: the agent gives
+             * up on it.  The socket failing (pagefoldd died with data
+             * unread: ECONNRESET) is a link that broke. */
+            if (g_error_matches(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT)) {
                 g_warning("pagefold agent: %s; disconnecting", error->message);
                 g_mutex_lock(&a->work);
                 pfa_post_error(a, error->message);
                 g_mutex_unlock(&a->work);
                 (void)pfa_flush(a, NULL);
+            } else if (!g_error_matches(error, PF_ERROR, PF_ERROR_CLOSED)) {
+                g_message("pagefold agent: %s; disconnecting", error->message);
             }
             return;
         }
@@ -446,6 +471,7 @@ agent_thread(gpointer data)
     PfAgent *a = data;
     g_autoptr(GError) error = NULL;
     gboolean ok = (a->connect_to == NULL || connect_later(a, &error)) && handshake(a, &error);
+    gboolean said_failure = !ok;
 
     if (!ok) {
         g_autofree char *why = g_strdup_printf("not attached to pagefoldd: %s",
@@ -468,24 +494,23 @@ agent_thread(gpointer data)
     g_cond_broadcast(&a->settled_cond);
     g_mutex_unlock(&a->lock);
     for (;;) {
-        gint64 since = g_get_monotonic_time();
-
         if (ok) {
+            /* A pagefoldd that took the VM: the next try after 10 ms. */
+            a->relink_ms = 0;
             serve(a);
         }
-        /* A link that lasted starts the next try over from 10 ms. */
-        if (ok && g_get_monotonic_time() - since > RELINK_RESET_USEC) {
-            a->relink_ms = 0;
-        }
         g_clear_error(&error);
-        if (stopping(a) || !relink(a)) {
+        if (stopping(a) || parted(a) || !relink(a)) {
             break;
         }
         ok = handshake(a, &error);
         if (ok) {
             g_message("pagefold agent: VM %s attached to pagefoldd again", a->name);
-        } else if (!stopping(a)) {
+            said_failure = FALSE;
+        } else if (!stopping(a) && !said_failure) {
+            /* Once until it works: it tries every 5 s for as long. */
             g_message("pagefold agent: VM %s: %s; trying again", a->name, error->message);
+            said_failure = TRUE;
         }
     }
     /* Under the work lock: nothing is queued once it ends. */

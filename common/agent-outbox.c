@@ -93,6 +93,8 @@ pfa_post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload,
 void
 pfa_post_error(PfAgent *a, const char *text)
 {
+    /* The agent gives up on this pagefoldd: no link is made again. */
+    a->parted = TRUE;
     pfa_post(a, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), -1);
 }
 

@@ -42,7 +42,9 @@ tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was)
             back |= (was[run / 64] >> (run % 64)) & 1;
             run++;
         }
-        if (back) {
+        /* Before READY (a link after the first) pagefoldd reads the
+         * process's mappings as they are: no news. */
+        if (back && a->ready) {
             wr.n_pages = run - k;
             pfa_post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);
         }
@@ -179,7 +181,10 @@ step_back_end(PfAgent *a, int rc, gboolean final)
             close(a->uffd);
             a->uffd = -1;
         }
-        if (a->advise_untold) {
+        if (a->advise_untold && !a->ready) {
+            /* READY says so: the next link's, or this one's to come. */
+            a->advise_untold = FALSE;
+        } else if (a->advise_untold) {
             pf_wire_set_string(m.reason, sizeof(m.reason), a->reason);
             pfa_post(a, PF_MSG_ADVISE, 0, &m, sizeof(m), -1);
             a->advise_untold = FALSE;
@@ -274,7 +279,7 @@ pf_agent_discard(PfAgent *a, void *host, gsize len)
         }
         wr.page = first;
         wr.n_pages = stop - first;
-        if (wr.n_pages > 0) {
+        if (wr.n_pages > 0 && a->ready) {
             pfa_post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);
         }
     }

@@ -243,6 +243,7 @@ pfa_region_protect(PfAgent *a, Region *r)
 {
     int rc;
 
+    g_free(r->refused);
     r->refused = region_unsafe(r);
     if (r->refused == NULL) {
         rc = pfa_uffd_register(a, r->host, r->size);
@@ -346,11 +347,6 @@ any_region_merges(PfAgent *a, char **why)
     return FALSE;
 }
 
-/*
- * Makes the userfaultfd and registers guest RAM for write protection; on
- * failure says why the VM must stay in advise mode, and holds nothing
- * registered (postcopy or a background snapshot may want it later).
- */
 gboolean
 pfa_uffd_resume(PfAgent *a, char **why)
 {
@@ -365,6 +361,11 @@ pfa_uffd_resume(PfAgent *a, char **why)
     return any_region_merges(a, why);
 }
 
+/*
+ * Makes the userfaultfd and registers guest RAM for write protection; on
+ * failure says why the VM must stay in advise mode, and holds nothing
+ * registered (postcopy or a background snapshot may want it later).
+ */
 gboolean
 pfa_uffd_setup(PfAgent *a, int dev_fd, char **why)
 {

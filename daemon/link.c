@@ -706,7 +706,7 @@ answer_timeout_cb(gpointer user)
     }
     why = g_strdup_printf("its agent answered none of %zu request item(s) in %u s",
                           pf_outbox_n_sent(l->vm->outbox), l->srv->answer_timeout_ms / 1000);
-    link_send_error(l, why);
+    /* The agent hears why (srv_vm_gone()). */
     link_close(l, why);
     return G_SOURCE_REMOVE;
 }
@@ -887,7 +887,8 @@ accept_one(PfLinkServer *srv, int sock)
 /* ---- the scanner's listener ---- */
 
 /* The VM of a link goes (its process exited, root detached it, or the
- * link itself detached it): the link ends with it. */
+ * link itself detached it): the link ends with it, saying why, so that
+ * the agent does not connect again as it does when pagefoldd goes. */
 static void
 srv_vm_gone(PfScanner *s, PfVm *vm, const char *why, gpointer user)
 {
@@ -895,6 +896,9 @@ srv_vm_gone(PfScanner *s, PfVm *vm, const char *why, gpointer user)
     PfLink *l = g_hash_table_lookup(srv->running, vm);
 
     if (l != NULL) {
+        g_autofree char *text = g_strdup_printf("pagefoldd let go of this VM: %s", why);
+
+        link_send_error(l, text);
         link_end(l);
     }
 }

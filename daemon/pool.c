@@ -59,6 +59,7 @@ struct _PfPool {
     gsize bytes;
     guint n_evacuating;
     gboolean unmarked; /* a chunk could not be marked: said once */
+    GHashTable *by_ino; /* its memfd's inode (guint64*) -> chunk id */
     PfPoolChunkFunc new_chunk, drop_chunk;
     gpointer user;
 };
@@ -120,6 +121,7 @@ place_chunk(PfPool *p, Chunk *c, Set *set)
         g_ptr_array_add(set->chunks, c);
     }
     g_ptr_array_index(p->chunks, c->pub.id) = c;
+    g_hash_table_insert(p->by_ino, &c->pub.ino, GUINT_TO_POINTER(c->pub.id));
     if (p->new_chunk != NULL) {
         p->new_chunk(&c->pub, p->user);
     }
@@ -134,6 +136,7 @@ pf_pool_new(PfPoolChunkFunc new_chunk, PfPoolChunkFunc drop_chunk, gpointer user
     p->free_ids = g_array_new(FALSE, FALSE, sizeof(guint32));
     p->sets = g_hash_table_new_full(g_str_hash, g_str_equal, NULL, set_free);
     p->refs = g_array_new(FALSE, TRUE, sizeof(guint32));
+    p->by_ino = g_hash_table_new(g_int64_hash, g_int64_equal);
     g_array_set_size(p->refs, 1);
     p->new_chunk = new_chunk;
     p->drop_chunk = drop_chunk;
@@ -147,6 +150,7 @@ pf_pool_free(PfPool *p)
     if (p == NULL) {
         return;
     }
+    g_hash_table_unref(p->by_ino);
     g_ptr_array_unref(p->chunks);
     g_array_unref(p->free_ids);
     g_hash_table_unref(p->sets);
@@ -170,6 +174,7 @@ chunk_of(PfPool *p, guint32 slot)
 }
 
 static Set *find_set(PfPool *p, const guint32 *vms, guint n_vms);
+static void drop_chunk(PfPool *p, Chunk *c);
 
 /* A sealed memfd, mapped writable by us before the seal, and marked as
  * the pool's where only root can mark (pf_pool_adopt_chunk()). */
@@ -251,14 +256,23 @@ pf_pool_is_marked(int fd, gboolean *zero)
 guint32
 pf_pool_find_ino(PfPool *p, guint64 ino)
 {
-    for (guint i = 1; i < p->chunks->len; i++) {
-        Chunk *c = g_ptr_array_index(p->chunks, i);
+    return GPOINTER_TO_UINT(g_hash_table_lookup(p->by_ino, &ino));
+}
 
-        if (c != NULL && c->pub.ino == ino) {
-            return i;
-        }
+void
+pf_pool_adopted_settle(PfPool *p, guint32 chunk)
+{
+    Chunk *c = chunk_at(p, chunk);
+
+    if (c == NULL || !c->adopted) {
+        return;
     }
-    return 0;
+    if (c->live == 0) {
+        drop_chunk(p, c);
+    } else if (!c->evacuating && c->live * 4 <= SLOTS) {
+        c->evacuating = TRUE;
+        p->n_evacuating++;
+    }
 }
 
 guint32
@@ -345,6 +359,7 @@ drop_chunk(PfPool *p, Chunk *c)
     }
     g_array_append_val(p->free_ids, c->pub.id);
     g_ptr_array_index(p->chunks, c->pub.id) = NULL;
+    g_hash_table_remove(p->by_ino, &c->pub.ino);
     chunk_free(c);
 }
 

@@ -243,10 +243,37 @@ pf_pool_mapped_free(PfPoolMapped *m)
     g_free(m);
 }
 
+/* Pool chunk descriptors the checks of all links hold, until their VMs
+ * take their pages back or their links end: a peer whose process maps
+ * thousands of chunks (or many such peers at once) must not take every
+ * descriptor pagefoldd may have. */
+static gint held_chunk_fds;
+
+/* The device of every memfd, pool chunks among them; 0 if none can be
+ * made. */
+static dev_t
+memfd_dev(void)
+{
+    static gsize dev;
+
+    if (g_once_init_enter(&dev)) {
+        struct stat st;
+        int fd = memfd_create("pagefold-probe", MFD_CLOEXEC);
+        gsize d = fd >= 0 && fstat(fd, &st) == 0 ? (gsize)st.st_dev + 1 : 1;
+
+        if (fd >= 0) {
+            close(fd);
+        }
+        g_once_init_leave(&dev, d);
+    }
+    return (dev_t)(dev - 1);
+}
+
 static void
 close_fd(gpointer p)
 {
     close(GPOINTER_TO_INT(p));
+    g_atomic_int_dec_and_test(&held_chunk_fds);
 }
 
 /*
@@ -259,6 +286,7 @@ static gboolean
 check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, guint64 at,
              guint64 end, PfPoolMapped **pooled, GError **error)
 {
+    dev_t shm_dev = memfd_dev();
     g_autofree char *entry = g_strdup_printf("map_files/%" G_GINT64_MODIFIER "x-%"
                                              G_GINT64_MODIFIER "x", v->start, v->end);
     guint64 until = MIN(v->end, end), index = v->offset / PF_PAGE_SIZE +
@@ -273,23 +301,34 @@ check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, gu
         known = g_hash_table_lookup((*pooled)->fds, &run.ino);
     }
     if (known == NULL) {
-        fd = openat(proc_dir, entry, O_RDONLY | O_CLOEXEC);
-        if (fd < 0 || fstat(fd, &st) < 0 || st.st_ino != v->ino ||
-            makedev(v->major, v->minor) != st.st_dev ||
-            !pf_pool_is_marked(fd, &run.zero)) {
+        /* Only a memfd is opened: not a device node, nor a file of a
+         * file system that may block. */
+        if (shm_dev == 0 || makedev(v->major, v->minor) != shm_dev || v->ino == 0) {
+            return refuse_region(error, "region %s: the process maps another file at %#"
+                                 G_GINT64_MODIFIER "x, privately", name, at);
+        }
+        if ((*pooled != NULL && g_hash_table_size((*pooled)->fds) >= PF_MAX_POOLED_CHUNKS) ||
+            g_atomic_int_get(&held_chunk_fds) >= PF_MAX_POOLED_CHUNKS_ALL) {
+            return refuse_region(error, "region %s: the process maps more pool chunks than "
+                                 "pagefoldd takes back at a time", name);
+        }
+        fd = openat(proc_dir, entry, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+        if (fd < 0 || fstat(fd, &st) < 0 || st.st_ino != v->ino || st.st_dev != shm_dev ||
+            !S_ISREG(st.st_mode) || !pf_pool_is_marked(fd, &run.zero)) {
             if (fd >= 0) {
                 close(fd);
             }
             return refuse_region(error, "region %s: the process maps another file at %#"
                                  G_GINT64_MODIFIER "x, privately", name, at);
         }
+        g_atomic_int_inc(&held_chunk_fds);
     } else {
         fd = GPOINTER_TO_INT(known);
         (void)pf_pool_is_marked(fd, &run.zero); /* it was, and stays so */
     }
     if (v->offset % PF_PAGE_SIZE || index + run.n_pages > PF_POOL_CHUNK_SLOTS) {
         if (known == NULL) {
-            close(fd);
+            close_fd(GINT_TO_POINTER(fd));
         }
         return refuse_region(error, "region %s: the process maps a pool chunk at %#"
                              G_GINT64_MODIFIER "x beyond its end", name, at);

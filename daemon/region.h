@@ -47,11 +47,19 @@ typedef struct {
     gboolean zero;   /* the zero chunk */
 } PfPoolRun;
 
+/* The most pool chunks one region's check keeps open, and all checks at
+ * once: a region past either is refused (its merged pages stay, uncounted). */
+#define PF_MAX_POOLED_CHUNKS 16384
+#define PF_MAX_POOLED_CHUNKS_ALL 131072
+
 /* What a region's check found its process maps from pool chunks. */
 typedef struct {
     GArray *runs;    /* PfPoolRun, in page order */
     GHashTable *fds; /* ino (guint64*) -> the chunk's memfd (int, owned),
                       * opened through the process's map_files */
+    guint at_run;    /* how far the scanner took them back (scan-adopt.c) */
+    gsize at_page;
+    gsize shared, zero, refused; /* ... and how many so far */
 } PfPoolMapped;
 
 void pf_pool_mapped_free(PfPoolMapped *m);

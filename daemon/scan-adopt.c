@@ -9,13 +9,23 @@
  * under its new id.  Nothing is copied or unmerged, but a page that would
  * now share across merge domains: it is folded back.
  *
+ * A VM of a TiB may have a few hundred million pages to take back, and a
+ * peer may connect again and again: they are taken back ADOPT_PAGES at a
+ * time from an idle source of the main loop, which runs between its other
+ * work.  Until then a page is a hole the scanner passes over, as it passes
+ * over every merged page.
+ *
  * Owns the node of each slot of an adopted chunk (the next VM that maps
- * the slot joins that node, however full: one node per slot, as the
- * ledger counts).  Never takes a page the process does not map from a
- * marked chunk, and never fills or zeroes a slot of an adopted chunk
- * (pool.h).
+ * the slot joins that node, up to what a node can hold), and the idle
+ * source.  Never takes a page the process does not map from a marked
+ * chunk, and never fills or zeroes a slot of an adopted chunk (pool.h).
  */
 #include "scan-internal.h"
+
+/* Pages taken back per turn of the main loop: a few milliseconds. */
+#define ADOPT_PAGES 32768u
+/* Members a node may have (tree.c keeps 16-bit member indexes). */
+#define ADOPT_MAX_MEMBERS (G_MAXUINT16 - 1u)
 
 /* The node of each slot of an adopted chunk, made by the first VM that
  * maps the slot: guint32[PF_POOL_CHUNK_SLOTS] by chunk id. */
@@ -44,18 +54,13 @@ run_chunk(PfScanner *s, PfVm *vm, const PfPoolMapped *pooled, const PfPoolRun *r
 {
     PfPool *pool = pf_scanner_get_pool(s);
     guint32 chunk = pf_pool_find_ino(pool, run->ino);
-    g_autoptr(GError) error = NULL;
 
     if (chunk == 0) {
         int fd = GPOINTER_TO_INT(g_hash_table_lookup(pooled->fds, &run->ino));
 
-        /* pf_pool_adopt_chunk() sends it to the VM, as any new chunk. */
-        chunk = pf_pool_adopt_chunk(pool, fd, vm->serial, &error);
-        if (chunk == 0) {
-            g_warning("VM %s: a pool chunk it maps cannot be taken back: %s", vm->name,
-                      error->message);
-        }
-        return chunk;
+        /* pf_pool_adopt_chunk() sends it to the VM, as any new chunk;
+         * failing, the run stays merged, uncounted (said at the end). */
+        return pf_pool_adopt_chunk(pool, fd, vm->serial, NULL);
     }
     /* One of this pagefoldd's own: the VM's agent lost its link to this
      * very pagefoldd, whose leftover holds its slots until the process
@@ -69,27 +74,31 @@ run_chunk(PfScanner *s, PfVm *vm, const PfPoolMapped *pooled, const PfPoolRun *r
     return chunk;
 }
 
-/* Page idx maps slot of chunk: a member of the slot's node. */
-static void
+/* Page idx maps slot index of chunk: a member of the slot's node.  FALSE
+ * when it cannot be (its node is full, or no memory for its record): it
+ * stays merged, uncounted. */
+static gboolean
 adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
 {
     PfPool *pool = s->pool;
     guint32 *nodes = slot_nodes(s, chunk);
     guint32 slot = chunk * PF_POOL_CHUNK_SLOTS + index + 1, node = nodes[index];
-    PfPage *p = pf_region_page_make(r, idx);
     const PfStableNode *n = node != 0 ? node_at(s, node) : NULL;
+    PfPage *p;
 
+    if (n != NULL && n->live && n->slot == slot && n->n_members >= ADOPT_MAX_MEMBERS) {
+        return FALSE;
+    }
+    p = pf_region_page_make(r, idx);
     if (p == NULL || p->state != PF_PAGE_ABSENT) {
-        return; /* no memory for its record: it stays merged, uncounted */
+        return FALSE;
     }
     if (n == NULL || !n->live || n->slot != slot) {
         /* A slot with no node has no reference either: the node's own
          * is its first. */
         if (!pf_pool_adopt_slot(pool, slot)) {
-            g_warning("VM %s: pool slot %u is held without a node; page %zu not taken back",
-                      r->vm->name, slot, idx);
             pf_pool_unref(pool, slot);
-            return;
+            return FALSE;
         }
         node = pf_stable_tree_create(&s->stable, s->hash(pf_pool_data(pool, slot)), slot,
                                      pf_vm_domain_key(r->vm));
@@ -105,57 +114,121 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
          * pagefoldd, or by one that has no domain yet: no more. */
         pf_scanner_end_sharing(s, r, idx);
     }
+    return TRUE;
 }
 
 /* Page idx maps a slot of an earlier pagefoldd's zero chunk: a zero page,
  * as if it mapped this pagefoldd's (no reference is held on either). */
-static void
+static gboolean
 adopt_zero(PfScanner *s, PfRegion *r, gsize idx)
 {
     PfPage *p = pf_region_page_make(r, idx);
 
-    if (p != NULL && p->state == PF_PAGE_ABSENT) {
-        p->checksum = s->zero_checksum;
-        mark_merged(r, p, PF_PAGE_ZERO);
+    if (p == NULL || p->state != PF_PAGE_ABSENT) {
+        return FALSE;
     }
+    p->checksum = s->zero_checksum;
+    mark_merged(r, p, PF_PAGE_ZERO);
+    return TRUE;
+}
+
+/* Region r is taken back: its chunks settle, and it is said. */
+static void
+region_adopted(PfScanner *s, PfRegion *r)
+{
+    g_autoptr(PfPoolMapped) pooled = g_steal_pointer(&r->pooled);
+    GHashTableIter it;
+    gpointer ino;
+
+    g_hash_table_iter_init(&it, pooled->fds);
+    while (g_hash_table_iter_next(&it, &ino, NULL)) {
+        PfPool *pool = pf_scanner_get_pool(s);
+
+        pf_pool_adopted_settle(pool, pf_pool_find_ino(pool, *(guint64 *)ino));
+    }
+    g_message("VM %s (pid %d): region %u: took back %zu merged page(s) and %zu zero page(s) "
+              "on %u pool chunk(s) of an earlier pagefoldd%s",
+              r->vm->name, r->vm->pid, r->index, pooled->shared, pooled->zero,
+              g_hash_table_size(pooled->fds),
+              pooled->refused > 0 ? "; some stay merged, uncounted" : "");
+}
+
+/* Takes back up to *budget pages of region r (its agent's VM merging). */
+static void
+adopt_region(PfScanner *s, PfRegion *r, guint *budget)
+{
+    PfPoolMapped *m = r->pooled;
+
+    while (m->at_run < m->runs->len && *budget > 0) {
+        const PfPoolRun *run = &g_array_index(m->runs, PfPoolRun, m->at_run);
+        guint32 chunk = run->zero ? 0 : run_chunk(s, r->vm, m, run);
+
+        if (!run->zero && chunk == 0) {
+            m->refused += run->n_pages - m->at_page;
+            m->at_page = run->n_pages;
+        }
+        for (; m->at_page < run->n_pages && *budget > 0; m->at_page++, (*budget)--) {
+            gsize idx = run->page + m->at_page;
+
+            if (run->zero ? adopt_zero(s, r, idx)
+                          : adopt_page(s, r, idx, chunk, run->index + (guint32)m->at_page)) {
+                (*(run->zero ? &m->zero : &m->shared))++;
+            } else {
+                m->refused++;
+            }
+        }
+        if (m->at_page == run->n_pages) {
+            m->at_run++;
+            m->at_page = 0;
+        }
+    }
+    if (m->at_run == m->runs->len) {
+        region_adopted(s, r);
+    }
+}
+
+/* One turn: ADOPT_PAGES of whichever VMs have pages to take back. */
+static gboolean
+adopt_cb(gpointer user)
+{
+    PfScanner *s = user;
+    guint budget = ADOPT_PAGES;
+
+    for (guint i = 0; i < s->vms->len && budget > 0; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms, i);
+
+        for (guint k = 0; k < vm->regions->len && budget > 0; k++) {
+            PfRegion *r = g_ptr_array_index(vm->regions, k);
+
+            if (r->pooled == NULL) {
+                continue;
+            }
+            /* In advise mode its agent folded every page back before
+             * READY; one that says otherwise keeps what it maps,
+             * uncounted. */
+            if (!pf_region_live(r) || !pf_vm_merges(vm)) {
+                g_clear_pointer(&r->pooled, pf_pool_mapped_free);
+                continue;
+            }
+            adopt_region(s, r, &budget);
+        }
+    }
+    if (budget > 0) {
+        s->adopt_source = 0;
+        return G_SOURCE_REMOVE;
+    }
+    return G_SOURCE_CONTINUE;
 }
 
 void
 pf_scanner_adopt(PfScanner *s, PfVm *vm)
 {
-    gsize shared = vm->count[PF_PAGE_SHARED], zero = vm->count[PF_PAGE_ZERO];
-    guint chunks = 0;
+    gboolean any = FALSE;
 
-    for (guint k = 0; k < vm->regions->len; k++) {
-        PfRegion *r = g_ptr_array_index(vm->regions, k);
-        g_autoptr(PfPoolMapped) pooled = g_steal_pointer(&r->pooled);
-
-        /* In advise mode its agent folded every page back before READY;
-         * one that says otherwise keeps what it maps, uncounted. */
-        if (pooled == NULL || !pf_region_live(r) || !pf_vm_merges(vm)) {
-            continue;
-        }
-        for (guint i = 0; i < pooled->runs->len; i++) {
-            const PfPoolRun *run = &g_array_index(pooled->runs, PfPoolRun, i);
-            guint32 chunk = run->zero ? 0 : run_chunk(s, vm, pooled, run);
-
-            if (!run->zero && chunk == 0) {
-                continue;
-            }
-            for (gsize j = 0; j < run->n_pages; j++) {
-                if (run->zero) {
-                    adopt_zero(s, r, run->page + j);
-                } else {
-                    adopt_page(s, r, run->page + j, chunk, run->index + (guint32)j);
-                }
-            }
-        }
-        chunks += g_hash_table_size(pooled->fds);
+    for (guint k = 0; k < vm->regions->len && !any; k++) {
+        any = ((PfRegion *)g_ptr_array_index(vm->regions, k))->pooled != NULL;
     }
-    if (chunks > 0) {
-        g_message("VM %s (pid %d): took back %zu merged page(s) and %zu zero page(s) on %u "
-                  "pool chunk(s) of an earlier pagefoldd",
-                  vm->name, vm->pid, vm->count[PF_PAGE_SHARED] - shared,
-                  vm->count[PF_PAGE_ZERO] - zero, chunks);
+    if (any && s->adopt_source == 0) {
+        s->adopt_source = g_idle_add(adopt_cb, s);
     }
 }

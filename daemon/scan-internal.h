@@ -92,6 +92,7 @@ struct _PfScanner {
     PfPool *pool;        /* created with the first merging VM */
     GHashTable *adopted; /* chunk id -> the node of each of its slots, for
                           * chunks an earlier pagefoldd made (scan-adopt.c) */
+    guint adopt_source;  /* takes their pages back a slice at a time */
     guint32 next_serial; /* the last PfVm.serial given */
     GPtrArray *leftovers; /* Leftover* */
     guint64 max_map_count;

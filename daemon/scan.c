@@ -391,6 +391,7 @@ pf_scanner_free(PfScanner *s)
     g_hash_table_unref(s->looking_pids);
     g_hash_table_unref(s->reading_pids);
     g_hash_table_unref(s->partial);
+    g_clear_handle_id(&s->adopt_source, g_source_remove);
     g_hash_table_unref(s->adopted);
     g_free(s);
 }

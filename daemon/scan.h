@@ -95,9 +95,9 @@ void pf_scanner_remove_vm(PfScanner *s, PfVm *vm);
  * process): it keeps old's merge domain, which was said of the process. */
 void pf_scanner_replace_vm(PfScanner *s, PfVm *old, PfVm *vm);
 /* Its agent's regions had pages mapped from pool chunks of an earlier
- * pagefoldd (region.h's pooled): they are merged pages of this one now,
- * in its merge domain (set before this), counted as such.  Once, after
- * the VM was added. */
+ * pagefoldd (region.h's pooled): they become merged pages of this one, in
+ * its merge domain (set before this), counted as such, a slice at a time
+ * from the main loop, starting now.  Once, after the VM was added. */
 void pf_scanner_adopt(PfScanner *s, PfVm *vm);
 /* A VM's merge domain: it shares pages only with VMs of the same one (zero
  * pages excepted: every VM has them).  NULL, "" or "default": the host's

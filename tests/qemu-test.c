@@ -191,6 +191,104 @@ test_reboot_restart_shutdown(void)
     }
 }
 
+/* Whether pagefoldd lists every one of names in merge mode. */
+static gboolean
+all_merging(PfTestDaemon *d, const char *const *names, guint n)
+{
+    g_autoptr(JsonNode) list = pf_test_ctl_json(d, "list", NULL);
+    JsonArray *vms = json_node_get_array(list);
+
+    for (guint i = 0; i < n; i++) {
+        JsonObject *vm = pf_test_find_vm(vms, names[i]);
+
+        if (vm == NULL || !g_str_equal(json_object_get_string_member(vm, "mode"), "merge")) {
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
+#define GUEST_RESTARTS 5
+
+/*
+ * Real guests writing and checking every byte all the while; pagefoldd
+ * killed with -9 at random points of its passes, GUEST_RESTARTS times,
+ * and started again: both VMs come back merging, what they had merged
+ * taken back (it does not scan before they are back, so nothing is merged
+ * again), and no guest check fails; an unmerge at the end gives every
+ * page back.
+ */
+static void
+test_restarts(void)
+{
+    const char *names[2] = { "rs0", "rs1" };
+    g_autoptr(PfTestDaemon) d = NULL;
+    Guest *g[2];
+    JsonNode *s = NULL;
+
+    if (!have_qemu()) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    for (int i = 0; i < 2; i++) {
+        g[i] = guest_start(d->agent_sock, names[i], i + 1, 30, FALSE);
+    }
+    for (int i = 0; i < 2; i++) {
+        g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
+    }
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    g_assert_cmpint(total(s, "pages_sharing"), >=, FILL_PAGES / 2 * 9 / 10);
+    g_clear_pointer(&s, json_node_unref);
+    for (int round = 0; round < GUEST_RESTARTS; round++) {
+        gint64 start, taken;
+
+        json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
+        g_usleep(g_random_int_range(100000, 1500000));
+        g_subprocess_send_signal(d->proc, SIGKILL);
+        g_subprocess_wait(d->proc, NULL, NULL);
+        start = g_get_monotonic_time();
+        pf_test_daemon_restart(d, "--set", "run=0", NULL);
+        for (int i = 0; i < 600 && !all_merging(d, names, 2); i++) {
+            g_usleep(100000);
+        }
+        g_assert_true(all_merging(d, names, 2));
+        /* Taken back a slice at a time, from the main loop. */
+        for (int i = 0; i < 500; i++) {
+            g_clear_pointer(&s, json_node_unref);
+            s = pf_test_ctl_json(d, "stats", NULL);
+            taken = total(s, "pages_shared") + total(s, "pages_sharing") +
+                    total(s, "zero_pages");
+            if (taken >= FILL_PAGES / 2 * 9 / 10) {
+                break;
+            }
+            g_usleep(10000);
+        }
+        g_test_message("restart %d: %" G_GINT64_FORMAT " pages taken back, both merging "
+                       "%.2f s after the start", round, taken,
+                       (double)(g_get_monotonic_time() - start) / G_USEC_PER_SEC);
+        g_assert_cmpint(taken, >=, FILL_PAGES / 2 * 9 / 10);
+        g_assert_cmpint(total(s, "pages_pending"), ==, 0);
+        g_clear_pointer(&s, json_node_unref);
+        for (int i = 0; i < 2; i++) {
+            g_free(pf_test_guest_expect(g[i], "PFGUEST CHECK ok", 60));
+        }
+    }
+    s = pf_test_ctl_json(d, "scan-now", "2", NULL);
+    g_assert_cmpint(total(s, "pages_sharing"), >=, FILL_PAGES / 2 * 9 / 10);
+    g_assert_cmpint(json_object_get_int_member(json_node_get_object(s), "pool_slots"), ==,
+                    total(s, "pages_shared"));
+    g_clear_pointer(&s, json_node_unref);
+    json_node_unref(pf_test_ctl_json(d, "set", "run", "2", NULL));
+    s = pf_test_ctl_json(d, "stats", NULL);
+    g_assert_cmpint(total(s, "pages_shared") + total(s, "pages_sharing") +
+                        total(s, "zero_pages"), ==, 0);
+    g_assert_cmpint(json_object_get_int_member(json_node_get_object(s), "pool_slots"), ==, 0);
+    json_node_unref(s);
+    for (int i = 0; i < 2; i++) {
+        guest_passes(g[i]);
+    }
+}
+
 /* ---- configurations where remapping is unsafe ---- */
 
 static JsonObject *
@@ -1406,6 +1504,7 @@ main(int argc, char **argv)
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/qemu/two-guests", test_two_guests);
     g_test_add_func("/qemu/reboot-restart-shutdown", test_reboot_restart_shutdown);
+    g_test_add_func("/qemu/restarts", test_restarts);
     g_test_add_func("/qemu/advise/vhost-user", test_advise_vhost_user);
     g_test_add_func("/qemu/advise/migration", test_advise_migration);
     g_test_add_func("/qemu/advise/private-ram", test_advise_private_ram);
