@@ -22,7 +22,11 @@
  * keeps a page write-protected past the item, or accepts a pool chunk that
  * pagefoldd could still write through a new mapping (it must be sealed).
  * When pagefoldd goes away, every merged page stays valid: the mappings
- * hold the pool memory.
+ * hold the pool memory; the agent connects again (10 ms, doubling to 5 s)
+ * and announces the VM as at the start, and the pagefoldd that answers
+ * takes back the merged pages it finds mapped.  When pagefoldd lets the VM
+ * go instead (it says so, with ERROR), or the agent gives up on it, the
+ * VM runs on unmerged.
  *
  * Copyright (c) 2026 The pagefold authors
  *

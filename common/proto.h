@@ -60,7 +60,8 @@ typedef enum {
     /*
      * agent -> daemon: this region left the VM (a DIMM unplugged, merge=off):
      * none of its pages is mapped from the pool any more, its memfd is about
-     * to be freed; forget it
+     * to be freed; forget it.  In a handshake, in a REGION's place: region
+     * index left before this link (its index stays taken)
      */
     PF_MSG_GONE = 12,
     PF_MSG_LAST = PF_MSG_GONE,

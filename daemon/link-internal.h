@@ -70,6 +70,7 @@ struct _PfLink {
     HandshakeCheck *check; /* its process's mappings being read: the link
                             * reads nothing from its peer meanwhile */
     gboolean ended;
+    gboolean error_sent; /* ERROR went: the peer knows why it ends */
 };
 
 /* ---- link.c, for handshake.c ---- */

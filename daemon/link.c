@@ -165,11 +165,15 @@ drain_socket(int sock)
     }
 }
 
-/* Best effort, never waiting: the link is closed right after. */
+/* Best effort, never waiting: the link is closed right after.  Once: the
+ * first says why. */
 static void
 link_send_error(PfLink *l, const char *text)
 {
-    pf_proto_send(l->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
+    if (!l->error_sent) {
+        l->error_sent = TRUE;
+        pf_proto_send(l->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
+    }
 }
 
 static void

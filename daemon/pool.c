@@ -41,6 +41,7 @@ typedef struct {
      * mapping, so no slot is filled, zeroed or reused, and no VM joins its
      * set (a freed slot still holds what it held) */
     gboolean adopted;
+    guint32 *tags;   /* adopted: the caller's word per slot (its node) */
 } Chunk;
 
 /* The chunks that belong to one set of VMs. */
@@ -86,6 +87,7 @@ chunk_free(gpointer data)
     munmap(c->pub.map, (gsize)c->pub.n_slots * PF_PAGE_SIZE);
     close(c->pub.fd);
     g_array_unref(c->free);
+    g_free(c->tags);
     g_free(c);
 }
 
@@ -310,6 +312,7 @@ pf_pool_adopt_chunk(PfPool *p, int fd, guint32 vm, GError **error)
     c->pub.n_slots = SLOTS;
     c->pub.ino = st.st_ino;
     c->adopted = TRUE;
+    c->tags = g_new0(guint32, SLOTS);
     /* Every slot counts as filled: which ones were is not known. */
     c->next = SLOTS;
     p->bytes += size;
@@ -329,6 +332,23 @@ pf_pool_adopt_slot(PfPool *p, guint32 slot)
     c->live++;
     p->in_use++;
     return TRUE;
+}
+
+guint32
+pf_pool_adopted_tag(PfPool *p, guint32 slot)
+{
+    Chunk *c = chunk_at(p, (slot - 1) / SLOTS);
+
+    return c != NULL && c->adopted ? c->tags[(slot - 1) % SLOTS] : 0;
+}
+
+void
+pf_pool_set_adopted_tag(PfPool *p, guint32 slot, guint32 tag)
+{
+    Chunk *c = chunk_at(p, (slot - 1) / SLOTS);
+
+    g_return_if_fail(c != NULL && c->adopted);
+    c->tags[(slot - 1) % SLOTS] = tag;
 }
 
 gboolean

@@ -124,6 +124,10 @@ gboolean pf_pool_adopt_holder(PfPool *p, guint32 chunk, guint32 vm);
  * (the slot's node is to be made). */
 gboolean pf_pool_adopt_slot(PfPool *p, guint32 slot);
 gboolean pf_pool_is_adopted(PfPool *p, guint32 chunk);
+/* A number the caller keeps with each slot of an adopted chunk, 0 until
+ * set, gone with the chunk (the scanner's: the slot's stable node). */
+guint32 pf_pool_adopted_tag(PfPool *p, guint32 slot);
+void pf_pool_set_adopted_tag(PfPool *p, guint32 slot, guint32 tag);
 /* Every page that maps the adopted chunk was taken back, for now: one
  * that none maps goes (its VMs are told), one mostly empty is to be
  * emptied (pf_pool_evacuating()). */

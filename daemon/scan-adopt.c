@@ -15,9 +15,9 @@
  * work.  Until then a page is a hole the scanner passes over, as it passes
  * over every merged page.
  *
- * Owns the node of each slot of an adopted chunk (the next VM that maps
- * the slot joins that node, up to what a node can hold), and the idle
- * source.  Never takes a page the process does not map from a marked
+ * Owns the idle source.  The node of each slot of an adopted chunk is
+ * kept with the slot (pf_pool_set_adopted_tag()): the next VM that maps
+ * the slot joins that node, up to what a node can hold.  Never takes a page the process does not map from a marked
  * chunk, and never fills or zeroes a slot of an adopted chunk (pool.h).
  */
 #include "scan-internal.h"
@@ -26,26 +26,6 @@
 #define ADOPT_PAGES 32768u
 /* Members a node may have (tree.c keeps 16-bit member indexes). */
 #define ADOPT_MAX_MEMBERS (G_MAXUINT16 - 1u)
-
-/* The node of each slot of an adopted chunk, made by the first VM that
- * maps the slot: guint32[PF_POOL_CHUNK_SLOTS] by chunk id. */
-static guint32 *
-slot_nodes(PfScanner *s, guint32 chunk)
-{
-    guint32 *nodes = g_hash_table_lookup(s->adopted, GUINT_TO_POINTER(chunk));
-
-    if (nodes == NULL) {
-        nodes = g_new0(guint32, PF_POOL_CHUNK_SLOTS);
-        g_hash_table_insert(s->adopted, GUINT_TO_POINTER(chunk), nodes);
-    }
-    return nodes;
-}
-
-void
-adopt_chunk_gone(PfScanner *s, guint32 chunk)
-{
-    g_hash_table_remove(s->adopted, GUINT_TO_POINTER(chunk));
-}
 
 /* The chunk of a run, one of the pool's (adopted now if it was not), the
  * VM one of its VMs; 0 where it cannot be. */
@@ -81,8 +61,8 @@ static gboolean
 adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
 {
     PfPool *pool = s->pool;
-    guint32 *nodes = slot_nodes(s, chunk);
-    guint32 slot = chunk * PF_POOL_CHUNK_SLOTS + index + 1, node = nodes[index];
+    guint32 slot = chunk * PF_POOL_CHUNK_SLOTS + index + 1;
+    guint32 node = pf_pool_adopted_tag(pool, slot);
     const PfStableNode *n = node != 0 ? node_at(s, node) : NULL;
     PfPage *p;
 
@@ -102,7 +82,7 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
         }
         node = pf_stable_tree_create(&s->stable, s->hash(pf_pool_data(pool, slot)), slot,
                                      pf_vm_domain_key(r->vm));
-        nodes[index] = node;
+        pf_pool_set_adopted_tag(pool, slot, node);
         n = node_at(s, node);
     }
     ledger_take(s, slot, node);

@@ -6,6 +6,7 @@
  *   scan.c          the scanner's life, pacing, VM lookups, counters
  *   scan-pass.c     the pass loop: the cursor, holes, slices, entering a VM
  *   scan-vms.c      VMs and regions coming and going, merge domains
+ *   scan-adopt.c    merged pages of an earlier pagefoldd, taken back
  *   scan-visit.c    one visit of a page: KSM's stable and unstable search
  *   scan-answers.c  what the agents' answers make of a page
  *   scan-cow.c      copy-on-write found, sharing ended, pages back in memfd
@@ -13,7 +14,6 @@
  *                   them, joins, node moves, evacuation
  *   scan-requests.c requests to agents, and what they hold until answered
  *   scan-huge.c     transparent huge pages split by merging, made again
- *   scan-adopt.c    merged pages of an earlier pagefoldd, taken back
  *   ledger.c        the slot/node ledger: the only place a pool slot's
  *                   references or a stable node's life change
  *   scan-events.c   the listeners: how the core tells the layers above
@@ -90,9 +90,8 @@ struct _PfScanner {
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
                           * VM's pages matched part of the chunk */
     PfPool *pool;        /* created with the first merging VM */
-    GHashTable *adopted; /* chunk id -> the node of each of its slots, for
-                          * chunks an earlier pagefoldd made (scan-adopt.c) */
-    guint adopt_source;  /* takes their pages back a slice at a time */
+    guint adopt_source;  /* takes back pages merged under an earlier
+                          * pagefoldd, a slice at a time (scan-adopt.c) */
     guint32 next_serial; /* the last PfVm.serial given */
     GPtrArray *leftovers; /* Leftover* */
     guint64 max_map_count;
@@ -231,11 +230,6 @@ mark_merged(PfRegion *r, PfPage *p, PfPageState state)
     set_state(r, p, state);
     p->age = 0;
 }
-
-/* ---- scan-adopt.c ---- */
-
-/* An adopted chunk went: its slots' nodes are forgotten. */
-void adopt_chunk_gone(PfScanner *s, guint32 chunk);
 
 /* ---- ledger.c: slot references and node lives ---- */
 

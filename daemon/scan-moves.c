@@ -460,7 +460,6 @@ drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
 {
     PfScanner *s = user;
 
-    adopt_chunk_gone(s, chunk->id);
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 

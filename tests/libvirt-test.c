@@ -36,7 +36,9 @@
 #define LIBVIRTD_PID "/run/libvirtd.pid"
 #define STOCK_QEMU "/usr/bin/qemu-system-x86_64"
 #define DOMAIN_LOG_DIR "/var/log/libvirt/qemu"
-#define PAGEFOLDD_LOG "/var/log/pagefold/pagefoldd.log"
+#define PAGEFOLDD_LOG_DIR "/var/log/pagefold"
+#define PAGEFOLDD_LOG PAGEFOLDD_LOG_DIR "/pagefoldd.log"
+#define VIRTLOGD_PID "/run/virtlogd.pid"
 /* TCG boots and fills are slow on two loaded cores. */
 #define BOOT_S 180
 
@@ -45,6 +47,9 @@ static struct {
     char *kernel, *initrd;
     PfTestDaemon ctl;   /* only its sock: pagefoldd is the hook's */
     gboolean libvirtd_was_running;
+    gboolean virtlogd_was_running;
+    /* made by the test (the hook's fallback makes the log's): removed */
+    gboolean made_hooks_dir, made_hook_dir, made_log_dir;
     GPtrArray *domains; /* names defined, undefined at the end */
 } lv;
 
@@ -154,7 +159,7 @@ libvirtd_start(void)
     g_autofree char *err = NULL;
     g_autofree char *out = NULL;
 
-    if (!alive(pid_from_file("/run/virtlogd.pid"))) {
+    if (!alive(pid_from_file(VIRTLOGD_PID))) {
         g_free(run(NULL, virtlogd));
     }
     g_assert_nonnull(run(NULL, libvirtd));
@@ -748,6 +753,69 @@ test_hook_bad_input(void)
     g_assert_cmpstr(a, ==, b);
 }
 
+/* pagefoldd killed with -9 while two domains of one merge domain run and
+ * share pages, and started again as the hook starts it where there is no
+ * systemd (libvirt runs it as the next domain is prepared): both VMs come
+ * back by themselves (their agents connect again; libvirt runs no hook for
+ * them), in merge mode, in the merge domain of their XML, which pagefoldd
+ * reads in libvirt's status files, with the pages they shared taken back;
+ * the guests check every byte throughout. */
+static void
+test_pagefoldd_restart(void)
+{
+    DomSpec s1 = { .name = "pf-test-k1", .memfd = TRUE, .seed = 21, .merge_domain = "tenant-k" };
+    DomSpec s2 = { .name = "pf-test-k2", .memfd = TRUE, .seed = 22, .merge_domain = "tenant-k" };
+    g_autoptr(Dom) d1 = dom_start(&s1);
+    g_autoptr(Dom) d2 = dom_start(&s2);
+    Dom *all[] = { d1, d2 };
+    const char *argv[] = { HOOK_FILE, "pf-test-k3", "prepare", "begin", "-", NULL };
+    g_autofree char *uuid = g_uuid_string_random();
+    g_autofree char *xml = g_strdup_printf(
+        "<domain type='qemu'><name>pf-test-k3</name><uuid>%s</uuid><memoryBacking>"
+        "<source type='memfd'/><access mode='shared'/></memoryBacking></domain>", uuid);
+    gint64 before[2];
+    int pid;
+
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        json_object_unref(wait_listed(all[i], "merge"));
+        dom_expect(all[i], "PFGUEST READY");
+    }
+    wait_sharing(d1->name, 3072);
+    wait_sharing(d2->name, 3072);
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        before[i] = stat_of(all[i]->name, "pages_sharing") + stat_of(all[i]->name,
+                                                                     "pages_shared");
+    }
+    pid = pagefoldd_pid();
+    g_assert_cmpint(pid, >, 0);
+    kill(pid, SIGKILL);
+    wait_gone(pid);
+    g_assert_cmpint(run_hook(argv, xml, NULL, NULL), ==, 0);
+    g_assert_cmpint(pagefoldd_pid(), >, 0);
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        g_autoptr(JsonObject) vm = wait_listed(all[i], "merge");
+        gint64 taken = 0;
+
+        g_assert_cmpstr(json_object_get_string_member(vm, "merge_domain"), ==, "tenant-k");
+        /* Taken back a slice at a time: most of what it shared (the
+         * guest writes some meanwhile), before any pass could merge it
+         * again (the hook's pagefoldd scans 4000 pages every 10 ms). */
+        for (int t = 0; t < 100 && taken < before[i] / 2; t++) {
+            taken = stat_of(all[i]->name, "pages_sharing") +
+                    stat_of(all[i]->name, "pages_shared");
+            g_usleep(50000);
+        }
+        g_test_message("%s: %" G_GINT64_FORMAT " pages shared before the kill, %"
+                       G_GINT64_FORMAT " after it", all[i]->name, before[i], taken);
+        g_assert_cmpint(taken, >=, before[i] / 2);
+    }
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        dom_expect(all[i], "PFGUEST CHECK ok");
+        dom_destroy(all[i]);
+        wait_unlisted(all[i]);
+    }
+}
+
 /* Whether pid runs the pagefoldd built here: one a crashed run left. */
 static gboolean
 ours(int pid)
@@ -858,6 +926,10 @@ setup(void)
     }
     lv.ctl.sock = g_strdup(PF_DEFAULT_SOCKET);
     lv.domains = g_ptr_array_new_with_free_func(g_free);
+    lv.virtlogd_was_running = alive(pid_from_file(VIRTLOGD_PID));
+    lv.made_hooks_dir = !g_file_test("/etc/libvirt/hooks", G_FILE_TEST_IS_DIR);
+    lv.made_hook_dir = !g_file_test(HOOK_DIR, G_FILE_TEST_IS_DIR);
+    lv.made_log_dir = !g_file_test(PAGEFOLDD_LOG_DIR, G_FILE_TEST_IS_DIR);
     /* What a run that crashed may have left. */
     pagefoldd_stop();
     install_hook(pf_test_bin("PAGEFOLDD"));
@@ -894,9 +966,23 @@ teardown(void)
         g_free(virsh_try(NULL, "undefine", name, NULL, NULL));
     }
     g_unlink(HOOK_FILE);
+    if (lv.made_hook_dir) {
+        g_rmdir(HOOK_DIR);
+    }
+    if (lv.made_hooks_dir) {
+        g_rmdir("/etc/libvirt/hooks");
+    }
     libvirtd_stop(SIGTERM);
     if (lv.libvirtd_was_running) {
         libvirtd_start();
+    } else if (!lv.virtlogd_was_running) {
+        /* libvirtd_start() started it for the test's libvirtd. */
+        int pid = pid_from_file(VIRTLOGD_PID);
+
+        if (pid > 0 && alive(pid)) {
+            kill(pid, SIGTERM);
+            wait_gone(pid);
+        }
     }
     pagefoldd_stop();
     if (g_file_test(PAGEFOLDD_LOG, G_FILE_TEST_EXISTS)) {
@@ -905,6 +991,10 @@ teardown(void)
         g_file_get_contents(PAGEFOLDD_LOG, &text, NULL, NULL);
         g_test_message("pagefoldd's log (%s), last part:\n%s", PAGEFOLDD_LOG,
                        text && strlen(text) > 4000 ? text + strlen(text) - 4000 : text);
+        if (lv.made_log_dir) {
+            g_unlink(PAGEFOLDD_LOG);
+            g_rmdir(PAGEFOLDD_LOG_DIR);
+        }
     }
     for (gsize i = 0; i < 2; i++) {
         g_unlink(i == 0 ? lv.kernel : lv.initrd);
@@ -958,6 +1048,7 @@ main(int argc, char **argv)
     g_test_add_func("/libvirt/stock-qemu", test_stock_qemu);
     g_test_add_func("/libvirt/reboot-shutdown", test_reboot_shutdown);
     g_test_add_func("/libvirt/libvirtd-restart", test_libvirtd_restart);
+    g_test_add_func("/libvirt/pagefoldd-restart", test_pagefoldd_restart);
     g_test_add_func("/libvirt/metadata", test_metadata);
     g_test_add_func("/libvirt/hook-bad-input", test_hook_bad_input);
     g_test_add_func("/libvirt/no-pagefoldd", test_no_pagefoldd);
