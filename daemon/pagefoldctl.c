@@ -40,7 +40,7 @@ static const char usage_text[] =
 static const char *
 shown(const char *text)
 {
-    static char *ring[4];
+    static char *ring[8];
     static guint next;
     char **slot = &ring[next++ % G_N_ELEMENTS(ring)];
 
@@ -71,20 +71,27 @@ print_json(JsonNode *node)
 static void
 print_list(JsonArray *vms)
 {
-    g_print("%-20s %7s %-7s %8s %10s %-36s\n", "VM", "PID", "MODE", "REGIONS", "RAM_MIB",
-            "UUID");
+    g_print("%-20s %7s %-7s %-16s %8s %10s %-36s\n", "VM", "PID", "MODE", "MERGE_DOMAIN",
+            "REGIONS", "RAM_MIB", "UUID");
     for (guint i = 0; i < json_array_get_length(vms); i++) {
         JsonObject *vm = json_array_get_object_element(vms, i);
         JsonArray *regions = json_object_get_array_member(vm, "regions");
         const char *uuid = json_object_get_string_member_with_default(vm, "uuid", NULL);
+        const char *reason = json_object_get_string_member_with_default(vm, "mode_reason",
+                                                                        NULL);
 
-        g_print("%-20s %7" G_GINT64_FORMAT " %-7s %8u %10.1f %-36s\n",
+        g_print("%-20s %7" G_GINT64_FORMAT " %-7s %-16s %8u %10.1f %-36s\n",
                 shown(json_object_get_string_member(vm, "name")),
                 json_object_get_int_member(vm, "pid"),
                 shown(json_object_get_string_member(vm, "mode")),
+                shown(json_object_get_string_member_with_default(vm, "merge_domain", "-")),
                 json_array_get_length(regions),
                 (double)json_object_get_int_member(vm, "pages") * PF_PAGE_SIZE / 1048576.0,
                 uuid != NULL ? shown(uuid) : "-");
+        /* Why it does not merge, where it does not. */
+        if (reason != NULL && *reason != '\0') {
+            g_print("  advise mode: %s\n", shown(reason));
+        }
         /* Regions that are not scanned, and why. */
         for (guint k = 0; k < json_array_get_length(regions); k++) {
             JsonObject *r = json_array_get_object_element(regions, k);
@@ -278,7 +285,7 @@ show_stats(JsonNode *ret, const Invocation *inv)
 {
     g_autofree char *text = inv->as_prom
         ? pf_stats_format_prometheus(json_node_get_object(ret))
-        : pf_stats_format_table(json_node_get_object(ret));
+        : pf_stats_format_table(json_node_get_object(ret), inv->argc < 3);
 
     g_print("%s", text);
 }

@@ -64,5 +64,7 @@ void pf_counters_to_json(const PfCounters *c, JsonBuilder *b);
 const char *const *pf_counter_names(void);
 
 /* Render the JSON returned by the "stats" command. */
-char *pf_stats_format_table(JsonObject *stats);
+/* with_total: a last row of all VMs' figures (not when one VM was asked
+ * for). */
+char *pf_stats_format_table(JsonObject *stats, gboolean with_total);
 char *pf_stats_format_prometheus(JsonObject *stats);

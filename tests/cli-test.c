@@ -347,6 +347,13 @@ test_merge_domain(Fixture *f, gconstpointer data)
     }
     g_assert_cmpint(ctl(f, &out, &err, "merge-domain", "alpha", "red", NULL), ==, 0);
     g_assert_nonnull(strstr(out, "merge domain red"));
+    /* list says which, and why a VM does not merge (attached by pid:
+     * advise mode). */
+    g_assert_cmpint(ctl(f, &out, &err, "list", NULL), ==, 0);
+    g_test_message("%s", out);
+    g_assert_nonnull(strstr(out, "MERGE_DOMAIN"));
+    g_assert_nonnull(strstr(out, " red "));
+    g_assert_nonnull(strstr(out, "  advise mode: "));
     g_assert_cmpint(ctl(f, &out, &err, "scan-now", "3", "--json", NULL), ==, 0);
     {
         g_autoptr(JsonObject) s = ctl_json(f, "stats", NULL);

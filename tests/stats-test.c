@@ -47,9 +47,11 @@ sample(void)
     static const char text[] =
         "{\"mode\":\"advise\",\"hash\":\"xxh3\",\"total\":{\"pages_shared\":3,"
         "\"pages_sharing\":5,\"zero_pages\":2,\"full_scans\":7,\"pages_scanned\":99},"
-        "\"vms\":[{\"name\":\"a \\\"q\\\"\",\"pid\":10,\"mode\":\"advise\",\"pages_shared\":2,"
+        "\"vms\":[{\"name\":\"a \\\"q\\\"\",\"pid\":10,\"mode\":\"advise\",\"merge_domain\":\"red\","
+        "\"pages_shared\":2,"
         "\"pages_sharing\":1,\"zero_pages\":2,\"full_scans\":7,\"pages_scanned\":50},"
         "{\"name\":\"b\",\"pid\":11,\"uuid\":\"c7a5fdbd-cdaf-9455-926a-d65c16db1809\","
+        "\"merge_domain\":\"default\","
         "\"mode\":\"advise\",\"pages_shared\":1,\"pages_sharing\":4,"
         "\"full_scans\":7,\"pages_scanned\":49}]}";
     g_autoptr(JsonParser) p = json_parser_new();
@@ -77,17 +79,27 @@ test_prometheus(void)
                                   "uuid=\"c7a5fdbd-cdaf-9455-926a-d65c16db1809\","
                                   "mode=\"advise\"} 49\n"));
     g_assert_null(strstr(text, "pagefold_pages_shared_total"));
+    /* Per merge domain: a's 1 page sharing and 2 zero pages, b's 4. */
+    g_assert_nonnull(strstr(text, "# TYPE pagefold_merge_domain_saved_bytes gauge\n"));
+    g_assert_nonnull(strstr(text, "pagefold_merge_domain_saved_bytes{merge_domain=\"default\"} "
+                                  "16384\n"));
+    g_assert_nonnull(strstr(text, "pagefold_merge_domain_saved_bytes{merge_domain=\"red\"} "
+                                  "12288\n"));
 }
 
 static void
 test_table(void)
 {
     g_autoptr(JsonObject) o = sample();
-    g_autofree char *text = pf_stats_format_table(o);
+    g_autofree char *text = pf_stats_format_table(o, TRUE);
 
     g_assert_true(g_str_has_prefix(text, "pagefold mode: advise"));
     g_assert_nonnull(strstr(text, "SHARING"));
     g_assert_nonnull(strstr(text, "TOTAL"));
+    g_clear_pointer(&text, g_free);
+    /* One VM asked for: its row, not the host's. */
+    text = pf_stats_format_table(o, FALSE);
+    g_assert_null(strstr(text, "TOTAL"));
 }
 
 int
