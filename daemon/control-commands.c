@@ -26,6 +26,7 @@
  */
 typedef struct {
     PfScanner *scanner;
+    const PfControlReload *reload; /* or NULL */
     PfView *view;             /* what the reply is built from, or NULL */
     gboolean view_counted;    /* view's counters taken for this request */
     gboolean counters_read;   /* the reply tells counters */
@@ -513,6 +514,21 @@ cmd_set(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
     return cmd_knobs(r, NULL, b, error);
 }
 
+/* The configuration file read again, as on SIGHUP; the knobs it left. */
+static gboolean
+cmd_reload(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
+{
+    if (r->reload == NULL) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "this pagefoldd reads no "
+                    "configuration file");
+        return FALSE;
+    }
+    if (!r->reload->func(r->reload->user, error)) {
+        return FALSE;
+    }
+    return cmd_knobs(r, NULL, b, error);
+}
+
 static gboolean
 cmd_scan_now(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 {
@@ -579,6 +595,7 @@ static const struct {
     { "knobs", cmd_knobs, ARGS(), TRUE },
     { "set", cmd_set, ARGS({ "knob", ARG_STRING, TRUE }, { "value", ARG_INT, TRUE }, ) },
     { "scan-now", cmd_scan_now, ARGS({ "passes", ARG_INT, FALSE }, ) },
+    { "reload", cmd_reload, ARGS() },
     { "unmerge", cmd_unmerge, ARGS({ "vm", ARG_STRING, FALSE }, ) },
 };
 
@@ -691,9 +708,10 @@ execute(Request *r, const char *line, gsize len, PfControlLater **later)
 
 char *
 pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
-                           PfControlLater **later, PfView **counted)
+                           const PfControlReload *reload, PfControlLater **later,
+                           PfView **counted)
 {
-    Request r = { scanner, NULL, FALSE, FALSE, NULL };
+    Request r = { scanner, reload, NULL, FALSE, FALSE, NULL };
     char *reply = execute(&r, line, len, later);
 
     if (counted != NULL && r.view_counted) {
@@ -706,7 +724,7 @@ pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
 char *
 pf_control_command_answer(PfView *view, const char *line, gsize len, gboolean *counters_read)
 {
-    Request r = { NULL, view, TRUE, FALSE, NULL };
+    Request r = { NULL, NULL, view, TRUE, FALSE, NULL };
     char *reply = execute(&r, line, len, NULL);
 
     *counters_read = r.counters_read;

@@ -19,6 +19,13 @@
 #include "scan.h"
 #include "view.h"
 
+/* What `reload` does, given by the embedder (main.c: the configuration
+ * file read again); FALSE with error when nothing of it was taken. */
+typedef struct {
+    gboolean (*func)(gpointer user, GError **error);
+    gpointer user;
+} PfControlReload;
+
 /* A command's reply that comes when its job is done. */
 typedef struct _PfControlLater PfControlLater;
 
@@ -34,7 +41,8 @@ typedef void (*PfControlLaterFunc)(PfControlLater *l, gpointer user);
  * command took the counters for it (stats); else left alone.
  */
 char *pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
-                                 PfControlLater **later, PfView **counted);
+                                 const PfControlReload *reload, PfControlLater **later,
+                                 PfView **counted);
 /*
  * The reply to one request line from view, on any thread: for a command
  * that only reads (stats, knobs, list, qmp_capabilities) or a request that

@@ -53,6 +53,7 @@
 
 struct _PfControl {
     PfScanner *scanner;  /* the main loop's */
+    PfControlReload reload; /* the embedder's `reload`, or none */
     char *path;
     int listen_fd;
     GMainContext *context; /* the thread's */
@@ -329,7 +330,9 @@ call_run(gpointer data)
         !g_atomic_int_compare_and_exchange(&call->state, CALL_QUEUED, CALL_RUNNING)) {
         return G_SOURCE_REMOVE;
     }
-    reply = pf_control_command_execute(c->scanner, call->line, call->len, &call->later, &view);
+    reply = pf_control_command_execute(c->scanner, call->line, call->len,
+                                       c->reload.func != NULL ? &c->reload : NULL,
+                                       &call->later, &view);
     if (reply != NULL) {
         publish_now(c, view);
         call_reply(call, reply);
@@ -688,4 +691,11 @@ pf_control_free(PfControl *c)
         }
     }
     control_unref(c);
+}
+
+void
+pf_control_set_reload(PfControl *c, gboolean (*func)(gpointer user, GError **error),
+                      gpointer user)
+{
+    c->reload = (PfControlReload){ func, user };
 }

@@ -19,5 +19,9 @@
 typedef struct _PfControl PfControl;
 
 PfControl *pf_control_new(PfScanner *scanner, const char *path, GError **error);
+/* What `reload` does (on the main loop): main.c reads its configuration
+ * file again.  Without it, `reload` is refused. */
+void pf_control_set_reload(PfControl *c, gboolean (*func)(gpointer user, GError **error),
+                           gpointer user);
 void pf_control_free(PfControl *c);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfControl, pf_control_free)

@@ -11,6 +11,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include "config.h"
 #include "control.h"
 #include "escape.h"
 #include "libvirt-metadata.h"
@@ -63,8 +64,10 @@ typedef struct {
     char *libvirt_run_dir;
     GStrv attach;
     GStrv sets;
+    char *config_path;
+    PfConfig *config;   /* what it said at start */
     gboolean version;
-    gint agent_timeout;
+    gint agent_timeout; /* 0: not given */
     const PfHashAlgo *hash; /* hash_name's, or the default */
 } Options;
 
@@ -79,6 +82,8 @@ options_clear(Options *o)
     g_free(o->libvirt_run_dir);
     g_strfreev(o->attach);
     g_strfreev(o->sets);
+    g_free(o->config_path);
+    pf_config_free(o->config);
 }
 G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC(Options, options_clear)
 
@@ -89,6 +94,7 @@ G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC(Options, options_clear)
  */
 typedef struct {
     GMainLoop *loop;
+    const Options *options; /* the command line's, and the file's at start */
     PfLinkServer *links;
     PfControl *control;
 #if PF_HAVE_LIBVIRT
@@ -126,6 +132,41 @@ agent_path(const Options *o)
     return o->agent_path ? o->agent_path : PF_DEFAULT_AGENT_SOCKET;
 }
 
+/* An option the command line did not give, from the configuration file. */
+static void
+take_option(char **option, char *from_file)
+{
+    if (*option == NULL) {
+        *option = g_strdup(from_file);
+    }
+}
+
+/* The configuration file (o->config), read at start: the options the
+ * command line left out are its. */
+static gboolean
+take_config(Options *o)
+{
+    g_autoptr(GError) error = NULL;
+    PfConfig *c = pf_config_load(o->config_path ? o->config_path : PF_DEFAULT_CONFIG,
+                                 o->config_path != NULL, &error);
+
+    if (c == NULL) {
+        g_printerr("pagefoldd: %s\n", error->message);
+        return FALSE;
+    }
+    take_option(&o->socket_path, c->socket);
+    take_option(&o->agent_path, c->agent_socket);
+    take_option(&o->agent_group, c->agent_group);
+    take_option(&o->hash_name, c->hash);
+    take_option(&o->libvirt_uri, c->libvirt_uri);
+    take_option(&o->libvirt_run_dir, c->libvirt_run_dir);
+    if (o->agent_timeout == 0) {
+        o->agent_timeout = c->agent_timeout != 0 ? c->agent_timeout : 30;
+    }
+    o->config = c;
+    return TRUE;
+}
+
 /* The command line into o, checked; 0 after --version. */
 static int
 parse_options(Options *o, int argc, char **argv)
@@ -154,6 +195,10 @@ parse_options(Options *o, int argc, char **argv)
           "(default qemu:///system)", "URI" },
         { "attach", 'a', 0, G_OPTION_ARG_STRING_ARRAY, &o->attach,
           "Attach a VM at start: PID or PID:NAME (repeatable)", "PID[:NAME]" },
+        { "config", 'c', 0, G_OPTION_ARG_FILENAME, &o->config_path,
+          "Configuration file: options in [pagefoldd], knobs in [knobs], read again on "
+          "SIGHUP and pagefoldctl reload; the command line wins (default "
+          PF_DEFAULT_CONFIG ", if there is one)", "FILE" },
         { "version", 0, 0, G_OPTION_ARG_NONE, &o->version, "Print the version", NULL },
         { NULL }
     };
@@ -181,8 +226,11 @@ parse_options(Options *o, int argc, char **argv)
         g_printerr("pagefoldd: unexpected argument '%s'\n", argv[1]);
         return 2;
     }
-    if (o->agent_timeout < 1 || o->agent_timeout > 3600) {
+    if (o->agent_timeout != 0 && (o->agent_timeout < 1 || o->agent_timeout > 3600)) {
         g_printerr("pagefoldd: --agent-timeout must be between 1 and 3600 seconds\n");
+        return 2;
+    }
+    if (!take_config(o)) {
         return 2;
     }
 #if !PF_HAVE_LIBVIRT
@@ -192,6 +240,7 @@ parse_options(Options *o, int argc, char **argv)
     }
 #endif
     if (o->hash_name != NULL && (o->hash = pf_hash_lookup(o->hash_name)) == NULL) {
+        /* (The configuration file's was checked as it was read.) */
         g_printerr("pagefoldd: unknown --hash '%s' (xxh3, xxh64, crc32c, jhash2)\n",
                    o->hash_name);
         return 2;
@@ -199,10 +248,16 @@ parse_options(Options *o, int argc, char **argv)
     return GO_ON;
 }
 
-/* --set KNOB=VALUE, each in turn. */
+/* The configuration file's knobs, then --set KNOB=VALUE, each in turn. */
 static int
-set_knobs(PfScanner *scanner, char **sets)
+set_knobs(PfScanner *scanner, const PfConfig *config, char **sets)
 {
+    g_autoptr(GError) config_error = NULL;
+
+    if (!pf_config_set_knobs(config, pf_scanner_get_knobs(scanner), &config_error)) {
+        g_printerr("pagefoldd: %s\n", config_error->message);
+        return 2;
+    }
     for (char **s = sets; s && *s; s++) {
         g_autoptr(GError) error = NULL;
         g_auto(GStrv) kv = g_strsplit(*s, "=", 2);
@@ -273,12 +328,79 @@ attach_pids(PfScanner *scanner, char **attach)
     return GO_ON;
 }
 
+/*
+ * The configuration file read again (SIGHUP, pagefoldctl reload): its
+ * knobs are set, the command line's --set still winning, and its
+ * agent-timeout taken; the other options are said to wait for a restart
+ * where they changed.  A file with a mistake changes nothing.
+ */
+static gboolean
+reload(gpointer user, GError **error)
+{
+    Daemon *d = user;
+    const Options *o = d->options;
+    const char *path = o->config_path ? o->config_path : PF_DEFAULT_CONFIG;
+    g_autoptr(PfConfig) c = pf_config_load(path, o->config_path != NULL, error);
+    PfKnobs knobs;
+    struct {
+        const char *name;
+        const char *was, *now;
+    } fixed[] = {
+        { "socket", o->config->socket, c ? c->socket : NULL },
+        { "agent-socket", o->config->agent_socket, c ? c->agent_socket : NULL },
+        { "agent-group", o->config->agent_group, c ? c->agent_group : NULL },
+        { "hash", o->config->hash, c ? c->hash : NULL },
+        { "libvirt-uri", o->config->libvirt_uri, c ? c->libvirt_uri : NULL },
+        { "libvirt-run-dir", o->config->libvirt_run_dir, c ? c->libvirt_run_dir : NULL },
+    };
+
+    if (c == NULL) {
+        return FALSE;
+    }
+    knobs = *pf_scanner_get_knobs(d->scanner);
+    if (!pf_config_set_knobs(c, &knobs, error)) {
+        return FALSE;
+    }
+    for (char **s = o->sets; s && *s; s++) {
+        g_auto(GStrv) kv = g_strsplit(*s, "=", 2);
+
+        /* Checked at start. */
+        (void)pf_knobs_set(&knobs, kv[0], g_ascii_strtoull(kv[1], NULL, 10), NULL);
+    }
+    *pf_scanner_get_knobs(d->scanner) = knobs;
+    pf_scanner_kick(d->scanner);
+    if (c->agent_timeout != 0) {
+        pf_link_server_set_answer_timeout(d->links, (guint)c->agent_timeout * 1000);
+    }
+    for (gsize i = 0; i < G_N_ELEMENTS(fixed); i++) {
+        if (g_strcmp0(fixed[i].was, fixed[i].now) != 0) {
+            g_message("%s: %s changed: pagefoldd takes it at its next start", path,
+                      fixed[i].name);
+        }
+    }
+    g_message("%s read again: %u knob(s) set", path, c->knobs->len);
+    return TRUE;
+}
+
+static gboolean
+on_sighup(gpointer user)
+{
+    g_autoptr(GError) error = NULL;
+
+    if (!reload(user, &error)) {
+        g_warning("SIGHUP: %s; nothing changed", error->message);
+    }
+    return G_SOURCE_CONTINUE;
+}
+
 /* Scans, serves and publishes until SIGTERM or SIGINT. */
 static int
 run(Daemon *d, const Options *o)
 {
     g_unix_signal_add(SIGTERM, on_signal, d->loop);
     g_unix_signal_add(SIGINT, on_signal, d->loop);
+    g_unix_signal_add(SIGHUP, on_sighup, d);
+    pf_control_set_reload(d->control, reload, d);
     pf_scanner_start(d->scanner);
 #if PF_HAVE_LIBVIRT
     {
@@ -307,7 +429,7 @@ run(Daemon *d, const Options *o)
 int
 main(int argc, char **argv)
 {
-    g_auto(Options) opts = { .agent_timeout = 30, .hash = pf_hash_default() };
+    g_auto(Options) opts = { .hash = pf_hash_default() };
     g_auto(Daemon) d = { NULL };
     int status;
 
@@ -320,9 +442,10 @@ main(int argc, char **argv)
     if ((status = parse_options(&opts, argc, argv)) != GO_ON) {
         return status;
     }
+    d.options = &opts;
     d.scanner = pf_scanner_new(opts.hash);
     pf_raise_nofile_limit();
-    if ((status = set_knobs(d.scanner, opts.sets)) != GO_ON) {
+    if ((status = set_knobs(d.scanner, opts.config, opts.sets)) != GO_ON) {
         return status;
     }
     d.loop = g_main_loop_new(NULL, FALSE);

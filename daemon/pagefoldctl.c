@@ -27,6 +27,7 @@ static const char usage_text[] =
     "  set KNOB VALUE             set a knob (KSM's names)\n"
     "  scan-now [PASSES]          run full passes now, then print stats\n"
     "  unmerge [VM]               put every merged page back in its VM's memory\n"
+    "  reload                     read pagefoldd's configuration file again (SIGHUP)\n"
     "  merge-domain VM [NAME]     the VMs it may share pages with; NAME sets it\n"
     "                             (refused while it shares pages; 'default': all)\n";
 
@@ -348,6 +349,7 @@ static const Command commands[] = {
     { "scan-now", args_scan_now, show_stats },
     { "list", args_none, show_list },
     { "knobs", args_none, show_knobs },
+    { "reload", args_none, show_knobs },
 };
 
 /* {"execute": the command, "arguments": {...}}, or NULL after a usage

@@ -327,6 +327,68 @@ test_background_scan(Fixture *f, gconstpointer data)
     g_assert_cmpint(sharing, ==, 2048);
 }
 
+/* The knobs pagefoldctl knobs reports, as JSON. */
+static gint64
+knob(PfTestDaemon *d, const char *name)
+{
+    g_autoptr(JsonNode) n = pf_test_ctl_json(d, "knobs", NULL);
+
+    return json_object_get_int_member(json_node_get_object(n), name);
+}
+
+/*
+ * The configuration file: its knobs and options taken at start, the
+ * command line winning; read again on SIGHUP and on pagefoldctl reload,
+ * again with the command line winning; one with a mistake is refused
+ * whole, with where, at start (exit 2) and on reload (nothing changes).
+ */
+static void
+test_config(Fixture *f, gconstpointer data)
+{
+    g_autofree char *dir = g_dir_make_tmp("pagefold-config-XXXXXX", NULL);
+    g_autofree char *path = g_build_filename(dir, "pagefoldd.conf", NULL);
+    const char *c = pf_test_bin("PAGEFOLDCTL"), *dd = pf_test_bin("PAGEFOLDD");
+    g_autofree char *out = NULL, *err = NULL;
+    g_autoptr(PfTestDaemon) d = NULL;
+
+    g_assert_true(g_file_set_contents(path, "# a comment\n[pagefoldd]\nagent-timeout=7\n\n"
+                                            "[knobs]\npages_to_scan=1234\nsleep_millisecs=33\n",
+                                      -1, NULL));
+    d = pf_test_daemon_start("--config", path, "--set", "sleep_millisecs=44", NULL);
+    g_assert_cmpint(knob(d, "pages_to_scan"), ==, 1234);
+    g_assert_cmpint(knob(d, "sleep_millisecs"), ==, 44);
+
+    g_assert_true(g_file_set_contents(path, "[knobs]\npages_to_scan=2222\n"
+                                            "max_page_sharing=77\nsleep_millisecs=55\n",
+                                      -1, NULL));
+    g_subprocess_send_signal(d->proc, SIGHUP);
+    for (int i = 0; i < 200 && knob(d, "pages_to_scan") != 2222; i++) {
+        g_usleep(20000);
+    }
+    g_assert_cmpint(knob(d, "pages_to_scan"), ==, 2222);
+    g_assert_cmpint(knob(d, "max_page_sharing"), ==, 77);
+    g_assert_cmpint(knob(d, "sleep_millisecs"), ==, 44);
+
+    g_assert_true(g_file_set_contents(path, "[knobs]\npages_to_scan=3333\n", -1, NULL));
+    expect(f, 0, "", c, "--socket", d->sock, "reload", NULL);
+    g_assert_cmpint(knob(d, "pages_to_scan"), ==, 3333);
+
+    /* A mistake: nothing changes, and the error says where. */
+    g_assert_true(g_file_set_contents(path, "[knobs]\npages_to_scan=4444\nbogus=1\n", -1,
+                                      NULL));
+    expect(f, 1, "[knobs] bogus", c, "--socket", d->sock, "reload", NULL);
+    g_assert_cmpint(knob(d, "pages_to_scan"), ==, 3333);
+    g_assert_true(g_file_set_contents(path, "[knobs]\nrun=2\n", -1, NULL));
+    expect(f, 1, "pagefoldctl set run 2", c, "--socket", d->sock, "reload", NULL);
+    g_assert_true(g_file_set_contents(path, "[pagefoldd]\nagent-timeout=0\n", -1, NULL));
+    expect(f, 2, "agent-timeout", dd, "--config", path, "--socket", d->sock, NULL);
+    g_assert_true(g_file_set_contents(path, "[scanner]\nx=1\n", -1, NULL));
+    expect(f, 2, "[scanner]: no such group", dd, "--config", path, NULL);
+    g_unlink(path);
+    expect(f, 2, "pagefoldd.conf", dd, "--config", path, NULL);
+    g_rmdir(dir);
+}
+
 /* pagefoldctl merge-domain: two VMs in different domains share nothing;
  * put in the same one, they do; one that shares pages cannot leave. */
 static void
@@ -450,6 +512,7 @@ main(int argc, char **argv)
     g_test_add("/cli/background-scan", Fixture, NULL, setup, test_background_scan, teardown);
     g_test_add("/cli/same-name", Fixture, NULL, setup, test_same_name, teardown);
     g_test_add("/cli/merge-domain", Fixture, NULL, setup, test_merge_domain, teardown);
+    g_test_add("/cli/config", Fixture, NULL, setup, test_config, teardown);
     g_test_add_func("/cli/libvirt-gone", test_libvirt_gone);
     return g_test_run();
 }

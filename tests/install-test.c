@@ -366,6 +366,7 @@ test_tree(Fixture *f, gconstpointer data)
     g_assert_cmpuint(count_lines(unit_text, exec_start), ==, 1);
     g_assert_cmpuint(count_lines(unit_text, "Type=notify"), ==, 1);
     g_assert_cmpuint(count_lines(unit_text, "Restart=on-failure"), ==, 1);
+    g_assert_cmpuint(count_lines(unit_text, "ExecReload=/bin/kill -HUP $MAINPID"), ==, 1);
     g_assert_cmpuint(count_lines(unit_text, "DeviceAllow=/dev/userfaultfd rw"), ==, 1);
     g_assert_null(strstr(unit_text, "\nProtectProc="));
     g_assert_null(strstr(unit_text, "\nProcSubset="));

@@ -323,6 +323,8 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
 {
     g_autoptr(GPtrArray) argv = g_ptr_array_new();
     g_autoptr(GError) error = NULL;
+    gboolean own_config = FALSE;
+    g_autofree char *config = NULL;
     const char *a;
 
     g_ptr_array_add(argv, (char *)pf_test_bin("PAGEFOLDD"));
@@ -336,6 +338,15 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
     g_ptr_array_add(argv, (char *)"libvirt_metadata_millisecs=0");
     for (a = first_arg; a != NULL; a = va_arg(ap, const char *)) {
         g_ptr_array_add(argv, (char *)a);
+        own_config |= g_str_equal(a, "--config");
+    }
+    /* The host's configuration file (an installed pagefold's) is none of
+     * a test's business either: an empty one of the test's. */
+    if (!own_config) {
+        config = g_build_filename(d->dir, "empty.conf", NULL);
+        g_assert_true(g_file_set_contents(config, "", 0, NULL));
+        g_ptr_array_add(argv, (char *)"--config");
+        g_ptr_array_add(argv, config);
     }
     g_ptr_array_add(argv, NULL);
     g_unlink(d->sock);
@@ -434,6 +445,11 @@ pf_test_daemon_free(PfTestDaemon *d)
     if (d->log != NULL) {
         g_unlink(d->log);
         g_free(d->log);
+    }
+    {
+        g_autofree char *config = g_build_filename(d->dir, "empty.conf", NULL);
+
+        g_unlink(config);
     }
     g_rmdir(d->dir);
     g_free(d->sock);

@@ -122,9 +122,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     line[size] = '\0';
     defused = defuse_attach(line, len, &defused_len);
     if (defused != NULL) {
-        reply = pf_control_command_execute(scanner, defused, defused_len, &later, &counted);
+        reply = pf_control_command_execute(scanner, defused, defused_len, NULL, &later, &counted);
     } else {
-        reply = pf_control_command_execute(scanner, line, len, &later, &counted);
+        reply = pf_control_command_execute(scanner, line, len, NULL, &later, &counted);
     }
     if (reply != NULL && later != NULL) {
         fprintf(stderr, "fuzz: a reply now and a job's too\n");
