@@ -91,6 +91,20 @@ chunk_free(gpointer data)
     g_free(c);
 }
 
+/* A chunk of id, its memfd fd (owned) mapped at map, of that inode. */
+static Chunk *
+chunk_new(guint32 id, int fd, void *map, guint64 ino)
+{
+    Chunk *c = g_new0(Chunk, 1);
+
+    c->pub.id = id;
+    c->pub.fd = fd;
+    c->pub.map = map;
+    c->pub.n_slots = SLOTS;
+    c->pub.ino = ino;
+    return c;
+}
+
 /* The id a new chunk gets: one freed first. */
 static gboolean
 next_id(PfPool *p, guint32 *id, GError **error)
@@ -227,12 +241,7 @@ add_chunk(PfPool *p, Set *set, GError **error)
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: %s", g_strerror(e));
         return NULL;
     }
-    c = g_new0(Chunk, 1);
-    c->pub.id = id;
-    c->pub.fd = fd;
-    c->pub.map = map;
-    c->pub.n_slots = SLOTS;
-    c->pub.ino = st.st_ino;
+    c = chunk_new(id, fd, map, st.st_ino);
     place_chunk(p, c, set);
     return c;
 }
@@ -305,12 +314,7 @@ pf_pool_adopt_chunk(PfPool *p, int fd, guint32 vm, GError **error)
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pool chunk: %s", g_strerror(e));
         return 0;
     }
-    c = g_new0(Chunk, 1);
-    c->pub.id = id;
-    c->pub.fd = fd;
-    c->pub.map = map;
-    c->pub.n_slots = SLOTS;
-    c->pub.ino = st.st_ino;
+    c = chunk_new(id, fd, map, st.st_ino);
     c->adopted = TRUE;
     c->tags = g_new0(guint32, SLOTS);
     /* Every slot counts as filled: which ones were is not known. */

@@ -332,6 +332,72 @@ test_alloc_faults(void)
     close(fd);
 }
 
+/*
+ * A chunk an earlier pool made, taken back by a new one (a restart): it is
+ * marked as the pool's (a memfd of anyone else's is not), its content is
+ * as it was, its slots take references as pages are taken back, a freed
+ * one is neither zeroed nor handed out again, a second holder joins its
+ * set, and once settled a chunk no page maps goes.
+ */
+static void
+test_adopt(void)
+{
+    Seen seen = { 0 };
+    g_autoptr(PfPool) old = pf_pool_new(NULL, NULL, NULL);
+    g_autoptr(PfPool) p = pf_pool_new(made_cb, dropped_cb, &seen);
+    guint8 page[PF_PAGE_SIZE];
+    guint32 slot, chunk, index, id, again;
+    gboolean zero = TRUE;
+    int other = memfd_create("not-the-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+    if (geteuid() != 0) {
+        g_test_skip("needs CAP_SYS_ADMIN: the pool's mark is a trusted.* attribute");
+        close(other);
+        return;
+    }
+    pf_fill_page(page, 7);
+    slot = pf_pool_alloc(old, vm12, 2, page, NULL);
+    pf_pool_locate(old, slot, &chunk, &index);
+    g_assert_true(pf_pool_is_marked(pf_pool_chunk(old, chunk)->fd, &zero));
+    g_assert_false(zero);
+    g_assert_true(pf_pool_is_marked(pf_pool_zero_chunk(old)->fd, &zero));
+    g_assert_true(zero);
+    g_assert_cmpint(ftruncate(other, PF_POOL_CHUNK_SLOTS * PF_PAGE_SIZE), ==, 0);
+    g_assert_false(pf_pool_is_marked(other, &zero));
+    close(other);
+
+    id = pf_pool_adopt_chunk(p, pf_pool_chunk(old, chunk)->fd, 1, NULL);
+    g_assert_cmpuint(id, >, 0);
+    g_assert_cmpuint(seen.made, ==, 2); /* its zero chunk, then this one */
+    g_assert_true(pf_pool_is_adopted(p, id));
+    g_assert_cmpuint(pf_pool_find_ino(p, pf_pool_chunk(old, chunk)->ino), ==, id);
+    again = id * PF_POOL_CHUNK_SLOTS + index + 1;
+    g_assert_cmpmem(pf_pool_data(p, again), PF_PAGE_SIZE, page, PF_PAGE_SIZE);
+    g_assert_true(pf_pool_adopt_slot(p, again));
+    g_assert_false(pf_pool_adopt_slot(p, again));
+    g_assert_cmpuint(pf_pool_refs(p, again), ==, 2);
+    pf_pool_set_adopted_tag(p, again, 42);
+    g_assert_cmpuint(pf_pool_adopted_tag(p, again), ==, 42);
+    g_assert_true(pf_pool_adopt_holder(p, id, 2));
+    g_assert_false(pf_pool_adopt_holder(p, id, 2));
+    g_assert_true(pf_pool_readable(p, again, 2));
+    /* No slot of it is handed out: a new one for the same VMs goes to a
+     * chunk of its own. */
+    g_assert_cmpuint(pf_pool_alloc(p, vm12, 2, page, NULL) / PF_POOL_CHUNK_SLOTS, !=, id);
+    pf_pool_unref(p, again);
+    g_assert_cmpmem(pf_pool_data(p, again), PF_PAGE_SIZE, page, PF_PAGE_SIZE);
+    pf_pool_unref(p, again);
+    g_assert_cmpuint(seen.dropped, ==, 1);
+    g_assert_cmpuint(seen.last_dropped, ==, id);
+
+    /* Taken, no page of it taken back: it goes as it settles. */
+    id = pf_pool_adopt_chunk(p, pf_pool_chunk(old, chunk)->fd, 1, NULL);
+    g_assert_cmpuint(id, >, 0);
+    pf_pool_adopted_settle(p, id);
+    g_assert_cmpuint(seen.dropped, ==, 2);
+    g_assert_null(pf_pool_chunk(p, id));
+}
+
 int
 main(int argc, char **argv)
 {
@@ -343,5 +409,6 @@ main(int argc, char **argv)
     g_test_add_func("/pool/extend", test_extend);
     g_test_add_func("/pool/evacuating", test_evacuating);
     g_test_add_func("/pool/alloc-faults", test_alloc_faults);
+    g_test_add_func("/pool/adopt", test_adopt);
     return g_test_run();
 }
