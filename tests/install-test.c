@@ -366,7 +366,11 @@ test_tree(Fixture *f, gconstpointer data)
     g_assert_cmpuint(count_lines(unit_text, exec_start), ==, 1);
     g_assert_cmpuint(count_lines(unit_text, "Type=notify"), ==, 1);
     g_assert_cmpuint(count_lines(unit_text, "Restart=on-failure"), ==, 1);
-    g_assert_cmpuint(count_lines(unit_text, "ExecReload=/bin/kill -HUP $MAINPID"), ==, 1);
+    {
+        g_autofree char *reload = g_strdup_printf("ExecReload=%s reload", pagefoldctl);
+
+        g_assert_cmpuint(count_lines(unit_text, reload), ==, 1);
+    }
     g_assert_cmpuint(count_lines(unit_text, "DeviceAllow=/dev/userfaultfd rw"), ==, 1);
     g_assert_null(strstr(unit_text, "\nProtectProc="));
     g_assert_null(strstr(unit_text, "\nProcSubset="));
