@@ -19,11 +19,13 @@
 #include <fcntl.h>
 #include <glib-unix.h>
 #include <grp.h>
+#include <linux/capability.h>
 #include <linux/close_range.h>
 #include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -139,6 +141,34 @@ note_and_exit(int note_fd, int kind, int value, int status)
     _exit(status);
 }
 
+/*
+ * What the systemd unit takes away, as far as a process can take it from
+ * itself: every capability but the unit's (CapabilityBoundingSet=), any
+ * new privilege (NoNewPrivileges=), and files made readable by others
+ * (UMask=0077).  The rest of the unit's sandbox (its own mounts, system
+ * call filter, device policy) needs systemd.  Best effort: a pagefoldd
+ * that keeps more still works.  Only system calls: a copy of the hook.
+ */
+static void
+confine(void)
+{
+    static const int keep[] = { CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH, CAP_CHOWN };
+
+    /* Past CAP_LAST_CAP too: a newer kernel may know more. */
+    for (int cap = 0; cap < 64; cap++) {
+        gboolean kept = FALSE;
+
+        for (gsize i = 0; i < G_N_ELEMENTS(keep); i++) {
+            kept |= keep[i] == cap;
+        }
+        if (!kept) {
+            (void)prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
+        }
+    }
+    (void)prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+    umask(077);
+}
+
 /* In the middle process, a session leader of its own: forks pagefoldd,
  * which is not one (it can never take a terminal), and says its pid.
  * Only system calls from here: this is a copy of the hook. */
@@ -165,6 +195,7 @@ in_middle(char **argv, int null_fd, int out_fd, int note_fd)
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL); /* the hook ignores it; exec keeps that */
+    confine();
     execv(argv[0], argv);
     note_and_exit(note_fd, 1, errno, 127);
 }

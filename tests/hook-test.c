@@ -1026,6 +1026,8 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
     g_autofree char *agent_arg = g_strconcat("--pagefoldd-arg=", agent_sock, NULL);
     g_autofree char *pflog = g_build_filename(f->dir, "pagefold", "pagefoldd.log", NULL);
     g_autofree char *pfdir = g_path_get_dirname(pflog);
+    /* Not the host's configuration file. */
+    g_autofree char *config = g_build_filename(f->dir, "pagefoldd.conf", NULL);
     g_autofree char *xml = domain_xml("web1", UUID_GIVEN, MEMFD_SHARED);
     g_autofree char *answers = g_strdup_printf("web1 prepare begin: pagefoldd answers on %s",
                                                f->sock);
@@ -1040,8 +1042,10 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
     struct stat st;
     int listener = 0;
 
+    g_assert_true(g_file_set_contents(config, "", 0, NULL));
     hook(f, &r, xml, "--pagefoldd", pf_test_bin("PAGEFOLDD"), "--pagefoldd-arg",
-         "--agent-socket", agent_arg, "--pagefoldd-arg", "--set", "--pagefoldd-arg", "run=0",
+         "--agent-socket", agent_arg, "--pagefoldd-arg", "--config", "--pagefoldd-arg", config,
+         "--pagefoldd-arg", "--set", "--pagefoldd-arg", "run=0",
          "--pagefoldd-arg", "--set", "--pagefoldd-arg", "libvirt_metadata_millisecs=0",
          "--pagefoldd-log", pflog, "--agent-group", group, "web1", "prepare", "begin", "-", NULL);
     assert_said(f, &r, "web1", "web1 prepare begin: pagefoldd does not answer (");
@@ -1054,6 +1058,17 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
         g_usleep(10000);
     }
     g_assert_cmpint(listener, ==, f->spawned);
+    {
+        /* What the unit would take away that a process can: every
+         * capability but CHOWN, DAC_READ_SEARCH, SYS_PTRACE and
+         * SYS_ADMIN, and new privileges. */
+        g_autofree char *status_path = g_strdup_printf("/proc/%d/status", f->spawned);
+        g_autofree char *status = NULL;
+
+        g_assert_true(g_file_get_contents(status_path, &status, NULL, NULL));
+        g_assert_nonnull(strstr(status, "\nNoNewPrivs:\t1\n"));
+        g_assert_nonnull(strstr(status, "\nCapBnd:\t0000000000280005\n"));
+    }
     list = pf_test_ctl_json(&d, "list", NULL);
     g_assert_cmpuint(json_array_get_length(json_node_get_array(list)), ==, 0);
     g_assert_true(g_file_test(agent_sock, G_FILE_TEST_EXISTS));

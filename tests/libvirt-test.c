@@ -212,14 +212,19 @@ pagefoldd_stop(void)
 static void
 install_hook(const char *pagefoldd_path)
 {
+    /* Not the host's configuration file: an empty one of the test's. */
+    g_autofree char *config = g_build_filename(lv.dir, "pagefoldd.conf", NULL);
     g_autofree char *script = g_strdup_printf(
         "#!/bin/sh\n# Installed by pagefold's libvirt-test; removed when it ends.\n"
-        "exec '%s' --pagefoldd '%s' --pagefoldd-arg=--set --pagefoldd-arg=pages_to_scan=4000 "
+        "exec '%s' --pagefoldd '%s' --pagefoldd-arg=--config --pagefoldd-arg='%s' "
+        "--pagefoldd-arg=--set --pagefoldd-arg=pages_to_scan=4000 "
         "--pagefoldd-arg=--set --pagefoldd-arg=sleep_millisecs=10 "
         "--pagefoldd-arg=--set --pagefoldd-arg=libvirt_metadata_millisecs=1000 \"$@\"\n",
         pf_test_bin("PAGEFOLD_HOOK"),
-        pagefoldd_path ? pagefoldd_path : "/nonexistent/pagefoldd");
+        pagefoldd_path ? pagefoldd_path : "/nonexistent/pagefoldd", config);
     g_autoptr(GError) error = NULL;
+
+    g_assert_true(g_file_set_contents(config, "", 0, NULL));
 
     g_assert_cmpint(g_mkdir_with_parents(HOOK_DIR, 0755), ==, 0);
     g_file_set_contents(HOOK_FILE, script, -1, &error);
