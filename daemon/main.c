@@ -11,6 +11,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include "attached.h"
 #include "config.h"
 #include "control.h"
 #include "escape.h"
@@ -97,6 +98,7 @@ typedef struct {
     const Options *options; /* the command line's, and the file's at start */
     PfLinkServer *links;
     PfControl *control;
+    PfAttached *attached;
 #if PF_HAVE_LIBVIRT
     PfLibvirtMetadata *metadata;
 #endif
@@ -109,6 +111,7 @@ daemon_clear(Daemon *d)
     g_clear_pointer(&d->loop, g_main_loop_unref);
     g_clear_pointer(&d->links, pf_link_server_free);
     g_clear_pointer(&d->control, pf_control_free);
+    g_clear_pointer(&d->attached, pf_attached_free);
 #if PF_HAVE_LIBVIRT
     g_clear_pointer(&d->metadata, pf_libvirt_metadata_free);
 #endif
@@ -452,6 +455,14 @@ main(int argc, char **argv)
     if ((status = open_sockets(&d, &opts)) != GO_ON ||
         (status = attach_pids(d.scanner, opts.attach)) != GO_ON) {
         return status;
+    }
+    {
+        /* VMs attached by pid have no agent to come back by: the last
+         * pagefoldd on this socket kept them beside it. */
+        g_autofree char *kept = g_strconcat(socket_path(&opts), ".attached", NULL);
+
+        pf_attached_restore(d.scanner, kept);
+        d.attached = pf_attached_new(d.scanner, kept);
     }
     return run(&d, &opts);
 }

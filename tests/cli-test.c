@@ -389,6 +389,59 @@ test_config(Fixture *f, gconstpointer data)
     g_rmdir(dir);
 }
 
+/*
+ * VMs attached by pid have no agent to come back by: a pagefoldd killed
+ * and started again on the same socket attaches them again, with their
+ * names and merge domains; a VM detached before is not, and neither is a
+ * process the file names that is not the one it was (a reused pid).
+ */
+static void
+test_attached_again(Fixture *f, gconstpointer data)
+{
+    g_autofree char *pid0 = g_strdup_printf("%d", f->pid[0]);
+    g_autofree char *pid1 = g_strdup_printf("%d", f->pid[1]);
+    g_autofree char *kept = g_strconcat(f->d->sock, ".attached", NULL);
+    g_autofree char *out = NULL, *err = NULL, *text = NULL;
+    g_autoptr(JsonObject) vm = NULL;
+
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid0, "--name", "kept", NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "attach", pid1, NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "merge-domain", pid0, "red", NULL), ==, 0);
+    g_assert_cmpint(ctl(f, &out, &err, "detach", pid1, NULL), ==, 0);
+    /* Written within a second of a change. */
+    for (int i = 0; i < 300; i++) {
+        g_clear_pointer(&text, g_free);
+        if (g_file_get_contents(kept, &text, NULL, NULL) && strstr(text, "red") != NULL &&
+            strstr(text, "beta") == NULL) {
+            break;
+        }
+        g_usleep(10000);
+    }
+    g_assert_nonnull(strstr(text, "\"merge_domain\":\"red\""));
+    g_subprocess_send_signal(f->d->proc, SIGKILL);
+    g_subprocess_wait(f->d->proc, NULL, NULL);
+    pf_test_daemon_restart(f->d, "--set", "run=0", NULL);
+    vm = pf_test_listed_vm(f->d, "kept");
+    g_assert_nonnull(vm);
+    g_assert_cmpint(json_object_get_int_member(vm, "pid"), ==, f->pid[0]);
+    g_assert_cmpstr(json_object_get_string_member(vm, "merge_domain"), ==, "red");
+    g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "advise");
+    g_clear_pointer(&vm, json_object_unref);
+    vm = pf_test_listed_vm(f->d, "beta");
+    g_assert_null(vm);
+
+    /* A start time that is not the process's: not attached. */
+    g_assert_cmpint(ctl(f, &out, &err, "detach", pid0, NULL), ==, 0);
+    g_subprocess_send_signal(f->d->proc, SIGKILL);
+    g_subprocess_wait(f->d->proc, NULL, NULL);
+    g_clear_pointer(&text, g_free);
+    text = g_strdup_printf("[{\"pid\":%d,\"start_time\":1,\"name\":\"stale\"}]", f->pid[0]);
+    g_assert_true(g_file_set_contents(kept, text, -1, NULL));
+    pf_test_daemon_restart(f->d, "--set", "run=0", NULL);
+    vm = pf_test_listed_vm(f->d, "stale");
+    g_assert_null(vm);
+}
+
 /* pagefoldctl merge-domain: two VMs in different domains share nothing;
  * put in the same one, they do; one that shares pages cannot leave. */
 static void
@@ -513,6 +566,7 @@ main(int argc, char **argv)
     g_test_add("/cli/same-name", Fixture, NULL, setup, test_same_name, teardown);
     g_test_add("/cli/merge-domain", Fixture, NULL, setup, test_merge_domain, teardown);
     g_test_add("/cli/config", Fixture, NULL, setup, test_config, teardown);
+    g_test_add("/cli/attached-again", Fixture, NULL, setup, test_attached_again, teardown);
     g_test_add_func("/cli/libvirt-gone", test_libvirt_gone);
     return g_test_run();
 }

@@ -990,6 +990,8 @@ teardown(void)
         }
     }
     pagefoldd_stop();
+    /* What it kept of VMs attached by pid, for a pagefoldd to come. */
+    g_unlink(PF_DEFAULT_SOCKET ".attached");
     if (g_file_test(PAGEFOLDD_LOG, G_FILE_TEST_EXISTS)) {
         g_autofree char *text = NULL;
 

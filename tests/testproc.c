@@ -448,8 +448,10 @@ pf_test_daemon_free(PfTestDaemon *d)
     }
     {
         g_autofree char *config = g_build_filename(d->dir, "empty.conf", NULL);
+        g_autofree char *attached = g_strconcat(d->sock, ".attached", NULL);
 
         g_unlink(config);
+        g_unlink(attached);
     }
     g_rmdir(d->dir);
     g_free(d->sock);

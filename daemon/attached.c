@@ -1,0 +1,193 @@
+/*
+ * attached.c - the VMs attached by pid, kept in a file (attached.h): one
+ * JSON object per VM in an array, written whole (a temporary file renamed)
+ * when it changed.
+ */
+#include "attached.h"
+
+#include <json-glib/json-glib.h>
+#include <string.h>
+
+#include "label.h"
+#include "util.h"
+#include "vm.h"
+
+/* How often the file is brought up to date. */
+#define WRITE_PERIOD_MS 1000
+
+struct _PfAttached {
+    PfScanner *scanner;
+    char *path;
+    char *written; /* what the file holds */
+    guint timer;
+};
+
+/* When process pid started (field 22 of /proc/PID/stat), or 0. */
+static guint64
+start_time(int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/stat", pid);
+    g_autofree char *text = NULL;
+    const char *after;
+    g_auto(GStrv) fields = NULL;
+    guint64 t = 0;
+
+    if (!g_file_get_contents(path, &text, NULL, NULL) || (after = strrchr(text, ')')) == NULL) {
+        return 0;
+    }
+    /* After the name (which may hold anything): state is field 3. */
+    fields = g_strsplit(after + 2, " ", 0);
+    if (g_strv_length(fields) > 19) {
+        (void)pf_parse_u64(fields[19], 1, G_MAXUINT64, &t, NULL);
+    }
+    return t;
+}
+
+static char *
+snapshot(PfScanner *s)
+{
+    g_autoptr(JsonBuilder) b = json_builder_new();
+    g_autoptr(JsonNode) root = NULL;
+    GPtrArray *vms = pf_scanner_get_vms(s);
+
+    json_builder_begin_array(b);
+    for (guint i = 0; i < vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(vms, i);
+        char uuid[37];
+
+        if (vm->outbox != NULL) {
+            continue; /* an agent's: it comes back by itself */
+        }
+        json_builder_begin_object(b);
+        json_builder_set_member_name(b, "pid");
+        json_builder_add_int_value(b, vm->pid);
+        json_builder_set_member_name(b, "start_time");
+        json_builder_add_int_value(b, (gint64)start_time(vm->pid));
+        json_builder_set_member_name(b, "name");
+        json_builder_add_string_value(b, vm->name);
+        if (pf_vm_uuid_string(vm, uuid) != NULL) {
+            json_builder_set_member_name(b, "uuid");
+            json_builder_add_string_value(b, uuid);
+        }
+        json_builder_set_member_name(b, "merge_domain");
+        json_builder_add_string_value(b, pf_scanner_merge_domain(s, vm));
+        json_builder_end_object(b);
+    }
+    json_builder_end_array(b);
+    root = json_builder_get_root(b);
+    return json_to_string(root, FALSE);
+}
+
+static gboolean
+write_cb(gpointer user)
+{
+    PfAttached *a = user;
+    g_autofree char *now = snapshot(a->scanner);
+    g_autoptr(GError) error = NULL;
+
+    if (g_strcmp0(now, a->written) == 0) {
+        return G_SOURCE_CONTINUE;
+    }
+    if (!g_file_set_contents_full(a->path, now, -1, G_FILE_SET_CONTENTS_CONSISTENT, 0600,
+                                  &error)) {
+        g_warning("cannot keep the VMs attached by pid in %s: %s (a pagefoldd started again "
+                  "would not attach them)", a->path, error->message);
+        return G_SOURCE_CONTINUE;
+    }
+    g_free(a->written);
+    a->written = g_steal_pointer(&now);
+    return G_SOURCE_CONTINUE;
+}
+
+PfAttached *
+pf_attached_new(PfScanner *scanner, const char *path)
+{
+    PfAttached *a = g_new0(PfAttached, 1);
+
+    a->scanner = scanner;
+    a->path = g_strdup(path);
+    write_cb(a);
+    a->timer = g_timeout_add(WRITE_PERIOD_MS, write_cb, a);
+    return a;
+}
+
+void
+pf_attached_free(PfAttached *a)
+{
+    if (a == NULL) {
+        return;
+    }
+    g_clear_handle_id(&a->timer, g_source_remove);
+    g_free(a->path);
+    g_free(a->written);
+    g_free(a);
+}
+
+/* One VM the file names, attached again if its process is the one it was. */
+static gboolean
+restore_one(PfScanner *s, JsonObject *o)
+{
+    gint64 pid = json_object_get_int_member_with_default(o, "pid", 0);
+    gint64 started = json_object_get_int_member_with_default(o, "start_time", 0);
+    const char *name = json_object_get_string_member_with_default(o, "name", NULL);
+    const char *uuid = json_object_get_string_member_with_default(o, "uuid", NULL);
+    const char *domain = json_object_get_string_member_with_default(o, "merge_domain", NULL);
+    g_autoptr(GError) error = NULL;
+    PfVm *vm;
+
+    if (pid <= 0 || pid > G_MAXINT || started <= 0 || start_time((int)pid) != (guint64)started ||
+        pf_scanner_find_vm_by_pid(s, (int)pid) != NULL ||
+        (name != NULL && !pf_label_is_valid("a VM name", name, NULL))) {
+        return FALSE;
+    }
+    vm = pf_vm_attach((int)pid, name, &error);
+    /* The pidfd pins it now: the same process, if it still started then. */
+    if (vm == NULL || start_time((int)pid) != (guint64)started) {
+        if (vm != NULL) {
+            pf_vm_free(vm);
+        }
+        return FALSE;
+    }
+    if (uuid != NULL && !pf_uuid_parse(uuid, vm->uuid)) {
+        memset(vm->uuid, 0, sizeof(vm->uuid));
+    }
+    pf_scanner_add_vm(s, vm);
+    if (domain != NULL && !g_str_equal(domain, "unlabelled") &&
+        pf_label_is_valid("a merge domain", domain, NULL)) {
+        (void)pf_scanner_set_merge_domain(s, vm, domain, NULL);
+    }
+    g_message("VM %s (pid %d) attached again, as before pagefoldd started: mode %s, merge "
+              "domain '%s'", vm->name, vm->pid, pf_vm_mode_name(vm),
+              pf_scanner_merge_domain(s, vm));
+    return TRUE;
+}
+
+guint
+pf_attached_restore(PfScanner *scanner, const char *path)
+{
+    g_autoptr(JsonParser) parser = json_parser_new();
+    g_autoptr(GError) error = NULL;
+    JsonNode *root;
+    JsonArray *vms;
+    guint n = 0;
+
+    if (!json_parser_load_from_file(parser, path, &error)) {
+        if (!g_error_matches(error, G_FILE_ERROR, G_FILE_ERROR_NOENT)) {
+            g_warning("%s: %s: no VM attached by pid is attached again", path, error->message);
+        }
+        return 0;
+    }
+    root = json_parser_get_root(parser);
+    if (root == NULL || !JSON_NODE_HOLDS_ARRAY(root)) {
+        g_warning("%s is not pagefoldd's list of VMs: no VM attached by pid is attached again",
+                  path);
+        return 0;
+    }
+    vms = json_node_get_array(root);
+    for (guint i = 0; i < json_array_get_length(vms); i++) {
+        JsonNode *e = json_array_get_element(vms, i);
+
+        n += JSON_NODE_HOLDS_OBJECT(e) && restore_one(scanner, json_node_get_object(e));
+    }
+    return n;
+}
