@@ -5,8 +5,12 @@
  */
 #include "attached.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <json-glib/json-glib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "label.h"
 #include "util.h"
@@ -14,6 +18,8 @@
 
 /* How often the file is brought up to date. */
 #define WRITE_PERIOD_MS 1000
+/* Far more than the VMs one host runs take. */
+#define MAX_FILE_BYTES (16u << 20)
 
 struct _PfAttached {
     PfScanner *scanner;
@@ -43,13 +49,31 @@ start_time(int pid)
     return t;
 }
 
+/* This boot's id: a pid and start time name a process of one boot only
+ * (where the file outlives a boot: a --socket that is not in /run). */
+static char *
+boot_id(void)
+{
+    char *id = NULL;
+
+    if (!g_file_get_contents("/proc/sys/kernel/random/boot_id", &id, NULL, NULL)) {
+        return g_strdup("");
+    }
+    return g_strstrip(id);
+}
+
 static char *
 snapshot(PfScanner *s)
 {
     g_autoptr(JsonBuilder) b = json_builder_new();
     g_autoptr(JsonNode) root = NULL;
+    g_autofree char *boot = boot_id();
     GPtrArray *vms = pf_scanner_get_vms(s);
 
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "boot_id");
+    json_builder_add_string_value(b, boot);
+    json_builder_set_member_name(b, "vms");
     json_builder_begin_array(b);
     for (guint i = 0; i < vms->len; i++) {
         PfVm *vm = g_ptr_array_index(vms, i);
@@ -74,6 +98,7 @@ snapshot(PfScanner *s)
         json_builder_end_object(b);
     }
     json_builder_end_array(b);
+    json_builder_end_object(b);
     root = json_builder_get_root(b);
     return json_to_string(root, FALSE);
 }
@@ -123,15 +148,36 @@ pf_attached_free(PfAttached *a)
     g_free(a);
 }
 
+/* A member of the file's, of the type it must have, or 0 / NULL. */
+static gint64
+member_int(JsonObject *o, const char *name)
+{
+    JsonNode *n = json_object_get_member(o, name);
+
+    return n != NULL && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == G_TYPE_INT64
+               ? json_node_get_int(n)
+               : 0;
+}
+
+static const char *
+member_str(JsonObject *o, const char *name)
+{
+    JsonNode *n = json_object_get_member(o, name);
+
+    return n != NULL && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == G_TYPE_STRING
+               ? json_node_get_string(n)
+               : NULL;
+}
+
 /* One VM the file names, attached again if its process is the one it was. */
 static gboolean
 restore_one(PfScanner *s, JsonObject *o)
 {
-    gint64 pid = json_object_get_int_member_with_default(o, "pid", 0);
-    gint64 started = json_object_get_int_member_with_default(o, "start_time", 0);
-    const char *name = json_object_get_string_member_with_default(o, "name", NULL);
-    const char *uuid = json_object_get_string_member_with_default(o, "uuid", NULL);
-    const char *domain = json_object_get_string_member_with_default(o, "merge_domain", NULL);
+    gint64 pid = member_int(o, "pid");
+    gint64 started = member_int(o, "start_time");
+    const char *name = member_str(o, "name");
+    const char *uuid = member_str(o, "uuid");
+    const char *domain = member_str(o, "merge_domain");
     g_autoptr(GError) error = NULL;
     PfVm *vm;
 
@@ -162,28 +208,72 @@ restore_one(PfScanner *s, JsonObject *o)
     return TRUE;
 }
 
+/* The file's text: pagefoldd's own (a regular file of its user's that no
+ * one else may write, through no link), at most MAX_FILE_BYTES; NULL and
+ * error otherwise. */
+static char *
+read_own(const char *path, GError **error)
+{
+    g_autoptr(GString) text = g_string_new(NULL);
+    char buf[65536];
+    struct stat st;
+    ssize_t n;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+
+    if (fd < 0) {
+        g_set_error(error, G_FILE_ERROR, g_file_error_from_errno(errno), "%s",
+                    g_strerror(errno));
+        return NULL;
+    }
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
+        (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+        close(fd);
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "not pagefoldd's (a regular file of its user's that no one else writes)");
+        return NULL;
+    }
+    while ((n = read(fd, buf, sizeof(buf))) > 0 && text->len <= MAX_FILE_BYTES) {
+        g_string_append_len(text, buf, n);
+    }
+    close(fd);
+    if (n < 0 || text->len > MAX_FILE_BYTES) {
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "%s",
+                    n < 0 ? g_strerror(errno) : "larger than pagefoldd writes");
+        return NULL;
+    }
+    return g_string_free(g_steal_pointer(&text), FALSE);
+}
+
 guint
 pf_attached_restore(PfScanner *scanner, const char *path)
 {
     g_autoptr(JsonParser) parser = json_parser_new();
     g_autoptr(GError) error = NULL;
-    JsonNode *root;
+    g_autofree char *text = read_own(path, &error);
+    g_autofree char *boot = boot_id();
+    JsonNode *root, *list;
     JsonArray *vms;
     guint n = 0;
 
-    if (!json_parser_load_from_file(parser, path, &error)) {
+    if (text == NULL || !json_parser_load_from_data(parser, text, -1, &error)) {
         if (!g_error_matches(error, G_FILE_ERROR, G_FILE_ERROR_NOENT)) {
             g_warning("%s: %s: no VM attached by pid is attached again", path, error->message);
         }
         return 0;
     }
     root = json_parser_get_root(parser);
-    if (root == NULL || !JSON_NODE_HOLDS_ARRAY(root)) {
+    list = root != NULL && JSON_NODE_HOLDS_OBJECT(root)
+               ? json_object_get_member(json_node_get_object(root), "vms")
+               : NULL;
+    if (list == NULL || !JSON_NODE_HOLDS_ARRAY(list)) {
         g_warning("%s is not pagefoldd's list of VMs: no VM attached by pid is attached again",
                   path);
         return 0;
     }
-    vms = json_node_get_array(root);
+    if (g_strcmp0(member_str(json_node_get_object(root), "boot_id"), boot) != 0) {
+        return 0; /* of another boot: none of its processes runs */
+    }
+    vms = json_node_get_array(list);
     for (guint i = 0; i < json_array_get_length(vms); i++) {
         JsonNode *e = json_array_get_element(vms, i);
 

@@ -173,21 +173,36 @@ pf_libvirt_domain_free(PfLibvirtDomain *d)
 /* READY: the libvirt domain the peer named, if its status file says this
  * process runs it (c->libvirt). */
 static void
-check_libvirt(HandshakeCheck *c)
+check_libvirt(HandshakeCheck *c, GCancellable *cancel)
 {
     g_auto(Domain) dom = { 0 };
     g_autoptr(GError) error = NULL;
     guint8 uuid[16];
+    const char *why = NULL;
 
-    if (pf_libvirt_domain_status(c->status_dir, c->domain_name, &dom, &error) != c->peer_pid ||
+    /* The head first (its pid): a peer may name any domain, and only its
+     * own is worth reading whole. */
+    if (g_cancellable_is_cancelled(cancel) ||
+        pf_libvirt_domain_pid(c->status_dir, c->domain_name, NULL) != c->peer_pid ||
+        pf_libvirt_domain_status(c->status_dir, c->domain_name, &dom, &error) != c->peer_pid ||
         !pf_uuid_parse(dom.uuid, uuid)) {
         return;
     }
     c->libvirt = g_new0(PfLibvirtDomain, 1);
     memcpy(c->libvirt->uuid, uuid, sizeof(uuid));
-    if (dom.merge_domain != NULL && !pf_label_is_valid("a merge domain", dom.merge_domain,
-                                                       &error)) {
-        c->libvirt->why_unlabelled = g_strdup(error->message);
+    /* Where the hook would attach nothing, the VM shares with nobody. */
+    if (dom.has_config && dom.merge_domain == NULL) {
+        why = "its <pagefold:config> names no merge-domain";
+    } else if (dom.nosharepages) {
+        why = "its XML says <nosharepages/>";
+    } else if (!domain_is_ours(&dom)) {
+        why = "its XML gives it no shared memfd RAM";
+    } else if (dom.merge_domain != NULL &&
+               !pf_label_is_valid("a merge domain", dom.merge_domain, &error)) {
+        why = error->message;
+    }
+    if (why != NULL) {
+        c->libvirt->why_unlabelled = g_strdup(why);
     } else {
         c->libvirt->merge_domain = g_strdup(dom.merge_domain ? dom.merge_domain : "default");
     }
@@ -199,7 +214,7 @@ static void
 check_run(HandshakeCheck *c, GCancellable *cancel)
 {
     if (c->msg->header.type == PF_MSG_READY && c->domain_name != NULL) {
-        check_libvirt(c);
+        check_libvirt(c, cancel);
     }
     if (c->msg->header.type == PF_MSG_REGION) {
         const PfWireRegion *wr = pf_msg_region(c->msg);

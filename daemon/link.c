@@ -353,8 +353,11 @@ on_ready_domain(PfLink *l, PfVm *vm)
     PfScanner *s = l->srv->scanner;
     g_autoptr(GError) error = NULL;
 
-    if (l->libvirt != NULL && l->libvirt->merge_domain != NULL) {
+    if (l->libvirt != NULL) {
+        /* libvirt's, not what the peer claimed. */
         memcpy(vm->uuid, l->libvirt->uuid, sizeof(vm->uuid));
+    }
+    if (l->libvirt != NULL && l->libvirt->merge_domain != NULL) {
         if (pf_scanner_set_merge_domain(s, vm, l->libvirt->merge_domain, &error)) {
             return;
         }

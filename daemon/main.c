@@ -68,7 +68,8 @@ typedef struct {
     char *config_path;
     PfConfig *config;   /* what it said at start */
     gboolean version;
-    gint agent_timeout; /* 0: not given */
+    gint agent_timeout; /* -1: not given */
+    gboolean agent_timeout_given; /* on the command line: a reload keeps it */
     const PfHashAlgo *hash; /* hash_name's, or the default */
 } Options;
 
@@ -163,7 +164,7 @@ take_config(Options *o)
     take_option(&o->hash_name, c->hash);
     take_option(&o->libvirt_uri, c->libvirt_uri);
     take_option(&o->libvirt_run_dir, c->libvirt_run_dir);
-    if (o->agent_timeout == 0) {
+    if (!o->agent_timeout_given) {
         o->agent_timeout = c->agent_timeout != 0 ? c->agent_timeout : 30;
     }
     o->config = c;
@@ -229,7 +230,8 @@ parse_options(Options *o, int argc, char **argv)
         g_printerr("pagefoldd: unexpected argument '%s'\n", argv[1]);
         return 2;
     }
-    if (o->agent_timeout != 0 && (o->agent_timeout < 1 || o->agent_timeout > 3600)) {
+    o->agent_timeout_given = o->agent_timeout != -1;
+    if (o->agent_timeout_given && (o->agent_timeout < 1 || o->agent_timeout > 3600)) {
         g_printerr("pagefoldd: --agent-timeout must be between 1 and 3600 seconds\n");
         return 2;
     }
@@ -332,10 +334,12 @@ attach_pids(PfScanner *scanner, char **attach)
 }
 
 /*
- * The configuration file read again (SIGHUP, pagefoldctl reload): its
- * knobs are set, the command line's --set still winning, and its
- * agent-timeout taken; the other options are said to wait for a restart
- * where they changed.  A file with a mistake changes nothing.
+ * The configuration file read again (SIGHUP, pagefoldctl reload): the
+ * knobs it names are set (others keep what they have, pagefoldctl set's
+ * included), the command line's --set still winning, and its
+ * agent-timeout taken (30 s where it says none) unless the command line
+ * gave one; the other options are said to wait for a restart where they
+ * changed.  A file with a mistake changes nothing.
  */
 static gboolean
 reload(gpointer user, GError **error)
@@ -372,8 +376,10 @@ reload(gpointer user, GError **error)
     }
     *pf_scanner_get_knobs(d->scanner) = knobs;
     pf_scanner_kick(d->scanner);
-    if (c->agent_timeout != 0) {
-        pf_link_server_set_answer_timeout(d->links, (guint)c->agent_timeout * 1000);
+    if (!o->agent_timeout_given) {
+        pf_link_server_set_answer_timeout(d->links,
+                                          (guint)(c->agent_timeout != 0 ? c->agent_timeout
+                                                                        : 30) * 1000);
     }
     for (gsize i = 0; i < G_N_ELEMENTS(fixed); i++) {
         if (g_strcmp0(fixed[i].was, fixed[i].now) != 0) {
@@ -432,7 +438,7 @@ run(Daemon *d, const Options *o)
 int
 main(int argc, char **argv)
 {
-    g_auto(Options) opts = { .hash = pf_hash_default() };
+    g_auto(Options) opts = { .agent_timeout = -1, .hash = pf_hash_default() };
     g_auto(Daemon) d = { NULL };
     int status;
 

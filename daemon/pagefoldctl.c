@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "client.h"
+#include "config.h"
 #include "escape.h"
 #include "stats.h"
 #include "util.h"
@@ -144,7 +145,8 @@ parse_options(Invocation *inv, int argc, char **argv)
 {
     GOptionEntry entries[] = {
         { "socket", 's', 0, G_OPTION_ARG_FILENAME, &inv->socket_path,
-          "pagefoldd's control socket (default " PF_DEFAULT_SOCKET ")", "PATH" },
+          "pagefoldd's control socket (default: the configuration file's, else "
+          PF_DEFAULT_SOCKET ")", "PATH" },
         { "name", 'n', 0, G_OPTION_ARG_STRING, &inv->name, "Name for attach", "NAME" },
         { "json", 0, 0, G_OPTION_ARG_NONE, &inv->as_json, "Print JSON", NULL },
         { "prometheus", 0, 0, G_OPTION_ARG_NONE, &inv->as_prom,
@@ -286,7 +288,9 @@ show_stats(JsonNode *ret, const Invocation *inv)
 {
     g_autofree char *text = inv->as_prom
         ? pf_stats_format_prometheus(json_node_get_object(ret))
-        : pf_stats_format_table(json_node_get_object(ret), inv->argc < 3);
+        : pf_stats_format_table(json_node_get_object(ret),
+                                /* stats VM, unmerge VM: that VM's row */
+                                inv->argc < 3 || g_str_equal(inv->argv[1], "scan-now"));
 
     g_print("%s", text);
 }
@@ -418,7 +422,15 @@ main(int argc, char **argv)
     if (request == NULL) {
         return 2;
     }
-    ret = pf_client_execute(inv.socket_path ? inv.socket_path : PF_DEFAULT_SOCKET, request, -1,
+    if (inv.socket_path == NULL) {
+        /* Where pagefoldd's configuration file moved it (a file pagefoldd
+         * would refuse is pagefoldd's to say so: the default, then). */
+        g_autoptr(PfConfig) config = pf_config_load(PF_DEFAULT_CONFIG, FALSE, NULL);
+
+        inv.socket_path = g_strdup(config != NULL && config->socket != NULL ? config->socket
+                                                                             : PF_DEFAULT_SOCKET);
+    }
+    ret = pf_client_execute(inv.socket_path, request, -1,
                             &error);
     if (ret == NULL && g_error_matches(error, PF_CLIENT_ERROR, PF_CLIENT_ERROR_REFUSED)) {
         g_printerr("pagefoldctl: %s: %s\n", cmd, shown(error->message));

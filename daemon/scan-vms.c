@@ -346,6 +346,12 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
 {
     guint id = 0;
 
+    /* What VMs of no domain are listed as: no domain's name. */
+    if (g_strcmp0(domain, "unlabelled") == 0) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "'unlabelled' is no merge domain's name: it says a VM shares with nobody");
+        return FALSE;
+    }
     if (domain != NULL && *domain != '\0' && !g_str_equal(domain, "default")) {
         if (!g_ptr_array_find_with_equal_func(s->domains, domain, g_str_equal, &id)) {
             g_ptr_array_add(s->domains, g_strdup(domain));

@@ -243,7 +243,7 @@ prom_escape(GString *out, const char *s)
 static void
 prom_domains(GString *out, JsonArray *vms)
 {
-    g_autoptr(GHashTable) saved = g_hash_table_new(g_str_hash, g_str_equal);
+    g_autoptr(GHashTable) saved = g_hash_table_new_full(g_str_hash, g_str_equal, NULL, g_free);
     g_autoptr(GList) names = NULL;
 
     g_string_append(out, "# HELP pagefold_merge_domain_saved_bytes Bytes the VMs of a merge "
@@ -256,22 +256,23 @@ prom_domains(GString *out, JsonArray *vms)
             .pages_sharing = (guint64)member_int(vm, "pages_sharing"),
             .zero_pages = (guint64)member_int(vm, "zero_pages"),
         };
-        gpointer was = NULL;
+        guint64 *sum;
 
         if (domain == NULL) {
             continue;
         }
-        g_hash_table_lookup_extended(saved, domain, NULL, &was);
-        g_hash_table_insert(saved, (gpointer)domain,
-                            GSIZE_TO_POINTER(GPOINTER_TO_SIZE(was) +
-                                             pf_counters_saved_bytes(&c)));
+        if ((sum = g_hash_table_lookup(saved, domain)) == NULL) {
+            sum = g_new0(guint64, 1);
+            g_hash_table_insert(saved, (gpointer)domain, sum);
+        }
+        *sum += pf_counters_saved_bytes(&c);
     }
     names = g_list_sort(g_hash_table_get_keys(saved), (GCompareFunc)strcmp);
     for (GList *e = names; e != NULL; e = e->next) {
         g_string_append(out, "pagefold_merge_domain_saved_bytes{merge_domain=\"");
         prom_escape(out, e->data);
-        g_string_append_printf(out, "\"} %" G_GSIZE_FORMAT "\n",
-                               GPOINTER_TO_SIZE(g_hash_table_lookup(saved, e->data)));
+        g_string_append_printf(out, "\"} %" G_GUINT64_FORMAT "\n",
+                               *(guint64 *)g_hash_table_lookup(saved, e->data));
     }
 }
 

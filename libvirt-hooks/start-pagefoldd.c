@@ -143,16 +143,20 @@ note_and_exit(int note_fd, int kind, int value, int status)
 
 /*
  * What the systemd unit takes away, as far as a process can take it from
- * itself: every capability but the unit's (CapabilityBoundingSet=), any
- * new privilege (NoNewPrivileges=), and files made readable by others
- * (UMask=0077).  The rest of the unit's sandbox (its own mounts, system
- * call filter, device policy) needs systemd.  Best effort: a pagefoldd
- * that keeps more still works.  Only system calls: a copy of the hook.
+ * itself: every capability but the unit's (CapabilityBoundingSet=: root's
+ * exec gets the bounding set, and the inheritable and ambient sets, which
+ * are emptied too) and any new privilege (NoNewPrivileges=).  The rest of
+ * the unit's sandbox (its own mounts, system call filter, device policy,
+ * UMask=0077, which would make pagefoldd's /run/pagefold 0700 where no
+ * tmpfiles.d makes it first) needs systemd.  Best effort: a pagefoldd that
+ * keeps more still works.  Only system calls: a copy of the hook.
  */
 static void
 confine(void)
 {
     static const int keep[] = { CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH, CAP_CHOWN };
+    struct __user_cap_header_struct head = { _LINUX_CAPABILITY_VERSION_3, 0 };
+    struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
 
     /* Past CAP_LAST_CAP too: a newer kernel may know more. */
     for (int cap = 0; cap < 64; cap++) {
@@ -165,8 +169,14 @@ confine(void)
             (void)prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
         }
     }
+    if (syscall(SYS_capget, &head, data) == 0) {
+        for (int i = 0; i < _LINUX_CAPABILITY_U32S_3; i++) {
+            data[i].inheritable = 0;
+        }
+        (void)syscall(SYS_capset, &head, data);
+    }
+    (void)prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
     (void)prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
-    umask(077);
 }
 
 /* In the middle process, a session leader of its own: forks pagefoldd,

@@ -1663,6 +1663,22 @@ test_libvirt_domain(void)
         vm = pf_test_listed_vm(d, names[i]);
         g_assert_cmpstr(json_object_get_string_member(vm, "uuid"), ==, uuids[i]);
     }
+    {
+        /* A mistake in the element (an attribute of another name): the
+         * hook attaches nothing, and the VM shares with nobody. */
+        Vmm *t = vmm_start_vouched_in(
+            d, run_dir, "typo", 3, "--writes-per-sec=200",
+            "<domain type='kvm'><name>typo</name><uuid>4f0c6a4e-3a1b-4e8e-9a51-8f5a0c1d2e03"
+            "</uuid><metadata><pagefold:config xmlns:pagefold='urn:pagefold:domain:1' "
+            "merge_domain='blue'/></metadata><memoryBacking><source type='memfd'/><access "
+            "mode='shared'/></memoryBacking></domain>\n");
+        g_autofree char *domain = listed_domain(d, "typo");
+
+        g_assert_cmpstr(domain, ==, "unlabelled");
+        pf_test_vmm_verify(t);
+        pf_test_vmm_quit(t);
+        pf_test_write_libvirt_status(run_dir, "typo", NULL);
+    }
     for (int i = 0; i < 40 && (s == NULL || total(s, "pages_sharing") <= IDENTICAL / 2); i++) {
         g_clear_pointer(&s, json_object_unref);
         s = stats(d, "scan-now", "1");

@@ -435,7 +435,14 @@ test_attached_again(Fixture *f, gconstpointer data)
     g_subprocess_send_signal(f->d->proc, SIGKILL);
     g_subprocess_wait(f->d->proc, NULL, NULL);
     g_clear_pointer(&text, g_free);
-    text = g_strdup_printf("[{\"pid\":%d,\"start_time\":1,\"name\":\"stale\"}]", f->pid[0]);
+    {
+        g_autofree char *boot = NULL;
+
+        g_assert_true(g_file_get_contents("/proc/sys/kernel/random/boot_id", &boot, NULL, NULL));
+        text = g_strdup_printf("{\"boot_id\":\"%s\",\"vms\":[{\"pid\":%d,\"start_time\":1,"
+                               "\"name\":\"stale\"},{\"pid\":\"x\",\"name\":[]}]}",
+                               g_strstrip(boot), f->pid[0]);
+    }
     g_assert_true(g_file_set_contents(kept, text, -1, NULL));
     pf_test_daemon_restart(f->d, "--set", "run=0", NULL);
     vm = pf_test_listed_vm(f->d, "stale");
@@ -460,6 +467,8 @@ test_merge_domain(Fixture *f, gconstpointer data)
 
         g_assert_cmpstr(out, ==, want);
     }
+    g_assert_cmpint(ctl(f, &out, &err, "merge-domain", "alpha", "unlabelled", NULL), ==, 1);
+    g_assert_nonnull(strstr(err, "no merge domain's name"));
     g_assert_cmpint(ctl(f, &out, &err, "merge-domain", "alpha", "red", NULL), ==, 0);
     g_assert_nonnull(strstr(out, "merge domain red"));
     /* list says which, and why a VM does not merge (attached by pid:

@@ -1068,6 +1068,10 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
         g_assert_true(g_file_get_contents(status_path, &status, NULL, NULL));
         g_assert_nonnull(strstr(status, "\nNoNewPrivs:\t1\n"));
         g_assert_nonnull(strstr(status, "\nCapBnd:\t0000000000280005\n"));
+        g_assert_nonnull(strstr(status, "\nCapPrm:\t0000000000280005\n"));
+        g_assert_nonnull(strstr(status, "\nCapEff:\t0000000000280005\n"));
+        g_assert_nonnull(strstr(status, "\nCapInh:\t0000000000000000\n"));
+        g_assert_nonnull(strstr(status, "\nCapAmb:\t0000000000000000\n"));
     }
     list = pf_test_ctl_json(&d, "list", NULL);
     g_assert_cmpuint(json_array_get_length(json_node_get_array(list)), ==, 0);
