@@ -269,10 +269,13 @@ memfd_dev(void)
     return (dev_t)(dev - 1);
 }
 
+/* A descriptor as a table keeps it: plus one, so that none is NULL. */
+#define FD_VALUE(fd) GINT_TO_POINTER((fd) + 1)
+
 static void
 close_fd(gpointer p)
 {
-    close(GPOINTER_TO_INT(p));
+    close(GPOINTER_TO_INT(p) - 1);
     g_atomic_int_dec_and_test(&held_chunk_fds);
 }
 
@@ -323,12 +326,12 @@ check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, gu
         }
         g_atomic_int_inc(&held_chunk_fds);
     } else {
-        fd = GPOINTER_TO_INT(known);
+        fd = GPOINTER_TO_INT(known) - 1;
         (void)pf_pool_is_marked(fd, &run.zero); /* it was, and stays so */
     }
     if (v->offset % PF_PAGE_SIZE || index + run.n_pages > PF_POOL_CHUNK_SLOTS) {
         if (known == NULL) {
-            close_fd(GINT_TO_POINTER(fd));
+            close_fd(FD_VALUE(fd));
         }
         return refuse_region(error, "region %s: the process maps a pool chunk at %#"
                              G_GINT64_MODIFIER "x beyond its end", name, at);
@@ -340,7 +343,7 @@ check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, gu
     }
     if (known == NULL) {
         g_hash_table_insert((*pooled)->fds, g_memdup2(&run.ino, sizeof(run.ino)),
-                            GINT_TO_POINTER(fd));
+                            FD_VALUE(fd));
     }
     g_array_append_val((*pooled)->runs, run);
     return TRUE;

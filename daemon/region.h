@@ -55,8 +55,8 @@ typedef struct {
 /* What a region's check found its process maps from pool chunks. */
 typedef struct {
     GArray *runs;    /* PfPoolRun, in page order */
-    GHashTable *fds; /* ino (guint64*) -> the chunk's memfd (int, owned),
-                      * opened through the process's map_files */
+    GHashTable *fds; /* ino (guint64*) -> the chunk's memfd plus one (an
+                      * int, owned), opened through the process's map_files */
     guint at_run;    /* how far the scanner took them back (scan-adopt.c) */
     gsize at_page;
     gsize shared, zero, refused; /* ... and how many so far */

@@ -36,7 +36,7 @@ run_chunk(PfScanner *s, PfVm *vm, const PfPoolMapped *pooled, const PfPoolRun *r
     guint32 chunk = pf_pool_find_ino(pool, run->ino);
 
     if (chunk == 0) {
-        int fd = GPOINTER_TO_INT(g_hash_table_lookup(pooled->fds, &run->ino));
+        int fd = GPOINTER_TO_INT(g_hash_table_lookup(pooled->fds, &run->ino)) - 1;
 
         /* pf_pool_adopt_chunk() sends it to the VM, as any new chunk;
          * failing, the run stays merged, uncounted (said at the end). */
