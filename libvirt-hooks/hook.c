@@ -21,9 +21,10 @@
  *
  * This file has the operations and main(), and calls down into the
  * others, never the other way: the command line is parsed in hook-args.c,
- * the domain XML read and parsed in domain-xml.c, pagefoldd started in start-pagefoldd.c, and what all
- * three share (the Hook, saying what it does, control calls) is in
- * hook-common.c, which calls none of them.
+ * pagefoldd started in start-pagefoldd.c, and what they share (the Hook,
+ * saying what it does, control calls, reading the domain XML) is in
+ * hook-common.c, which calls none of them; the XML is parsed by
+ * daemon/domain-xml.c, which pagefoldd parses libvirt's status files with.
  */
 #include <errno.h>
 #include <fcntl.h>
