@@ -86,11 +86,14 @@ struct _PfAgent {
     PfAgentSyscalls sys;
 
     int sock;
-    char *connect_to; /* pagefoldd's queue was full: the agent thread
-                       * connects, trying again until it may */
+    /*
+     * pagefoldd's queue was full: the agent thread connects, trying again
+     * until it may
+     */
+    char *connect_to;
     char *socket_path; /* pagefoldd's, connected to again when it goes */
-    gboolean parted;   /* either side said ERROR: not connected again (under
-                        * work) */
+    /* either side said ERROR: not connected again (under work) */
+    gboolean parted;
     int relink_ms;     /* the last wait before connecting again */
     int uffd;
     gboolean uffd_lost; /* closed because protection could not be lifted */
@@ -138,8 +141,7 @@ void pfa_set_mode(PfAgent *a, PfMode mode, const char *reason);
 /* agent-outbox.c */
 void pfa_post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload,
               gsize length, int fd);
-/* ERROR, and the agent parts from pagefoldd for good.  Called with work
- * held. */
+/* ERROR, and the agent parts from pagefoldd for good.  With work held. */
 void pfa_post_error(PfAgent *a, const char *text);
 gboolean pfa_flush(PfAgent *a, GError **error);
 void pfa_outgoing_free(gpointer p);
@@ -153,10 +155,12 @@ void pfa_uffd_release(PfAgent *a, guint8 *addr, gsize len);
 void pfa_region_protect(PfAgent *a, Region *r);
 void pfa_say_refused(PfAgent *a, const Region *r);
 gboolean pfa_uffd_setup(PfAgent *a, int dev_fd, char **why);
-/* The userfaultfd made for an earlier link: every region write-protected
+/*
+ * The userfaultfd made for an earlier link: every region write-protected
  * again (those plugged in since too), as pfa_uffd_setup() does; on
  * failure, why, the userfaultfd kept (merged pages may need it to fold
- * back). */
+ * back).
+ */
 gboolean pfa_uffd_resume(PfAgent *a, char **why);
 
 /* agent-dma.c */
@@ -181,8 +185,10 @@ int pfa_fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy,
 int pfa_remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c,
                   guint32 slot);
 
-/* agent-link.c: one message of pagefoldd's, checked by pf_proto_recv(),
- * done (the agent thread's serve(), and the fuzzer's seam). */
+/*
+ * agent-link.c: one message of pagefoldd's, checked by pf_proto_recv(),
+ * done (the agent thread's serve(), and the fuzzer's seam).
+ */
 gboolean pfa_dispatch(PfAgent *a, PfMsg *msg, GError **error);
 
 /* agent-items.c */
@@ -200,6 +206,8 @@ void pfa_region_clear(Region *r);
 
 /* agent-stepback.c */
 int pfa_fold_back_region(PfAgent *a, guint i, gboolean copy);
-/* The first n regions, pages in DMA left for later; the first failure,
- * its region's name in *failed.  Without work. */
+/*
+ * The first n regions, pages in DMA left for later; the first failure,
+ * its region's name in *failed.  Without work.
+ */
 int pfa_fold_back_regions(PfAgent *a, guint n, char **failed);

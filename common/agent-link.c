@@ -62,7 +62,8 @@ settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
         why = g_strdup(a->advise_reason);
     } else if (welcome->mode != PF_MODE_MERGE) {
         why = g_strdup(welcome->reason);
-    } else if (a->uffd >= 0 ? pfa_uffd_resume(a, &why) : pfa_uffd_setup(a, dev_fd, &why)) {
+    } else if (a->uffd >= 0 ? pfa_uffd_resume(a, &why)
+                            : pfa_uffd_setup(a, dev_fd, &why)) {
         mode = PF_MODE_MERGE;
     }
     pfa_set_mode(a, mode, why ? why : "");
@@ -172,7 +173,8 @@ connect_later(PfAgent *a, GError **error)
             continue;
         }
         if (n != 0) {
-            g_set_error(error, PF_ERROR, PF_ERROR_CLOSED, "the agent is stopping");
+            g_set_error(error, PF_ERROR, PF_ERROR_CLOSED,
+                        "the agent is stopping");
             return FALSE;
         }
         if (connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) == 0) {
@@ -180,7 +182,8 @@ connect_later(PfAgent *a, GError **error)
         }
         e = errno;
         if (e != EAGAIN) {
-            g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot connect to pagefoldd at %s: %s",
+            g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                        "cannot connect to pagefoldd at %s: %s",
                         a->connect_to, g_strerror(e));
             return FALSE;
         }
@@ -188,8 +191,8 @@ connect_later(PfAgent *a, GError **error)
     }
     g_clear_pointer(&a->connect_to, g_free);
     if (fcntl(a->sock, F_SETFL, 0) < 0) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot set up the link: %s",
-                    g_strerror(errno));
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot set up the link: %s", g_strerror(errno));
         return FALSE;
     }
     return TRUE;
@@ -215,7 +218,8 @@ fold_back_untracked(PfAgent *a)
     for (guint i = 0; i < n && !any; i++) {
         const Region *r = &g_array_index(a->regions, Region, i);
 
-        any = !r->gone && pfa_find_remapped(r, 0, r->n_pages, TRUE) < r->n_pages;
+        any = !r->gone &&
+              pfa_find_remapped(r, 0, r->n_pages, TRUE) < r->n_pages;
     }
     g_mutex_unlock(&a->work);
     if (!any) {
@@ -229,8 +233,9 @@ fold_back_untracked(PfAgent *a)
     a->posting = TRUE;
     g_mutex_unlock(&a->out);
     if (rc < 0) {
-        g_warning("pagefold agent: VM %s: cannot fold every merged page of %s back (%s): "
-                  "they stay merged, uncounted", a->name, failed, g_strerror(-rc));
+        g_warning("pagefold agent: VM %s: cannot fold every merged page of "
+                  "%s back (%s): they stay merged, uncounted", a->name, failed,
+                  g_strerror(-rc));
         return;
     }
     g_mutex_lock(&a->work);
@@ -316,14 +321,17 @@ relink(PfAgent *a)
     g_mutex_unlock(&a->out);
     pfa_set_connected(a, FALSE);
     g_ptr_array_set_size(a->chunks, 0); /* pfa_chunk_free() */
-    /* a->announced stays: regions told before are pagefoldd's to hear of
-     * as gone (a new HELLO announces them all again). */
+    /*
+     * a->announced stays: regions told before are pagefoldd's to hear of
+     * as gone (a new HELLO announces them all again).
+     */
     a->ready = FALSE;
     for (guint i = 0; i < a->regions->len; i++) {
         g_array_index(a->regions, Region, i).gone_untold = FALSE;
     }
     if (a->mode == PF_MODE_MERGE) {
-        pfa_set_mode(a, PF_MODE_ADVISE, "pagefoldd went away: connecting to it again");
+        pfa_set_mode(a, PF_MODE_ADVISE,
+                     "pagefoldd went away: connecting to it again");
     }
     g_mutex_unlock(&a->work);
     g_strlcpy(addr.sun_path, a->socket_path, sizeof(addr.sun_path));
@@ -339,7 +347,8 @@ relink(PfAgent *a)
         if (n != 0) {
             return FALSE;
         }
-        sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                      0);
         if (sock < 0) {
             continue;
         }
@@ -347,7 +356,8 @@ relink(PfAgent *a)
         if (connect(sock, (struct sockaddr *)&addr, sizeof(addr)) == 0 &&
             fcntl(sock, F_SETFL, 0) == 0 &&
             setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) == 0 &&
-            setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)) == 0 &&
+            setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &sndbuf,
+                       sizeof(sndbuf)) == 0 &&
             dup3(sock, a->sock, O_CLOEXEC) == a->sock) {
             close(sock);
             break;
@@ -360,10 +370,12 @@ relink(PfAgent *a)
     return TRUE;
 }
 
-/* Either side said ERROR: pagefoldd let go of this VM (root detached it,
+/*
+ * Either side said ERROR: pagefoldd let go of this VM (root detached it,
  * it answered too slowly, it kept dropped chunks) or refused it, or the
  * agent gave up on pagefoldd.  It stays unattached: only a link that just
- * broke (pagefoldd died, restarted, was upgraded) is made again. */
+ * broke (pagefoldd died, restarted, was upgraded) is made again.
+ */
 static gboolean
 parted(PfAgent *a)
 {
@@ -429,9 +441,11 @@ serve(PfAgent *a)
             return;
         }
         if (!pf_proto_recv(a->sock, msg, &error)) {
-            /* A message pagefoldd should never have sent: the agent gives
+            /*
+             * A message pagefoldd should never have sent: the agent gives
              * up on it.  The socket failing (pagefoldd died with data
-             * unread: ECONNRESET) is a link that broke. */
+             * unread: ECONNRESET) is a link that broke.
+             */
             if (g_error_matches(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT)) {
                 g_warning("pagefold agent: %s; disconnecting", error->message);
                 g_mutex_lock(&a->work);
@@ -470,7 +484,8 @@ agent_thread(gpointer data)
 {
     PfAgent *a = data;
     g_autoptr(GError) error = NULL;
-    gboolean ok = (a->connect_to == NULL || connect_later(a, &error)) && handshake(a, &error);
+    gboolean ok = (a->connect_to == NULL || connect_later(a, &error)) &&
+                  handshake(a, &error);
     gboolean said_failure = !ok;
 
     if (!ok) {
@@ -505,11 +520,13 @@ agent_thread(gpointer data)
         }
         ok = handshake(a, &error);
         if (ok) {
-            g_message("pagefold agent: VM %s attached to pagefoldd again", a->name);
+            g_message("pagefold agent: VM %s attached to pagefoldd again",
+                      a->name);
             said_failure = FALSE;
         } else if (!stopping(a) && !said_failure) {
             /* Once until it works: it tries every 5 s for as long. */
-            g_message("pagefold agent: VM %s: %s; trying again", a->name, error->message);
+            g_message("pagefold agent: VM %s: %s; trying again", a->name,
+                      error->message);
             said_failure = TRUE;
         }
     }
@@ -558,8 +575,12 @@ link_open(PfAgent *a, const char *socket_path, GError **error)
      * said at once, not waited for.
      */
     a->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    e = a->sock < 0 ? errno
-                    : connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0 ? errno : 0;
+    if (a->sock < 0) {
+        e = errno;
+    } else {
+        e = connect(a->sock, (struct sockaddr *)&addr, sizeof(addr)) < 0 ? errno
+                                                                         : 0;
+    }
     /*
      * EAGAIN: pagefoldd is there, its queue full (busy, or flooded by
      * other processes of the agent group): the agent thread tries again
@@ -567,7 +588,8 @@ link_open(PfAgent *a, const char *socket_path, GError **error)
      */
     if (e != 0 && !(a->sock >= 0 && e == EAGAIN)) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
-                    "cannot connect to pagefoldd at %s: %s", socket_path, g_strerror(e));
+                    "cannot connect to pagefoldd at %s: %s", socket_path,
+                    g_strerror(e));
         return FALSE;
     }
     if (e == EAGAIN) {

@@ -57,8 +57,10 @@ pfa_region_join(PfAgent *a, guint i, gboolean protect)
     if (!r->gone) {
         pfa_post(a, PF_MSG_REGION, 0, &wr, sizeof(wr), r->fd);
     } else {
-        /* Its index stays taken: announced as gone (a link after the
-         * first, or a region that left before any). */
+        /*
+         * Its index stays taken: announced as gone (a link after the
+         * first, or a region that left before any).
+         */
         PfWireRange gone = { i, 0, 0, r->n_pages };
 
         pfa_post(a, PF_MSG_GONE, 0, &gone, sizeof(gone), -1);

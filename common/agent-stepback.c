@@ -42,8 +42,10 @@ tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was)
             back |= (was[run / 64] >> (run % 64)) & 1;
             run++;
         }
-        /* Before READY (a link after the first) pagefoldd reads the
-         * process's mappings as they are: no news. */
+        /*
+         * Before READY (a link after the first) pagefoldd reads the
+         * process's mappings as they are: no news.
+         */
         if (back && a->ready) {
             wr.n_pages = run - k;
             pfa_post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);

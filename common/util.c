@@ -119,8 +119,10 @@ pf_unix_listen(const char *path, int type, GError **error)
     old_umask = umask(077);
     rc = bind(fd, (struct sockaddr *)&addr, sizeof(addr));
     umask(old_umask);
-    /* The kernel's own cap (somaxconn): connections wait there, not in
-     * connect(), while pagefoldd accepts all that wait at each wake-up. */
+    /*
+     * The kernel's own cap (somaxconn): connections wait there, not in
+     * connect(), while pagefoldd accepts all that wait at each wake-up.
+     */
     if (rc < 0 || chmod(path, 0600) < 0 || listen(fd, SOMAXCONN) < 0) {
         int e = errno;
 
