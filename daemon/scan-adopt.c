@@ -17,8 +17,9 @@
  *
  * Owns the idle source.  The node of each slot of an adopted chunk is
  * kept with the slot (pf_pool_set_adopted_tag()): the next VM that maps
- * the slot joins that node, up to what a node can hold.  Never takes a page the process does not map from a marked
- * chunk, and never fills or zeroes a slot of an adopted chunk (pool.h).
+ * the slot joins that node, up to what a node can hold.  Never takes a
+ * page the process does not map from a marked chunk, and never fills or
+ * zeroes a slot of an adopted chunk (pool.h).
  */
 #include "scan-internal.h"
 
