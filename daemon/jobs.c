@@ -105,18 +105,19 @@ passes_step(PfScanJob *j)
 {
     PfScanner *s = j->s;
     GPtrArray *vms = pf_scanner_get_vms(s);
-    gboolean due = FALSE;
+    gboolean due = FALSE, progress;
 
     if (pf_scanner_joining(s)) {
         /* The last pass's joins, made: their requests are the pass's. */
-        pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC, TRUE);
+        pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC, TRUE, &progress);
         return STEP_AGAIN;
     }
     if (pf_scanner_full_scans(s) < j->target && vms->len > 0) {
         if (!pf_scanner_in_pass(s) && answers_due(vms, TRUE)) {
             return STEP_WAIT;
         }
-        return pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC, TRUE) > 0 ? STEP_AGAIN : STEP_WAIT;
+        pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC, TRUE, &progress);
+        return progress ? STEP_AGAIN : STEP_WAIT;
     }
     pf_scanner_flush(s);
     for (guint i = 0; i < vms->len; i++) {

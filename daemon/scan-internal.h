@@ -86,7 +86,8 @@ struct _PfScanner {
     GHashTable *looking_pids; /* pids whose look's thread has not returned */
     GHashTable *reading_pids; /* pids whose memfd window read has not */
     GArray *joins;       /* Joining: pages found equal to nodes their VM may
-                          * not read, joined when it ends (moves_make_joins()) */
+                          * not read, joined once the cursor is done with
+                          * their VM (moves_make_vm_joins()) */
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
                           * VM's pages matched part of the chunk */
     PfPool *pool;        /* created with the first merging VM */
@@ -268,12 +269,16 @@ void visit_page(PfScanner *s, PfRegion *r, gsize idx);
 gboolean moves_chunk_is_for(const PfPoolChunk *chunk, const PfVm *vm);
 /* Page id (unmerged, or merged on another node) is to share node to. */
 void moves_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 to);
-/* The page waits for the pass's end to join node, whose slot its VM may
- * not read (moves_make_joins()). */
+/* The page waits for the cursor to be done with its VM to join node,
+ * whose slot its VM may not read (moves_make_vm_joins()). */
 void moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 node);
-/* The joins waiting for the pass's end are to be made: as many as the
- * scan's slice leaves time for, the rest by moves_continue_joins(). */
+/* The joins waiting are to be made: as many as the scan's slice leaves
+ * time for, the rest by moves_continue_joins(). */
 void moves_make_joins(PfScanner *s);
+/* The same for vm's joins alone, once the cursor is done with vm in this
+ * pass: every page of it the pass visits was seen, which is all that
+ * whether they match a whole chunk depends on.  The others wait on. */
+void moves_make_vm_joins(PfScanner *s, const PfVm *vm);
 /* Makes more of the joins moves_make_joins() began, within the slice;
  * FALSE while some are left. */
 gboolean moves_continue_joins(PfScanner *s);

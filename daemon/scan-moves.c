@@ -1,15 +1,15 @@
 /*
  * scan-moves.c - who may read a slot.  A VM maps only slots of the chunks
  * it was sent, each made for one set of VMs (pool.h).  A page that joins a
- * node its VM holds no chunk of either waits for the pass's end, where its
- * VM is made one of the chunk's when its pages match every slot of it in
- * use, or the node moves: the content gets a slot for its members' VMs and
- * the newcomer's, the members are merged over to it (the agent compares
- * and remaps, as for any merge), and the old node is retired, going with
- * its last member.  KSM has no such step: in one kernel every page is in
+ * node its VM holds no chunk of either waits until the cursor is done with
+ * its VM in that pass, when its VM is made one of the chunk's if its pages
+ * match every slot of it in use, or the node moves: the content gets a
+ * slot for its members' VMs and the newcomer's, the members are merged
+ * over to it (the agent compares and remaps, as for any merge), and the
+ * old node is retired, going with its last member.  KSM has no such step: in one kernel every page is in
  * every process's reach.
  *
- * Owns the joins waiting for the pass's end and the order of a move;
+ * Owns the joins waiting and the order of a move;
  * never gives a VM a chunk with content it does not share, and changes
  * slot references only through the ledger.
  */
@@ -359,7 +359,7 @@ partial_expire(PfScanner *s)
 }
 
 /*
- * The pages of this pass that matched nodes their VM may not read.  Where
+ * The pages that matched nodes their VM may not read.  Where
  * a VM's pages match every slot in use of a chunk (a VM that came to share
  * what others share: typically all of it), the chunk becomes its too (it
  * reads nothing it does not share) and its pages just merge; elsewhere
@@ -369,18 +369,46 @@ partial_expire(PfScanner *s)
  * slice leaves time for, and the scan goes on with the rest first
  * (moves_continue_joins()).  join_still() checks each again as it is made.
  */
+static void
+queue_joins(PfScanner *s, const Joining *joins, guint n)
+{
+    g_array_remove_range(s->joining, 0, s->joining_at);
+    s->joining_at = 0;
+    g_array_append_vals(s->joining, joins, n);
+    s->joining_pass = s->full_scans;
+    g_array_sort(s->joining, cmp_joining);
+}
+
 void
 moves_make_joins(PfScanner *s)
 {
     if (s->joins->len > 0) {
-        g_array_remove_range(s->joining, 0, s->joining_at);
-        s->joining_at = 0;
-        g_array_append_vals(s->joining, s->joins->data, s->joins->len);
+        queue_joins(s, (const Joining *)(gpointer)s->joins->data, s->joins->len);
         g_array_set_size(s->joins, 0);
-        s->joining_pass = s->full_scans;
-        g_array_sort(s->joining, cmp_joining);
     }
     moves_continue_joins(s);
+}
+
+void
+moves_make_vm_joins(PfScanner *s, const PfVm *vm)
+{
+    g_autoptr(GArray) mine = g_array_new(FALSE, FALSE, sizeof(Joining));
+    guint to = 0;
+
+    for (guint i = 0; i < s->joins->len; i++) {
+        const Joining *j = &g_array_index(s->joins, Joining, i);
+
+        if (j->vm == vm->serial) {
+            g_array_append_val(mine, *j);
+        } else {
+            g_array_index(s->joins, Joining, to++) = *j;
+        }
+    }
+    g_array_set_size(s->joins, to);
+    if (mine->len > 0) {
+        queue_joins(s, (const Joining *)(gpointer)mine->data, mine->len);
+        moves_continue_joins(s);
+    }
 }
 
 gboolean

@@ -33,6 +33,10 @@
  * over for the rest of the pass: a process holds its mmap lock, which the
  * read of its maps waits for, as long as it likes. */
 #define LOOK_USEC (5 * G_USEC_PER_SEC)
+
+/* How often an agent's VM is looked at when nothing calls for it sooner
+ * (look_due()). */
+#define LOOK_PERIOD_USEC (10 * G_USEC_PER_SEC)
 /* The pass waits, in all, at least this long for the VMs it left for later
  * (a quarter of its scanning time if more); then it ends without them,
  * and the next pass visits them on from where they were left.  An agent
@@ -273,16 +277,46 @@ window_at(PfScanner *s, PfVm *vm, PfRegion *r)
 }
 
 /*
- * Moves the cursor over holes of the memfd (cow_leave_hole()), at most
- * budget pages of one at a time: a merged VM's RAM is one long hole, whose
- * merged pages are looked at for copy-on-write, and a tick must stay short
- * however big the VM.  Where the holes are, and which merged pages were
- * written, come from a window read ahead on a thread (extents.h); FALSE
- * when the cursor must wait for it (the VM is left for later).  A read
- * that failed on a thread is made here.
+ * Where the cursor, stepping over the holes [from, end), stops having
+ * passed budget pages present: merged pages, which are holes of the memfd
+ * but pages of the guest (KSM visits its merged pages too).  Guest RAM
+ * never touched is not present, and costs nothing of the budget: a 512 GiB
+ * VM using 8 GiB takes a pass as long as one of 8 GiB.  *present says how
+ * many were passed.
+ */
+static gsize
+hole_stop(const PfRegion *r, gsize from, gsize end, gsize budget, gsize *present)
+{
+    *present = 0;
+    if (!pf_vm_merges(r->vm)) {
+        return end;
+    }
+    for (gsize i = pf_region_next_recorded(r, from, end); i < end;
+         i = pf_region_next_recorded(r, i + 1, end)) {
+        PfPageState st = pf_region_page_state(r, i);
+
+        if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO || st == PF_PAGE_PENDING) {
+            if (*present == budget) {
+                return i;
+            }
+            (*present)++;
+        }
+    }
+    return end;
+}
+
+/*
+ * Moves the cursor over holes of the memfd (cow_leave_hole()), up to the
+ * next data or budget pages present (hole_stop()): a merged VM's RAM is
+ * one long hole, whose merged pages are looked at for copy-on-write, and a
+ * tick must stay short however big the VM.  Where the holes are, and which
+ * merged pages were written, come from a window read ahead on a thread
+ * (extents.h); FALSE when the cursor must wait for it (the VM is left for
+ * later).  A read that failed on a thread is made here.  *present says how
+ * many pages present the cursor passed.
  */
 static gboolean
-find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget)
+find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget, gsize *present)
 {
     PfExtents *x = window_at(s, vm, r);
     const PfExtent *e;
@@ -295,6 +329,7 @@ find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget)
         vm->extents = x = pf_extents_read(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow,
                                           s->cur_page);
     }
+    *present = 0;
     if (x == NULL) {
         read_window(s, vm, r->index, s->cur_page);
         if (vm->window_wait == 0) {
@@ -310,7 +345,7 @@ find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget)
                        G_STRUCT_OFFSET(PfExtent, end), s->cur_page + 1);
     e = i < x->data->len ? &g_array_index(x->data, PfExtent, i) : NULL;
     first = e != NULL ? MAX(e->first, s->cur_page) : x->to;
-    stop = MIN(first, s->cur_page + MAX(budget, 1));
+    stop = hole_stop(r, s->cur_page, first, MAX(budget, 1), present);
     for (i = first_at_least(x->cow->data, x->cow->len, sizeof(PfCowSeen),
                             G_STRUCT_OFFSET(PfCowSeen, page), s->cur_page);
          i < x->cow->len && g_array_index(x->cow, PfCowSeen, i).page < stop; i++) {
@@ -515,9 +550,29 @@ look_start(PfScanner *s, PfVm *vm)
                      call->cancel, look_done, call);
 }
 
+/*
+ * Whether vm's process is to be looked at in the pass that begins.  A VM
+ * attached by pid is, each pass: its look finds its RAM.  An agent's VM
+ * announces its RAM; its look counts its mappings and sees whether it let
+ * go of the chunks it was told to drop.  Its maps grow a line per merged
+ * run, tens of thousands, and reading them each pass of a fast pace took
+ * a third of pagefoldd's CPU: it is looked at when it has chunks to let go
+ * of, when what its requests may have added since (counted as the most
+ * they can, vmas_since_look) nears an eighth of its budget, and else
+ * every LOOK_PERIOD_USEC.
+ */
+static gboolean
+look_due(const PfVm *vm, gint64 now)
+{
+    return vm->outbox == NULL || (vm->dropped != NULL && vm->dropped->len > 0) ||
+           vm->vma_budget == 0 || vm->vmas_since_look >= vm->vma_budget / 8 ||
+           now - vm->look_usec >= LOOK_PERIOD_USEC;
+}
+
 static gboolean
 begin_pass(PfScanner *s)
 {
+    gint64 now = g_get_monotonic_time();
     gsize candidates = 0;
 
     for (guint i = 0; i < s->vms->len; i++) {
@@ -547,7 +602,10 @@ begin_pass(PfScanner *s)
          * of mappings is made up by what was asked since
          * (vmas_since_look). */
         vm->entered = FALSE;
-        look_start(s, vm);
+        vm->look_wanted = look_due(vm, now) || s->whole_passes;
+        if (vm->look_wanted) {
+            look_start(s, vm);
+        }
         if (s->whole_passes) {
             vm->resume = FALSE; /* root asked for whole passes */
         }
@@ -572,8 +630,9 @@ begin_pass(PfScanner *s)
 typedef enum { ENTER_DONE, ENTER_LATER, ENTER_GONE } Enter;
 
 /*
- * The cursor comes to a VM: what it maps is looked at again (its regions
- * if attached by pid, the pool chunks it was told to drop, its mappings).
+ * The cursor comes to a VM: what it maps is looked at again where due
+ * (look_due(): its regions if attached by pid, the pool chunks it was
+ * told to drop, its mappings).
  * Each look reads its /proc/PID/maps, which waits for the process's mmap
  * lock, held by a busy VMM remapping its RAM (or a hostile one) as long as
  * it likes: so the look runs on a thread, started as the pass begins, and
@@ -590,6 +649,14 @@ enter_vm(PfScanner *s, PfVm *vm)
     g_autoptr(PfVmLook) look = NULL;
     gboolean ok;
 
+    if (vm->look == NULL && vm->looking == NULL && !vm->look_wanted) {
+        if (pf_vm_exited(vm)) {
+            pf_scanner_detach(s, vm, "its process has exited");
+            return ENTER_GONE;
+        }
+        vm->entered = TRUE;
+        return ENTER_DONE;
+    }
     if (vm->look == NULL) {
         look_start(s, vm);
         return ENTER_LATER;
@@ -662,15 +729,18 @@ vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
     return room;
 }
 
-/* One step of the cursor within VM vm, up to max pages: returns the pages
- * visited or stepped over. */
+/* One step of the cursor within VM vm, up to max pages present: returns
+ * the pages present it visited or stepped over; *moved is set where the
+ * cursor moved (not where it left the VM to wait for a window). */
 static gsize
-scan_step(PfScanner *s, PfVm *vm, gsize max)
+scan_step(PfScanner *s, PfVm *vm, gsize max, gboolean *moved)
 {
     PfRegion *r;
 
+    *moved = TRUE;
     if (s->cur_region >= vm->regions->len) {
         vm->full_scans++;
+        moves_make_vm_joins(s, vm);
         next_vm(s);
         return 0;
     }
@@ -682,22 +752,22 @@ scan_step(PfScanner *s, PfVm *vm, gsize max)
         return 0;
     }
     if (s->cur_page >= s->data_end) {
-        gsize from = s->cur_page;
+        gsize present;
 
-        /* Holes count as visited: batch_size() paces passes over all
-         * pages, and merged pages are holes too. */
-        if (!find_data(s, vm, r, max)) {
+        if (!find_data(s, vm, r, max, &present)) {
             leave_vm(s, vm, TRUE); /* the cursor is at another VM now */
+            *moved = FALSE;
             return 0;
         }
-        return s->cur_page - from;
+        return present;
     }
     return scan_range(s, r, MIN(max, s->data_end - s->cur_page));
 }
 
 gsize
-pf_scanner_scan(PfScanner *s, gsize max_pages)
+pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
 {
+    gboolean moved = FALSE, step_moved;
     gsize done = 0;
 
     s->blocked = FALSE;
@@ -706,9 +776,11 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
          * one): this call makes as many as its slice allows. */
         moves_continue_joins(s);
         pf_scanner_flush(s);
+        *progress = TRUE;
         return 0;
     }
-    while (done < max_pages && !(done > 0 && past_slice(s))) {
+    /* Holes cost no budget: the slice bounds a walk over them. */
+    while (done < max_pages && !(moved && past_slice(s))) {
         PfVm *vm;
         gsize room;
         gboolean skip;
@@ -722,6 +794,7 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
             }
             if (!s->blocked) {
                 end_pass(s);
+                moved = TRUE;
             }
             break;
         }
@@ -741,25 +814,31 @@ pf_scanner_scan(PfScanner *s, gsize max_pages)
             leave_vm(s, vm, !skip);
             continue;
         }
-        done += scan_step(s, vm, MIN(max_pages - done, room));
+        done += scan_step(s, vm, MIN(max_pages - done, room), &step_moved);
+        moved = moved || step_moved;
     }
     pf_scanner_flush(s);
+    *progress = moved;
     return done;
 }
 
 gsize
-pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes)
+pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes,
+                      gboolean *progress)
 {
     guint64 scans = s->full_scans;
     gsize done = 0;
 
     s->whole_passes = whole_passes;
     s->slice_end = g_get_monotonic_time() + usec;
+    *progress = FALSE;
     while (done < max_pages) {
-        gsize n = pf_scanner_scan(s, MIN(max_pages - done, 4096));
+        gboolean moved;
+        gsize n = pf_scanner_scan(s, MIN(max_pages - done, 4096), &moved);
 
         done += n;
-        if (n == 0 || s->blocked || s->full_scans != scans || past_slice(s)) {
+        *progress = *progress || moved;
+        if (!moved || s->blocked || s->full_scans != scans || past_slice(s)) {
             break;
         }
     }

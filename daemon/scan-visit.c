@@ -189,7 +189,7 @@ visit_zero(PfScanner *s, PfRegion *r, PfPage *p, guint32 id)
 
 /* KSM's stable_tree_search(): an equal canonical page of the VM's merge
  * domain, with room, takes the page as one more sharer.  TRUE when it
- * did (or the page waits to join it at the pass's end). */
+ * did (or the page waits to join it: moves_wait_to_join()). */
 static gboolean
 stable_search(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *data, guint64 c)
 {

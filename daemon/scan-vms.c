@@ -373,8 +373,8 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
                     pf_scanner_merge_domain(s, vm), vm->pid);
         return FALSE;
     }
-    /* Pages found equal to content of the old domain, waiting for the
-     * pass's end to join it, join nothing now. */
+    /* Pages found equal to content of the old domain, waiting to join
+     * it, join nothing now. */
     moves_forget_joins(s, vm);
     smart_scan_over(vm);
     g_message("VM %s (pid %d): merge domain '%s' (was '%s')", vm->name, vm->pid,

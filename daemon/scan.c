@@ -11,6 +11,7 @@
 
 #include <fcntl.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -85,6 +86,27 @@ thread_cpu_usec(void)
     return (gint64)ts.tv_sec * G_USEC_PER_SEC + ts.tv_nsec / 1000;
 }
 
+/* The pages of vm a pass visits (pf_scanner_scan()): those its memfds
+ * hold, whether visited yet or not (what fstat() says they take), and its
+ * merged pages. */
+static guint64
+present_pages(const PfVm *vm)
+{
+    guint64 n = pf_vm_merges(vm) ? vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_ZERO] +
+                                       vm->count[PF_PAGE_PENDING]
+                                 : 0;
+
+    for (guint k = 0; k < vm->regions->len; k++) {
+        const PfRegion *r = g_ptr_array_index(vm->regions, k);
+        struct stat st;
+
+        if (pf_region_live(r) && fstat(r->fd, &st) == 0) {
+            n += MIN((guint64)st.st_blocks * 512 / PF_PAGE_SIZE, r->n_pages);
+        }
+    }
+    return n;
+}
+
 static gsize
 batch_size(PfScanner *s)
 {
@@ -93,10 +115,8 @@ batch_size(PfScanner *s)
     if (s->knobs.target_pass_millisecs == 0) {
         return s->knobs.pages_to_scan;
     }
-    /* All pages, holes too: a pass steps over holes quickly, and pages not
-     * visited yet must not make the first pass crawl. */
     for (guint i = 0; i < s->vms->len; i++) {
-        pages += pf_vm_n_pages(g_ptr_array_index(s->vms, i));
+        pages += present_pages(g_ptr_array_index(s->vms, i));
     }
     period_usec = (guint64)s->knobs.sleep_millisecs * 1000 + (guint64)s->last_batch_usec;
     return (gsize)MAX(1, (pages * period_usec + s->knobs.target_pass_millisecs * 1000ull - 1) /
@@ -141,7 +161,17 @@ scanner_tick(gpointer user)
             s->batch_start = g_get_monotonic_time();
             s->batch_cpu = thread_cpu_usec();
         }
-        s->batch_left -= MIN(s->batch_left, pf_scanner_scan_slice(s, s->batch_left, SLICE_USEC, FALSE));
+        guint64 scans = s->full_scans;
+        gboolean progress;
+
+        s->batch_left -= MIN(s->batch_left, pf_scanner_scan_slice(s, s->batch_left, SLICE_USEC,
+                                                                   FALSE, &progress));
+        /* A wake-up ends with its pass, as KSM's does: with fewer pages
+         * present than pages_to_scan, passes would follow each other
+         * without a sleep (and with none present, spin). */
+        if (s->full_scans != scans) {
+            s->batch_left = 0;
+        }
         if (s->batch_left > 0 && !s->blocked) {
             s->timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
             return G_SOURCE_REMOVE;

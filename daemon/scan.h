@@ -121,17 +121,21 @@ PfVm *pf_scanner_lookup_vm(PfScanner *s, const char *key, GError **error);
 /* pf_scanner_lookup_vm() without the error. */
 PfVm *pf_scanner_find_vm(PfScanner *s, const char *key);
 
-/* Visits up to max_pages pages; stops early at the end of a pass, or when
- * every VM left in the pass has an agent with as many requests to answer
- * as its outbox takes.  Returns the pages visited, holes of the memfd
- * stepped over included. */
-gsize pf_scanner_scan(PfScanner *s, gsize max_pages);
-/* Scans for about usec, or up to max_pages, or to the end of the pass;
- * returns the pages visited.  whole_passes: a pass waits for every agent
- * that answers, however slowly (root asked for whole passes); else it
- * waits for slow agents a bounded while, and visits the rest of their
- * VMs next pass. */
-gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes);
+/* Visits up to max_pages pages present, as KSM's pages_to_scan counts
+ * them: pages of the memfd, and merged pages (holes of the memfd, but the
+ * guest's); RAM never touched costs nothing.  Stops early at the end of a
+ * pass, or when every VM left in the pass has an agent with as many
+ * requests to answer as its outbox takes.  Returns the pages present
+ * visited; *progress says whether anything moved on (the cursor, a pass,
+ * joins), which a walk over holes alone does with 0 pages. */
+gsize pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress);
+/* Scans for about usec, or up to max_pages pages present, or to the end
+ * of the pass; returns the pages present visited, *progress as above.
+ * whole_passes: a pass waits for every agent that answers, however slowly
+ * (root asked for whole passes); else it waits for slow agents a bounded
+ * while, and visits the rest of their VMs next pass. */
+gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes,
+                            gboolean *progress);
 /* Whether joins found by a pass are still being made (a slice at a time):
  * the next scans make them before they visit a page, and return 0. */
 gboolean pf_scanner_joining(PfScanner *s);

@@ -64,6 +64,7 @@ struct _PfVm {
     gboolean resume;
     gboolean deferred;
     gboolean entered;    /* looked at in this pass (the scanner's enter_vm()) */
+    gboolean look_wanted; /* its process is to be looked at in this pass */
     GCancellable *looking; /* its look under way, or NULL */
     PfVmLook *look;      /* its look, done, not yet taken by enter_vm() */
     guint32 look_answered; /* its outbox's last answered batch, and the time, */

@@ -385,10 +385,10 @@ wait_pooled(PfTestDaemon *d, Vmm *v, guint64 seed, int n)
 /*
  * Ids reused, live (the model's /scan-model/ids-reused, with real
  * stand-ins and the background scan): x comes to hold content K1 that a
- * and b share in a chunk of theirs alone, and is to be sent that chunk at
- * the end of the pass; in that pass a and b zero K1, so its node, slot
- * and chunk are freed, and pair K2 (written when x wrote K1), which may
- * be given them anew.  x is first in the cursor's order and each write
+ * and b share in a chunk of theirs alone, and is to be sent that chunk
+ * once the cursor is done with x; in that pass a and b zero K1, so its
+ * node, slot and chunk are freed, and pair K2 (written when x wrote K1),
+ * which may be given them anew.  x is first in the cursor's order and each write
  * comes as a pass begins, so x's page is looked at before theirs.  x must
  * never hold K2; a does.  (With the join checked by node id, liveness and
  * slot only, as before issue 20, x held K2 in the first round, 3 runs of

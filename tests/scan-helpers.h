@@ -21,7 +21,9 @@ pf_test_scan(PfScanner *s, gsize max_pages)
     gsize done = 0;
 
     for (;;) {
-        done += pf_scanner_scan(s, max_pages - done);
+        gboolean progress;
+
+        done += pf_scanner_scan(s, max_pages - done, &progress);
         if (done >= max_pages || !pf_scanner_looking(s)) {
             return done;
         }

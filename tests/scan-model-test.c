@@ -997,8 +997,8 @@ static const PfLayout identical_only;
 /*
  * A VM put in a merge domain of its own in the middle of a pass, when some
  * of its pages were found equal to content of the default domain (a and
- * b's) and wait for the pass's end to join it (it holds none of its chunk):
- * they must not join.  Nor may it share anything else with a and b.
+ * b's) and wait to join it (it holds none of its chunk): they must not
+ * join.  Nor may it share anything else with a and b.
  */
 static void
 test_merge_domain_mid_pass(void)
@@ -1021,6 +1021,43 @@ test_merge_domain_mid_pass(void)
     t = totals(m);
     g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
     g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL);
+    model_end(m);
+    model_free(m);
+}
+
+/*
+ * A VM's pages that match what others share in a chunk of theirs join as
+ * soon as the cursor is done with that VM, not at the pass's end: by then
+ * the pass saw every page of it it visits, which is all that whether they
+ * match the whole chunk depends on.  Here c's pages are on their way in
+ * while the cursor is still in d, a VM after it.
+ */
+static void
+test_joins_within_pass(void)
+{
+    static const PfLayout own = { .unique = 4 * N_IDENTICAL };
+    Model *m = model_new();
+    ModelVm *c, *d;
+    PfCounters t;
+
+    model_add_vm(m, &identical_only, 1);
+    model_add_vm(m, &identical_only, 2);
+    run_passes(m, 3, "a and b share");
+    c = model_add_vm(m, &identical_only, 3);
+    d = model_add_vm(m, &own, 4);
+    run_passes(m, 1, "c and d seen once");
+    /* a's, b's and c's pages, then some of d's. */
+    pf_test_scan(m->s, 4 * N_IDENTICAL);
+    g_assert_true(pf_scanner_in_pass(m->s));
+    g_assert_true(m->s->cur_vm < m->s->vms->len &&
+                  g_ptr_array_index(m->s->vms, m->s->cur_vm) == d->vm);
+    g_assert_cmpuint(c->vm->count[PF_PAGE_PENDING] + c->vm->count[PF_PAGE_SHARED], ==,
+                     N_IDENTICAL);
+    run_passes(m, 2, "c joined");
+    t = totals(m);
+    g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
+    g_assert_cmpuint(t.pages_sharing, ==, 2 * N_IDENTICAL);
+    g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, N_IDENTICAL);
     model_end(m);
     model_free(m);
 }
@@ -1048,7 +1085,7 @@ holds_content(Model *m, ModelVm *x, const guint8 *data)
 /*
  * Ids reused within a pass (the trust review's first finding): x's page
  * equals a's and b's shared page (node N, slot s of their chunk C) and
- * waits for the pass's end to join; then, still in that pass, a and b
+ * waits for the cursor to be done with x to join; then a and b
  * write that page, so N, s and C go, and pair a content x never had,
  * which gets N's id, C's id and slot s again.  x must not be sent the
  * chunk: it would read a page it does not share.
@@ -1991,6 +2028,7 @@ main(int argc, char **argv)
     g_test_add_func("/scan-model/region-gone-frees-chunk", test_region_gone_frees_chunk);
     g_test_add_func("/scan-model/merge-domain-mid-pass", test_merge_domain_mid_pass);
     g_test_add_func("/scan-model/ids-reused", test_ids_reused);
+    g_test_add_func("/scan-model/joins-within-pass", test_joins_within_pass);
     for (gsize i = 0; i < G_N_ELEMENTS(fuzz_modes); i++) {
         g_autofree char *path = g_strdup_printf("/scan-model/fuzz/%s", fuzz_modes[i].name);
 

@@ -560,6 +560,38 @@ test_metadata_follows_pages(void)
     pf_guest_free(g);
 }
 
+/*
+ * pages_to_scan counts the pages present, as KSM's does: a wake-up of 50
+ * pages in a guest with 100 pages in 256 MiB of RAM (the rest never touched)
+ * visits 50 of them, wherever the holes are, so a pass takes two or three
+ * wake-ups, not one per 50 pages of holes.
+ */
+static void
+test_pace_present_pages(void)
+{
+    const PfLayout l = { .duplicate = 2, .unique = 98, .holes = 65536 - 100 };
+    PfCounters total, vm;
+    PfGuest *g;
+    int pid;
+    PfScanner *s = lone_guest(&l, &g, &pid);
+    guint calls = 0;
+
+    pf_scanner_run_passes(s, 2);
+    pf_scanner_collect(s, &total, &vm);
+    g_assert_cmpuint(total.full_scans, ==, 2);
+    while (total.full_scans == 2) {
+        g_assert_cmpuint(pf_test_scan(s, 50), <=, 50);
+        pf_scanner_collect(s, &total, &vm);
+        g_assert_cmpuint(++calls, <=, 10);
+    }
+    g_test_message("a pass over 100 pages present in %u wake-ups of 50", calls);
+    g_assert_cmpuint(calls, <=, 3);
+    g_assert_cmpuint(total.pages_scanned, ==, 3 * 100);
+    pf_scanner_free(s);
+    pf_guest_release(pid);
+    pf_guest_free(g);
+}
+
 /* One content many times over: 2 x 2048 pages of it, and pages of each
  * guest's own. */
 static const PfLayout layout_dups = { .duplicate = 2048, .unique = 16 };
@@ -662,5 +694,6 @@ main(int argc, char **argv)
     g_test_add_func("/scan/discarded-not-read", test_discarded_not_read);
     g_test_add_func("/scan/metadata-follows-pages", test_metadata_follows_pages);
     g_test_add_func("/scan/window-read-fails", test_window_read_fails);
+    g_test_add_func("/scan/pace-present-pages", test_pace_present_pages);
     return g_test_run();
 }
