@@ -298,6 +298,27 @@ handshake(PfAgent *a, GError **error)
 }
 
 /*
+ * The send side of a link's socket.  A pagefoldd that stops reading must
+ * not stall the agent thread for good: after 5 s a send fails, and the
+ * link is given up.  pagefoldd sends requests only while their answers fit
+ * in the send buffer (a window of a few batches, each answered in 16 KiB),
+ * so the agent thread never waits on a pagefoldd busy elsewhere; its size
+ * is said rather than left to net.core.wmem_default.
+ */
+static int
+link_sockopts(int sock)
+{
+    struct timeval tv = { .tv_sec = 5 };
+    int sndbuf = 256 << 10;
+
+    if (setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
+        setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+/*
  * The link ended and the agent is not stopping: pagefoldd went (a restart,
  * an upgrade, a crash) or gave this VM up.  Merged pages stay as they are;
  * the agent lets go of its pool chunks (the mappings keep their memory:
@@ -311,8 +332,6 @@ static gboolean
 relink(PfAgent *a)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    struct timeval tv = { .tv_sec = 5 };
-    int sndbuf = 256 << 10;
 
     g_mutex_lock(&a->work);
     g_mutex_lock(&a->out);
@@ -355,10 +374,7 @@ relink(PfAgent *a)
         }
         /* Not blocking: a queue that is full is tried again later. */
         if (connect(sock, (struct sockaddr *)&addr, sizeof(addr)) == 0 &&
-            fcntl(sock, F_SETFL, 0) == 0 &&
-            setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) == 0 &&
-            setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &sndbuf,
-                       sizeof(sndbuf)) == 0 &&
+            fcntl(sock, F_SETFL, 0) == 0 && link_sockopts(sock) == 0 &&
             dup3(sock, a->sock, O_CLOEXEC) == a->sock) {
             close(sock);
             break;
@@ -560,18 +576,6 @@ static gboolean
 link_open(PfAgent *a, const char *socket_path, GError **error)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    /*
-     * A pagefoldd that stops reading must not stall the agent thread for
-     * good: after this, the link is given up.
-     */
-    struct timeval tv = { .tv_sec = 5 };
-    /*
-     * pagefoldd sends requests only while their answers fit in this (a
-     * window of a few batches, each answered in 16 KiB), so the agent
-     * thread never waits here on a pagefoldd busy elsewhere; said rather
-     * than left to net.core.wmem_default.
-     */
-    int sndbuf = 256 << 10;
     int e;
 
     if (strlen(socket_path) >= sizeof(addr.sun_path)) {
@@ -609,10 +613,7 @@ link_open(PfAgent *a, const char *socket_path, GError **error)
     }
     a->socket_path = g_strdup(socket_path);
     if ((a->connect_to == NULL && fcntl(a->sock, F_SETFL, 0) < 0) ||
-        setsockopt(a->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
-        setsockopt(a->sock, SOL_SOCKET, SO_SNDBUF, &sndbuf,
-                   sizeof(sndbuf)) < 0 ||
-        pipe2(a->stop, O_CLOEXEC) < 0 ||
+        link_sockopts(a->sock) < 0 || pipe2(a->stop, O_CLOEXEC) < 0 ||
         pipe2(a->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
                     "cannot set up the link: %s", g_strerror(errno));

@@ -6,13 +6,18 @@
  *   - the write fault that breaks a merged page: pagefold's (private file
  *     mapping copied on write) next to kernel KSM's (anonymous memory,
  *     MADV_MERGEABLE) in the same run;
+ *   - the floor under those: the same merges by the bare system calls, and
+ *     the agent's cost as a multiple of it;
  *   - mappings added per merged page, on a layout of mixed runs.
  * One JSON line per result.  KSM's settings are restored as found.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/userfaultfd.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "agent.h"
@@ -111,6 +116,63 @@ bench_merge_rate(guint32 batch, guint32 pages)
     secs = bench_now() - t0;
     g_assert_cmpuint(done, ==, pages);
     rig_free(r);
+    return secs * 1e6 / pages;
+}
+
+/*
+ * The floor under bench_merge_rate(): the same pages merged by the bare
+ * system calls the agent makes for them, with no protocol, no checks and
+ * no bookkeeping.  A window of batch pages (1, or 512 contiguous):
+ * registered and write-protected, each page compared with its slot, the
+ * slots mapped over it (one mmap for contiguous slots), the memfd copies
+ * punched, then registered again and unprotected.  What the agent costs
+ * beyond this is its own.
+ */
+static double
+bench_merge_floor(guint32 batch, guint32 pages)
+{
+    PfLayout l = { .unique = PAGES };
+    PfGuest *g = pf_guest_new("memory-backend-memfd", &l, 1);
+    guint8 *pool = NULL;
+    int pool_fd = pf_test_pool_chunk(PAGES, FALSE, &pool);
+    int uffd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+    struct uffdio_api api = { .api = UFFD_API, .features = UFFD_FEATURE_WP_HUGETLBFS_SHMEM };
+    guint32 equal = 0;
+    double t0, secs;
+
+    g_assert_cmpint(uffd, >=, 0);
+    g_assert_cmpint(ioctl(uffd, UFFDIO_API, &api), ==, 0);
+    memcpy(pool, g->mem, PAGES * PF_PAGE_SIZE);
+    t0 = bench_now();
+    for (guint32 p = 0; p < pages; p += batch) {
+        guint64 first = batch == 1 ? (guint64)p * 2 % PAGES : p;
+        guint8 *hva = g->mem + first * PF_PAGE_SIZE;
+        gsize len = (gsize)batch * PF_PAGE_SIZE;
+        struct uffdio_register reg = { { (guint64)(guintptr)hva, len },
+                                       UFFDIO_REGISTER_MODE_WP, 0 };
+        struct uffdio_writeprotect wp = { { (guint64)(guintptr)hva, len },
+                                          UFFDIO_WRITEPROTECT_MODE_WP };
+
+        g_assert_cmpint(ioctl(uffd, UFFDIO_REGISTER, &reg), ==, 0);
+        g_assert_cmpint(ioctl(uffd, UFFDIO_WRITEPROTECT, &wp), ==, 0);
+        for (guint32 k = 0; k < batch; k++) {
+            equal += memcmp(hva + (gsize)k * PF_PAGE_SIZE,
+                            pool + (first + k) * PF_PAGE_SIZE, PF_PAGE_SIZE) == 0;
+        }
+        g_assert_true(mmap(hva, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, pool_fd,
+                           (off_t)(first * PF_PAGE_SIZE)) == hva);
+        g_assert_cmpint(fallocate(g->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                  (off_t)(first * PF_PAGE_SIZE), (off_t)len), ==, 0);
+        g_assert_cmpint(ioctl(uffd, UFFDIO_REGISTER, &reg), ==, 0);
+        wp.mode = 0;
+        g_assert_cmpint(ioctl(uffd, UFFDIO_WRITEPROTECT, &wp), ==, 0);
+    }
+    secs = bench_now() - t0;
+    g_assert_cmpuint(equal, ==, pages);
+    close(uffd);
+    munmap(pool, PAGES * PF_PAGE_SIZE);
+    close(pool_fd);
+    pf_guest_free(g);
     return secs * 1e6 / pages;
 }
 
@@ -278,18 +340,32 @@ main(int argc, char **argv)
 {
     int reps = bench_reps();
     g_autofree double *single = g_new(double, reps), *batched = g_new(double, reps);
+    g_autofree double *single_floor = g_new(double, reps), *batched_floor = g_new(double, reps);
+    double s_us, b_us, sf_us, bf_us;
     double pf_cow, ksm_cow_us, ksm_merge_s = 0;
     guint64 merged = 0;
     double mpp;
 
+    /* Alternating, so that both see the same machine. */
     for (int i = 0; i < reps; i++) {
         single[i] = bench_merge_rate(1, 2000);
+        single_floor[i] = bench_merge_floor(1, 2000);
         batched[i] = bench_merge_rate(512, PAGES);
+        batched_floor[i] = bench_merge_floor(512, PAGES);
     }
+    s_us = bench_median(single, reps);
+    b_us = bench_median(batched, reps);
+    sf_us = bench_median(single_floor, reps);
+    bf_us = bench_median(batched_floor, reps);
     printf("{\"bench\":\"merge\",\"single_us_per_page\":%.1f,\"single_merges_per_s\":%.0f,"
            "\"batched_us_per_page\":%.2f,\"batched_merges_per_s\":%.0f,\"batch\":512,\"reps\":%d}\n",
-           bench_median(single, reps), 1e6 / bench_median(single, reps),
-           bench_median(batched, reps), 1e6 / bench_median(batched, reps), reps);
+           s_us, 1e6 / s_us, b_us, 1e6 / b_us, reps);
+    /* The agent's cost as a multiple of the bare system calls' (the
+     * protocol's round trip included: pagefoldd's side is played here). */
+    printf("{\"bench\":\"merge-floor\",\"single_floor_us_per_page\":%.1f,"
+           "\"single_to_floor\":%.2f,\"batched_floor_us_per_page\":%.2f,"
+           "\"batched_to_floor\":%.2f,\"target\":1.5,\"reps\":%d}\n",
+           sf_us, s_us / sf_us, bf_us, b_us / bf_us, reps);
     fflush(stdout);
 
     pf_cow = pagefold_cow(4096);
