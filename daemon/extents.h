@@ -44,8 +44,9 @@ typedef struct _PfExtents {
 /* Reads the window from page from of r, of up to PF_EXTENTS_WINDOW pages
  * or PF_EXTENTS_MAX data extents, whichever ends first; the copy-on-write
  * look only where the VM merges (pagemap_fd >= 0).  callback runs on the
- * calling thread's main context. */
-#define PF_EXTENTS_WINDOW 65536u
+ * calling thread's main context.  1 GiB: RAM never touched costs the
+ * cursor no budget, and it waits for a window each time it crosses one. */
+#define PF_EXTENTS_WINDOW 262144u
 #define PF_EXTENTS_MAX 512u
 void pf_extents_read_async(PfRegion *r, int pagemap_fd, PfCow *cow, gsize from,
                            GCancellable *cancel, GAsyncReadyCallback callback, gpointer user);

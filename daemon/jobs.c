@@ -108,7 +108,8 @@ passes_step(PfScanJob *j)
     gboolean due = FALSE, progress;
 
     if (pf_scanner_joining(s)) {
-        /* The last pass's joins, made: their requests are the pass's. */
+        /* The joins begun (a VM's, or the last pass's), made: their
+         * requests are the pass's. */
         pf_scanner_scan_slice(s, G_MAXSIZE, STEP_USEC, TRUE, &progress);
         return STEP_AGAIN;
     }

@@ -6,12 +6,12 @@
  * match every slot of it in use, or the node moves: the content gets a
  * slot for its members' VMs and the newcomer's, the members are merged
  * over to it (the agent compares and remaps, as for any merge), and the
- * old node is retired, going with its last member.  KSM has no such step: in one kernel every page is in
- * every process's reach.
+ * old node is retired, going with its last member.  KSM has no such
+ * step: in one kernel every page is in every process's reach.
  *
- * Owns the joins waiting and the order of a move;
- * never gives a VM a chunk with content it does not share, and changes
- * slot references only through the ledger.
+ * Owns the joins waiting and the order of a move; never gives a VM a chunk
+ * with content it does not share, and changes slot references only
+ * through the ledger.
  */
 #include "scan-internal.h"
 

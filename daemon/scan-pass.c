@@ -1,10 +1,10 @@
 /*
  * scan-pass.c - the pass loop: the cursor over every VM's regions, holes of
  * the memfds stepped over (where they are read ahead on a thread), pages
- * read in slices under the SIGBUS guard, each VM looked at again as the
- * cursor comes to it, and the VMs whose agent has as much to answer as its
- * outbox takes, or whose look or window is not read yet: left for later in
- * the pass, and waited for a bounded while at its end.
+ * read in slices under the SIGBUS guard, each VM looked at again where due
+ * as the cursor comes to it, and the VMs whose agent has as much to answer
+ * as its outbox takes, or whose look or window is not read yet: left for
+ * later in the pass, and waited for a bounded while at its end.
  *
  * Owns the cursor; a visit's decision is scan-visit.c's.  Never blocks:
  * a scan stops at the end of its slice, of its pages, of the pass, or at
@@ -557,15 +557,17 @@ look_start(PfScanner *s, PfVm *vm)
  * go of the chunks it was told to drop.  Its maps grow a line per merged
  * run, tens of thousands, and reading them each pass of a fast pace took
  * a third of pagefoldd's CPU: it is looked at when it has chunks to let go
- * of, when what its requests may have added since (counted as the most
- * they can, vmas_since_look) nears an eighth of its budget, and else
- * every LOOK_PERIOD_USEC.
+ * of, when its count is at its budget (it merges nothing until it is
+ * counted again), when what its requests may have added since (counted
+ * as the most they can, vmas_since_look) nears an eighth of its budget,
+ * and else every LOOK_PERIOD_USEC.  Root's scan-now looks at every VM.
  */
 static gboolean
-look_due(const PfVm *vm, gint64 now)
+look_due(const PfScanner *s, const PfVm *vm, gint64 now)
 {
-    return vm->outbox == NULL || (vm->dropped != NULL && vm->dropped->len > 0) ||
-           vm->vma_budget == 0 || vm->vmas_since_look >= vm->vma_budget / 8 ||
+    return s->whole_passes || vm->outbox == NULL ||
+           (vm->dropped != NULL && vm->dropped->len > 0) || vm->vma_budget == 0 ||
+           vm->vmas >= vm->vma_budget || vm->vmas_since_look >= vm->vma_budget / 8 ||
            now - vm->look_usec >= LOOK_PERIOD_USEC;
 }
 
@@ -602,8 +604,7 @@ begin_pass(PfScanner *s)
          * of mappings is made up by what was asked since
          * (vmas_since_look). */
         vm->entered = FALSE;
-        vm->look_wanted = look_due(vm, now) || s->whole_passes;
-        if (vm->look_wanted) {
+        if (look_due(s, vm, now)) {
             look_start(s, vm);
         }
         if (s->whole_passes) {
@@ -649,7 +650,9 @@ enter_vm(PfScanner *s, PfVm *vm)
     g_autoptr(PfVmLook) look = NULL;
     gboolean ok;
 
-    if (vm->look == NULL && vm->looking == NULL && !vm->look_wanted) {
+    /* A VM that came during the pass is due: its budget is unknown. */
+    if (vm->look == NULL && vm->looking == NULL &&
+        !look_due(s, vm, g_get_monotonic_time())) {
         if (pf_vm_exited(vm)) {
             pf_scanner_detach(s, vm, "its process has exited");
             return ENTER_GONE;

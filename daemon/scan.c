@@ -88,13 +88,11 @@ thread_cpu_usec(void)
 
 /* The pages of vm a pass visits (pf_scanner_scan()): those its memfds
  * hold, whether visited yet or not (what fstat() says they take), and its
- * merged pages. */
+ * merged pages (pages on their way in are still the memfd's). */
 static guint64
 present_pages(const PfVm *vm)
 {
-    guint64 n = pf_vm_merges(vm) ? vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_ZERO] +
-                                       vm->count[PF_PAGE_PENDING]
-                                 : 0;
+    guint64 n = pf_vm_merges(vm) ? vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_ZERO] : 0;
 
     for (guint k = 0; k < vm->regions->len; k++) {
         const PfRegion *r = g_ptr_array_index(vm->regions, k);

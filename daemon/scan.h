@@ -164,7 +164,7 @@ void pf_scanner_resume_batches(PfScanner *s);
  * outbox flushed), as they do when a scan or an answer ends. */
 void pf_scanner_flush(PfScanner *s);
 /* The VM takes no new merges until as many ends as begins: it is being
- * unmerged.  Pages waiting to join content at the pass's end forget it. */
+ * unmerged.  Pages waiting to join content forget it. */
 void pf_scanner_begin_unmerge(PfScanner *s, PfVm *vm);
 void pf_scanner_end_unmerge(PfScanner *s, PfVm *vm);
 

@@ -64,7 +64,6 @@ struct _PfVm {
     gboolean resume;
     gboolean deferred;
     gboolean entered;    /* looked at in this pass (the scanner's enter_vm()) */
-    gboolean look_wanted; /* its process is to be looked at in this pass */
     GCancellable *looking; /* its look under way, or NULL */
     PfVmLook *look;      /* its look, done, not yet taken by enter_vm() */
     guint32 look_answered; /* its outbox's last answered batch, and the time, */
@@ -80,8 +79,8 @@ struct _PfVm {
     guint resume_region;
     gsize resume_page;
     guint64 cow;         /* merged pages written since (copy-on-write) */
-    guint64 vmas;        /* mappings of the process: counted at each pass,
-                          * plus the most the requests since can add */
+    guint64 vmas;        /* mappings of the process: counted at its last
+                          * look, plus the most the requests since can add */
     guint64 vma_budget;  /* no merges once vmas reaches it */
     guint32 run_next_page; /* the request that would continue the last run */
     guint32 run_next_slot;
@@ -140,7 +139,7 @@ typedef struct {
 gssize pf_vm_key_find(const PfVmKey *keys, guint n, const char *key, GError **error);
 
 /*
- * What the scanner reads of a VM's process once a pass, from its
+ * What the scanner reads of a VM's process when it looks at it, from its
  * /proc/PID/maps (read once for all of it) and fd directory: on a thread
  * of GLib's pool, since each read waits for the process's mmap lock, which
  * a busy (or hostile) VMM holds as long as it likes.  The thread sees only

@@ -17,12 +17,13 @@
  * does).  Pages are told apart by XXH3-64: among a few million pages the
  * odds that two differ and count as one are below one in a million.
  *
- * What it must never do: change what it counts.  It reads the memfd
- * through a mapping of its own, only where mincore() says the page is in
- * memory (reading a hole through a mapping would allocate it); the pages
- * mapped from elsewhere through /proc/PID/mem only where pagemap says
- * they are present, and else with pread() of the file they map, which
- * allocates nothing.  Needs root (map_files).
+ * What it must never do: change what it counts.  It reads with pread(),
+ * which allocates nothing where it finds a hole, and maps nothing of the
+ * guests' (a page mapped here too would halve the QEMU's Pss): the
+ * memfd's pages where mincore() on a mapping of its own, never read, says
+ * they are in memory; pages mapped from elsewhere through /proc/PID/mem
+ * where pagemap says they are present, else from the file they map.
+ * Needs root (map_files).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -44,10 +45,13 @@
 #define RUN_PAGES 512u
 
 typedef struct {
-    guint64 base;     /* where the process maps page 0 of the memfd */
+    guint64 base;      /* where the process maps page 0 of the memfd */
     guint64 n_pages;
-    const guint8 *map; /* the memfd, PROT_READ, MAP_SHARED */
-    guint64 *last;    /* each page's checksum at the last census, 0: none */
+    int fd;            /* the memfd, read with pread() */
+    const guint8 *map; /* the memfd, PROT_READ, MAP_SHARED, for mincore()
+                        * alone: a page read through it would be mapped
+                        * here too, halving the QEMU's Pss */
+    guint64 *last;     /* each page's checksum at the last census, 0: none */
 } Ram;
 
 typedef struct {
@@ -104,12 +108,13 @@ find_rams(Proc *p, GStrv lines, GError **error)
             return FALSE;
         }
         map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
-        close(fd);
         if (map == MAP_FAILED) {
             g_set_error(error, G_FILE_ERROR, g_file_error_from_errno(errno), "mmap %s: %s",
                         mf, g_strerror(errno));
+            close(fd);
             return FALSE;
         }
+        ram.fd = fd;
         ram.base = start - offset;
         ram.n_pages = (guint64)st.st_size / PF_PAGE_SIZE;
         ram.map = map;
@@ -213,7 +218,7 @@ others_over(const Proc *p, const Ram *ram, GStrv lines)
 static void
 census_ram(Proc *p, Ram *ram, GStrv maps, Census *c)
 {
-    static guint8 buf[PF_PAGE_SIZE];
+    static guint8 buf[PF_PAGE_SIZE], run[RUN_PAGES * PF_PAGE_SIZE];
     g_autoptr(GArray) others = others_over(p, ram, maps);
     guint o = 0;
 
@@ -222,9 +227,18 @@ census_ram(Proc *p, Ram *ram, GStrv maps, Census *c)
         guint8 resident[RUN_PAGES];
         guint64 pm[RUN_PAGES];
         gboolean have_pm;
+        ssize_t got;
 
+        /* Which pages the memfd holds; their content by pread(), which
+         * reads a hole (one punched since) as zeros, allocating nothing. */
         if (mincore((void *)(ram->map + first * PF_PAGE_SIZE), n * PF_PAGE_SIZE, resident) < 0) {
             memset(resident, 0, sizeof(resident));
+        }
+        got = memchr(resident, 1, n) != NULL
+                  ? pread(ram->fd, run, n * PF_PAGE_SIZE, (off_t)(first * PF_PAGE_SIZE))
+                  : 0;
+        if (got < 0) {
+            got = 0;
         }
         have_pm = pread(p->pagemap_fd, pm, n * sizeof(guint64),
                         (off_t)((ram->base / PF_PAGE_SIZE + first) * sizeof(guint64))) ==
@@ -258,8 +272,8 @@ census_ram(Proc *p, Ram *ram, GStrv maps, Census *c)
                                PF_PAGE_SIZE) {
                     page = buf;
                 }
-            } else if (resident[i] & 1) {
-                page = ram->map + idx * PF_PAGE_SIZE;
+            } else if ((resident[i] & 1) && (gsize)got >= (i + 1) * PF_PAGE_SIZE) {
+                page = run + i * PF_PAGE_SIZE;
             }
             if (page == NULL) {
                 ram->last[idx] = 0;

@@ -594,10 +594,14 @@ step(const uint8_t **data, size_t *size)
     case 3: /* a scan, looks at the VMs' processes waited for */
         pf_test_scan(scanner, (gsize)a + 1);
         break;
-    case 4: /* one slice of the background scan, or of root's scan-now:
-             * joins made a slice at a time, VMs left for later */
-        pf_scanner_scan_slice(scanner, (gsize)a * 4 + 1, 100 + (a & 0x70) * 20, a >> 7);
+    case 4: { /* one slice of the background scan, or of root's scan-now:
+               * joins made a slice at a time, VMs left for later */
+        gboolean progress;
+
+        pf_scanner_scan_slice(scanner, (gsize)a * 4 + 1, 100 + (a & 0x70) * 20, a >> 7,
+                              &progress);
         break;
+    }
     case 5:
     case 6:
         answer(p, a);
