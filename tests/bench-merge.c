@@ -3,6 +3,8 @@
  *   - merges per second and microseconds per merged page, one page per
  *     request and 512 pages per request (agent library, real kernel
  *     mechanisms, the protocol played by hand for pagefoldd);
+ *   - folding back pages the guest wrote after merging, one page per
+ *     request and 512 consecutive pages per request;
  *   - the write fault that breaks a merged page: pagefold's (private file
  *     mapping copied on write) next to kernel KSM's (anonymous memory,
  *     MADV_MERGEABLE) in the same run;
@@ -141,6 +143,48 @@ bench_merge_rate(guint32 batch, guint32 pages, double *agent_us)
     *agent_us = (thread_cpu_s("pagefold-agent") - cpu0) * 1e6 / pages;
     g_assert_cmpuint(done, ==, pages);
     g_assert_cmpfloat(*agent_us, >, 0);
+    rig_free(r);
+    return secs * 1e6 / pages;
+}
+
+/*
+ * Microseconds per page folded back after the guest wrote it (merged,
+ * then each page written once: copied on write), wall, and (*agent_us) of
+ * the agent thread's CPU: batch 1, one unmerge per request, or batch
+ * consecutive pages per request, as pagefoldd asks for pages a guest
+ * wrote in a run.
+ */
+static double
+bench_fold_back_rate(guint32 batch, guint32 pages, double *agent_us)
+{
+    PfLayout l = { .unique = PAGES };
+    Rig *r = rig_new(&l);
+    g_autofree PfWireItem *items = g_new0(PfWireItem, MAX(batch, 512));
+    guint32 done = 0;
+    double t0, secs, cpu0;
+
+    for (guint32 p = 0; p < pages; p += 512) {
+        for (guint32 k = 0; k < 512; k++) {
+            merge_item(&items[k], p + k);
+        }
+        g_assert_cmpuint(roundtrip(r, items, 512), ==, 512);
+    }
+    for (guint32 p = 0; p < pages; p++) {
+        r->g->mem[(gsize)p * PF_PAGE_SIZE + 7]++;
+    }
+    t0 = bench_now();
+    cpu0 = thread_cpu_s("pagefold-agent");
+    for (guint32 p = 0; p < pages; p += batch) {
+        for (guint32 k = 0; k < batch; k++) {
+            memset(&items[k], 0, sizeof(items[k]));
+            items[k].kind = PF_ITEM_UNMERGE;
+            items[k].page = p + k;
+        }
+        done += roundtrip(r, items, batch);
+    }
+    secs = bench_now() - t0;
+    *agent_us = (thread_cpu_s("pagefold-agent") - cpu0) * 1e6 / pages;
+    g_assert_cmpuint(done, ==, pages);
     rig_free(r);
     return secs * 1e6 / pages;
 }
@@ -399,6 +443,17 @@ main(int argc, char **argv)
            "\"batched_wall_to_floor\":%.2f,\"target\":1.5,\"reps\":%d}\n",
            sf_us, sc_us, sc_us / sf_us, s_us / sf_us, bf_us, bc_us, bc_us / bf_us,
            b_us / bf_us, reps);
+    fflush(stdout);
+
+    for (int i = 0; i < reps; i++) {
+        single[i] = bench_fold_back_rate(1, 4096, &single_cpu[i]);
+        batched[i] = bench_fold_back_rate(512, 4096, &batched_cpu[i]);
+    }
+    printf("{\"bench\":\"fold-back\",\"pages\":4096,\"single_us_per_page\":%.1f,"
+           "\"single_agent_cpu_us_per_page\":%.1f,\"batched_us_per_page\":%.2f,"
+           "\"batched_agent_cpu_us_per_page\":%.2f,\"batch\":512,\"reps\":%d}\n",
+           bench_median(single, reps), bench_median(single_cpu, reps),
+           bench_median(batched, reps), bench_median(batched_cpu, reps), reps);
     fflush(stdout);
 
     pf_cow = pagefold_cow(4096);
