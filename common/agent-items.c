@@ -199,63 +199,15 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
     g_mutex_unlock(&a->dma);
 }
 
-/* Does it continue the unmerges of k pages that first begins? */
-static gboolean
-continues_unmerge(PfAgent *a, const PfWireItem *first, guint32 k,
-                  const PfWireItem *it)
-{
-    return k < MAX_RUN && it->kind == PF_ITEM_UNMERGE &&
-           it->region == first->region && it->page == first->page + k &&
-           item_valid(a, it);
-}
-
-static gboolean
-page_in_dma(PfAgent *a, const Region *r, guint64 page)
-{
-    const guint8 *hva = r->host + page * PF_PAGE_SIZE;
-
-    return pfa_in_dma(a, hva, hva + PF_PAGE_SIZE);
-}
-
-/*
- * Folds k consecutive pages back: their content into the memfd, the memfd
- * mapped again.  A guest writing merged pages writes them in runs, and
- * folding each back on its own costs three calls that flush TLBs (the
- * protection, the mapping, the unprotection): a third of the agents' CPU
- * in the kernel-build benchmark.  Here it is one of each per run of
- * pages.  A page in DMA
- * stays merged (EBUSY), as do those of a run whose call failed; pagefoldd
- * asks again.  The others are in the memfd.
- */
+/* Folds one page back: its content into the memfd, the memfd mapped again. */
 static void
-exec_unmerge(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res)
+exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
 {
-    Region *r = &g_array_index(a->regions, Region, first->region);
+    gsize stop;
+    int rc = pfa_fold_back(a, &g_array_index(a->regions, Region, it->region),
+                           it->page, 1, TRUE, &stop, NULL);
 
-    g_mutex_lock(&a->dma);
-    for (guint32 t = 0; t < k;) {
-        guint32 u = t;
-        gsize stop;
-        int rc = -EBUSY;
-
-        while (u < k && !page_in_dma(a, r, first->page + u)) {
-            u++;
-        }
-        if (u > t) {
-            rc = pfa_fold_back_locked(a, r, first->page + t, u - t, TRUE,
-                                      &stop, NULL);
-        } else {
-            u = t + 1;
-        }
-        for (; t < u; t++) {
-            if (rc < 0 && pfa_is_remapped(r, first->page + t)) {
-                set_result(&res[t], PF_RESULT_ERROR, -rc);
-            } else {
-                set_result(&res[t], PF_RESULT_DONE, 0);
-            }
-        }
-    }
-    g_mutex_unlock(&a->dma);
+    set_result(res, rc < 0 ? PF_RESULT_ERROR : PF_RESULT_DONE, -rc);
 }
 
 /*
@@ -340,11 +292,7 @@ pfa_handle_request(PfAgent *a, const PfMsg *msg, GError **error)
              * After a step back to advise mode nothing is remapped: an
              * unmerge finds its page in the memfd already and says so.
              */
-            while (i + k < n &&
-                   continues_unmerge(a, &items[i], k, &items[i + k])) {
-                k++;
-            }
-            exec_unmerge(a, &items[i], k, &res[i]);
+            exec_unmerge(a, &items[i], &res[i]);
         } else if (a->mode != PF_MODE_MERGE) {
             set_result(&res[i], PF_RESULT_ERROR, EPERM);
         } else if (items[i].kind == PF_ITEM_COLLAPSE) {

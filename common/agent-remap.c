@@ -174,19 +174,16 @@ copy_back(PfAgent *a, Region *r, gsize from, gsize to, const guint8 *src)
 static int
 fold_back_run(PfAgent *a, Region *r, gsize t, gsize u, gboolean copy)
 {
-    int rc;
+    int rc = copy ? copy_back(a, r, t, u, NULL) : 0;
 
-    if (copy) {
-        rc = copy_back(a, r, t, u, NULL);
-        if (rc < 0) {
-            return rc;
-        }
+    if (rc == 0) {
+        rc = map_memfd(a, r, t, u);
     }
-    rc = map_memfd(a, r, t, u);
     /*
-     * Still remapped: its memfd pages are holes again, where pagefoldd
-     * looks for copy-on-write (it looks among data too, should this punch
-     * fail).
+     * Still remapped: its memfd pages are holes again (a copy that failed
+     * partway wrote some of them: copies nobody maps, on a tmpfs that may
+     * be full), where pagefoldd looks for copy-on-write (it looks among
+     * data too, should this punch fail).
      */
     if (rc < 0 && copy &&
         a->sys.fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
