@@ -152,20 +152,33 @@ bench_merge_rate(guint32 batch, guint32 pages, double *agent_us)
  * then each page written once: copied on write), wall, and (*agent_us) of
  * the agent thread's CPU: batch 1, one unmerge per request, or batch
  * consecutive pages per request, as pagefoldd asks for pages a guest
- * wrote in a run.
+ * wrote in a run.  Merged to consecutive slots, a run of pages is one
+ * mapping; scattered (page p on slot p ^ 1), each page is a mapping of its
+ * own, as pages merged with content from all over the pool are.
  */
 static double
-bench_fold_back_rate(guint32 batch, guint32 pages, double *agent_us)
+bench_fold_back_rate(guint32 batch, guint32 pages, gboolean scattered, double *agent_us)
 {
     PfLayout l = { .unique = PAGES };
     Rig *r = rig_new(&l);
     g_autofree PfWireItem *items = g_new0(PfWireItem, MAX(batch, 512));
     guint32 done = 0;
     double t0, secs, cpu0;
+    PfAgentStats st;
 
+    g_assert_cmpuint(pages % batch, ==, 0);
+    g_assert_cmpuint(pages % 512, ==, 0);
+    if (scattered) {
+        /* Still writable: the seal forbids only new writable mappings. */
+        for (guint32 p = 0; p < PAGES; p++) {
+            memcpy(r->pool + (gsize)(p ^ 1) * PF_PAGE_SIZE, r->g->mem + (gsize)p * PF_PAGE_SIZE,
+                   PF_PAGE_SIZE);
+        }
+    }
     for (guint32 p = 0; p < pages; p += 512) {
         for (guint32 k = 0; k < 512; k++) {
             merge_item(&items[k], p + k);
+            items[k].slot = scattered ? (p + k) ^ 1 : p + k;
         }
         g_assert_cmpuint(roundtrip(r, items, 512), ==, 512);
     }
@@ -185,6 +198,9 @@ bench_fold_back_rate(guint32 batch, guint32 pages, double *agent_us)
     secs = bench_now() - t0;
     *agent_us = (thread_cpu_s("pagefold-agent") - cpu0) * 1e6 / pages;
     g_assert_cmpuint(done, ==, pages);
+    pf_agent_get_stats(r->agent, &st);
+    g_assert_cmpuint(st.remapped, ==, 0);
+    g_assert_cmpfloat(*agent_us, >, 0);
     rig_free(r);
     return secs * 1e6 / pages;
 }
@@ -412,6 +428,7 @@ main(int argc, char **argv)
     g_autofree double *single = g_new(double, reps), *batched = g_new(double, reps);
     g_autofree double *single_floor = g_new(double, reps), *batched_floor = g_new(double, reps);
     g_autofree double *single_cpu = g_new(double, reps), *batched_cpu = g_new(double, reps);
+    g_autofree double *scattered = g_new(double, reps), *scattered_cpu = g_new(double, reps);
     double s_us, b_us, sf_us, bf_us, sc_us, bc_us;
     double pf_cow, ksm_cow_us, ksm_merge_s = 0;
     guint64 merged = 0;
@@ -446,14 +463,17 @@ main(int argc, char **argv)
     fflush(stdout);
 
     for (int i = 0; i < reps; i++) {
-        single[i] = bench_fold_back_rate(1, 4096, &single_cpu[i]);
-        batched[i] = bench_fold_back_rate(512, 4096, &batched_cpu[i]);
+        single[i] = bench_fold_back_rate(1, 4096, FALSE, &single_cpu[i]);
+        batched[i] = bench_fold_back_rate(512, 4096, FALSE, &batched_cpu[i]);
+        scattered[i] = bench_fold_back_rate(512, 4096, TRUE, &scattered_cpu[i]);
     }
     printf("{\"bench\":\"fold-back\",\"pages\":4096,\"single_us_per_page\":%.1f,"
            "\"single_agent_cpu_us_per_page\":%.1f,\"batched_us_per_page\":%.2f,"
-           "\"batched_agent_cpu_us_per_page\":%.2f,\"batch\":512,\"reps\":%d}\n",
+           "\"batched_agent_cpu_us_per_page\":%.2f,\"scattered_batched_us_per_page\":%.2f,"
+           "\"scattered_batched_agent_cpu_us_per_page\":%.2f,\"batch\":512,\"reps\":%d}\n",
            bench_median(single, reps), bench_median(single_cpu, reps),
-           bench_median(batched, reps), bench_median(batched_cpu, reps), reps);
+           bench_median(batched, reps), bench_median(batched_cpu, reps),
+           bench_median(scattered, reps), bench_median(scattered_cpu, reps), reps);
     fflush(stdout);
 
     pf_cow = pagefold_cow(4096);
