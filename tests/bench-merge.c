@@ -4,7 +4,8 @@
  *     request and 512 pages per request (agent library, real kernel
  *     mechanisms, the protocol played by hand for pagefoldd);
  *   - folding back pages the guest wrote after merging, one page per
- *     request and 512 consecutive pages per request;
+ *     request and 512 per request, merged to consecutive slots (a run is
+ *     one mapping) or scattered ones (a mapping per page);
  *   - the write fault that breaks a merged page: pagefold's (private file
  *     mapping copied on write) next to kernel KSM's (anonymous memory,
  *     MADV_MERGEABLE) in the same run;
