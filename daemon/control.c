@@ -655,9 +655,15 @@ pf_control_new(PfScanner *scanner, const char *path, GError **error)
     c->context = g_main_context_new();
     c->listen_source = watch_fd(c, c->listen_fd, G_IO_IN, listen_cb, c);
     publish(c, pf_view_new(scanner, TRUE, NULL));
+    return c;
+}
+
+void
+pf_control_start(PfControl *c)
+{
+    g_return_if_fail(c->thread == NULL);
     c->count_timer = g_timeout_add(COUNT_PERIOD_MS, count_cb, c);
     c->thread = g_thread_new("pf-control", control_thread, c);
-    return c;
 }
 
 void

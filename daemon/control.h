@@ -18,7 +18,12 @@
 
 typedef struct _PfControl PfControl;
 
+/* Binds and listens; clients that connect wait in the backlog, ungreeted,
+ * until pf_control_start(). */
 PfControl *pf_control_new(PfScanner *scanner, const char *path, GError **error);
+/* Serves the socket from now on: its greeting tells a client the daemon is
+ * set up (main.c starts it last, beside systemd's READY=1). */
+void pf_control_start(PfControl *c);
 /* What `reload` does (on the main loop): main.c reads its configuration
  * file again.  Without it, `reload` is refused. */
 void pf_control_set_reload(PfControl *c, gboolean (*func)(gpointer user, GError **error),

@@ -422,6 +422,9 @@ run(Daemon *d, const Options *o)
         }
     }
 #endif
+    /* Its greeting means ready, as READY=1 does: a client greeted finds
+     * the agent socket open to its group and the attached VMs back. */
+    pf_control_start(d->control);
     g_message("pagefoldd %s: control socket %s, agent socket %s, hash %s", PF_VERSION,
               socket_path(o), agent_path(o), o->hash->name);
 #if PF_HAVE_SYSTEMD

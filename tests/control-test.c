@@ -167,6 +167,7 @@ setup(Fixture *f, gconstpointer data)
     pf_scanner_get_knobs(f->scanner)->run = FALSE;
     f->control = pf_control_new(f->scanner, f->path, &error);
     g_assert_no_error(error);
+    pf_control_start(f->control);
     for (int i = 0; i < 2; i++) {
         f->guest[i] = pf_guest_new("memory-backend-memfd", &layout, (guint32)i + 1);
         f->pid[i] = pf_guest_hold(f->guest[i]);
@@ -638,8 +639,38 @@ test_free_at_once(void)
         PfControl *c = pf_control_new(scanner, path, &error);
 
         g_assert_no_error(error);
+        if (i % 2 == 0) {
+            pf_control_start(c);
+        }
         pf_control_free(c);
     }
+    g_rmdir(dir);
+}
+
+/* A client that connects while pagefoldd is still setting up (the agent
+ * socket's group, the VMs attached before a restart) waits, ungreeted: the
+ * greeting says pagefoldd is ready.  The control thread greeted at once,
+ * and /kernel/6.1/link/agent-group found the agent socket still 0600. */
+static void
+test_greets_once_started(void)
+{
+    g_autoptr(GError) error = NULL;
+    g_autofree char *dir = g_dir_make_tmp("pagefold-control-XXXXXX", &error);
+    g_autofree char *path = g_build_filename(dir, "s", NULL);
+    g_autoptr(PfScanner) scanner = pf_scanner_new(NULL);
+    g_autoptr(PfControl) c = pf_control_new(scanner, path, &error);
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct pollfd p = { .fd = fd, .events = POLLIN };
+
+    g_assert_no_error(error);
+    g_strlcpy(addr.sun_path, path, sizeof(addr.sun_path));
+    g_assert_cmpint(connect(fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
+    g_assert_cmpint(poll(&p, 1, 300), ==, 0);
+    pf_control_start(c);
+    g_assert_cmpint(poll(&p, 1, 20000), ==, 1);
+    close(fd);
+    g_clear_pointer(&c, pf_control_free);
     g_rmdir(dir);
 }
 
@@ -647,6 +678,7 @@ int
 main(int argc, char **argv)
 {
     g_test_init(&argc, &argv, NULL);
+    g_test_add_func("/control/greets-once-started", test_greets_once_started);
     g_test_add("/control/socket-mode", Fixture, NULL, setup, test_socket_mode, teardown);
     g_test_add("/control/attach-stats-detach", Fixture, NULL, setup, test_attach_stats_detach,
                teardown);

@@ -359,9 +359,9 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
     }
     g_assert_true(g_file_test(d->sock, G_FILE_TEST_EXISTS));
     {
-        /* Its greeting comes from its main loop, so once everything is
-         * set up (the agent socket's group given: the file exists, 0600,
-         * a moment before). */
+        /* It greets once everything is set up (pf_control_start()): the
+         * agent socket's group given, though the file exists, 0600, a
+         * moment before. */
         struct sockaddr_un addr = { .sun_family = AF_UNIX };
         int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
         struct pollfd p = { .fd = fd, .events = POLLIN };
