@@ -220,25 +220,6 @@ pf_scanner_resume_batches(PfScanner *s)
 
 /* ---- counters ---- */
 
-/* Each canonical page counts 1/n to the VM of each of its n sharers; a
- * node whose pages are all still on their way in shares nothing.  Returns
- * the nodes in use. */
-static guint64
-share_nodes(PfScanner *s, double *share)
-{
-    guint64 nodes_in_use = 0;
-
-    for (guint id = 1; id < s->stable.nodes->len; id++) {
-        const PfStableNode *n = pf_stable_tree_node(&s->stable, id);
-
-        nodes_in_use += n->live && n->n_members > 0;
-        for (guint32 m = 0; m < n->n_members; m++) {
-            share[region_of(s, n->members[m])->vm->stats_index] += 1.0 / n->n_members;
-        }
-    }
-    return nodes_in_use;
-}
-
 /* One VM's counters, given its share of the nodes and of the trees. */
 static void
 vm_counters(const PfVm *vm, guint64 shared, guint64 meta, PfCounters *c)
@@ -281,11 +262,13 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
     for (guint i = 0; i < n_vms; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        vm->stats_index = i;
-        /* The trees hold the pages that are present. */
+        /* Each canonical page counts 1/n to the VM of each of its n
+         * sharers (a node whose pages are all still on their way in
+         * shares nothing); the trees hold the pages that are present. */
+        share[i] = (double)vm->share;
         size_share[i] = (double)(pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT]);
     }
-    pf_apportion(share_nodes(s, share), share, n_vms, shared);
+    pf_apportion(s->stable.n_in_use, share, n_vms, shared);
     pf_apportion(common_bytes, size_share, n_vms, meta);
 
     memset(total, 0, sizeof(*total));
@@ -320,6 +303,14 @@ page_of(guint32 id, gpointer user)
     return pf_page_space_page(&s->space, id);
 }
 
+static void
+page_share(guint32 id, gint64 delta, gpointer user)
+{
+    PfScanner *s = user;
+
+    region_of(s, id)->vm->share += (guint64)delta;
+}
+
 static guint64
 read_max_map_count(void)
 {
@@ -348,7 +339,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->max_map_count = read_max_map_count();
     s->kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
     s->cow = pf_cow_new();
-    pf_stable_tree_init(&s->stable, page_of, s);
+    pf_stable_tree_init(&s->stable, page_of, page_share, s);
     pf_unstable_tree_init(&s->unstable, page_of, s);
     s->joins = g_array_new(FALSE, FALSE, sizeof(Joining));
     s->joining = g_array_new(FALSE, FALSE, sizeof(Joining));

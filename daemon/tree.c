@@ -291,10 +291,11 @@ stable_key(guint32 node_id, gpointer user)
 }
 
 void
-pf_stable_tree_init(PfStableTree *t, PfPageFunc page_of, gpointer user)
+pf_stable_tree_init(PfStableTree *t, PfPageFunc page_of, PfShareFunc share, gpointer user)
 {
     memset(t, 0, sizeof(*t));
     t->page_of = page_of;
+    t->share = share;
     t->user = user;
     t->nodes = g_array_new(FALSE, TRUE, sizeof(PfStableNode));
     g_array_set_size(t->nodes, 1);
@@ -344,6 +345,24 @@ pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot, guint32 d
     return id;
 }
 
+static gint64
+part(guint32 n_members)
+{
+    return n_members > 0 ? (gint64)(PF_SHARE_ONE / n_members) : 0;
+}
+
+/* The node's members, as they are, go from a part of `was` to one of
+ * `now` members. */
+static void
+reshare(PfStableTree *t, const PfStableNode *n, guint32 was, guint32 now)
+{
+    gint64 delta = part(now) - part(was);
+
+    for (guint32 m = 0; t->share != NULL && delta != 0 && m < n->n_members; m++) {
+        t->share(n->members[m], delta, t->user);
+    }
+}
+
 void
 pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
 {
@@ -351,6 +370,8 @@ pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
     PfPage *p = t->page_of(page_id, t->user);
 
     g_assert(n->n_members < G_MAXUINT16);
+    reshare(t, n, n->n_members, n->n_members + 1);
+    t->n_in_use += n->n_members == 0;
     if (n->n_members == n->capacity) {
         guint32 cap = MAX(2u, n->capacity * 2);
 
@@ -362,6 +383,9 @@ pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
     p->slot = (guint16)n->n_members;
     n->members[n->n_members++] = page_id;
     t->n_members++;
+    if (t->share != NULL) {
+        t->share(page_id, part(n->n_members), t->user);
+    }
 }
 
 gboolean
@@ -372,6 +396,9 @@ pf_stable_tree_remove(PfStableTree *t, guint32 page_id)
     guint32 last;
 
     g_assert(p->slot < n->n_members && n->members[p->slot] == page_id);
+    if (t->share != NULL) {
+        t->share(page_id, -part(n->n_members), t->user);
+    }
     /* Swap the last member in; when slot 0 goes, that member becomes the
      * one holding the content, which was equal at its own last visit. */
     last = n->members[--n->n_members];
@@ -382,6 +409,8 @@ pf_stable_tree_remove(PfStableTree *t, guint32 page_id)
     t->n_members--;
     p->node = 0;
     p->slot = 0;
+    reshare(t, n, n->n_members + 1, n->n_members);
+    t->n_in_use -= n->n_members == 0;
     return n->n_members == 0;
 }
 

@@ -90,7 +90,9 @@ struct _PfVm {
     guint32 serial;      /* its name in the pool, never reused */
     GArray *dropped;     /* PfDropped: chunks it was told to let go of,
                           * until it is seen to have */
-    guint stats_index;   /* scratch for the scanner's attribution */
+    guint64 share;       /* its pages' parts of the stable nodes they
+                          * share (PF_SHARE_ONE a node, tree.h): its part
+                          * of pages_shared */
     guint unmerging;     /* unmerges of it running: no merges meanwhile */
     /* Its merge domain: it shares pages only with VMs of the same one
      * (pf_scanner_set_merge_domain()). */

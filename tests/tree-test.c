@@ -3,6 +3,7 @@
  * checksums coexist, removal leaves the others findable, growth keeps all.
  */
 #include <glib.h>
+#include <string.h>
 
 #include "tree.h"
 
@@ -115,7 +116,7 @@ test_stable_tree_members(void)
     guint32 n;
     const PfStableNode *node;
 
-    pf_stable_tree_init(&t, page_of, NULL);
+    pf_stable_tree_init(&t, page_of, NULL, NULL);
     n = pf_stable_tree_create(&t, 42, 0, 0);
     for (guint32 id = 10; id < 20; id++) {
         pf_stable_tree_add(&t, n, id);
@@ -175,7 +176,7 @@ test_stable_tree_full(void)
     PfStableTree t;
     guint32 a, b;
 
-    pf_stable_tree_init(&t, page_of, NULL);
+    pf_stable_tree_init(&t, page_of, NULL, NULL);
     a = pf_stable_tree_create(&t, 42, 0, 0);
     b = pf_stable_tree_create(&t, 42, 0, 0);
     pf_stable_tree_add(&t, a, 100);
@@ -208,6 +209,67 @@ test_stable_tree_full(void)
     pf_stable_tree_destroy(&t);
 }
 
+/* Owners of pages in the share test: page id % N_OWNERS. */
+#define N_OWNERS 3
+static guint64 owner_share[N_OWNERS];
+
+static void
+owner_add(guint32 id, gint64 delta, gpointer user)
+{
+    owner_share[id % N_OWNERS] += (guint64)delta;
+}
+
+/* What the embedder is told, summed per owner, is at every step what a
+ * walk over every node counts: PF_SHARE_ONE / n for each member of a node
+ * of n; and the nodes in use are those with a member. */
+static void
+test_stable_tree_shares(void)
+{
+    PfStableTree t;
+    guint32 nodes[6];
+    GRand *rand = g_rand_new_with_seed(7);
+
+    memset(owner_share, 0, sizeof(owner_share));
+    pf_stable_tree_init(&t, page_of, owner_add, NULL);
+    for (guint i = 0; i < G_N_ELEMENTS(nodes); i++) {
+        nodes[i] = pf_stable_tree_create(&t, 100 + i, 0, 0);
+    }
+    for (guint step = 0; step < 4000; step++) {
+        guint32 id = (guint32)g_rand_int_range(rand, 1, 400);
+        guint64 want[N_OWNERS] = { 0 };
+        gsize in_use = 0;
+
+        if (pages[id].node != 0) {
+            pf_stable_tree_remove(&t, id);
+        } else {
+            pf_stable_tree_add(&t, nodes[g_rand_int_range(rand, 0, G_N_ELEMENTS(nodes))], id);
+        }
+        for (guint i = 0; i < G_N_ELEMENTS(nodes); i++) {
+            const PfStableNode *n = pf_stable_tree_node(&t, nodes[i]);
+
+            in_use += n->n_members > 0;
+            for (guint32 m = 0; m < n->n_members; m++) {
+                want[n->members[m] % N_OWNERS] += PF_SHARE_ONE / n->n_members;
+            }
+        }
+        for (guint o = 0; o < N_OWNERS; o++) {
+            g_assert_cmpuint(owner_share[o], ==, want[o]);
+        }
+        g_assert_cmpuint(t.n_in_use, ==, in_use);
+    }
+    for (guint32 id = 1; id < 400; id++) {
+        if (pages[id].node != 0) {
+            pf_stable_tree_remove(&t, id);
+        }
+    }
+    for (guint o = 0; o < N_OWNERS; o++) {
+        g_assert_cmpuint(owner_share[o], ==, 0);
+    }
+    g_assert_cmpuint(t.n_in_use, ==, 0);
+    g_rand_free(rand);
+    pf_stable_tree_destroy(&t);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -216,5 +278,6 @@ main(int argc, char **argv)
     g_test_add_func("/tree/table/growth-and-tombstones", test_table_growth_and_tombstones);
     g_test_add_func("/tree/stable/members", test_stable_tree_members);
     g_test_add_func("/tree/stable/full", test_stable_tree_full);
+    g_test_add_func("/tree/stable/shares", test_stable_tree_shares);
     return g_test_run();
 }
