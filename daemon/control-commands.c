@@ -28,7 +28,6 @@ typedef struct {
     PfScanner *scanner;
     const PfControlReload *reload; /* or NULL */
     PfView *view;             /* what the reply is built from, or NULL */
-    gboolean view_counted;    /* view's counters taken for this request */
     gboolean counters_read;   /* the reply tells counters */
     PfControlLater *starting; /* set by a command that replies later */
 } Request;
@@ -44,7 +43,7 @@ struct _PfControlLater {
     int pid;         /* unmerge of one VM (its stats in the reply); 0: all */
     PfScanJob *job;
     char *reply;     /* once done */
-    PfView *view;    /* the scanner as the job left it, counted */
+    PfView *view;    /* the scanner as the job left it */
     PfControlLaterFunc func; /* NULL: the caller steals the reply */
     gpointer user;
 };
@@ -120,15 +119,13 @@ find_vm(Request *r, const char *key, GError **error)
 }
 
 /* The view a reading command answers from: the one it was given, or the
- * scanner as it is now, its counters taken if counted. */
+ * scanner as it is now.  counters: the reply tells them. */
 static PfView *
-request_view(Request *r, gboolean counted)
+request_view(Request *r, gboolean counters)
 {
-    r->counters_read |= counted;
-    if (r->scanner != NULL && (r->view == NULL || (counted && !r->view_counted))) {
-        g_clear_pointer(&r->view, pf_view_unref);
-        r->view = pf_view_new(r->scanner, counted, NULL);
-        r->view_counted = counted;
+    r->counters_read |= counters;
+    if (r->scanner != NULL && r->view == NULL) {
+        r->view = pf_view_new(r->scanner);
     }
     return r->view;
 }
@@ -448,21 +445,14 @@ cmd_list(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 static gboolean
 cmd_stats(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
 {
+    PfView *v = request_view(r, TRUE);
     const PfViewVm *vm = NULL;
-    int pid = 0;
-    PfView *v;
 
-    /* The VM first: counting walks the stable tree (and makes a new view,
-     * so only its pid is kept). */
-    if (arg_str(args, "vm") != NULL) {
-        vm = pf_view_lookup_vm(request_view(r, FALSE), arg_str(args, "vm"), error);
-        if (vm == NULL) {
-            return FALSE;
-        }
-        pid = vm->pid;
+    if (arg_str(args, "vm") != NULL &&
+        (vm = pf_view_lookup_vm(v, arg_str(args, "vm"), error)) == NULL) {
+        return FALSE;
     }
-    v = request_view(r, TRUE);
-    stats_to_json(v, pid != 0 ? pf_view_vm_of_pid(v, pid) : NULL, b, NULL, NULL);
+    stats_to_json(v, vm, b, NULL, NULL);
     return TRUE;
 }
 
@@ -709,13 +699,13 @@ execute(Request *r, const char *line, gsize len, PfControlLater **later)
 char *
 pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
                            const PfControlReload *reload, PfControlLater **later,
-                           PfView **counted)
+                           PfView **made)
 {
-    Request r = { scanner, reload, NULL, FALSE, FALSE, NULL };
+    Request r = { scanner, reload, NULL, FALSE, NULL };
     char *reply = execute(&r, line, len, later);
 
-    if (counted != NULL && r.view_counted) {
-        *counted = g_steal_pointer(&r.view);
+    if (made != NULL && r.view != NULL) {
+        *made = g_steal_pointer(&r.view);
     }
     g_clear_pointer(&r.view, pf_view_unref);
     return reply;
@@ -724,7 +714,7 @@ pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
 char *
 pf_control_command_answer(PfView *view, const char *line, gsize len, gboolean *counters_read)
 {
-    Request r = { NULL, NULL, view, TRUE, FALSE, NULL };
+    Request r = { NULL, NULL, view, FALSE, NULL };
     char *reply = execute(&r, line, len, NULL);
 
     *counters_read = r.counters_read;
@@ -742,7 +732,7 @@ later_done(PfScanner *s, const GError *error, GPtrArray *detached, GPtrArray *pa
 
     l->job = NULL;
     if (error == NULL && !g_str_equal(l->command, "set run 2")) {
-        l->view = pf_view_new(s, TRUE, NULL);
+        l->view = pf_view_new(s);
     }
     if (error == NULL && l->pid != 0 && vm == NULL) {
         g_autofree char *desc = g_strdup_printf("%s: VM of pid %d went meanwhile (its process "

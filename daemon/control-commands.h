@@ -37,12 +37,12 @@ typedef void (*PfControlLaterFunc)(PfControlLater *l, gpointer user);
  * The reply to one request line (no newline), or NULL when a job will give
  * it: then *later is that job's, the caller's to free.  The job ends on
  * the default main context, never within this call.  On the main loop.
- * counted, if not NULL: set to the view the reply was built from when the
- * command took the counters for it (stats); else left alone.
+ * made, if not NULL: set to the view the reply was built from, if the
+ * command made one (a read); else left alone.
  */
 char *pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
                                  const PfControlReload *reload, PfControlLater **later,
-                                 PfView **counted);
+                                 PfView **made);
 /*
  * The reply to one request line from view, on any thread: for a command
  * that only reads (stats, knobs, list, qmp_capabilities) or a request that
@@ -57,8 +57,8 @@ char *pf_control_command_answer(PfView *view, const char *line, gsize len,
 void pf_control_later_watch(PfControlLater *l, PfControlLaterFunc func, gpointer user);
 /* The reply (no newline) once the job is done, else NULL. */
 char *pf_control_later_steal_reply(PfControlLater *l);
-/* Once the job is done, the view its reply was built from (counted), if
- * it counted: a scan-now or an unmerge that ended well; else NULL. */
+/* Once the job is done, the view its reply was built from, if it made
+ * one: a scan-now or an unmerge that ended well; else NULL. */
 PfView *pf_control_later_steal_view(PfControlLater *l);
 /* Forgets the job if it is not done: its callback is never called. */
 void pf_control_later_free(PfControlLater *l);

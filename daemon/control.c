@@ -11,12 +11,10 @@
  * the view (view.h) the main loop last published: the main loop scans, and
  * on a host whose cores are all busy it waits for one, while the thread,
  * mostly asleep, is scheduled at once.  The main loop publishes a view
- * after every command, before its reply, and every COUNT_PERIOD_MS.  Its
- * counters are taken by a stats command, a job's end, and that timer, at
- * most every COUNT_SPACING times as long as counting took (it walks the
- * stable tree); a reply that tells them (stats) waits COUNTERS_FALLBACK_MS
- * for the main loop before it is answered from a view, and then only from
- * one whose counters are younger than COUNTERS_MAX_AGE_MS.  So a client
+ * after every command, before its reply, and every COUNT_PERIOD_MS, its
+ * counters with it; a reply that tells them (stats) waits
+ * COUNTERS_FALLBACK_MS for the main loop before it is answered from a
+ * view, and then only from one younger than COUNTERS_MAX_AGE_MS.  So a client
  * reads its own writes, never an older view than the main loop answered
  * it from, and counters a second or two old only when the main loop is
  * that late.
@@ -48,8 +46,6 @@
 #define COUNTERS_FALLBACK_MS 500
 #define COUNTERS_MAX_AGE_MS 2000
 #define COUNT_PERIOD_MS 1000
-/* Counting again waits at least this many times as long as it took. */
-#define COUNT_SPACING 50
 
 struct _PfControl {
     PfScanner *scanner;  /* the main loop's */
@@ -62,7 +58,6 @@ struct _PfControl {
     GPtrArray *clients;  /* the thread's */
     GPtrArray *laters;   /* the main loop's: calls waiting for a job */
     guint count_timer;   /* the main loop's */
-    gint64 next_count_usec; /* the main loop's */
     gint stopped;        /* atomic: pf_control_free() has begun */
     GMutex lock;
     PfView *published;   /* under lock */
@@ -135,33 +130,18 @@ get_published(PfControl *c)
     return v;
 }
 
-/* On the main loop: the scanner as it is now, its counters counted's if
- * given, else those of the view published. */
+/* On the main loop: the scanner as it is now, or as the reply just made
+ * was built from (made on the main loop just now too), if given. */
 static void
-publish_now(PfControl *c, PfView *counted)
+publish_now(PfControl *c, PfView *made)
 {
-    g_autoptr(PfView) last = NULL;
-
-    if (counted != NULL) {
-        publish(c, counted);
-        return;
-    }
-    last = get_published(c);
-    publish(c, pf_view_new(c->scanner, FALSE, last));
+    publish(c, made != NULL ? made : pf_view_new(c->scanner));
 }
 
 static gboolean
 count_cb(gpointer user)
 {
-    PfControl *c = user;
-    gint64 now = g_get_monotonic_time();
-
-    if (now >= c->next_count_usec) {
-        publish(c, pf_view_new(c->scanner, TRUE, NULL));
-        c->next_count_usec = now + (g_get_monotonic_time() - now) * COUNT_SPACING;
-    } else {
-        publish_now(c, NULL);
-    }
+    publish_now(user, NULL);
     return G_SOURCE_CONTINUE;
 }
 
@@ -654,7 +634,7 @@ pf_control_new(PfScanner *scanner, const char *path, GError **error)
     c->path = g_strdup(path);
     c->context = g_main_context_new();
     c->listen_source = watch_fd(c, c->listen_fd, G_IO_IN, listen_cb, c);
-    publish(c, pf_view_new(scanner, TRUE, NULL));
+    publish(c, pf_view_new(scanner));
     return c;
 }
 

@@ -37,10 +37,11 @@ copy_vm(PfScanner *s, PfVm *vm, PfViewVm *out)
 }
 
 PfView *
-pf_view_new(PfScanner *s, gboolean count, const PfView *counters_of)
+pf_view_new(PfScanner *s)
 {
     GPtrArray *vms = pf_scanner_get_vms(s);
     PfView *v = g_atomic_rc_box_new0(PfView);
+    g_autofree PfCounters *per_vm = NULL;
 
     v->hash = pf_scanner_get_hash(s)->name;
     v->knobs = *pf_scanner_get_knobs(s);
@@ -50,27 +51,11 @@ pf_view_new(PfScanner *s, gboolean count, const PfView *counters_of)
     for (guint i = 0; i < v->n_vms; i++) {
         copy_vm(s, g_ptr_array_index(vms, i), &v->vms[i]);
     }
-    if (count) {
-        g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(v->n_vms, 1));
-
-        pf_scanner_collect(s, &v->total, per_vm);
-        v->counted_usec = g_get_monotonic_time();
-        for (guint i = 0; i < v->n_vms; i++) {
-            v->vms[i].counters = per_vm[i];
-        }
-        return v;
-    }
-    if (counters_of == NULL) {
-        return v;
-    }
-    v->total = counters_of->total;
-    v->counted_usec = counters_of->counted_usec;
+    per_vm = g_new0(PfCounters, MAX(v->n_vms, 1));
+    pf_scanner_collect(s, &v->total, per_vm);
+    v->counted_usec = g_get_monotonic_time();
     for (guint i = 0; i < v->n_vms; i++) {
-        const PfViewVm *old = pf_view_vm_of_pid(counters_of, v->vms[i].pid);
-
-        if (old != NULL) {
-            v->vms[i].counters = old->counters;
-        }
+        v->vms[i].counters = per_vm[i];
     }
     return v;
 }

@@ -32,11 +32,11 @@ typedef struct {
     guint64 pages;
     PfViewRegion *regions;
     guint n_regions;
-    PfCounters counters; /* zero for a VM that came after they were taken */
+    PfCounters counters;
 } PfViewVm;
 
 typedef struct {
-    gint64 counted_usec; /* monotonic: when the counters were taken; 0: never */
+    gint64 counted_usec; /* monotonic: when the counters were taken */
     const char *hash;
     PfKnobs knobs;
     PfScanInfo info;     /* as made */
@@ -45,12 +45,9 @@ typedef struct {
     guint n_vms;
 } PfView;
 
-/*
- * The scanner as it is now.  If count, its counters are taken now too
- * (that walks the stable tree); else they are counters_of's, and a VM that
- * view did not have (or no view: every VM) counts zero.
- */
-PfView *pf_view_new(PfScanner *s, gboolean count, const PfView *counters_of);
+/* The scanner as it is now, its counters too (pf_scanner_collect(): a
+ * few figures per VM, each kept up to date by the scanner). */
+PfView *pf_view_new(PfScanner *s);
 PfView *pf_view_ref(PfView *v);
 void pf_view_unref(PfView *v);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfView, pf_view_unref)

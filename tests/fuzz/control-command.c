@@ -152,7 +152,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     check_reply(reply);
     /* The control thread's answer from a view, to a read (or a request
      * refused whatever the scanner holds). */
-    view = pf_view_new(scanner, TRUE, NULL);
+    view = pf_view_new(scanner);
     answer = pf_control_command_answer(view, defused != NULL ? defused : line,
                                        defused != NULL ? defused_len : len, &counters_read);
     /* Nothing ran between the two: the same words. */
