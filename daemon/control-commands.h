@@ -37,8 +37,8 @@ typedef void (*PfControlLaterFunc)(PfControlLater *l, gpointer user);
  * The reply to one request line (no newline), or NULL when a job will give
  * it: then *later is that job's, the caller's to free.  The job ends on
  * the default main context, never within this call.  On the main loop.
- * made, if not NULL: set to the view the reply was built from, if the
- * command made one (a read); else left alone.
+ * made, if not NULL: set to the view the command made, if it made one (a
+ * read, attach, merge-domain; also a refused `stats VM`); else left alone.
  */
 char *pf_control_command_execute(PfScanner *scanner, const char *line, gsize len,
                                  const PfControlReload *reload, PfControlLater **later,

@@ -317,6 +317,7 @@ call_run(gpointer data)
         publish_now(c, view);
         call_reply(call, reply);
     } else {
+        g_clear_pointer(&view, pf_view_unref); /* the job's view comes at its end */
         publish_now(c, NULL);
         g_ptr_array_add(c->laters, call_ref(call));
         pf_control_later_watch(call->later, call_later_done, call);
@@ -642,6 +643,9 @@ void
 pf_control_start(PfControl *c)
 {
     g_return_if_fail(c->thread == NULL);
+    /* Set up since pf_control_new(): the VMs attached, for a read the
+     * thread answers before the main loop has published again. */
+    publish(c, pf_view_new(c->scanner));
     c->count_timer = g_timeout_add(COUNT_PERIOD_MS, count_cb, c);
     c->thread = g_thread_new("pf-control", control_thread, c);
 }

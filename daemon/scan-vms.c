@@ -236,6 +236,9 @@ vm_leave(PfScanner *s, PfVm *vm, const char *why)
             vms_release_region(s, r, keep);
         }
     }
+    /* Its pages left their nodes with its regions, and their parts with
+     * them (tree.h): one left over would skew the others' pages_shared. */
+    g_warn_if_fail(vm->share == 0);
     if (keep != NULL && keep->len > 0) {
         vms_keep_leftovers(s, vm, keep);
     }
@@ -259,8 +262,8 @@ pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 
     /* Its last figures, for whoever asks how much it saved (a VM that
      * stops is dropped by pagefoldd before libvirt's hook could ask): its
-     * own counts, not KSM's attributed ones, which would cost a walk of
-     * every node at each of many VMs leaving at once. */
+     * own counts, not KSM's attributed ones, which are apportioned over
+     * every VM and so are not its own to say as it leaves. */
     g_message("VM %s (pid %d%s%s) detached: %s; mode %s, merged pages %zu, zero pages %zu, "
               "cow %" G_GUINT64_FORMAT "%s",
               vm->name, vm->pid, pf_vm_uuid_string(vm, uuid) ? ", uuid " : "",

@@ -220,13 +220,33 @@ pf_scanner_resume_batches(PfScanner *s)
 
 /* ---- counters ---- */
 
+/* The parts of the nodes too big to be told as they change (tree.h),
+ * added to share. */
+static void
+share_untracked(PfScanner *s, double *share)
+{
+    GHashTableIter it;
+    gpointer key;
+
+    g_hash_table_iter_init(&it, s->stable.untracked);
+    while (g_hash_table_iter_next(&it, &key, NULL)) {
+        const PfStableNode *n = pf_stable_tree_node(&s->stable, GPOINTER_TO_UINT(key));
+
+        for (guint32 m = 0; m < n->n_members; m++) {
+            share[region_of(s, n->members[m])->vm->stats_index] +=
+                (double)PF_SHARE_ONE / n->n_members;
+        }
+    }
+}
+
 /* One VM's counters, given its share of the nodes and of the trees. */
 static void
 vm_counters(const PfVm *vm, guint64 shared, guint64 meta, PfCounters *c)
 {
     memset(c, 0, sizeof(*c));
-    c->pages_shared = shared;
-    c->pages_sharing = vm->count[PF_PAGE_SHARED] - shared;
+    /* Never more than its sharers, however the parts were rounded. */
+    c->pages_shared = MIN(shared, vm->count[PF_PAGE_SHARED]);
+    c->pages_sharing = vm->count[PF_PAGE_SHARED] - c->pages_shared;
     c->pages_unshared = vm->count[PF_PAGE_UNSHARED];
     c->pages_volatile = vm->count[PF_PAGE_VOLATILE];
     c->zero_pages = vm->count[PF_PAGE_ZERO];
@@ -266,8 +286,10 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
          * sharers (a node whose pages are all still on their way in
          * shares nothing); the trees hold the pages that are present. */
         share[i] = (double)vm->share;
+        vm->stats_index = i;
         size_share[i] = (double)(pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT]);
     }
+    share_untracked(s, share);
     pf_apportion(s->stable.n_in_use, share, n_vms, shared);
     pf_apportion(common_bytes, size_share, n_vms, meta);
 

@@ -300,6 +300,7 @@ pf_stable_tree_init(PfStableTree *t, PfPageFunc page_of, PfShareFunc share, gpoi
     t->nodes = g_array_new(FALSE, TRUE, sizeof(PfStableNode));
     g_array_set_size(t->nodes, 1);
     t->free_ids = g_array_new(FALSE, FALSE, sizeof(guint32));
+    t->untracked = g_hash_table_new(NULL, NULL);
     pf_table_init(&t->table, stable_key, t);
 }
 
@@ -314,6 +315,7 @@ pf_stable_tree_destroy(PfStableTree *t)
     }
     g_clear_pointer(&t->nodes, g_array_unref);
     g_clear_pointer(&t->free_ids, g_array_unref);
+    g_clear_pointer(&t->untracked, g_hash_table_unref);
     pf_table_destroy(&t->table);
 }
 
@@ -345,21 +347,38 @@ pf_stable_tree_create(PfStableTree *t, guint64 checksum, guint32 slot, guint32 d
     return id;
 }
 
+/* A member's part of a node of n members, as told (tree.h). */
 static gint64
 part(guint32 n_members)
 {
-    return n_members > 0 ? (gint64)(PF_SHARE_ONE / n_members) : 0;
+    return n_members > 0 && n_members <= PF_SHARE_TRACKED ? (gint64)(PF_SHARE_ONE / n_members)
+                                                          : 0;
+}
+
+static void
+tell(PfStableTree *t, guint32 page_id, gint64 delta)
+{
+    if (t->share != NULL && delta != 0) {
+        t->share(page_id, delta, t->user);
+    }
 }
 
 /* The node's members, as they are, go from a part of `was` to one of
  * `now` members. */
 static void
-reshare(PfStableTree *t, const PfStableNode *n, guint32 was, guint32 now)
+reshare(PfStableTree *t, guint32 id, const PfStableNode *n, guint32 was, guint32 now)
 {
     gint64 delta = part(now) - part(was);
 
-    for (guint32 m = 0; t->share != NULL && delta != 0 && m < n->n_members; m++) {
-        t->share(n->members[m], delta, t->user);
+    if ((was > PF_SHARE_TRACKED) != (now > PF_SHARE_TRACKED)) {
+        if (now > PF_SHARE_TRACKED) {
+            g_hash_table_add(t->untracked, GUINT_TO_POINTER(id));
+        } else {
+            g_hash_table_remove(t->untracked, GUINT_TO_POINTER(id));
+        }
+    }
+    for (guint32 m = 0; delta != 0 && m < n->n_members; m++) {
+        tell(t, n->members[m], delta);
     }
 }
 
@@ -370,7 +389,7 @@ pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
     PfPage *p = t->page_of(page_id, t->user);
 
     g_assert(n->n_members < G_MAXUINT16);
-    reshare(t, n, n->n_members, n->n_members + 1);
+    reshare(t, node_id, n, n->n_members, n->n_members + 1);
     t->n_in_use += n->n_members == 0;
     if (n->n_members == n->capacity) {
         guint32 cap = MAX(2u, n->capacity * 2);
@@ -383,22 +402,18 @@ pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
     p->slot = (guint16)n->n_members;
     n->members[n->n_members++] = page_id;
     t->n_members++;
-    if (t->share != NULL) {
-        t->share(page_id, part(n->n_members), t->user);
-    }
+    tell(t, page_id, part(n->n_members));
 }
 
 gboolean
 pf_stable_tree_remove(PfStableTree *t, guint32 page_id)
 {
     PfPage *p = t->page_of(page_id, t->user);
-    PfStableNode *n = node_at(t, p->node);
-    guint32 last;
+    guint32 id = p->node, last;
+    PfStableNode *n = node_at(t, id);
 
     g_assert(p->slot < n->n_members && n->members[p->slot] == page_id);
-    if (t->share != NULL) {
-        t->share(page_id, -part(n->n_members), t->user);
-    }
+    tell(t, page_id, -part(n->n_members));
     /* Swap the last member in; when slot 0 goes, that member becomes the
      * one holding the content, which was equal at its own last visit. */
     last = n->members[--n->n_members];
@@ -409,7 +424,7 @@ pf_stable_tree_remove(PfStableTree *t, guint32 page_id)
     t->n_members--;
     p->node = 0;
     p->slot = 0;
-    reshare(t, n, n->n_members + 1, n->n_members);
+    reshare(t, id, n, n->n_members + 1, n->n_members);
     t->n_in_use -= n->n_members == 0;
     return n->n_members == 0;
 }

@@ -39,8 +39,13 @@ typedef guint64 (*PfTableKeyFunc)(guint32 value, gpointer user);
  * member's part as members come and go, so that what each VM holds of
  * pages_shared is kept up to date instead of counted by walking every
  * node: that walk, once a second, was a tenth of pagefoldd's CPU at KSM's
- * default pace.  2^30 leaves room for 2^34 pages in a 64-bit sum. */
+ * default pace.  2^30 leaves room for 2^34 pages in a 64-bit sum.
+ * Past PF_SHARE_TRACKED members a node's parts are not told: that would
+ * take a call per member at every join and leave, n^2/2 to fill a node of
+ * n one page at a time; such nodes are in `untracked` for the embedder to
+ * count by walking them.  KSM's default max_page_sharing fits. */
 #define PF_SHARE_ONE (G_GUINT64_CONSTANT(1) << 30)
+#define PF_SHARE_TRACKED 256
 typedef void (*PfShareFunc)(guint32 page_id, gint64 delta, gpointer user);
 
 typedef struct {
@@ -117,6 +122,7 @@ typedef struct {
     gsize n_nodes;    /* live nodes */
     gsize n_members;  /* pages in all nodes: pages_shared + pages_sharing */
     gsize n_in_use;   /* nodes with a member: pages_shared */
+    GHashTable *untracked; /* ids of nodes of over PF_SHARE_TRACKED members */
     gsize member_bytes;
     guint64 births;   /* nodes ever created: the last one's born */
     PfPageFunc page_of;

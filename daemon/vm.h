@@ -92,7 +92,8 @@ struct _PfVm {
                           * until it is seen to have */
     guint64 share;       /* its pages' parts of the stable nodes they
                           * share (PF_SHARE_ONE a node, tree.h): its part
-                          * of pages_shared */
+                          * of pages_shared, nodes too big to track aside */
+    guint stats_index;   /* scratch for the scanner's attribution */
     guint unmerging;     /* unmerges of it running: no merges meanwhile */
     /* Its merge domain: it shares pages only with VMs of the same one
      * (pf_scanner_set_merge_domain()). */

@@ -427,6 +427,7 @@ static void
 spawn_pagefoldd(Hook *h)
 {
     g_autoptr(GError) error = NULL;
+    g_autoptr(GError) ping_error = NULL;
     g_autoptr(GPtrArray) argv = NULL;
     g_autofree char *cmd = NULL;
     int lock_fd;
@@ -440,8 +441,16 @@ spawn_pagefoldd(Hook *h)
     if (lock_fd < 0) {
         return;
     }
-    if (hook_ping(h, NULL)) {
+    if (hook_ping(h, &ping_error)) {
         hook_say(h, "pagefoldd answers on %s (another hook started it)", h->socket_path);
+        close(lock_fd);
+        return;
+    }
+    /* One that took the connection but has not greeted is setting up (it
+     * greets once ready): it is there, as in op_ensure_daemon(). */
+    if (g_error_matches(ping_error, G_IO_ERROR, G_IO_ERROR_TIMED_OUT)) {
+        hook_say(h, "pagefoldd is there but did not answer (%s): not starting another",
+                 ping_error->message);
         close(lock_fd);
         return;
     }

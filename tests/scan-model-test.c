@@ -522,9 +522,11 @@ check_model(Model *m, const char *when)
 {
     PfScanner *s = m->s;
     g_autoptr(GHashTable) want = g_hash_table_new(NULL, NULL);
+    /* What each VM is told it holds of the nodes (tree.h), walked. */
+    g_autoptr(GHashTable) parts = g_hash_table_new_full(NULL, NULL, NULL, g_free);
     GHashTableIter it;
     gpointer key, value;
-    gsize shared = 0, n_chunks, seen = 0, in_use = 0;
+    gsize shared = 0, n_chunks, seen = 0, in_use = 0, nodes_in_use = 0;
     guint bad = 0;
 
     for (guint32 id = 1; id < s->stable.nodes->len; id++) {
@@ -538,9 +540,19 @@ check_model(Model *m, const char *when)
         g_assert_cmpint(node_listed(s, id), ==,
                         n->next == 0 && ledger_sharers(s, n) < s->knobs.max_page_sharing);
         want_ref(want, n->slot);
+        nodes_in_use += n->n_members > 0;
+        g_assert_cmpint(g_hash_table_contains(s->stable.untracked, GUINT_TO_POINTER(id)), ==,
+                        n->n_members > PF_SHARE_TRACKED);
         for (guint32 k = 0; k < n->n_members; k++) {
             PfRegion *r = region_of(s, n->members[k]);
             const PfPage *p = pf_region_page(r, n->members[k] - r->base);
+            guint64 *part = g_hash_table_lookup(parts, r->vm);
+
+            if (part == NULL) {
+                part = g_new0(guint64, 1);
+                g_hash_table_insert(parts, r->vm, part);
+            }
+            *part += n->n_members <= PF_SHARE_TRACKED ? PF_SHARE_ONE / n->n_members : 0;
 
             g_assert_cmpuint(p->state, ==, PF_PAGE_SHARED);
             g_assert_cmpuint(p->node, ==, id);
@@ -567,6 +579,11 @@ check_model(Model *m, const char *when)
             counted += vm->count[k];
         }
         g_assert_cmpuint(counted, ==, pf_vm_n_pages(vm));
+        {
+            const guint64 *part = g_hash_table_lookup(parts, vm);
+
+            g_assert_cmpuint(vm->share, ==, part != NULL ? *part : 0);
+        }
         g_assert_cmpuint(vm->regions->len, ==, mv->regions->len);
         for (guint k = 0; k < vm->regions->len; k++) {
             const PfRegion *r = g_ptr_array_index(vm->regions, k);
@@ -583,6 +600,7 @@ check_model(Model *m, const char *when)
         }
     }
     g_assert_cmpuint(shared, ==, s->stable.n_members);
+    g_assert_cmpuint(nodes_in_use, ==, s->stable.n_in_use);
     for (guint i = 0; i < s->leftovers->len; i++) {
         Leftover *lo = g_ptr_array_index(s->leftovers, i);
 

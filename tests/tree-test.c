@@ -220,13 +220,17 @@ owner_add(guint32 id, gint64 delta, gpointer user)
 }
 
 /* What the embedder is told, summed per owner, is at every step what a
- * walk over every node counts: PF_SHARE_ONE / n for each member of a node
- * of n; and the nodes in use are those with a member. */
+ * walk over every node of up to PF_SHARE_TRACKED members counts:
+ * PF_SHARE_ONE / n for each member of a node of n; bigger ones are those
+ * untracked; the nodes in use are those with a member.  Steps add pages
+ * to the nodes, then add or remove at random, then remove them all, so
+ * nodes grow past the bound and come back under it. */
 static void
 test_stable_tree_shares(void)
 {
     PfStableTree t;
-    guint32 nodes[6];
+    guint32 nodes[2];
+    const guint32 n_pages = G_N_ELEMENTS(pages);
     GRand *rand = g_rand_new_with_seed(7);
 
     memset(owner_share, 0, sizeof(owner_share));
@@ -234,20 +238,27 @@ test_stable_tree_shares(void)
     for (guint i = 0; i < G_N_ELEMENTS(nodes); i++) {
         nodes[i] = pf_stable_tree_create(&t, 100 + i, 0, 0);
     }
-    for (guint step = 0; step < 4000; step++) {
-        guint32 id = (guint32)g_rand_int_range(rand, 1, 400);
+    for (guint step = 0; step < 3 * n_pages; step++) {
+        guint32 id = (guint32)g_rand_int_range(rand, 1, (gint32)n_pages);
+        gboolean add = step < n_pages ? TRUE : step < 2 * n_pages ? g_rand_boolean(rand) : FALSE;
         guint64 want[N_OWNERS] = { 0 };
-        gsize in_use = 0;
+        gsize in_use = 0, untracked = 0;
 
-        if (pages[id].node != 0) {
+        if (pages[id].node != 0 && !add) {
             pf_stable_tree_remove(&t, id);
-        } else {
-            pf_stable_tree_add(&t, nodes[g_rand_int_range(rand, 0, G_N_ELEMENTS(nodes))], id);
+        } else if (pages[id].node == 0 && add) {
+            /* Mostly to the first node, which grows past the bound. */
+            pf_stable_tree_add(&t, nodes[g_rand_int_range(rand, 0, 4) == 0], id);
         }
         for (guint i = 0; i < G_N_ELEMENTS(nodes); i++) {
             const PfStableNode *n = pf_stable_tree_node(&t, nodes[i]);
 
             in_use += n->n_members > 0;
+            if (n->n_members > PF_SHARE_TRACKED) {
+                g_assert_true(g_hash_table_contains(t.untracked, GUINT_TO_POINTER(nodes[i])));
+                untracked++;
+                continue;
+            }
             for (guint32 m = 0; m < n->n_members; m++) {
                 want[n->members[m] % N_OWNERS] += PF_SHARE_ONE / n->n_members;
             }
@@ -256,8 +267,12 @@ test_stable_tree_shares(void)
             g_assert_cmpuint(owner_share[o], ==, want[o]);
         }
         g_assert_cmpuint(t.n_in_use, ==, in_use);
+        g_assert_cmpuint(g_hash_table_size(t.untracked), ==, untracked);
+        if (step == n_pages - 1) {
+            g_assert_cmpuint(untracked, ==, 1); /* it did grow past */
+        }
     }
-    for (guint32 id = 1; id < 400; id++) {
+    for (guint32 id = 1; id < n_pages; id++) {
         if (pages[id].node != 0) {
             pf_stable_tree_remove(&t, id);
         }

@@ -104,7 +104,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     g_autofree char *defused = NULL;
     g_autofree char *reply = NULL;
     PfControlLater *later = NULL;
-    g_autoptr(PfView) counted = NULL;
+    g_autoptr(PfView) made = NULL;
     g_autoptr(PfView) view = NULL;
     g_autofree char *answer = NULL;
     gboolean counters_read = FALSE;
@@ -122,9 +122,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     line[size] = '\0';
     defused = defuse_attach(line, len, &defused_len);
     if (defused != NULL) {
-        reply = pf_control_command_execute(scanner, defused, defused_len, NULL, &later, &counted);
+        reply = pf_control_command_execute(scanner, defused, defused_len, NULL, &later, &made);
     } else {
-        reply = pf_control_command_execute(scanner, line, len, NULL, &later, &counted);
+        reply = pf_control_command_execute(scanner, line, len, NULL, &later, &made);
     }
     if (reply != NULL && later != NULL) {
         fprintf(stderr, "fuzz: a reply now and a job's too\n");
