@@ -14,10 +14,10 @@
  * after every command, before its reply, and every COUNT_PERIOD_MS, its
  * counters with it; a reply that tells them (stats) waits
  * COUNTERS_FALLBACK_MS for the main loop before it is answered from a
- * view, and then only from one younger than COUNTERS_MAX_AGE_MS.  So a client
- * reads its own writes, never an older view than the main loop answered
- * it from, and counters a second or two old only when the main loop is
- * that late.
+ * view, and then only from one younger than COUNTERS_MAX_AGE_MS.  So a
+ * client reads its own writes, never an older view than the main loop
+ * answered it from, and counters a second or two old only when the main
+ * loop is that late.
  *
  * Owns the thread and its context, the listening socket, each client's
  * descriptor, buffers and sources, each call (a request on its way through
@@ -635,7 +635,6 @@ pf_control_new(PfScanner *scanner, const char *path, GError **error)
     c->path = g_strdup(path);
     c->context = g_main_context_new();
     c->listen_source = watch_fd(c, c->listen_fd, G_IO_IN, listen_cb, c);
-    publish(c, pf_view_new(scanner));
     return c;
 }
 
@@ -643,8 +642,8 @@ void
 pf_control_start(PfControl *c)
 {
     g_return_if_fail(c->thread == NULL);
-    /* Set up since pf_control_new(): the VMs attached, for a read the
-     * thread answers before the main loop has published again. */
+    /* The first view, of pagefoldd set up (the VMs attached): a read the
+     * thread answers before the main loop publishes again sees them. */
     publish(c, pf_view_new(c->scanner));
     c->count_timer = g_timeout_add(COUNT_PERIOD_MS, count_cb, c);
     c->thread = g_thread_new("pf-control", control_thread, c);
