@@ -30,12 +30,12 @@ typedef struct {
 } Fixture;
 
 static int
-client_connect(Fixture *f)
+client_connect(const char *path)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 
-    g_strlcpy(addr.sun_path, f->path, sizeof(addr.sun_path));
+    g_strlcpy(addr.sun_path, path, sizeof(addr.sun_path));
     g_assert_cmpint(connect(fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
     return fd;
 }
@@ -173,7 +173,7 @@ setup(Fixture *f, gconstpointer data)
         f->pid[i] = pf_guest_hold(f->guest[i]);
     }
     f->in = g_string_new(NULL);
-    f->fd = client_connect(f);
+    f->fd = client_connect(f->path);
     greeting = recv_line(f->fd, f->in);
     g = parse_object(greeting);
     g_assert_true(json_object_has_member(g, "QMP"));
@@ -519,7 +519,7 @@ static void
 test_clients(Fixture *f, gconstpointer data)
 {
     GString *in2 = g_string_new(NULL);
-    int other = client_connect(f);
+    int other = client_connect(f->path);
     g_autofree char *greet = recv_line(other, in2);
     GString *many = g_string_new(NULL);
     g_autoptr(JsonObject) r = NULL;
@@ -659,17 +659,14 @@ test_greets_once_started(void)
     g_autofree char *path = g_build_filename(dir, "s", NULL);
     g_autoptr(PfScanner) scanner = pf_scanner_new(NULL);
     g_autoptr(PfControl) c = pf_control_new(scanner, path, &error);
-    struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct pollfd p = { .fd = fd, .events = POLLIN };
+    struct pollfd p = { .fd = -1, .events = POLLIN };
 
     g_assert_no_error(error);
-    g_strlcpy(addr.sun_path, path, sizeof(addr.sun_path));
-    g_assert_cmpint(connect(fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
+    p.fd = client_connect(path);
     g_assert_cmpint(poll(&p, 1, 300), ==, 0);
     pf_control_start(c);
     g_assert_cmpint(poll(&p, 1, 20000), ==, 1);
-    close(fd);
+    close(p.fd);
     g_clear_pointer(&c, pf_control_free);
     g_rmdir(dir);
 }
