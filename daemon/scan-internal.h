@@ -215,7 +215,7 @@ set_state(PfRegion *r, PfPage *p, PfPageState state)
     p->state = state;
 }
 
-/* Seen again from scratch: two stable visits before any decision. */
+/* Seen again from scratch: no checksum to keep, smart scan starts over. */
 static inline void
 reset_page(PfRegion *r, PfPage *p, PfPageState state)
 {

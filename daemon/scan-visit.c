@@ -327,6 +327,7 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
     guint32 id = r->base + (guint32)idx;
     PfPage *p = pf_region_page_make(r, idx);
     const guint8 *data = r->map + idx * PF_PAGE_SIZE;
+    gboolean changed;
     guint64 c;
 
     if (p == NULL || p->state == PF_PAGE_PENDING) {
@@ -349,8 +350,19 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
     if (advise_still_shares(s, r, p, id, data, &c)) {
         return;
     }
-    if (p->state == PF_PAGE_ABSENT || c != p->checksum) {
-        p->checksum = c;
+    changed = p->state == PF_PAGE_ABSENT || c != p->checksum;
+    p->checksum = c;
+    /*
+     * KSM's order (cmp_and_merge_page()): the stable tree first, whatever
+     * the page's history, so a copy of content already merged joins at its
+     * first visit; only what would start a new node (the zero slots, the
+     * unstable tree) waits for a checksum kept over two visits.  A page
+     * that changes under the join is the agent's compare to catch.
+     */
+    if (stable_search(s, r, p, id, data, c)) {
+        return;
+    }
+    if (changed) {
         set_state(r, p, PF_PAGE_VOLATILE);
         return;
     }
@@ -358,7 +370,5 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
         visit_zero(s, r, p, id)) {
         return;
     }
-    if (!stable_search(s, r, p, id, data, c)) {
-        unstable_search_insert(s, r, p, id, data, c);
-    }
+    unstable_search_insert(s, r, p, id, data, c);
 }

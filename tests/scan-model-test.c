@@ -1029,8 +1029,8 @@ test_merge_domain_mid_pass(void)
     model_add_vm(m, &identical_only, 2);
     run_passes(m, 3, "a and b share");
     c = model_add_vm(m, &identical_only, 3);
-    run_passes(m, 1, "c seen once");
-    /* a's and b's pages, then c's: all found equal, waiting. */
+    /* a's and b's pages, then c's, at their first visit: all found equal,
+     * waiting. */
     pf_test_scan(m->s, 3 * N_IDENTICAL);
     g_assert_cmpuint(m->s->joins->len, ==, N_IDENTICAL);
     g_assert_true(pf_scanner_set_merge_domain(m->s, c->vm, "tenant", NULL));
@@ -1063,8 +1063,8 @@ test_joins_within_pass(void)
     run_passes(m, 3, "a and b share");
     c = model_add_vm(m, &identical_only, 3);
     d = model_add_vm(m, &own, 4);
-    run_passes(m, 1, "c and d seen once");
-    /* a's, b's and c's pages, then some of d's. */
+    /* a's, b's and c's pages, then some of d's: c's at their first
+     * visit. */
     pf_test_scan(m->s, 4 * N_IDENTICAL);
     g_assert_true(pf_scanner_in_pass(m->s));
     g_assert_true(m->s->cur_vm < m->s->vms->len &&
@@ -1125,11 +1125,12 @@ test_ids_reused(void)
     memcpy(k1, model_region(a, 0)->content, PF_PAGE_SIZE);
     memset(k2, 0, sizeof(k2));
     g_strlcpy((char *)k2, "K2-SECRET-of-a-and-b", sizeof(k2));
-    guest_writes(m, x, 0, 0, k1);
     guest_writes(m, a, 0, 1, k2);
     guest_writes(m, b, 0, 1, k2);
     run_passes(m, 1, "their checksums taken");
-    /* x's pages come first in a pass: its page 0 waits to join N. */
+    guest_writes(m, x, 0, 0, k1);
+    /* x's pages come first in a pass: its page 0, at its first visit
+     * since, waits to join N. */
     pf_test_scan(m->s, N_IDENTICAL);
     g_assert_cmpuint(m->s->joins->len, ==, 1);
     n = g_array_index(m->s->joins, Joining, 0).node;
