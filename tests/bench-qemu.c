@@ -11,10 +11,16 @@
  * pagefoldd's own for pagefold), time to 90% of the final saving, CPU
  * seconds spent to get there (pagefoldd and the agent threads; ksmd), and
  * the guests' slowdown (their full check of memory, after / before).
- * Prints one JSON line per system as it ends, then all of them as CSV and
- * as a table.  freed_net_mib is the saving less the deduplicator's own
- * memory: pagefoldd's is in its Pss already, KSM's rmap_items (in the
- * kernel) are charged as its general_profit counter charges them.
+ * freed_net_mib is the saving less the deduplicator's own memory:
+ * pagefoldd's is in its Pss already, KSM's rmap_items (in the kernel) are
+ * charged as its general_profit counter charges them; used_mib is what is
+ * held at the end, counted the same way (the guests' Pss, and pagefoldd's
+ * or KSM's rmap_items).
+ * Runs every system PAGEFOLD_BENCH_REPS times (default 5, at most 16),
+ * alternating: one run of each per round, so that what else the host does
+ * falls on all of them alike.  Prints one JSON line per run as it ends,
+ * one per system with the medians of its runs, then every run and the
+ * medians as CSV, and the medians as a table.
  * Needs QEMU_BINARY, GUEST_KERNEL, GUEST_INITRD (scripts/run-tests sets
  * them); KSM's settings are restored as found.  PAGEFOLD_BENCH_GUESTS, _MIB
  * change the size; PAGEFOLD_BENCH_ONLY=pagefold,ksm-5000 runs some systems
@@ -35,7 +41,8 @@ typedef struct {
     char name[32];
     double saved_mib;
     double net_mib;  /* saved_mib less the deduplicator's own memory */
-    double used_mib; /* the guests' memory at the end (their Pss, and pagefoldd's) */
+    double used_mib; /* held at the end: the guests' Pss, and pagefoldd's or
+                      * KSM's rmap_items */
     double t90_s;
     double cpu90_s;
     double slowdown;
@@ -301,7 +308,9 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     final = g_array_index(saving, double, saving->len - 1);
     res.saved_mib = final;
     res.net_mib = final - (pf ? 0 : ksm_metadata_mib());
-    res.used_mib = pss0 / 1024.0 - final;
+    /* What the host holds at the end, the deduplicator's own memory
+     * included, as the kernel-build benchmark counts it. */
+    res.used_mib = pss0 / 1024.0 - res.net_mib;
     res.t90_s = -1;
     for (guint k = 0; k < saving->len; k++) {
         if (g_array_index(saving, double, k) >= 0.9 * final) {
@@ -335,11 +344,31 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     return res;
 }
 
+/* The median of one field over a system's runs. */
+static double
+median_field(const Result *runs, int n, gsize offset)
+{
+    g_autofree double *v = g_new(double, MAX(n, 1));
+
+    for (int k = 0; k < n; k++) {
+        v[k] = *(const double *)((const char *)&runs[k] + offset);
+    }
+    return n ? bench_median(v, n) : -1;
+}
+
+static void
+print_result(const char *label, const Result *r, int n, int mib)
+{
+    printf("%s,%d,%d,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f\n", label, n, mib, r->saved_mib,
+           r->net_mib, r->used_mib, r->t90_s, r->cpu90_s, r->agent90_s, r->slowdown);
+}
+
 int
 main(int argc, char **argv)
 {
     int n = g_getenv("PAGEFOLD_BENCH_GUESTS") ? atoi(g_getenv("PAGEFOLD_BENCH_GUESTS")) : 4;
     int mib = g_getenv("PAGEFOLD_BENCH_MIB") ? atoi(g_getenv("PAGEFOLD_BENCH_MIB")) : 256;
+    int reps = bench_reps();
     g_autofree char *run = ksm_get("run"), *pts = ksm_get("pages_to_scan");
     g_autofree char *sleep_ms = ksm_get("sleep_millisecs");
     const struct {
@@ -350,46 +379,94 @@ main(int argc, char **argv)
         { "pagefold", 0, 30 }, { "ksm-5000", 5000, 45 },
         { "ksm-1000", 1000, 60 }, { "ksm-100", 100, 200 },
     };
-    Result r[G_N_ELEMENTS(systems)];
+    /* runs[i * reps + k]: system i's run k. */
+    Result runs[G_N_ELEMENTS(systems) * 16];
+    Result med[G_N_ELEMENTS(systems)];
+    gboolean ran[G_N_ELEMENTS(systems)] = { FALSE };
 
     if (!pf_guest_available()) {
         printf("{\"bench\":\"qemu\",\"skipped\":\"QEMU_BINARY, GUEST_KERNEL, GUEST_INITRD unset\"}\n");
         return 0;
     }
     n = CLAMP(n, 1, 8);
-    for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
-        const char *only = g_getenv("PAGEFOLD_BENCH_ONLY");
+    reps = MIN(reps, 16);
+    /* Alternating: every system once per round, so that whatever else the
+     * host does over the run falls on all of them alike. */
+    for (int k = 0; k < reps; k++) {
+        for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
+            const char *only = g_getenv("PAGEFOLD_BENCH_ONLY");
+            g_auto(GStrv) names = only ? g_strsplit(only, ",", -1) : NULL;
+            Result *r = &runs[i * reps + k];
 
-        r[i] = (Result){ .t90_s = -1 };
-        g_strlcpy(r[i].name, systems[i].name, sizeof(r[i].name));
-        if (only != NULL && strstr(only, systems[i].name) == NULL) {
-            continue;
+            /* Whole names: ksm-100 is not ksm-1000. */
+            if (names != NULL && !g_strv_contains((const char *const *)names, systems[i].name)) {
+                continue;
+            }
+            ran[i] = TRUE;
+            *r = run_system(systems[i].name, systems[i].pages_to_scan, n, mib,
+                            systems[i].seconds);
+            printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"run\":%d,\"guests\":%d,"
+                   "\"fill_mib\":%d,\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,"
+                   "\"used_mib\":%.1f,\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,"
+                   "\"agent_cpu_to_90_s\":%.2f,\"guest_slowdown\":%.2f}\n",
+                   r->name, k + 1, n, mib, r->saved_mib, r->net_mib, r->used_mib, r->t90_s,
+                   r->cpu90_s, r->agent90_s, r->slowdown);
+            fflush(stdout);
         }
-        r[i] = run_system(systems[i].name, systems[i].pages_to_scan, n, mib, systems[i].seconds);
-        printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"guests\":%d,\"fill_mib\":%d,"
-               "\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,\"used_mib\":%.1f,\"t90_s\":%.2f,"
-               "\"cpu_to_90_s\":%.2f,"
-               "\"agent_cpu_to_90_s\":%.2f,\"guest_slowdown\":%.2f}\n",
-               r[i].name, n, mib, r[i].saved_mib, r[i].net_mib, r[i].used_mib, r[i].t90_s,
-               r[i].cpu90_s, r[i].agent90_s, r[i].slowdown);
-        fflush(stdout);
     }
     ksm_set("pages_to_scan", pts);
     ksm_set("sleep_millisecs", sleep_ms);
     ksm_set("run", run);
-    /* The same, as CSV, then as a table for people. */
+    for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
+        const Result *r = &runs[i * reps];
+
+        med[i] = (Result){ .t90_s = -1 };
+        g_strlcpy(med[i].name, systems[i].name, sizeof(med[i].name));
+        if (!ran[i]) {
+            continue;
+        }
+        med[i].saved_mib = median_field(r, reps, G_STRUCT_OFFSET(Result, saved_mib));
+        med[i].net_mib = median_field(r, reps, G_STRUCT_OFFSET(Result, net_mib));
+        med[i].used_mib = median_field(r, reps, G_STRUCT_OFFSET(Result, used_mib));
+        med[i].t90_s = median_field(r, reps, G_STRUCT_OFFSET(Result, t90_s));
+        med[i].cpu90_s = median_field(r, reps, G_STRUCT_OFFSET(Result, cpu90_s));
+        med[i].agent90_s = median_field(r, reps, G_STRUCT_OFFSET(Result, agent90_s));
+        med[i].slowdown = median_field(r, reps, G_STRUCT_OFFSET(Result, slowdown));
+        printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"median_of\":%d,\"guests\":%d,"
+               "\"fill_mib\":%d,\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,\"used_mib\":%.1f,"
+               "\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,\"agent_cpu_to_90_s\":%.2f,"
+               "\"guest_slowdown\":%.2f}\n",
+               med[i].name, reps, n, mib, med[i].saved_mib, med[i].net_mib, med[i].used_mib,
+               med[i].t90_s, med[i].cpu90_s, med[i].agent90_s, med[i].slowdown);
+    }
+    /* Every run, then the medians, as CSV; the medians as a table for
+     * people. */
     printf("\nsystem,guests,fill_mib,freed_mib,freed_net_mib,used_mib,t90_s,cpu_to_90_s,"
            "agent_cpu_to_90_s,guest_slowdown\n");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
-        printf("%s,%d,%d,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f\n", r[i].name, n, mib,
-               r[i].saved_mib, r[i].net_mib, r[i].used_mib, r[i].t90_s, r[i].cpu90_s,
-               r[i].agent90_s, r[i].slowdown);
+        for (int k = 0; ran[i] && k < reps; k++) {
+            g_autofree char *label = g_strdup_printf("%s#%d", systems[i].name, k + 1);
+
+            print_result(label, &runs[i * reps + k], n, mib);
+        }
     }
-    printf("\n%-10s %10s %10s %10s %8s %12s %10s\n", "system", "freed_MiB", "net_MiB",
-           "used_MiB", "t90_s", "cpu_to_90_s", "slowdown");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
-        printf("%-10s %10.1f %10.1f %10.1f %8.2f %12.2f %10.2f\n", r[i].name, r[i].saved_mib,
-               r[i].net_mib, r[i].used_mib, r[i].t90_s, r[i].cpu90_s, r[i].slowdown);
+        g_autofree char *label = g_strdup_printf("%s(median)", systems[i].name);
+
+        if (ran[i]) {
+            print_result(label, &med[i], n, mib);
+        }
+    }
+    printf("\nmedians of %d alternating runs\n%-10s %10s %10s %10s %8s %12s %12s %10s\n", reps,
+           "system", "freed_MiB", "net_MiB", "held_MiB", "t90_s", "cpu_to_90_s", "agent_cpu_s",
+           "slowdown");
+    for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
+        if (!ran[i]) {
+            continue;
+        }
+        printf("%-10s %10.1f %10.1f %10.1f %8.2f %12.2f %12.2f %10.2f\n", med[i].name,
+               med[i].saved_mib, med[i].net_mib, med[i].used_mib, med[i].t90_s, med[i].cpu90_s,
+               med[i].agent90_s, med[i].slowdown);
     }
     return 0;
 }
