@@ -448,13 +448,13 @@ main(int argc, char **argv)
 
     setlocale(LC_ALL, "");
     /*
-     * pagefoldd's big arrays (the trees' tables, a region's page records,
-     * read-ahead windows) come and go with passes and VMs.  glibc raises
-     * its mmap threshold to the size of the first such array freed, and
-     * from then on they come from the heap, where the holes they leave
-     * stay resident: a fifth of pagefoldd's anonymous memory with four VMs
-     * merged (docs/DESIGN.md, section 6).  A fixed threshold keeps them
-     * mapped apart, given back when freed.
+     * pagefoldd's big arrays (the trees' tables, a region's array of page
+     * record pointers, read-ahead windows) come and go with passes and
+     * VMs.  glibc raises its mmap threshold to the size of each bigger one
+     * freed (up to 32 MiB), and from then on they come from the heap,
+     * where the holes they leave can stay resident (docs/DESIGN.md,
+     * section 6).  A fixed threshold keeps them mapped apart, given back
+     * when freed, and a table made big comes zeroed from the kernel.
      */
     mallopt(M_MMAP_THRESHOLD, 128 * 1024);
     g_log_set_writer_func(escaping_writer, NULL, NULL);

@@ -1,6 +1,6 @@
 /*
  * scan-visit.c - one visit of a page, in KSM's order (scan.h): smart scan,
- * the checksum, zero pages, the stable tree, then the unstable tree, as
+ * the checksum and the stable tree, zero pages, then the unstable tree, as
  * mm/ksm.c's cmp_and_merge_page() does with stable_tree_search() and
  * unstable_tree_search_insert().
  *
@@ -327,7 +327,7 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
     guint32 id = r->base + (guint32)idx;
     PfPage *p = pf_region_page_make(r, idx);
     const guint8 *data = r->map + idx * PF_PAGE_SIZE;
-    gboolean changed;
+    gboolean back, changed;
     guint64 c;
 
     if (p == NULL || p->state == PF_PAGE_PENDING) {
@@ -350,16 +350,22 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
     if (advise_still_shares(s, r, p, id, data, &c)) {
         return;
     }
+    /*
+     * KSM's order (cmp_and_merge_page()): the stable tree first, so a copy
+     * of content already merged joins at its first visit; only what would
+     * start a new node (the zero slots, the unstable tree) waits for a
+     * checksum kept over two visits.  A page that changes under the join
+     * is the agent's compare to catch.  Not a page back from a merge (its
+     * copy on write folded back, its merge found changed or abandoned:
+     * reset_page() left it VOLATILE with no checksum): an undone merge
+     * costs its agent a remap and a punch, not a fault as in KSM, and a
+     * page written over and over with one content would merge and come
+     * back every pass.  It waits two visits, as any page that changed.
+     */
+    back = p->state == PF_PAGE_VOLATILE && p->checksum == 0;
     changed = p->state == PF_PAGE_ABSENT || c != p->checksum;
     p->checksum = c;
-    /*
-     * KSM's order (cmp_and_merge_page()): the stable tree first, whatever
-     * the page's history, so a copy of content already merged joins at its
-     * first visit; only what would start a new node (the zero slots, the
-     * unstable tree) waits for a checksum kept over two visits.  A page
-     * that changes under the join is the agent's compare to catch.
-     */
-    if (stable_search(s, r, p, id, data, c)) {
+    if (!back && stable_search(s, r, p, id, data, c)) {
         return;
     }
     if (changed) {

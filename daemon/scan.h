@@ -3,11 +3,12 @@
  *
  * Each visit of a page, in KSM's order:
  *   1. smart scan may skip a page that has kept failing to merge;
- *   2. the page's checksum is computed; if it changed since the last visit
- *      the page is volatile: counted, and skipped this pass;
- *   3. an all-zero page becomes a zero page (use_zero_pages);
- *   4. the stable tree is searched: an equal canonical page (checksum, then
- *      memcmp) takes the page as one more sharer;
+ *   2. the page's checksum is computed, and the stable tree searched: an
+ *      equal canonical page (checksum, then memcmp) takes the page as one
+ *      more sharer (not a page just back from a merge);
+ *   3. if the checksum changed since the last visit the page is volatile:
+ *      counted, and skipped this pass;
+ *   4. an all-zero page becomes a zero page (use_zero_pages);
  *   5. the unstable tree is searched: an equal candidate (checksum, then
  *      memcmp) and this page become a new stable node; else the page is
  *      inserted as a candidate.

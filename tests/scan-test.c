@@ -160,7 +160,7 @@ test_smart_scan(Fixture *f, gconstpointer data)
 }
 
 /* A page that changes leaves its group, like a merged page on a write;
- * it comes back once it is equal again and stable. */
+ * it comes back as soon as it is equal again. */
 static void
 test_leave_and_rejoin(Fixture *f, gconstpointer data)
 {
