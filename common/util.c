@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -75,6 +76,7 @@ pf_unix_listen(const char *path, int type, GError **error)
 {
     g_autofree char *dir = g_path_get_dirname(path);
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    g_autofree char *tmp = NULL;
     mode_t old_umask;
     int fd, probe, rc;
 
@@ -103,7 +105,20 @@ pf_unix_listen(const char *path, int type, GError **error)
     if (probe >= 0) {
         close(probe);
     }
-    unlink(path);
+    /*
+     * Bound and listening under a name of its own, then renamed into
+     * place: a client that finds the socket at path can connect.  Bound
+     * at path itself, it would be refused between bind() and listen(),
+     * and a hook would take pagefoldd for absent and start another.
+     */
+    tmp = g_strdup_printf("%s.%d", path, (int)getpid());
+    if (strlen(tmp) >= sizeof(addr.sun_path)) {
+        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                    "socket path too long: %s", path);
+        return -1;
+    }
+    strcpy(addr.sun_path, tmp);
+    unlink(tmp);
     fd = socket(AF_UNIX, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         int e = errno;
@@ -123,10 +138,14 @@ pf_unix_listen(const char *path, int type, GError **error)
      * The kernel's own cap (somaxconn): connections wait there, not in
      * connect(), while pagefoldd accepts all that wait at each wake-up.
      */
-    if (rc < 0 || chmod(path, 0600) < 0 || listen(fd, SOMAXCONN) < 0) {
+    if (rc < 0 || chmod(tmp, 0600) < 0 || listen(fd, SOMAXCONN) < 0 ||
+        rename(tmp, path) < 0) {
         int e = errno;
 
         close(fd);
+        if (rc == 0) {
+            unlink(tmp);
+        }
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
                     "cannot listen on %s: %s", path, g_strerror(e));
 
