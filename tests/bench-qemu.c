@@ -27,8 +27,11 @@
  * only; PAGEFOLD_BENCH_PASS_MS sets pagefoldd's target_pass_millisecs
  * (500); PAGEFOLD_BENCH_SMAPS=1 shows where one guest's memory is at the end.
  */
+#include <fcntl.h>
 #include <glib.h>
 #include <glib/gstdio.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -41,6 +44,7 @@ typedef struct {
     char name[32];
     double saved_mib;
     double net_mib;  /* saved_mib less the deduplicator's own memory */
+    double start_mib; /* held before merging: the guests' Pss, and pagefoldd's */
     double used_mib; /* held at the end: the guests' Pss, and pagefoldd's or
                       * KSM's rmap_items */
     double t90_s;
@@ -310,7 +314,8 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     res.net_mib = final - (pf ? 0 : ksm_metadata_mib());
     /* What the host holds at the end, the deduplicator's own memory
      * included, as the kernel-build benchmark counts it. */
-    res.used_mib = pss0 / 1024.0 - res.net_mib;
+    res.start_mib = pss0 / 1024.0;
+    res.used_mib = res.start_mib - res.net_mib;
     res.t90_s = -1;
     for (guint k = 0; k < saving->len; k++) {
         if (g_array_index(saving, double, k) >= 0.9 * final) {
@@ -356,11 +361,66 @@ median_field(const Result *runs, int n, gsize offset)
     return n ? bench_median(v, n) : -1;
 }
 
+/* One run ("run":K) or a system's medians ("median_of":N). */
 static void
-print_result(const char *label, const Result *r, int n, int mib)
+print_json(const Result *r, const char *what, int k, int n, int mib)
 {
-    printf("%s,%d,%d,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f\n", label, n, mib, r->saved_mib,
-           r->net_mib, r->used_mib, r->t90_s, r->cpu90_s, r->agent90_s, r->slowdown);
+    printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"%s\":%d,\"guests\":%d,\"fill_mib\":%d,"
+           "\"start_mib\":%.1f,\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,\"used_mib\":%.1f,"
+           "\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,\"agent_cpu_to_90_s\":%.2f,"
+           "\"guest_slowdown\":%.2f}\n",
+           r->name, what, k, n, mib, r->start_mib, r->saved_mib, r->net_mib, r->used_mib,
+           r->t90_s, r->cpu90_s, r->agent90_s, r->slowdown);
+    fflush(stdout);
+}
+
+static void
+print_csv(const char *label, const Result *r, int n, int mib)
+{
+    printf("%s,%d,%d,%.1f,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f\n", label, n, mib, r->start_mib,
+           r->saved_mib, r->net_mib, r->used_mib, r->t90_s, r->cpu90_s, r->agent90_s,
+           r->slowdown);
+}
+
+/* KSM's knobs as found, put back however the run ends: meson's timeout
+ * and Ctrl-C end it by a signal. */
+static const char *const ksm_knobs[3] = { "pages_to_scan", "sleep_millisecs", "run" };
+static char *ksm_found[3], *ksm_paths[3];
+static size_t ksm_found_len[3];
+
+static void
+ksm_remember(void)
+{
+    for (int i = 0; i < 3; i++) {
+        ksm_found[i] = ksm_get(ksm_knobs[i]);
+        ksm_found_len[i] = strlen(ksm_found[i]);
+        ksm_paths[i] = g_strdup_printf("/sys/kernel/mm/ksm/%s", ksm_knobs[i]);
+    }
+}
+
+static void
+ksm_restore(void)
+{
+    for (int i = 0; i < 3; i++) {
+        ksm_set(ksm_knobs[i], ksm_found[i]);
+    }
+}
+
+static void
+on_signal(int sig)
+{
+    /* What a signal handler may call: open(2), write(2), close(2). */
+    for (int i = 0; i < 3; i++) {
+        int fd = open(ksm_paths[i], O_WRONLY | O_CLOEXEC);
+
+        if (fd >= 0) {
+            ssize_t unused G_GNUC_UNUSED = write(fd, ksm_found[i], ksm_found_len[i]);
+
+            close(fd);
+        }
+    }
+    signal(sig, SIG_DFL);
+    raise(sig);
 }
 
 int
@@ -368,9 +428,9 @@ main(int argc, char **argv)
 {
     int n = g_getenv("PAGEFOLD_BENCH_GUESTS") ? atoi(g_getenv("PAGEFOLD_BENCH_GUESTS")) : 4;
     int mib = g_getenv("PAGEFOLD_BENCH_MIB") ? atoi(g_getenv("PAGEFOLD_BENCH_MIB")) : 256;
-    int reps = bench_reps();
-    g_autofree char *run = ksm_get("run"), *pts = ksm_get("pages_to_scan");
-    g_autofree char *sleep_ms = ksm_get("sleep_millisecs");
+    int reps = MIN(bench_reps(), 16);
+    const char *only = g_getenv("PAGEFOLD_BENCH_ONLY");
+    g_auto(GStrv) names = only ? g_strsplit(only, ",", -1) : NULL;
     const struct {
         const char *name;
         guint pages_to_scan;
@@ -389,34 +449,40 @@ main(int argc, char **argv)
         return 0;
     }
     n = CLAMP(n, 1, 8);
-    reps = MIN(reps, 16);
+    /* Whole names, blanks around them ignored: ksm-100 is not ksm-1000. */
+    for (int j = 0; names != NULL && names[j] != NULL; j++) {
+        gsize i;
+
+        g_strstrip(names[j]);
+        for (i = 0; i < G_N_ELEMENTS(systems) && !g_str_equal(names[j], systems[i].name); i++) {
+        }
+        if (i == G_N_ELEMENTS(systems)) {
+            fprintf(stderr, "bench-qemu: PAGEFOLD_BENCH_ONLY: no system \"%s\" (pagefold, "
+                            "ksm-5000, ksm-1000, ksm-100)\n", names[j]);
+            return 2;
+        }
+        ran[i] = TRUE;
+    }
+    for (gsize i = 0; names == NULL && i < G_N_ELEMENTS(systems); i++) {
+        ran[i] = TRUE;
+    }
+    ksm_remember();
+    signal(SIGTERM, on_signal);
+    signal(SIGINT, on_signal);
     /* Alternating: every system once per round, so that whatever else the
      * host does over the run falls on all of them alike. */
     for (int k = 0; k < reps; k++) {
         for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
-            const char *only = g_getenv("PAGEFOLD_BENCH_ONLY");
-            g_auto(GStrv) names = only ? g_strsplit(only, ",", -1) : NULL;
             Result *r = &runs[i * reps + k];
 
-            /* Whole names: ksm-100 is not ksm-1000. */
-            if (names != NULL && !g_strv_contains((const char *const *)names, systems[i].name)) {
-                continue;
+            if (ran[i]) {
+                *r = run_system(systems[i].name, systems[i].pages_to_scan, n, mib,
+                                systems[i].seconds);
+                print_json(r, "run", k + 1, n, mib);
             }
-            ran[i] = TRUE;
-            *r = run_system(systems[i].name, systems[i].pages_to_scan, n, mib,
-                            systems[i].seconds);
-            printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"run\":%d,\"guests\":%d,"
-                   "\"fill_mib\":%d,\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,"
-                   "\"used_mib\":%.1f,\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,"
-                   "\"agent_cpu_to_90_s\":%.2f,\"guest_slowdown\":%.2f}\n",
-                   r->name, k + 1, n, mib, r->saved_mib, r->net_mib, r->used_mib, r->t90_s,
-                   r->cpu90_s, r->agent90_s, r->slowdown);
-            fflush(stdout);
         }
     }
-    ksm_set("pages_to_scan", pts);
-    ksm_set("sleep_millisecs", sleep_ms);
-    ksm_set("run", run);
+    ksm_restore();
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
         const Result *r = &runs[i * reps];
 
@@ -425,48 +491,45 @@ main(int argc, char **argv)
         if (!ran[i]) {
             continue;
         }
-        med[i].saved_mib = median_field(r, reps, G_STRUCT_OFFSET(Result, saved_mib));
-        med[i].net_mib = median_field(r, reps, G_STRUCT_OFFSET(Result, net_mib));
-        med[i].used_mib = median_field(r, reps, G_STRUCT_OFFSET(Result, used_mib));
-        med[i].t90_s = median_field(r, reps, G_STRUCT_OFFSET(Result, t90_s));
-        med[i].cpu90_s = median_field(r, reps, G_STRUCT_OFFSET(Result, cpu90_s));
-        med[i].agent90_s = median_field(r, reps, G_STRUCT_OFFSET(Result, agent90_s));
-        med[i].slowdown = median_field(r, reps, G_STRUCT_OFFSET(Result, slowdown));
-        printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"median_of\":%d,\"guests\":%d,"
-               "\"fill_mib\":%d,\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,\"used_mib\":%.1f,"
-               "\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,\"agent_cpu_to_90_s\":%.2f,"
-               "\"guest_slowdown\":%.2f}\n",
-               med[i].name, reps, n, mib, med[i].saved_mib, med[i].net_mib, med[i].used_mib,
-               med[i].t90_s, med[i].cpu90_s, med[i].agent90_s, med[i].slowdown);
+#define MEDIAN(field) med[i].field = median_field(r, reps, G_STRUCT_OFFSET(Result, field))
+        MEDIAN(start_mib);
+        MEDIAN(saved_mib);
+        MEDIAN(net_mib);
+        MEDIAN(used_mib);
+        MEDIAN(t90_s);
+        MEDIAN(cpu90_s);
+        MEDIAN(agent90_s);
+        MEDIAN(slowdown);
+#undef MEDIAN
+        print_json(&med[i], "median_of", reps, n, mib);
     }
     /* Every run, then the medians, as CSV; the medians as a table for
      * people. */
-    printf("\nsystem,guests,fill_mib,freed_mib,freed_net_mib,used_mib,t90_s,cpu_to_90_s,"
-           "agent_cpu_to_90_s,guest_slowdown\n");
+    printf("\nsystem,guests,fill_mib,start_mib,freed_mib,freed_net_mib,used_mib,t90_s,"
+           "cpu_to_90_s,agent_cpu_to_90_s,guest_slowdown\n");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
         for (int k = 0; ran[i] && k < reps; k++) {
             g_autofree char *label = g_strdup_printf("%s#%d", systems[i].name, k + 1);
 
-            print_result(label, &runs[i * reps + k], n, mib);
+            print_csv(label, &runs[i * reps + k], n, mib);
         }
     }
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
         g_autofree char *label = g_strdup_printf("%s(median)", systems[i].name);
 
         if (ran[i]) {
-            print_result(label, &med[i], n, mib);
+            print_csv(label, &med[i], n, mib);
         }
     }
-    printf("\nmedians of %d alternating runs\n%-10s %10s %10s %10s %8s %12s %12s %10s\n", reps,
-           "system", "freed_MiB", "net_MiB", "held_MiB", "t90_s", "cpu_to_90_s", "agent_cpu_s",
-           "slowdown");
+    printf("\nmedians of %d alternating runs\n%-10s %9s %9s %9s %9s %8s %12s %12s %9s\n", reps,
+           "system", "start_MiB", "freed_MiB", "net_MiB", "held_MiB", "t90_s", "cpu_to_90_s",
+           "agent_cpu_s", "slowdown");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
-        if (!ran[i]) {
-            continue;
+        if (ran[i]) {
+            printf("%-10s %9.1f %9.1f %9.1f %9.1f %8.2f %12.2f %12.2f %9.2f\n", med[i].name,
+                   med[i].start_mib, med[i].saved_mib, med[i].net_mib, med[i].used_mib,
+                   med[i].t90_s, med[i].cpu90_s, med[i].agent90_s, med[i].slowdown);
         }
-        printf("%-10s %10.1f %10.1f %10.1f %8.2f %12.2f %12.2f %10.2f\n", med[i].name,
-               med[i].saved_mib, med[i].net_mib, med[i].used_mib, med[i].t90_s, med[i].cpu90_s,
-               med[i].agent90_s, med[i].slowdown);
     }
     return 0;
 }
