@@ -9,6 +9,7 @@
 #include <json-glib/json-glib.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -647,6 +648,50 @@ test_free_at_once(void)
     g_rmdir(dir);
 }
 
+/*
+ * The socket appears at its path already listening (pf_unix_listen():
+ * bound under a name of its own, renamed into place), never bound and
+ * not yet listening: a client that found it then was refused, as
+ * /kernel/6.1/agent/restart's was, and a hook would start another
+ * pagefoldd.  Its name comes by a rename, so a watcher never sees it
+ * created.
+ */
+static void
+test_socket_appears_listening(void)
+{
+    g_autofree char *dir = g_dir_make_tmp("pf-listen-XXXXXX", NULL);
+    g_autofree char *path = g_build_filename(dir, "ctl.sock", NULL);
+    g_autoptr(GError) error = NULL;
+    gboolean created = FALSE, moved = FALSE;
+    char buf[4096] __attribute__((aligned(8)));
+    int in = inotify_init1(IN_CLOEXEC | IN_NONBLOCK), fd, client;
+    ssize_t got;
+
+    g_assert_cmpint(in, >=, 0);
+    g_assert_cmpint(inotify_add_watch(in, dir, IN_CREATE | IN_MOVED_TO), >=, 0);
+    fd = pf_unix_listen(path, SOCK_STREAM, &error);
+    g_assert_no_error(error);
+    while ((got = read(in, buf, sizeof(buf))) > 0) {
+        for (char *p = buf; p < buf + got;) {
+            const struct inotify_event *ev = (const struct inotify_event *)p;
+
+            if (ev->len > 0 && g_str_equal(ev->name, "ctl.sock")) {
+                created |= (ev->mask & IN_CREATE) != 0;
+                moved |= (ev->mask & IN_MOVED_TO) != 0;
+            }
+            p += sizeof(*ev) + ev->len;
+        }
+    }
+    g_assert_false(created);
+    g_assert_true(moved);
+    client = client_connect(path);
+    close(client);
+    close(fd);
+    close(in);
+    g_unlink(path);
+    g_rmdir(dir);
+}
+
 /* A client that connects while pagefoldd is still setting up (the agent
  * socket's group, the VMs attached before a restart) waits, ungreeted: the
  * greeting says pagefoldd is ready.  The control thread greeted at once,
@@ -676,6 +721,7 @@ main(int argc, char **argv)
 {
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/control/greets-once-started", test_greets_once_started);
+    g_test_add_func("/control/socket-appears-listening", test_socket_appears_listening);
     g_test_add("/control/socket-mode", Fixture, NULL, setup, test_socket_mode, teardown);
     g_test_add("/control/attach-stats-detach", Fixture, NULL, setup, test_attach_stats_detach,
                teardown);
