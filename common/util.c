@@ -76,11 +76,18 @@ pf_unix_listen(const char *path, int type, GError **error)
 {
     g_autofree char *dir = g_path_get_dirname(path);
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
-    g_autofree char *tmp = NULL;
+    /*
+     * Bound and listening under a name of its own, then renamed into
+     * place: a client that finds the socket at path can connect.  Bound
+     * at path itself, it would be refused between bind() and listen(),
+     * and a hook would take pagefoldd for absent and start another.  The
+     * longer name bounds both.
+     */
+    g_autofree char *tmp = g_strdup_printf("%s.%d", path, (int)getpid());
     mode_t old_umask;
     int fd, probe, rc;
 
-    if (strlen(path) >= sizeof(addr.sun_path)) {
+    if (strlen(tmp) >= sizeof(addr.sun_path)) {
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                     "socket path too long: %s", path);
         return -1;
@@ -104,18 +111,6 @@ pf_unix_listen(const char *path, int type, GError **error)
     }
     if (probe >= 0) {
         close(probe);
-    }
-    /*
-     * Bound and listening under a name of its own, then renamed into
-     * place: a client that finds the socket at path can connect.  Bound
-     * at path itself, it would be refused between bind() and listen(),
-     * and a hook would take pagefoldd for absent and start another.
-     */
-    tmp = g_strdup_printf("%s.%d", path, (int)getpid());
-    if (strlen(tmp) >= sizeof(addr.sun_path)) {
-        g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
-                    "socket path too long: %s", path);
-        return -1;
     }
     strcpy(addr.sun_path, tmp);
     unlink(tmp);

@@ -486,11 +486,11 @@ main(int argc, char **argv)
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
         const Result *r = &runs[i * reps];
 
-        med[i] = (Result){ .t90_s = -1 };
-        g_strlcpy(med[i].name, systems[i].name, sizeof(med[i].name));
         if (!ran[i]) {
             continue;
         }
+        med[i] = (Result){ 0 };
+        g_strlcpy(med[i].name, systems[i].name, sizeof(med[i].name));
 #define MEDIAN(field) med[i].field = median_field(r, reps, G_STRUCT_OFFSET(Result, field))
         MEDIAN(start_mib);
         MEDIAN(saved_mib);
