@@ -7,8 +7,10 @@
 #include <fcntl.h>
 #include <glib.h>
 #include <glib/gstdio.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/swap.h>
@@ -1027,6 +1029,36 @@ swap_on(SwapFile *sw, Undo *undo, char **why)
     return TRUE;
 }
 
+/* Every thread of process pid onto one CPU, the first this test may use
+ * (a cpuset may leave it only some).  A page a thread writes waits first
+ * in its CPU's LRU batch, and MADV_PAGEOUT drains only the batch of the
+ * CPU it runs on: a page written on one CPU and paged out from another is
+ * passed over, however often asked, until that other CPU adds enough
+ * pages to flush its batch, which an idle CPU never does. */
+static void
+pin_to_one_cpu(int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/task", pid);
+    g_autoptr(GDir) dir = g_dir_open(path, 0, NULL);
+    cpu_set_t mine, one;
+    const char *tid;
+    int cpu = 0;
+
+    g_assert_cmpint(sched_getaffinity(0, sizeof(mine), &mine), ==, 0);
+    while (!CPU_ISSET(cpu, &mine)) {
+        cpu++;
+    }
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    g_assert_nonnull(dir);
+    while ((tid = g_dir_read_name(dir)) != NULL) {
+        /* A thread may end meanwhile; one made later takes its maker's. */
+        if (sched_setaffinity(atoi(tid), sizeof(one), &one) < 0) {
+            g_assert_cmpint(errno, ==, ESRCH);
+        }
+    }
+}
+
 /* A merged page written, then its private copy swapped out before
  * pagefoldd looks: not present, but written all the same.  Both a shared
  * page and a zero page. */
@@ -1064,14 +1096,16 @@ test_cow_swapped(gconstpointer data)
     g_assert_cmpint(total(s, "pages_sharing"), ==, IDENTICAL);
     g_assert_cmpint(total(s, "zero_pages"), ==, 2 * ZERO);
     ram = guest_addr(d, "a");
+    /* Written and paged out on one CPU: see pin_to_one_cpu(). */
+    pin_to_one_cpu(a->pid);
     g_free(pf_test_vmm_cmdf(a, "write %u", pages[0]));
     g_free(pf_test_vmm_cmdf(a, "fill %u 77", pages[1]));
     for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
         guint64 e = 0;
 
-        /* Really out: a swap entry where the copy was.  A page just
-         * written may still sit in another CPU's LRU batch, which
-         * MADV_PAGEOUT passes over: again, a few times. */
+        /* Really out: a swap entry where the copy was.  Isolating a
+         * page from the LRU can still fail for a moment (reclaim or
+         * compaction holding it): again, a few times. */
         for (int tries = 0; tries < 50 && (e & (PM_PRESENT | PM_SWAP)) != PM_SWAP; tries++) {
             g_autofree char *r = pf_test_vmm_cmdf(a, "pageout %u 1", pages[i]);
 
