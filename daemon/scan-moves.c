@@ -191,12 +191,35 @@ moves_evacuate(PfScanner *s)
     }
 }
 
+static gsize
+waiting_for(PfScanner *s, const PfStableNode *n)
+{
+    return GPOINTER_TO_SIZE(g_hash_table_lookup(s->waiting, &n->born));
+}
+
+gboolean
+moves_room_to_wait(PfScanner *s, guint32 node)
+{
+    const PfStableNode *n = node_at(s, node);
+
+    return ledger_sharers(s, n) + waiting_for(s, n) < s->knobs.max_page_sharing;
+}
+
+void
+moves_begin_pass(PfScanner *s)
+{
+    g_hash_table_remove_all(s->waiting);
+}
+
 void
 moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 node)
 {
     const PfStableNode *n = node_at(s, node);
     Joining j = { 0, r->vm->serial, n->slot, id, node, n->born };
     guint32 index;
+
+    g_hash_table_insert(s->waiting, g_memdup2(&n->born, sizeof(n->born)),
+                        GSIZE_TO_POINTER(waiting_for(s, n) + 1));
 
     pf_pool_locate(s->pool, n->slot, &j.chunk, &index);
     g_array_append_val(s->joins, j);

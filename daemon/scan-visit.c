@@ -188,18 +188,23 @@ visit_zero(PfScanner *s, PfRegion *r, PfPage *p, guint32 id)
 }
 
 /* KSM's stable_tree_search(): an equal canonical page of the VM's merge
- * domain, with room, takes the page as one more sharer.  TRUE when it
- * did (or the page waits to join it: moves_wait_to_join()). */
+ * domain, with room, takes the page as one more sharer.  A node of a chunk
+ * its VM may not read is taken only when none it may read has room (a
+ * join there costs a move), and only while the node has room for the
+ * pages already waiting to join it: past that, as in a KSM chain whose
+ * nodes are all full, the page goes on to the unstable tree.  TRUE when it
+ * joined (or waits to join: moves_wait_to_join()). */
 static gboolean
 stable_search(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *data, guint64 c)
 {
     gboolean merge_domain = pf_vm_merges(r->vm), merging = can_merge(r->vm);
     PfTableIter it;
-    guint32 other;
+    guint32 other, unreadable = 0;
 
     pf_table_iter_init(&it, &s->stable.table, c);
     while (merging || !merge_domain) {
         const PfStableNode *n;
+        gboolean readable;
 
         if ((other = pf_table_iter_next(&it)) == 0) {
             break;
@@ -210,18 +215,28 @@ stable_search(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *da
          * this pass (begin_pass()). */
         if ((n->slot != PF_POOL_SLOT_NONE) != merge_domain ||
             n->domain != pf_vm_domain_key(r->vm) ||
-            ledger_sharers(s, n) >= s->knobs.max_page_sharing || !node_equal(s, data, n)) {
+            ledger_sharers(s, n) >= s->knobs.max_page_sharing) {
             continue;
         }
-        if (merging && !pf_pool_readable(s->pool, n->slot, r->vm->serial)) {
-            moves_wait_to_join(s, r, p, id, other);
+        readable = !merging || pf_pool_readable(s->pool, n->slot, r->vm->serial);
+        if ((!readable && (unreadable != 0 || !moves_room_to_wait(s, other))) ||
+            !node_equal(s, data, n)) {
+            continue;
+        }
+        if (!readable) {
+            unreadable = other;
         } else if (merging) {
             moves_join(s, r, p, id, other);
+            return TRUE;
         } else {
             pf_stable_tree_add(&s->stable, other, id);
             ledger_relist(s, other);
             mark_merged(r, p, PF_PAGE_SHARED);
+            return TRUE;
         }
+    }
+    if (unreadable != 0) {
+        moves_wait_to_join(s, r, p, id, unreadable);
         return TRUE;
     }
     return FALSE;

@@ -368,6 +368,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->looking_pids = g_hash_table_new(NULL, NULL);
     s->reading_pids = g_hash_table_new(NULL, NULL);
     s->partial = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
+    s->waiting = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
     pf_scanner_set_hash_func(s, s->algo->func);
     return s;
 }
@@ -431,6 +432,7 @@ pf_scanner_free(PfScanner *s)
     g_hash_table_unref(s->looking_pids);
     g_hash_table_unref(s->reading_pids);
     g_hash_table_unref(s->partial);
+    g_hash_table_unref(s->waiting);
     g_clear_handle_id(&s->adopt_source, g_source_remove);
     g_free(s);
 }
