@@ -25,7 +25,9 @@
  * them); KSM's settings are restored as found.  PAGEFOLD_BENCH_GUESTS, _MIB
  * change the size; PAGEFOLD_BENCH_ONLY=pagefold,ksm-5000 runs some systems
  * only; PAGEFOLD_BENCH_PASS_MS sets pagefoldd's target_pass_millisecs
- * (500); PAGEFOLD_BENCH_SMAPS=1 shows where one guest's memory is at the end.
+ * (500); PAGEFOLD_BENCH_SMAPS=1 shows what the memory held at the end is
+ * (guest RAM, pool, other anonymous memory, heap, files: the QEMUs' and
+ * pagefoldd's Pss) and the deduplicator's counters.
  */
 #include <fcntl.h>
 #include <glib.h>
@@ -173,47 +175,78 @@ median_of(GArray *a)
     return a->len ? bench_median((double *)a->data, a->len) : -1;
 }
 
-/* Where a process's memory is, by mapping name: to see what is left. */
+/* What a process's Pss is made of, added to kib[] by kind (PSS_*): the
+ * guest's RAM (its memfd, or the anonymous mapping of exactly its size),
+ * pagefold's pool, other anonymous memory, the heap, mapped files. */
+enum { PSS_RAM, PSS_POOL, PSS_ANON, PSS_HEAP, PSS_FILES, PSS_KINDS };
+static const char *const pss_kinds[PSS_KINDS] = { "guest RAM", "pool", "other anon", "heap",
+                                                  "files" };
+
 static void
-dump_pss(const char *who, int pid)
+pss_by_kind(int pid, guint64 ram_bytes, double kib[PSS_KINDS])
 {
     g_autofree char *path = g_strdup_printf("/proc/%d/smaps", pid);
     g_autofree char *text = NULL;
     g_auto(GStrv) lines = NULL;
-    g_autoptr(GHashTable) by_name = g_hash_table_new_full(g_str_hash, g_str_equal, g_free, NULL);
-    g_autofree char *name = g_strdup("?");
-    GHashTableIter it;
-    gpointer k, v;
+    int kind = PSS_FILES;
 
     if (!g_file_get_contents(path, &text, NULL, NULL)) {
         return;
     }
     lines = g_strsplit(text, "\n", -1);
     for (char **l = lines; *l != NULL; l++) {
-        gint64 kib;
+        guint64 from, to;
+        gint64 pss;
+        int name_at = 0;
 
-        if (g_ascii_isxdigit((*l)[0]) && strchr(*l, '-') != NULL && strchr(*l, ' ') != NULL) {
-            g_auto(GStrv) f = g_strsplit_set(*l, " ", -1);
-            const char *n = "[anon]";
+        if (sscanf(*l, "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x %*s %*s %*s %*s %n",
+                   &from, &to, &name_at) == 2 && name_at > 0) {
+            const char *n = *l + name_at;
 
-            for (int i = 5; f[i] != NULL; i++) {
-                if (*f[i]) {
-                    n = f[i];
-                    break;
-                }
+            if (strstr(n, "memory-backend") != NULL || (*n == '\0' && to - from == ram_bytes)) {
+                kind = PSS_RAM;
+            } else if (strstr(n, "pagefold-pool") != NULL) {
+                kind = PSS_POOL;
+            } else if (*n == '\0') {
+                kind = PSS_ANON;
+            } else {
+                kind = g_str_equal(n, "[heap]") ? PSS_HEAP : PSS_FILES;
             }
-            g_free(name);
-            name = g_strdup(n);
-        } else if (sscanf(*l, "Pss: %" G_GINT64_FORMAT, &kib) == 1) {
-            gint64 old = GPOINTER_TO_SIZE(g_hash_table_lookup(by_name, name));
-
-            g_hash_table_replace(by_name, g_strdup(name), GSIZE_TO_POINTER((gsize)(old + kib)));
+        } else if (sscanf(*l, "Pss: %" G_GINT64_FORMAT, &pss) == 1) {
+            kib[kind] += (double)pss;
         }
     }
-    g_hash_table_iter_init(&it, by_name);
-    while (g_hash_table_iter_next(&it, &k, &v)) {
-        if (GPOINTER_TO_SIZE(v) >= 1024) {
-            printf("# %s: %-50s %8.1f MiB\n", who, (char *)k, GPOINTER_TO_SIZE(v) / 1024.0);
+}
+
+/* Where the held memory is at the end, by kind, for all the guests and
+ * pagefoldd; and the deduplicator's own counters. */
+static void
+dump_pss(const char *system, Guest **g, int n_guests, guint64 ram_bytes, int daemon_pid)
+{
+    double qemu[PSS_KINDS] = { 0 }, daemon[PSS_KINDS] = { 0 };
+
+    for (int i = 0; i < n_guests; i++) {
+        pss_by_kind(g[i]->pid, ram_bytes, qemu);
+    }
+    if (daemon_pid > 0) {
+        pss_by_kind(daemon_pid, ram_bytes, daemon);
+    }
+    for (int k = 0; k < PSS_KINDS; k++) {
+        printf("# %s: Pss of %-10s QEMUs %8.1f MiB, pagefoldd %8.1f MiB\n", system,
+               pss_kinds[k], qemu[k] / 1024.0, daemon[k] / 1024.0);
+    }
+    if (daemon_pid <= 0) {
+        static const char *const counters[] = { "pages_shared", "pages_sharing",
+                                                "pages_unshared", "pages_volatile",
+                                                "ksm_zero_pages", "full_scans" };
+
+        for (guint i = 0; i < G_N_ELEMENTS(counters); i++) {
+            g_autofree char *p = g_strdup_printf("/sys/kernel/mm/ksm/%s", counters[i]);
+            g_autofree char *v = NULL;
+
+            if (g_file_get_contents(p, &v, NULL, NULL)) {
+                printf("# %s: %s %s", system, counters[i], v);
+            }
         }
     }
 }
@@ -225,6 +258,7 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
 {
     Result res = { 0 };
     gboolean pf = pages_to_scan == 0;
+    const int ram_mib = MAX(2 * mib, mib + 192);
     g_autoptr(PfTestDaemon) d = NULL;
     Guest *g[8];
     int daemon_pid = 0, ksmd = ksmd_pid();
@@ -253,7 +287,7 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
         /* Headless: a VGA card's memory is private RAM that only kernel
          * KSM could merge (and does, in its runs), not guest RAM. */
         static const char *const headless[] = { "-vga", "none", NULL };
-        PfGuestSpec spec = { gname, pf ? d->agent_sock : NULL, MAX(2 * mib, mib + 192), mib, i + 1,
+        PfGuestSpec spec = { gname, pf ? d->agent_sock : NULL, ram_mib, mib, i + 1,
                              seconds + 60, 5, FALSE, FALSE, headless, NULL };
 
         g[i] = pf_test_guest_start(&spec);
@@ -327,14 +361,13 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     }
     res.slowdown = median_of(after) / median_of(before);
     if (g_getenv("PAGEFOLD_BENCH_SMAPS") != NULL) {
-        dump_pss(g[0]->name, g[0]->pid);
+        dump_pss(name, g, n_guests, (guint64)ram_mib << 20, daemon_pid);
         if (pf) {
             JsonNode *q = pf_test_guest_qmp(g[0], "x-query-pagefold", NULL);
             g_autofree char *text = json_to_string(q, FALSE);
             JsonNode *st = pf_test_ctl_json(d, "stats", NULL);
             g_autofree char *stext = json_to_string(st, FALSE);
 
-            dump_pss("pagefoldd", daemon_pid);
             printf("# %s agent: %s\n# pagefoldd stats: %s\n", g[0]->name, text, stext);
             json_node_unref(q);
             json_node_unref(st);
