@@ -88,8 +88,8 @@ struct _PfScanner {
     GArray *joins;       /* Joining: pages found equal to nodes their VM may
                           * not read, joined once the cursor is done with
                           * their VM (moves_make_vm_joins()) */
-    GHashTable *waiting; /* a node's born -> pages found this pass that wait
-                          * to join it (moves_room_to_wait()) */
+    GHashTable *waiting; /* node id -> the pages waiting to join it, of
+                          * joins and joining (scan-moves.c) */
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
                           * VM's pages matched part of the chunk */
     PfPool *pool;        /* created with the first merging VM */
@@ -275,13 +275,11 @@ void moves_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 to);
  * whose slot its VM may not read (moves_make_vm_joins()). */
 void moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 node);
 /* Whether node has room for one more page to wait to join it: its
- * sharers and the pages found this pass that wait for it, together under
- * max_page_sharing.  (Those already joined count twice until the pass
- * ends: a page that could have joined pairs in the unstable tree
- * instead, never one too many waits.) */
+ * sharers and the pages waiting for it, together under max_page_sharing.
+ * (Pages of VMs that read the node may still join it first: a waiting
+ * page it has no room for then is given up by join_still(), and pairs in
+ * the unstable tree at its next visit.) */
 gboolean moves_room_to_wait(PfScanner *s, guint32 node);
-/* A new pass: no page waits for a node yet. */
-void moves_begin_pass(PfScanner *s);
 /* The joins waiting are to be made: as many as the scan's slice leaves
  * time for, the rest by moves_continue_joins(). */
 void moves_make_joins(PfScanner *s);

@@ -191,24 +191,40 @@ moves_evacuate(PfScanner *s)
     }
 }
 
-static gsize
-waiting_for(PfScanner *s, const PfStableNode *n)
+/* The pages waiting to join one node (s->waiting, by node id): joins found
+ * and not yet made or given up.  born tells them from the joins of an
+ * earlier node under the same id, which the reused id does not count. */
+typedef struct {
+    guint64 born;
+    guint32 n;
+} Waiting;
+
+static guint32
+waiting_for(PfScanner *s, guint32 node)
 {
-    return GPOINTER_TO_SIZE(g_hash_table_lookup(s->waiting, &n->born));
+    const Waiting *w = g_hash_table_lookup(s->waiting, GUINT_TO_POINTER(node));
+
+    return w != NULL && w->born == node_at(s, node)->born ? w->n : 0;
+}
+
+/* A join leaves the waiting: made, found stale, put off a pass, or its VM
+ * gone.  The entry goes with its last join, so the table holds only the
+ * nodes that pages wait for. */
+static void
+waiting_done(PfScanner *s, const Joining *j)
+{
+    Waiting *w = g_hash_table_lookup(s->waiting, GUINT_TO_POINTER(j->node));
+
+    if (w != NULL && w->born == j->born && --w->n == 0) {
+        g_hash_table_remove(s->waiting, GUINT_TO_POINTER(j->node));
+    }
 }
 
 gboolean
 moves_room_to_wait(PfScanner *s, guint32 node)
 {
-    const PfStableNode *n = node_at(s, node);
-
-    return ledger_sharers(s, n) + waiting_for(s, n) < s->knobs.max_page_sharing;
-}
-
-void
-moves_begin_pass(PfScanner *s)
-{
-    g_hash_table_remove_all(s->waiting);
+    return ledger_sharers(s, node_at(s, node)) + waiting_for(s, node) <
+           s->knobs.max_page_sharing;
 }
 
 void
@@ -216,10 +232,17 @@ moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 nod
 {
     const PfStableNode *n = node_at(s, node);
     Joining j = { 0, r->vm->serial, n->slot, id, node, n->born };
+    Waiting *w = g_hash_table_lookup(s->waiting, GUINT_TO_POINTER(node));
     guint32 index;
 
-    g_hash_table_insert(s->waiting, g_memdup2(&n->born, sizeof(n->born)),
-                        GSIZE_TO_POINTER(waiting_for(s, n) + 1));
+    if (w == NULL) {
+        w = g_new0(Waiting, 1);
+        g_hash_table_insert(s->waiting, GUINT_TO_POINTER(node), w);
+    }
+    if (w->born != n->born) {
+        *w = (Waiting){ n->born, 0 };
+    }
+    w->n++;
 
     pf_pool_locate(s->pool, n->slot, &j.chunk, &index);
     g_array_append_val(s->joins, j);
@@ -236,10 +259,12 @@ moves_forget_joins(PfScanner *s, const PfVm *vm)
         g_array_set_size(s->joins, 0);
         g_array_set_size(s->joining, 0);
         s->joining_at = 0;
+        g_hash_table_remove_all(s->waiting);
         return;
     }
     for (guint i = s->joins->len; i-- > 0;) {
         if (g_array_index(s->joins, Joining, i).vm == vm->serial) {
+            waiting_done(s, &g_array_index(s->joins, Joining, i));
             g_array_remove_index_fast(s->joins, i);
         }
     }
@@ -252,6 +277,8 @@ moves_forget_joins(PfScanner *s, const PfVm *vm)
 
             if (j->vm != vm->serial) {
                 g_array_index(s->joining, Joining, to++) = *j;
+            } else {
+                waiting_done(s, j);
             }
         }
         g_array_set_size(s->joining, to);
@@ -464,17 +491,21 @@ moves_continue_joins(PfScanner *s)
             pf_pool_extend(s->pool, first->chunk, first->vm);
             scan_emit_chunk(s, r->vm, pf_pool_chunk(s->pool, first->chunk), FALSE);
         } else if (distinct > 0 && partial_waits(s, first)) {
-            i = e;
+            for (; i < e; i++) {
+                waiting_done(s, &g_array_index(s->joining, Joining, i));
+            }
             continue;
         }
         for (; i < e && i < s->joining->len; i++) {
-            Joining *j = &g_array_index(s->joining, Joining, i);
+            /* A copy: a join may change what joining holds. */
+            Joining j = g_array_index(s->joining, Joining, i);
 
-            if (join_still(s, j, NULL)) {
-                PfRegion *r = region_of(s, j->page);
+            if (join_still(s, &j, NULL)) {
+                PfRegion *r = region_of(s, j.page);
 
-                moves_join(s, r, pf_region_page(r, j->page - r->base), j->page, j->node);
+                moves_join(s, r, pf_region_page(r, j.page - r->base), j.page, j.node);
             }
+            waiting_done(s, &j);
         }
     }
     s->joining_at = i;

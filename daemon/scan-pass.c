@@ -596,7 +596,6 @@ begin_pass(PfScanner *s)
             ledger_relist(s, id);
         }
     }
-    moves_begin_pass(s);
     moves_evacuate(s);
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);

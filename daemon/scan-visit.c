@@ -218,6 +218,8 @@ stable_search(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *da
             ledger_sharers(s, n) >= s->knobs.max_page_sharing) {
             continue;
         }
+        /* Listed are the nodes with room: about one a content and set of
+         * VMs, so looking on past an unreadable one costs little. */
         readable = !merging || pf_pool_readable(s->pool, n->slot, r->vm->serial);
         if ((!readable && (unreadable != 0 || !moves_room_to_wait(s, other))) ||
             !node_equal(s, data, n)) {

@@ -368,7 +368,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->looking_pids = g_hash_table_new(NULL, NULL);
     s->reading_pids = g_hash_table_new(NULL, NULL);
     s->partial = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
-    s->waiting = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
+    s->waiting = g_hash_table_new_full(NULL, NULL, NULL, g_free);
     pf_scanner_set_hash_func(s, s->algo->func);
     return s;
 }

@@ -1564,9 +1564,10 @@ test_crowded_content(void)
         model_add_vm(m, &layout, seed);
     }
     run_passes(m, 1, "first look");
-    /* Every copy merged at its second visit, but for the two of each VM
-     * past its own full nodes: they wait to join another VM's node, by a
-     * move, a pass after they are found (partial joins). */
+    /* Every copy merged at its second visit but for a few, at most the
+     * two a VM has beyond its own full nodes: those join a node of
+     * another VM's with room, by a move, a pass or two after they are
+     * found (partial joins wait a pass; smart_scan may skip one). */
     for (int pass = 0; pass < 4; pass++) {
         run_passes(m, 1, "merging");
         t = totals(m);
