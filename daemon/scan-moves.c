@@ -208,8 +208,9 @@ waiting_for(PfScanner *s, guint32 node)
 }
 
 /* A join leaves the waiting: made, found stale, put off a pass, or its VM
- * gone.  The entry goes with its last join, so the table holds only the
- * nodes that pages wait for. */
+ * moved to another merge domain (a VM that goes takes all joins along, and
+ * the table is cleared).  The entry goes with its last join, so the table
+ * holds only the nodes that pages wait for. */
 static void
 waiting_done(PfScanner *s, const Joining *j)
 {
@@ -497,7 +498,8 @@ moves_continue_joins(PfScanner *s)
             continue;
         }
         for (; i < e && i < s->joining->len; i++) {
-            /* A copy: a join may change what joining holds. */
+            /* A copy, for waiting_done() after moves_join(): nothing there
+             * reaches into joining today, nor should have to be kept from. */
             Joining j = g_array_index(s->joining, Joining, i);
 
             if (join_still(s, &j, NULL)) {
