@@ -498,8 +498,8 @@ moves_continue_joins(PfScanner *s)
             continue;
         }
         for (; i < e && i < s->joining->len; i++) {
-            /* A copy, for waiting_done() after moves_join(): nothing there
-             * reaches into joining today, nor should have to be kept from. */
+            /* A copy, read again after moves_join(): waiting_done() must
+             * not depend on a join leaving joining as it was. */
             Joining j = g_array_index(s->joining, Joining, i);
 
             if (join_still(s, &j, NULL)) {
