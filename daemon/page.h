@@ -1,6 +1,6 @@
 /*
  * page.h - the record pagefoldd keeps for every page of guest RAM it tracks,
- * the user-space counterpart of KSM's rmap_item (64 bytes there, 16 here).
+ * the user-space counterpart of KSM's rmap_item (64 bytes there, 8 here).
  *
  * A record is owned by its region (vm.c allocates an array per region) and
  * changed only by the scanner and the stable tree.  A page id is a 32-bit
@@ -20,15 +20,33 @@ typedef enum {
     PF_PAGE_N_STATES
 } PfPageState;
 
+/*
+ * A page's checksum is kept folded to 32 bits (pf_page_sum()), as KSM keeps
+ * its 32-bit one: it only says whether the page changed since its last
+ * visit and keys the unstable tree, where memcmp() decides.  A sharer needs
+ * neither (its node holds the whole checksum), so its node id takes the
+ * checksum's place: `node` while SHARED, `checksum` in every other state.
+ * pf_stable_tree_add() and pf_stable_tree_remove() write `node`; whoever
+ * takes a page out of a node and still wants its checksum sets it again.
+ */
 typedef struct {
-    guint64 checksum; /* at the last visit */
-    guint32 node;     /* stable node id while SHARED */
-    guint16 slot;     /* index in that node's member array */
+    union {
+        guint32 checksum; /* not SHARED: pf_page_sum() at the last visit */
+        guint32 node;     /* SHARED: its stable node's id */
+    };
+    guint16 slot;     /* SHARED: index in its node's member array */
     guint8 state : 3; /* PfPageState */
     guint8 seen : 5;  /* smart scan: the pass of its last visit, modulo 32 */
     guint8 age;       /* smart scan: passes without merging, saturating */
 } PfPage;
 
-G_STATIC_ASSERT(sizeof(PfPage) == 16);
+G_STATIC_ASSERT(sizeof(PfPage) == 8);
+
+/* A checksum as a record keeps it. */
+static inline guint32
+pf_page_sum(guint64 checksum)
+{
+    return (guint32)checksum ^ (guint32)(checksum >> 32);
+}
 
 #define PF_PAGE_ID_NONE 0u

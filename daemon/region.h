@@ -21,7 +21,7 @@
 #define PF_MIN_REGION_SIZE (1u << 20)
 /* The most guest RAM an agent may announce, per region and per VM: page
  * ids are 32-bit and shared by all VMs (16 TiB in all), and each page costs
- * a 16-byte record, so one VM's claim must not use up everyone's. */
+ * an 8-byte record, so one VM's claim must not use up everyone's. */
 #define PF_MAX_REGION_BYTES (G_GUINT64_CONSTANT(1) << 40)
 #define PF_MAX_VM_BYTES (G_GUINT64_CONSTANT(1) << 40)
 /* All VMs of one uid that root vouched for none of (handshake.c): a

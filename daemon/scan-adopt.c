@@ -88,7 +88,6 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
     }
     ledger_take(s, slot, node);
     pf_stable_tree_add(&s->stable, node, r->base + (guint32)idx);
-    p->checksum = n->checksum;
     mark_merged(r, p, PF_PAGE_SHARED);
     if (n->domain != pf_vm_domain_key(r->vm)) {
         /* Shared with a VM of another merge domain under the earlier
@@ -108,7 +107,7 @@ adopt_zero(PfScanner *s, PfRegion *r, gsize idx)
     if (p == NULL || p->state != PF_PAGE_ABSENT) {
         return FALSE;
     }
-    p->checksum = s->zero_checksum;
+    p->checksum = pf_page_sum(s->zero_checksum);
     mark_merged(r, p, PF_PAGE_ZERO);
     return TRUE;
 }

@@ -104,6 +104,7 @@ advise_drop_changed_first(PfScanner *s, guint32 node, guint64 c)
     fr = region_of(s, first);
     fp = pf_region_page(fr, first - fr->base);
     pf_stable_tree_remove(&s->stable, first);
+    fp->checksum = pf_page_sum(n->checksum);
     ledger_maybe_drop(s, node);
     set_state(fr, fp, PF_PAGE_VOLATILE);
     return TRUE;
@@ -145,6 +146,8 @@ advise_still_shares(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guin
             return TRUE;
         }
         pf_stable_tree_remove(&s->stable, id);
+        /* What it held when it joined: it changed since. */
+        p->checksum = pf_page_sum(n->checksum);
         ledger_maybe_drop(s, node);
         set_state(r, p, PF_PAGE_VOLATILE);
     } else if (p->state == PF_PAGE_ZERO) {
@@ -296,7 +299,7 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
     PfTableIter it;
     guint32 other;
 
-    pf_table_iter_init(&it, &s->unstable.table, c);
+    pf_table_iter_init(&it, &s->unstable.table, pf_page_sum(c));
     while (merging || !merge_domain) {
         PfRegion *orr;
         PfPage *o;
@@ -317,7 +320,7 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
         }
         orr = region_of(s, other);
         o = pf_region_page(orr, other - orr->base);
-        pf_table_remove(&s->unstable.table, c, other);
+        pf_table_remove(&s->unstable.table, pf_page_sum(c), other);
         node = pf_stable_tree_create(&s->stable, c, slot, pf_vm_domain_key(r->vm));
         if (merging) {
             ledger_take(s, slot, 0);
@@ -334,7 +337,7 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
         return;
     }
 
-    pf_table_insert(&s->unstable.table, c, id);
+    pf_table_insert(&s->unstable.table, pf_page_sum(c), id);
     set_state(r, p, PF_PAGE_UNSHARED);
 }
 
@@ -380,8 +383,8 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
      * back every pass.  It waits two visits, as any page that changed.
      */
     back = p->state == PF_PAGE_VOLATILE && p->checksum == 0;
-    changed = p->state == PF_PAGE_ABSENT || c != p->checksum;
-    p->checksum = c;
+    changed = p->state == PF_PAGE_ABSENT || pf_page_sum(c) != p->checksum;
+    p->checksum = pf_page_sum(c);
     if (!back && stable_search(s, r, p, id, data, c)) {
         return;
     }

@@ -362,7 +362,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
     s->cow = pf_cow_new();
     pf_stable_tree_init(&s->stable, page_of, page_share, s);
-    pf_unstable_tree_init(&s->unstable, page_of, s);
+    pf_unstable_tree_init(&s->unstable);
     s->joins = g_array_new(FALSE, FALSE, sizeof(Joining));
     s->joining = g_array_new(FALSE, FALSE, sizeof(Joining));
     s->looking_pids = g_hash_table_new(NULL, NULL);

@@ -2,8 +2,9 @@
  * tree.c - KSM's two trees as checksum-keyed tables (tree.h): owns the
  * tables and the stable nodes, never a page's content.  Linear probing with
  * tombstones: removal is rare next to lookups, and tombstones avoid having
- * to re-key neighbours (a cache miss into a page record each).  The tables
- * grow at 3/4 load.
+ * to re-key neighbours (a cache miss into a page record each).  A table
+ * of 32-bit keys (no key function: the unstable tree's folded checksums)
+ * holds each key whole in its entry and never looks anywhere else.
  */
 #include "tree.h"
 
@@ -23,7 +24,11 @@ home_slot(const PfTable *t, guint64 checksum)
 {
     /* Fibonacci hashing: jhash2 and crc32c leave bits unused, xxh3 does not
      * need it, and the multiply costs nothing next to the cache miss. */
-    return (gsize)((checksum * 0x9E3779B97F4A7C15ull) >> 32) & t->mask;
+    guint64 h = checksum * 0x9E3779B97F4A7C15ull;
+
+    /* Any capacity, not only powers of two: the high bits of h scaled to
+     * it (a table sized for its entries is up to half the size). */
+    return (gsize)(((unsigned __int128)h * t->capacity) >> 64);
 }
 
 void
@@ -32,7 +37,7 @@ pf_table_init(PfTable *t, PfTableKeyFunc key, gpointer user)
     memset(t, 0, sizeof(*t));
     t->key = key;
     t->user = user;
-    t->mask = MIN_CAPACITY - 1;
+    t->capacity = MIN_CAPACITY;
     t->slots = g_new0(PfTableEntry, MIN_CAPACITY);
 }
 
@@ -46,7 +51,7 @@ pf_table_destroy(PfTable *t)
 void
 pf_table_clear(PfTable *t)
 {
-    memset(t->slots, 0, (t->mask + 1) * sizeof(PfTableEntry));
+    memset(t->slots, 0, t->capacity * sizeof(PfTableEntry));
     t->n = t->removed = 0;
 }
 
@@ -56,7 +61,7 @@ table_place(PfTable *t, guint64 checksum, guint32 value)
     gsize i = home_slot(t, checksum);
 
     while (t->slots[i].value != 0 && t->slots[i].value != TOMBSTONE) {
-        i = (i + 1) & t->mask;
+        i = i + 1 == t->capacity ? 0 : i + 1;
     }
     if (t->slots[i].value == TOMBSTONE) {
         t->removed--;
@@ -70,38 +75,46 @@ static void
 table_rehash(PfTable *t, gsize capacity)
 {
     PfTableEntry *old = t->slots;
-    gsize old_capacity = t->mask + 1;
+    gsize old_capacity = t->capacity;
 
     t->slots = g_new0(PfTableEntry, capacity);
-    t->mask = capacity - 1;
+    t->capacity = capacity;
     t->n = t->removed = 0;
     for (gsize i = 0; i < old_capacity; i++) {
         guint32 v = old[i].value;
 
         if (v != 0 && v != TOMBSTONE) {
-            table_place(t, t->key(v, t->user), v);
+            table_place(t, t->key != NULL ? t->key(v, t->user) : old[i].tag, v);
         }
     }
     g_free(old);
 }
 
-static gsize
-capacity_for(gsize n_entries)
+/* Whether n entries (tombstones included) are too many for a capacity:
+ * past 3/4 where a probe may call the key function (a cache miss into a
+ * record or a node), past 7/8 where entries hold their keys whole and a
+ * probe reads only the table's own cache lines. */
+static gboolean
+overloaded(const PfTable *t, gsize n, gsize capacity)
 {
-    gsize want = MIN_CAPACITY;
+    return t->key != NULL ? n * 4 > capacity * 3 : n * 8 > capacity * 7;
+}
 
-    while (want * 3 / 4 < n_entries) {
-        want *= 2;
-    }
-    return want;
+/* The least capacity that n_entries do not overload. */
+static gsize
+capacity_for(const PfTable *t, gsize n_entries)
+{
+    gsize extra = t->key != NULL ? n_entries / 3 : n_entries / 7;
+
+    return MAX(MIN_CAPACITY, n_entries + extra + 1);
 }
 
 void
 pf_table_reserve(PfTable *t, gsize n_entries)
 {
-    gsize want = capacity_for(n_entries);
+    gsize want = capacity_for(t, n_entries);
 
-    if (want > t->mask + 1) {
+    if (want > t->capacity) {
         table_rehash(t, want);
     }
 }
@@ -137,12 +150,12 @@ free_apart(PfTableEntry *slots, gsize bytes)
 void
 pf_table_reset(PfTable *t, gsize n_entries)
 {
-    gsize want = capacity_for(n_entries), bytes = (t->mask + 1) * sizeof(PfTableEntry);
+    gsize want = capacity_for(t, n_entries), bytes = t->capacity * sizeof(PfTableEntry);
     PfTableEntry *fresh = NULL;
 
     /* A large table comes zeroed from the kernel, untouched until entries
      * land in it: no pass begins with a memset of gigabytes. */
-    if (want != t->mask + 1 || bytes > FREE_APART_BYTES) {
+    if (want != t->capacity || bytes > FREE_APART_BYTES) {
         fresh = g_try_new0(PfTableEntry, want);
     }
     if (fresh == NULL) {
@@ -151,7 +164,7 @@ pf_table_reset(PfTable *t, gsize n_entries)
     }
     free_apart(t->slots, bytes);
     t->slots = fresh;
-    t->mask = want - 1;
+    t->capacity = want;
     t->n = t->removed = 0;
 }
 
@@ -159,9 +172,10 @@ void
 pf_table_insert(PfTable *t, guint64 checksum, guint32 value)
 {
     g_assert(value != 0 && value != TOMBSTONE);
-    if ((t->n + t->removed + 1) * 4 > (t->mask + 1) * 3) {
+    g_assert(t->key != NULL || checksum <= G_MAXUINT32);
+    if (overloaded(t, t->n + t->removed + 1, t->capacity)) {
         /* Many tombstones: rehashing at the same size is enough. */
-        gsize capacity = t->mask + 1;
+        gsize capacity = t->capacity;
 
         if ((t->n + 1) * 2 > capacity) {
             capacity *= 2;
@@ -186,18 +200,18 @@ iter_next_slot(PfTableIter *it)
 {
     const PfTable *t = it->table;
 
-    while (it->probes <= t->mask) {
+    while (it->probes < t->capacity) {
         gsize i = it->pos;
         const PfTableEntry *e = &t->slots[i];
 
-        it->pos = (it->pos + 1) & t->mask;
+        it->pos = it->pos + 1 == t->capacity ? 0 : it->pos + 1;
         it->probes++;
         if (e->value == 0) {
-            it->probes = t->mask + 1;
+            it->probes = t->capacity;
             return -1;
         }
         if (e->value != TOMBSTONE && e->tag == it->tag &&
-            t->key(e->value, t->user) == it->checksum) {
+            (t->key == NULL || t->key(e->value, t->user) == it->checksum)) {
             return (gssize)i;
         }
     }
@@ -233,27 +247,18 @@ pf_table_remove(PfTable *t, guint64 checksum, guint32 value)
 gsize
 pf_table_bytes(const PfTable *t)
 {
-    return (t->mask + 1) * sizeof(PfTableEntry);
+    return t->capacity * sizeof(PfTableEntry);
 }
 
 /* ---- unstable tree ---- */
 
-static guint64
-unstable_key(guint32 page_id, gpointer user)
-{
-    PfUnstableTree *t = user;
-    const PfPage *p = t->page_of(page_id, t->user);
-
-    /* A page forgotten since it went in (its extent freed) is no match. */
-    return p != NULL ? p->checksum : 0;
-}
-
 void
-pf_unstable_tree_init(PfUnstableTree *t, PfPageFunc page_of, gpointer user)
+pf_unstable_tree_init(PfUnstableTree *t)
 {
-    t->page_of = page_of;
-    t->user = user;
-    pf_table_init(&t->table, unstable_key, t);
+    /* A page's entry keeps the checksum it went in with: one that changed
+     * since, or left the tree, is told apart by its record's state and by
+     * memcmp(), as any other candidate. */
+    pf_table_init(&t->table, NULL, NULL);
 }
 
 void

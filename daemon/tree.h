@@ -1,8 +1,9 @@
 /*
  * tree.h - KSM's two trees, ordered by checksum first.
  *
- * KSM keeps pages in rb-trees ordered by memcmp.  pagefold orders them by a
- * 64-bit checksum and stores them in open-addressing hash tables: one probe
+ * KSM keeps pages in rb-trees ordered by memcmp.  pagefold orders them by
+ * checksum (64 bits for stable nodes, a page record's 32 for the unstable
+ * tree) and stores them in open-addressing hash tables: one probe
  * sequence instead of ~18 pointer-chasing misses per lookup in a 1 GiB tree.
  * The semantics stay KSM's:
  *   - the stable tree holds stable nodes (canonical pages with the guest
@@ -24,13 +25,11 @@
 
 #include "page.h"
 
-/* Returns the record of a page id; the trees need it to re-key and to
- * keep page->node/slot right when members move.  NULL for a page that has
- * none: the unstable tree may still name one (it is emptied at each pass,
- * and a page it holds is forgotten only when the cursor comes back to it),
- * which then matches nothing; the stable tree's members always have one. */
+/* Returns the record of a page id; the stable tree needs it to keep
+ * page->node/slot right when members move (its members always have one). */
 typedef PfPage *(*PfPageFunc)(guint32 page_id, gpointer user);
 
+/* NULL for a table of keys below 2^32, which its entries hold whole. */
 typedef guint64 (*PfTableKeyFunc)(guint32 value, gpointer user);
 
 /* A stable node's sharing is split evenly over its n members, each holding
@@ -55,7 +54,7 @@ typedef struct {
 
 typedef struct {
     PfTableEntry *slots;
-    gsize mask;    /* capacity - 1, capacity a power of two */
+    gsize capacity; /* slots */
     gsize n;       /* live entries */
     gsize removed; /* tombstones */
     PfTableKeyFunc key;
@@ -85,15 +84,13 @@ void pf_table_iter_init(PfTableIter *it, const PfTable *t, guint64 checksum);
 guint32 pf_table_iter_next(PfTableIter *it);
 gsize pf_table_bytes(const PfTable *t);
 
-/* ---- unstable tree: page ids keyed by their record's checksum ---- */
+/* ---- unstable tree: page ids keyed by their folded checksum ---- */
 
 typedef struct {
     PfTable table;
-    PfPageFunc page_of;
-    gpointer user;
 } PfUnstableTree;
 
-void pf_unstable_tree_init(PfUnstableTree *t, PfPageFunc page_of, gpointer user);
+void pf_unstable_tree_init(PfUnstableTree *t);
 void pf_unstable_tree_destroy(PfUnstableTree *t);
 
 /* ---- stable tree: stable nodes, each a canonical page and its sharers ---- */
@@ -108,9 +105,9 @@ typedef struct {
     guint32 next;      /* retired: the node its members move to (the
                         * same content in a slot that more VMs, or a
                         * fuller chunk, hold); it is out of the table */
-    gboolean live;
-    gboolean full;     /* takes no more sharers: out of the table too */
     guint32 domain;    /* the merge domain of every page it has (vm.h) */
+    guint live : 1;
+    guint full : 1;    /* takes no more sharers: out of the table too */
     guint64 born;      /* never the same for two nodes of a tree, whatever
                         * id they had: a node's identity across a pass */
 } PfStableNode;

@@ -1,6 +1,7 @@
 /*
  * tree-test.c - the checksum-keyed tables behind KSM's two trees: equal
- * checksums coexist, removal leaves the others findable, growth keeps all.
+ * checksums coexist, removal leaves the others findable, growth keeps all,
+ * a table sized for its entries takes them without growing.
  */
 #include <glib.h>
 #include <string.h>
@@ -65,18 +66,21 @@ test_table_duplicates(void)
     pf_table_destroy(&t);
 }
 
+/* Keys of up to 64 bits through a key function, or of 32 held whole in
+ * the table (key NULL): each stays findable through growth and churn,
+ * within the table's load (max_load_num / max_load_den). */
 static void
-test_table_growth_and_tombstones(void)
+growth_and_tombstones(PfTableKeyFunc key, guint max_load_num, guint max_load_den)
 {
     PfTable t;
 
-    pf_table_init(&t, key_of, NULL);
+    pf_table_init(&t, key, NULL);
     for (guint32 v = 1; v < G_N_ELEMENTS(keys); v++) {
-        keys[v] = g_random_int() | ((guint64)(v % 7) << 40);
+        keys[v] = g_random_int() | (key != NULL ? (guint64)(v % 7) << 40 : 0);
         pf_table_insert(&t, keys[v], v);
     }
     g_assert_cmpuint(t.n, ==, G_N_ELEMENTS(keys) - 1);
-    g_assert_cmpuint((t.mask + 1) * 3 / 4, >=, t.n);
+    g_assert_cmpuint(t.capacity * max_load_num / max_load_den, >=, t.n);
     /* Remove and re-add many times: tombstones must not fill the table. */
     for (int round = 0; round < 20; round++) {
         for (guint32 v = 1; v < G_N_ELEMENTS(keys); v += 2) {
@@ -95,8 +99,31 @@ test_table_growth_and_tombstones(void)
         }
         g_assert_true(seen);
     }
-    g_assert_cmpuint(t.n + t.removed, <=, (t.mask + 1) * 3 / 4);
+    g_assert_cmpuint(t.n + t.removed, <=, t.capacity * max_load_num / max_load_den);
+
+    /* Sized for what is to come, not to a power of two: those entries go
+     * in without the table growing. */
+    pf_table_reset(&t, 3001);
+    g_assert_cmpuint(t.capacity, <=, 3001 * max_load_den / max_load_num + 1);
+    for (guint32 v = 1; v <= 3001; v++) {
+        gsize capacity = t.capacity;
+
+        pf_table_insert(&t, keys[v], v);
+        g_assert_cmpuint(t.capacity, ==, capacity);
+    }
     pf_table_destroy(&t);
+}
+
+static void
+test_table_growth_and_tombstones(void)
+{
+    growth_and_tombstones(key_of, 3, 4);
+}
+
+static void
+test_table_whole_keys(void)
+{
+    growth_and_tombstones(NULL, 7, 8);
 }
 
 /* ---- stable tree ---- */
@@ -291,6 +318,7 @@ main(int argc, char **argv)
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/tree/table/duplicates", test_table_duplicates);
     g_test_add_func("/tree/table/growth-and-tombstones", test_table_growth_and_tombstones);
+    g_test_add_func("/tree/table/whole-keys", test_table_whole_keys);
     g_test_add_func("/tree/stable/members", test_stable_tree_members);
     g_test_add_func("/tree/stable/full", test_stable_tree_full);
     g_test_add_func("/tree/stable/shares", test_stable_tree_shares);
