@@ -7,11 +7,13 @@
  */
 #include "libvirt-metadata.h"
 
+#include <dlfcn.h>
 #include <libvirt/libvirt.h>
 #include <libvirt/virterror.h>
 #include <string.h>
 
 #include "libvirt-status.h"
+#include "pf-config.h"
 #include "util.h"
 
 /* How often the timer looks at the knob when it has nothing due sooner. */
@@ -148,6 +150,83 @@ pf_libvirt_metadata_element(const PfVm *vm, const PfCounters *c, GDateTime *when
 
 /* ---- the worker (libvirt only here) ---- */
 
+/*
+ * libvirt is loaded by the worker the first time a VM has a domain to
+ * publish to, not when pagefoldd starts: with its dependencies it is about
+ * fifty libraries (TLS, XML, SSH, Kerberos, ICU...), most of what
+ * pagefoldd would map, and a host that runs QEMU without libvirt never
+ * needs any of it.  Never unloaded.
+ */
+typedef struct {
+    __typeof__(virConnectOpen) *connect_open;
+    __typeof__(virConnectClose) *connect_close;
+    __typeof__(virConnectIsAlive) *connect_is_alive;
+    __typeof__(virDomainLookupByUUIDString) *domain_lookup_by_uuid_string;
+    __typeof__(virDomainGetName) *domain_get_name;
+    __typeof__(virDomainIsActive) *domain_is_active;
+    __typeof__(virDomainSetMetadata) *domain_set_metadata;
+    __typeof__(virDomainFree) *domain_free;
+    __typeof__(virGetLastErrorCode) *get_last_error_code;
+    __typeof__(virGetLastErrorMessage) *get_last_error_message;
+    __typeof__(virSetErrorFunc) *set_error_func;
+} LibvirtApi;
+
+static LibvirtApi lv;
+
+/* libvirt prints every error on stderr unless told otherwise; the worker
+ * says what matters itself, once. */
+static void
+quiet_error(void *user, virErrorPtr err)
+{
+}
+
+/* NULL once loaded, else why it could not be (owned, kept). */
+static gpointer
+load_libvirt(gpointer unused)
+{
+    void *h = dlopen(PF_LIBVIRT_SONAME, RTLD_NOW | RTLD_LOCAL);
+    const struct {
+        const char *name;
+        void **at;
+    } syms[] = {
+#define SYM(field, name) { #name, (void **)&lv.field }
+        SYM(connect_open, virConnectOpen),
+        SYM(connect_close, virConnectClose),
+        SYM(connect_is_alive, virConnectIsAlive),
+        SYM(domain_lookup_by_uuid_string, virDomainLookupByUUIDString),
+        SYM(domain_get_name, virDomainGetName),
+        SYM(domain_is_active, virDomainIsActive),
+        SYM(domain_set_metadata, virDomainSetMetadata),
+        SYM(domain_free, virDomainFree),
+        SYM(get_last_error_code, virGetLastErrorCode),
+        SYM(get_last_error_message, virGetLastErrorMessage),
+        SYM(set_error_func, virSetErrorFunc),
+#undef SYM
+    };
+
+    if (h == NULL) {
+        return g_strdup(dlerror());
+    }
+    for (gsize i = 0; i < G_N_ELEMENTS(syms); i++) {
+        if ((*syms[i].at = dlsym(h, syms[i].name)) == NULL) {
+            return g_strdup_printf("%s: no %s", PF_LIBVIRT_SONAME, syms[i].name);
+        }
+    }
+    /* Process-wide, and pagefoldd is libvirt's only user in it. */
+    lv.set_error_func(NULL, quiet_error);
+    return NULL;
+}
+
+/* Whether libvirt is loaded (at the first call); *why not, if not. */
+static gboolean
+libvirt_loaded(const char **why)
+{
+    static GOnce once = G_ONCE_INIT;
+
+    *why = g_once(&once, load_libvirt, NULL);
+    return *why == NULL;
+}
+
 typedef struct {
     Shared *sh;
     virConnectPtr conn;
@@ -159,13 +238,6 @@ typedef struct {
                              * last snapshot */
     char *pid_dir;          /* the snapshot's */
 } Worker;
-
-/* libvirt prints every error on stderr unless told otherwise; the worker
- * says what matters itself, once. */
-static void
-quiet_error(void *user, virErrorPtr err)
-{
-}
 
 static void
 count(Shared *sh, guint64 *field)
@@ -194,17 +266,22 @@ connect_libvirt(Worker *w)
 {
     Shared *sh = w->sh;
 
+    const char *why;
+
     if (w->conn != NULL) {
         return TRUE;
     }
-    w->conn = virConnectOpen(sh->uri);
+    if (libvirt_loaded(&why)) {
+        w->conn = lv.connect_open(sh->uri);
+        why = w->conn == NULL ? lv.get_last_error_message() : NULL;
+    }
     if (w->conn == NULL) {
         /* Not after shutdown: a worker left to end on its own ends
          * quietly. */
         if (!w->trouble_told && !stopping(sh)) {
             g_message("libvirt at %s cannot be reached (%s): VMs' figures are not in "
                       "their domains' metadata; trying again every interval",
-                      sh->uri, virGetLastErrorMessage());
+                      sh->uri, why);
             w->trouble_told = TRUE;
         }
         count(sh, &sh->counts.connect_failures);
@@ -223,7 +300,7 @@ static void
 disconnect_libvirt(Worker *w)
 {
     if (w->conn != NULL) {
-        virConnectClose(w->conn);
+        lv.connect_close(w->conn);
         w->conn = NULL;
         set_connected(w->sh, FALSE);
     }
@@ -247,7 +324,7 @@ call_failed(Worker *w, const char *uuid, const char *what, const char *message)
 {
     Shared *sh = w->sh;
 
-    if (virConnectIsAlive(w->conn) != 1) {
+    if (lv.connect_is_alive(w->conn) != 1) {
         if (!w->trouble_told) {
             g_message("lost the connection to libvirt at %s (%s): trying again every "
                       "interval", sh->uri, message);
@@ -301,13 +378,13 @@ domain_qemu_pid(const char *dir, const char *name, char **why)
 static gboolean
 is_its_process(Worker *w, virDomainPtr dom, const Entry *e)
 {
-    const char *name = virDomainGetName(dom);
+    const char *name = lv.domain_get_name(dom);
     g_autofree char *why = NULL;
     g_autofree char *key = NULL;
     int pid = 0;
 
     if (name == NULL) {
-        why = g_strdup_printf("its name cannot be had: %s", virGetLastErrorMessage());
+        why = g_strdup_printf("its name cannot be had: %s", lv.get_last_error_message());
     } else {
         pid = domain_qemu_pid(w->pid_dir, name, &why);
     }
@@ -340,32 +417,32 @@ set_one(Worker *w, const char *uuid, const Entry *e)
 {
     Shared *sh = w->sh;
     const char *what = e != NULL ? "set" : "remove";
-    virDomainPtr dom = virDomainLookupByUUIDString(w->conn, uuid);
+    virDomainPtr dom = lv.domain_lookup_by_uuid_string(w->conn, uuid);
     g_autofree char *message = NULL;
     int code, rc;
 
     if (dom == NULL) {
-        code = virGetLastErrorCode();
-        message = g_strdup(virGetLastErrorMessage());
-    } else if (e != NULL && (rc = virDomainIsActive(dom)) != 1) {
+        code = lv.get_last_error_code();
+        message = g_strdup(lv.get_last_error_message());
+    } else if (e != NULL && (rc = lv.domain_is_active(dom)) != 1) {
         /* A domain that is defined but not running has no QEMU to ask
          * about: skipped quietly, as setting its live metadata would. */
-        code = rc == 0 ? VIR_ERR_OPERATION_INVALID : virGetLastErrorCode();
-        message = g_strdup(rc == 0 ? "domain is not running" : virGetLastErrorMessage());
-        virDomainFree(dom);
+        code = rc == 0 ? VIR_ERR_OPERATION_INVALID : lv.get_last_error_code();
+        message = g_strdup(rc == 0 ? "domain is not running" : lv.get_last_error_message());
+        lv.domain_free(dom);
     } else if (e != NULL && !is_its_process(w, dom, e)) {
-        virDomainFree(dom);
+        lv.domain_free(dom);
         return CALL_NOT_ITS;
     } else {
         /* Removing needs no such check: the element is pagefold's own,
          * set only where the check held, and it only goes. */
-        rc = virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT,
+        rc = lv.domain_set_metadata(dom, VIR_DOMAIN_METADATA_ELEMENT,
                                   e != NULL ? e->element : NULL,
                                   e != NULL ? PF_LIBVIRT_METADATA_PREFIX : NULL,
                                   PF_LIBVIRT_METADATA_NS, VIR_DOMAIN_AFFECT_LIVE);
-        code = rc < 0 ? virGetLastErrorCode() : VIR_ERR_OK;
-        message = rc < 0 ? g_strdup(virGetLastErrorMessage()) : NULL;
-        virDomainFree(dom);
+        code = rc < 0 ? lv.get_last_error_code() : VIR_ERR_OK;
+        message = rc < 0 ? g_strdup(lv.get_last_error_message()) : NULL;
+        lv.domain_free(dom);
     }
     if (code == VIR_ERR_OK) {
         if (e != NULL) {
@@ -609,8 +686,6 @@ pf_libvirt_metadata_new(PfScanner *scanner, const char *uri, GError **error)
     sh->queue = g_async_queue_new_full(snapshot_free);
     g_mutex_init(&sh->lock);
     g_cond_init(&sh->cond);
-    /* Process-wide, and pagefoldd is libvirt's only user in it. */
-    virSetErrorFunc(NULL, quiet_error);
     g_atomic_int_inc(&workers_running);
     m->thread = g_thread_try_new("pf-libvirt", worker_main, g_atomic_rc_box_acquire(sh),
                                  error);

@@ -503,6 +503,7 @@ test_merge_domain(Fixture *f, gconstpointer data)
     g_assert_cmpint(ctl(f, &out, &err, "merge-domain", NULL), ==, 2);
 }
 
+#if PF_HAVE_LIBVIRT
 /* A libvirtd that hangs up on pagefoldd (killed, restarted): each
  * connection to it is closed as soon as it is made. */
 static gpointer
@@ -519,6 +520,7 @@ hang_up_thread(gpointer data)
         g_socket_close(s, NULL);
     }
 }
+#endif
 
 /* pagefoldd publishing to a libvirtd that goes away (it writes to a socket
  * the other end closed: SIGPIPE, unless ignored) goes on answering. */
@@ -565,6 +567,68 @@ test_libvirt_gone(void)
 #endif
 }
 
+#if PF_HAVE_LIBVIRT
+/* Whether the process maps libvirt's library. */
+static gboolean
+maps_libvirt(int pid)
+{
+    g_autofree char *path = g_strdup_printf("/proc/%d/maps", pid);
+    g_autofree char *maps = NULL;
+
+    g_assert_true(g_file_get_contents(path, &maps, NULL, NULL));
+    return strstr(maps, "/" PF_LIBVIRT_SONAME) != NULL;
+}
+
+static void
+attach(PfTestDaemon *d, int pid)
+{
+    g_autofree char *pidarg = g_strdup_printf("%d", pid);
+
+    json_node_unref(pf_test_ctl_json(d, "attach", pidarg, NULL));
+}
+#endif
+
+/* pagefoldd maps libvirt (and its fifty-odd libraries) only once a VM has
+ * a domain to publish to: not at start, not for a VM with no UUID. */
+static void
+test_libvirt_loaded_late(void)
+{
+#if PF_HAVE_LIBVIRT
+    g_autofree char *dir = g_dir_make_tmp("pagefold-test-XXXXXX", NULL);
+    g_autofree char *uri = g_strdup_printf("qemu+unix:///system?socket=%s/none", dir);
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--libvirt-uri", uri, "--set",
+                                                     "libvirt_metadata_millisecs=1000", NULL);
+    g_autoptr(GSubprocess) plain = NULL;
+    g_autoptr(GSubprocess) domain = NULL;
+    g_autoptr(JsonNode) list = NULL;
+    int daemon_pid = pf_test_daemon_pid(d), pid;
+
+    plain = pf_test_standin_guest("plain", NULL, 1, &pid);
+    attach(d, pid);
+    /* Two intervals: a VM with no UUID gives the worker nothing to do. */
+    g_usleep(2500 * 1000);
+    g_assert_false(maps_libvirt(daemon_pid));
+
+    domain = pf_test_standin_guest("domain", "1b4e28ba-2fa1-11d2-883f-0016d3cca427", 2, &pid);
+    attach(d, pid);
+    for (int i = 0; i < 300 && !maps_libvirt(daemon_pid); i++) {
+        g_usleep(100000);
+    }
+    /* Loaded, though libvirt cannot be reached here: it said so. */
+    g_assert_true(maps_libvirt(daemon_pid));
+    list = pf_test_ctl_json(d, "list", NULL);
+    g_assert_nonnull(pf_test_find_vm(json_node_get_array(list), "plain"));
+    g_assert_nonnull(pf_test_find_vm(json_node_get_array(list), "domain"));
+    for (GSubprocess *p = plain; p != NULL; p = p == plain ? domain : NULL) {
+        g_subprocess_force_exit(p);
+        g_subprocess_wait(p, NULL, NULL);
+    }
+    g_rmdir(dir);
+#else
+    g_test_skip("built without libvirt");
+#endif
+}
+
 int
 main(int argc, char **argv)
 {
@@ -577,5 +641,6 @@ main(int argc, char **argv)
     g_test_add("/cli/config", Fixture, NULL, setup, test_config, teardown);
     g_test_add("/cli/attached-again", Fixture, NULL, setup, test_attached_again, teardown);
     g_test_add_func("/cli/libvirt-gone", test_libvirt_gone);
+    g_test_add_func("/cli/libvirt-loaded-late", test_libvirt_loaded_late);
     return g_test_run();
 }
