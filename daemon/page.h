@@ -42,11 +42,15 @@ typedef struct {
 
 G_STATIC_ASSERT(sizeof(PfPage) == 8);
 
-/* A checksum as a record keeps it. */
+/* A checksum as a record keeps it: the high half of a multiply mixes all
+ * 64 bits (a plain XOR of the halves would let crc32c's four lanes cancel
+ * out), and 0 stays free for reset_page()'s "no checksum". */
 static inline guint32
 pf_page_sum(guint64 checksum)
 {
-    return (guint32)checksum ^ (guint32)(checksum >> 32);
+    guint32 sum = (guint32)((checksum * 0x9E3779B97F4A7C15ull) >> 32);
+
+    return sum != 0 ? sum : 1;
 }
 
 #define PF_PAGE_ID_NONE 0u

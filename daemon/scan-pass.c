@@ -581,8 +581,12 @@ begin_pass(PfScanner *s)
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
         /* Only a page that kept its checksum since its last visit enters
-         * the unstable tree: one volatile or unshared now. */
-        candidates += vm->count[PF_PAGE_VOLATILE] + vm->count[PF_PAGE_UNSHARED];
+         * the unstable tree: one volatile or unshared now, or in advise
+         * mode a sharer that leaves its node unchanged (its first page
+         * changed).  The table is sized for them all: growing a large one
+         * would stall the main loop. */
+        candidates += vm->count[PF_PAGE_VOLATILE] + vm->count[PF_PAGE_UNSHARED] +
+                      (pf_vm_merges(vm) ? 0 : vm->count[PF_PAGE_SHARED]);
     }
     if (s->vms->len == 0) {
         return FALSE;
