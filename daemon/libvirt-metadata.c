@@ -151,11 +151,14 @@ pf_libvirt_metadata_element(const PfVm *vm, const PfCounters *c, GDateTime *when
 /* ---- the worker (libvirt only here) ---- */
 
 /*
- * libvirt is loaded by the worker the first time a VM has a domain to
+ * libvirt is loaded by a worker the first time a VM has a domain to
  * publish to, not when pagefoldd starts: with its dependencies it is about
  * fifty libraries (TLS, XML, SSH, Kerberos, ICU...), most of what
  * pagefoldd would map, and a host that runs QEMU without libvirt never
- * needs any of it.  Never unloaded.
+ * needs any of it.  A load that failed (libvirt installed since, no
+ * descriptor or memory to spare, an upgraded libvirt that needs newer
+ * libraries than pagefoldd has mapped) is tried again at the next
+ * connection.  Never unloaded once loaded.
  */
 typedef struct {
     __typeof__(virConnectOpen) *connect_open;
@@ -171,6 +174,12 @@ typedef struct {
     __typeof__(virSetErrorFunc) *set_error_func;
 } LibvirtApi;
 
+static GMutex lv_lock;
+static gboolean lv_loaded;                        /* lv_lock */
+static const char *lv_soname = PF_LIBVIRT_SONAME; /* lv_lock */
+/* Written under lv_lock before lv_loaded is set, never changed after but
+ * by a load of the same functions (tests): read without the lock by a
+ * worker that was told it is loaded. */
 static LibvirtApi lv;
 
 /* libvirt prints every error on stderr unless told otherwise; the worker
@@ -180,16 +189,17 @@ quiet_error(void *user, virErrorPtr err)
 {
 }
 
-/* NULL once loaded, else why it could not be (owned, kept). */
-static gpointer
-load_libvirt(gpointer unused)
+/* Whether libvirt is loaded, loading it if not; *why (owned) not. */
+static gboolean
+load_libvirt(char **why)
 {
-    void *h = dlopen(PF_LIBVIRT_SONAME, RTLD_NOW | RTLD_LOCAL);
+    g_autoptr(GMutexLocker) locker = g_mutex_locker_new(&lv_lock);
+    LibvirtApi api = { 0 };
     const struct {
         const char *name;
         void **at;
     } syms[] = {
-#define SYM(field, name) { #name, (void **)&lv.field }
+#define SYM(field, name) { #name, (void **)&api.field }
         SYM(connect_open, virConnectOpen),
         SYM(connect_close, virConnectClose),
         SYM(connect_is_alive, virConnectIsAlive),
@@ -203,28 +213,27 @@ load_libvirt(gpointer unused)
         SYM(set_error_func, virSetErrorFunc),
 #undef SYM
     };
+    void *h;
 
-    if (h == NULL) {
-        return g_strdup(dlerror());
+    if (lv_loaded) {
+        return TRUE;
+    }
+    if ((h = dlopen(lv_soname, RTLD_NOW | RTLD_LOCAL)) == NULL) {
+        *why = g_strdup(dlerror());
+        return FALSE;
     }
     for (gsize i = 0; i < G_N_ELEMENTS(syms); i++) {
         if ((*syms[i].at = dlsym(h, syms[i].name)) == NULL) {
-            return g_strdup_printf("%s: no %s", PF_LIBVIRT_SONAME, syms[i].name);
+            *why = g_strdup_printf("%s has no %s", lv_soname, syms[i].name);
+            dlclose(h);
+            return FALSE;
         }
     }
+    lv = api;
     /* Process-wide, and pagefoldd is libvirt's only user in it. */
     lv.set_error_func(NULL, quiet_error);
-    return NULL;
-}
-
-/* Whether libvirt is loaded (at the first call); *why not, if not. */
-static gboolean
-libvirt_loaded(const char **why)
-{
-    static GOnce once = G_ONCE_INIT;
-
-    *why = g_once(&once, load_libvirt, NULL);
-    return *why == NULL;
+    lv_loaded = TRUE;
+    return TRUE;
 }
 
 typedef struct {
@@ -266,22 +275,28 @@ connect_libvirt(Worker *w)
 {
     Shared *sh = w->sh;
 
-    const char *why;
+    g_autofree char *why = NULL;
 
     if (w->conn != NULL) {
         return TRUE;
     }
-    if (libvirt_loaded(&why)) {
-        w->conn = lv.connect_open(sh->uri);
-        why = w->conn == NULL ? lv.get_last_error_message() : NULL;
+    if (!load_libvirt(&why)) {
+        if (!w->trouble_told && !stopping(sh)) {
+            g_message("libvirt cannot be loaded (%s): VMs' figures are not in their "
+                      "domains' metadata; trying again every interval", why);
+            w->trouble_told = TRUE;
+        }
+        count(sh, &sh->counts.load_failures);
+        return FALSE;
     }
+    w->conn = lv.connect_open(sh->uri);
     if (w->conn == NULL) {
         /* Not after shutdown: a worker left to end on its own ends
          * quietly. */
         if (!w->trouble_told && !stopping(sh)) {
             g_message("libvirt at %s cannot be reached (%s): VMs' figures are not in "
                       "their domains' metadata; trying again every interval",
-                      sh->uri, why);
+                      sh->uri, lv.get_last_error_message());
             w->trouble_told = TRUE;
         }
         count(sh, &sh->counts.connect_failures);
@@ -783,4 +798,13 @@ guint
 pf_libvirt_metadata_workers(void)
 {
     return (guint)g_atomic_int_get(&workers_running);
+}
+
+void
+pf_libvirt_metadata_set_library(const char *soname)
+{
+    g_mutex_lock(&lv_lock);
+    lv_soname = soname != NULL ? soname : PF_LIBVIRT_SONAME;
+    lv_loaded = FALSE;
+    g_mutex_unlock(&lv_lock);
 }

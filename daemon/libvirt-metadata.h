@@ -120,6 +120,7 @@ typedef struct {
                                * known: no status file) */
     guint64 failed;           /* other failures of a call */
     guint64 connect_failures; /* connections that could not be made */
+    guint64 load_failures;    /* ... as libvirt could not be loaded */
     gboolean connected;
 } PfLibvirtMetadataCounts;
 void pf_libvirt_metadata_get_counts(PfLibvirtMetadata *m, PfLibvirtMetadataCounts *counts);
@@ -131,3 +132,6 @@ gboolean pf_libvirt_metadata_wait(PfLibvirtMetadata *m, guint timeout_ms);
 /* For tests: workers of this process still running, those left to end on
  * their own included. */
 guint pf_libvirt_metadata_workers(void);
+/* For tests: the library workers load libvirt from (NULL: libvirt's own),
+ * loaded again at their next connection. */
+void pf_libvirt_metadata_set_library(const char *soname);

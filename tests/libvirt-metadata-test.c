@@ -577,6 +577,39 @@ test_unreachable(Fixture *f, gconstpointer data)
     g_assert_cmpint(g_rmdir(dir), ==, 0);
 }
 
+/* libvirt that cannot be loaded (not installed yet, or an upgrade's that
+ * needs newer libraries than pagefoldd has mapped): nothing published,
+ * nothing connected, and tried again at each snapshot, so that the
+ * figures go in once it can be loaded. */
+static void
+test_not_loaded(Fixture *f, gconstpointer data)
+{
+    g_autoptr(PfLibvirtMetadata) m = NULL;
+    PfLibvirtMetadataCounts n;
+    char *xml;
+
+    pf_scanner_run_passes(f->scanner, 1);
+    pf_libvirt_metadata_set_library("libpagefold-no-such-libvirt.so.0");
+    m = publisher_new(f, TEST_URI);
+    for (int i = 0; i < 2; i++) {
+        pf_libvirt_metadata_refresh(m);
+        g_assert_true(pf_libvirt_metadata_wait(m, 5000));
+    }
+    pf_libvirt_metadata_get_counts(m, &n);
+    g_assert_cmpuint(n.load_failures, >=, 2);
+    g_assert_cmpuint(n.connect_failures, ==, 0);
+    g_assert_false(n.connected);
+    g_assert_cmpuint(n.published, ==, 0);
+    g_assert_null(element_now(f));
+
+    pf_libvirt_metadata_set_library(NULL);
+    xml = await_element(f, VM_DOMAIN, 5000);
+    g_assert_nonnull(xml);
+    free(xml);
+    pf_libvirt_metadata_get_counts(m, &n);
+    g_assert_true(n.connected);
+}
+
 /* Something listens where libvirtd would, and never answers: a hung
  * libvirtd.  The worker is stuck in libvirt; the main loop is not, and
  * shutdown waits for it no longer than it says. */
@@ -650,6 +683,7 @@ main(int argc, char **argv)
     T("other-process", test_other_process);
     T("no-pid-file", test_no_pid_file);
     T("unreachable", test_unreachable);
+    T("not-loaded", test_not_loaded);
     T("hung", test_hung);
 #undef T
 #else
