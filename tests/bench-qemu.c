@@ -5,6 +5,9 @@
  *   pagefold: memfd share=on RAM, the agent, pagefoldd (target_pass 500 ms)
  *   ksm-N:    QEMU's default anonymous RAM (mem-merge=on), kernel KSM with
  *             pages_to_scan N (100, 1000, 5000), sleep_millisecs 20
+ *   pagefold+ksm-100: pagefold, and kernel KSM at its defaults
+ *             (pages_to_scan 100) for QEMU's own smaller RAM blocks, as a
+ *             host runs both; ksmd's CPU and rmap_items counted too
  * All guests are headless (-vga none): the video memory a VGA card adds
  * is private RAM either way, merged by kernel KSM in its runs only.
  * For each: memory freed (drop of the summed Pss of the QEMU processes, plus
@@ -221,7 +224,8 @@ pss_by_kind(int pid, guint64 ram_bytes, double kib[PSS_KINDS])
 /* Where the held memory is at the end, by kind, for all the guests and
  * pagefoldd; and the deduplicator's own counters. */
 static void
-dump_pss(const char *system, Guest **g, int n_guests, guint64 ram_bytes, int daemon_pid)
+dump_pss(const char *system, Guest **g, int n_guests, guint64 ram_bytes, int daemon_pid,
+         gboolean ksm)
 {
     double qemu[PSS_KINDS] = { 0 }, daemon[PSS_KINDS] = { 0 };
 
@@ -235,7 +239,7 @@ dump_pss(const char *system, Guest **g, int n_guests, guint64 ram_bytes, int dae
         printf("# %s: Pss of %-10s QEMUs %8.1f MiB, pagefoldd %8.1f MiB\n", system,
                pss_kinds[k], qemu[k] / 1024.0, daemon[k] / 1024.0);
     }
-    if (daemon_pid <= 0) {
+    if (ksm) {
         static const char *const counters[] = { "pages_shared", "pages_sharing",
                                                 "pages_unshared", "pages_volatile",
                                                 "ksm_zero_pages", "full_scans" };
@@ -254,10 +258,11 @@ dump_pss(const char *system, Guest **g, int n_guests, guint64 ram_bytes, int dae
 /* One system: boot, wait, measure a baseline, start deduplicating,
  * sample until `seconds` have passed. */
 static Result
-run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int seconds)
+run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int mib,
+           int seconds)
 {
     Result res = { 0 };
-    gboolean pf = pages_to_scan == 0;
+    gboolean ksm = pages_to_scan != 0;
     const int ram_mib = MAX(2 * mib, mib + 192);
     g_autoptr(PfTestDaemon) d = NULL;
     Guest *g[8];
@@ -309,13 +314,14 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     }
     cpu0 += agent0;
     pss0 += pf ? pf_test_rollup_kib(daemon_pid, "Pss") : 0;
-    cpu0 += pf ? proc_cpu_s(daemon_stat) : proc_cpu_s(ksm_stat);
+    cpu0 += (pf ? proc_cpu_s(daemon_stat) : 0) + (ksm ? proc_cpu_s(ksm_stat) : 0);
 
     if (pf) {
         JsonNode *n = pf_test_ctl_json(d, "set", "run", "1", NULL);
 
         json_node_unref(n);
-    } else {
+    }
+    if (ksm) {
         g_autofree char *pts = g_strdup_printf("%u", pages_to_scan);
 
         ksm_set("pages_to_scan", pts);
@@ -334,7 +340,7 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
         ac -= agent0;
         g_array_append_val(agent_cpu, ac);
         pss += pf ? pf_test_rollup_kib(daemon_pid, "Pss") : 0;
-        c += pf ? proc_cpu_s(daemon_stat) : proc_cpu_s(ksm_stat);
+        c += (pf ? proc_cpu_s(daemon_stat) : 0) + (ksm ? proc_cpu_s(ksm_stat) : 0);
         save = (pss0 - pss) / 1024.0;
         c -= cpu0;
         g_array_append_val(t, now_s);
@@ -345,7 +351,7 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     }
     final = g_array_index(saving, double, saving->len - 1);
     res.saved_mib = final;
-    res.net_mib = final - (pf ? 0 : ksm_metadata_mib());
+    res.net_mib = final - (ksm ? ksm_metadata_mib() : 0);
     /* What the host holds at the end, the deduplicator's own memory
      * included, as the kernel-build benchmark counts it. */
     res.start_mib = pss0 / 1024.0;
@@ -361,7 +367,7 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
     }
     res.slowdown = median_of(after) / median_of(before);
     if (g_getenv("PAGEFOLD_BENCH_SMAPS") != NULL) {
-        dump_pss(name, g, n_guests, (guint64)ram_mib << 20, daemon_pid);
+        dump_pss(name, g, n_guests, (guint64)ram_mib << 20, daemon_pid, ksm);
         if (pf) {
             JsonNode *q = pf_test_guest_qmp(g[0], "x-query-pagefold", NULL);
             g_autofree char *text = json_to_string(q, FALSE);
@@ -373,7 +379,7 @@ run_system(const char *name, guint pages_to_scan, int n_guests, int mib, int sec
             json_node_unref(st);
         }
     }
-    if (!pf) {
+    if (ksm) {
         ksm_set("run", "2");
     }
     for (int i = 0; i < n_guests; i++) {
@@ -466,11 +472,15 @@ main(int argc, char **argv)
     g_auto(GStrv) names = only ? g_strsplit(only, ",", -1) : NULL;
     const struct {
         const char *name;
+        gboolean pf;
         guint pages_to_scan;
         int seconds;
     } systems[] = {
-        { "pagefold", 0, 30 }, { "ksm-5000", 5000, 45 },
-        { "ksm-1000", 1000, 60 }, { "ksm-100", 100, 200 },
+        { "pagefold", TRUE, 0, 30 }, { "ksm-5000", FALSE, 5000, 45 },
+        { "ksm-1000", FALSE, 1000, 60 }, { "ksm-100", FALSE, 100, 200 },
+        /* As a host runs both: kernel KSM at its defaults for what is not
+         * guest RAM (QEMU's smaller RAM blocks, marked mergeable). */
+        { "pagefold+ksm-100", TRUE, 100, 30 },
     };
     /* runs[i * reps + k]: system i's run k. */
     Result runs[G_N_ELEMENTS(systems) * 16];
@@ -491,7 +501,7 @@ main(int argc, char **argv)
         }
         if (i == G_N_ELEMENTS(systems)) {
             fprintf(stderr, "bench-qemu: PAGEFOLD_BENCH_ONLY: no system \"%s\" (pagefold, "
-                            "ksm-5000, ksm-1000, ksm-100)\n", names[j]);
+                            "ksm-5000, ksm-1000, ksm-100, pagefold+ksm-100)\n", names[j]);
             return 2;
         }
         ran[i] = TRUE;
@@ -509,8 +519,8 @@ main(int argc, char **argv)
             Result *r = &runs[i * reps + k];
 
             if (ran[i]) {
-                *r = run_system(systems[i].name, systems[i].pages_to_scan, n, mib,
-                                systems[i].seconds);
+                *r = run_system(systems[i].name, systems[i].pf, systems[i].pages_to_scan, n,
+                                mib, systems[i].seconds);
                 print_json(r, "run", k + 1, n, mib);
             }
         }
