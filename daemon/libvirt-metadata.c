@@ -189,11 +189,10 @@ quiet_error(void *user, virErrorPtr err)
 {
 }
 
-/* Whether libvirt is loaded, loading it if not; *why (owned) not. */
+/* Loads libvirt into lv, with lv_lock held; *why (owned) not. */
 static gboolean
-load_libvirt(char **why)
+load_libvirt_locked(char **why)
 {
-    g_autoptr(GMutexLocker) locker = g_mutex_locker_new(&lv_lock);
     LibvirtApi api = { 0 };
     const struct {
         const char *name;
@@ -215,9 +214,6 @@ load_libvirt(char **why)
     };
     void *h;
 
-    if (lv_loaded) {
-        return TRUE;
-    }
     if ((h = dlopen(lv_soname, RTLD_NOW | RTLD_LOCAL)) == NULL) {
         *why = g_strdup(dlerror());
         return FALSE;
@@ -234,6 +230,18 @@ load_libvirt(char **why)
     lv.set_error_func(NULL, quiet_error);
     lv_loaded = TRUE;
     return TRUE;
+}
+
+/* Whether libvirt is loaded, loading it if not; *why (owned) not. */
+static gboolean
+load_libvirt(char **why)
+{
+    gboolean loaded;
+
+    g_mutex_lock(&lv_lock);
+    loaded = lv_loaded || load_libvirt_locked(why);
+    g_mutex_unlock(&lv_lock);
+    return loaded;
 }
 
 typedef struct {
