@@ -244,10 +244,19 @@ load_libvirt(char **why)
     return loaded;
 }
 
+/* What the worker said last of libvirt as a whole: said again only when
+ * it changes (a library loaded since, but no libvirtd to reach, is news). */
+typedef enum {
+    TROUBLE_NONE,
+    TROUBLE_NOT_LOADED,
+    TROUBLE_UNREACHABLE,
+    TROUBLE_LOST,  /* the connection went; "cannot be reached" then is not news */
+} Trouble;
+
 typedef struct {
     Shared *sh;
     virConnectPtr conn;
-    gboolean trouble_told;  /* that libvirt cannot be reached */
+    Trouble trouble;        /* what was said of libvirt last */
     GHashTable *published;  /* UUIDs whose element is set */
     GHashTable *told;       /* UUID -> the failure last said for it */
     GHashTable *foreign;    /* "UUID pid": said that the domain's QEMU is
@@ -289,10 +298,10 @@ connect_libvirt(Worker *w)
         return TRUE;
     }
     if (!load_libvirt(&why)) {
-        if (!w->trouble_told && !stopping(sh)) {
+        if (w->trouble != TROUBLE_NOT_LOADED && !stopping(sh)) {
             g_message("libvirt cannot be loaded (%s): VMs' figures are not in their "
                       "domains' metadata; trying again every interval", why);
-            w->trouble_told = TRUE;
+            w->trouble = TROUBLE_NOT_LOADED;
         }
         count(sh, &sh->counts.load_failures);
         return FALSE;
@@ -301,19 +310,19 @@ connect_libvirt(Worker *w)
     if (w->conn == NULL) {
         /* Not after shutdown: a worker left to end on its own ends
          * quietly. */
-        if (!w->trouble_told && !stopping(sh)) {
+        if (w->trouble != TROUBLE_UNREACHABLE && w->trouble != TROUBLE_LOST && !stopping(sh)) {
             g_message("libvirt at %s cannot be reached (%s): VMs' figures are not in "
                       "their domains' metadata; trying again every interval",
                       sh->uri, lv.get_last_error_message());
-            w->trouble_told = TRUE;
+            w->trouble = TROUBLE_UNREACHABLE;
         }
         count(sh, &sh->counts.connect_failures);
         return FALSE;
     }
-    if (w->trouble_told) {
+    if (w->trouble != TROUBLE_NONE) {
         g_message("libvirt at %s reached: VMs' figures go into their domains' metadata",
                   sh->uri);
-        w->trouble_told = FALSE;
+        w->trouble = TROUBLE_NONE;
     }
     set_connected(sh, TRUE);
     return TRUE;
@@ -348,10 +357,10 @@ call_failed(Worker *w, const char *uuid, const char *what, const char *message)
     Shared *sh = w->sh;
 
     if (lv.connect_is_alive(w->conn) != 1) {
-        if (!w->trouble_told) {
+        if (w->trouble == TROUBLE_NONE) {
             g_message("lost the connection to libvirt at %s (%s): trying again every "
                       "interval", sh->uri, message);
-            w->trouble_told = TRUE;
+            w->trouble = TROUBLE_LOST;
         }
         disconnect_libvirt(w);
         return CALL_LOST;

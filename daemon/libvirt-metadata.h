@@ -119,8 +119,8 @@ typedef struct {
                                * the VM's process (or which it is is not
                                * known: no status file) */
     guint64 failed;           /* other failures of a call */
-    guint64 connect_failures; /* connections that could not be made */
-    guint64 load_failures;    /* ... as libvirt could not be loaded */
+    guint64 connect_failures; /* connections libvirt could not make */
+    guint64 load_failures;    /* tries to load libvirt that failed */
     gboolean connected;
 } PfLibvirtMetadataCounts;
 void pf_libvirt_metadata_get_counts(PfLibvirtMetadata *m, PfLibvirtMetadataCounts *counts);

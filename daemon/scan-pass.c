@@ -581,12 +581,12 @@ begin_pass(PfScanner *s)
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
         /* Only a page that kept its checksum since its last visit enters
-         * the unstable tree: one volatile or unshared now, or in advise
-         * mode a sharer that leaves its node unchanged (its first page
-         * changed).  The table is sized for them all: growing a large one
-         * would stall the main loop. */
-        candidates += vm->count[PF_PAGE_VOLATILE] + vm->count[PF_PAGE_UNSHARED] +
-                      (pf_vm_merges(vm) ? 0 : vm->count[PF_PAGE_SHARED]);
+         * the unstable tree: one volatile or unshared now.  Not counted,
+         * the table grows for them: in advise mode, a sharer that leaves
+         * its node unchanged (the node's first page changed), which is
+         * rare, while counting every advise-mode sharer would cost a slot
+         * each, more than its record. */
+        candidates += vm->count[PF_PAGE_VOLATILE] + vm->count[PF_PAGE_UNSHARED];
     }
     if (s->vms->len == 0) {
         return FALSE;

@@ -52,6 +52,7 @@ test_knob(void)
 
 #if PF_HAVE_LIBVIRT
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <libvirt/libvirt.h>
 #include <libvirt/virterror.h>
@@ -585,11 +586,16 @@ static void
 test_not_loaded(Fixture *f, gconstpointer data)
 {
     g_autoptr(PfLibvirtMetadata) m = NULL;
+    g_autoptr(GError) error = NULL;
+    g_autofree char *dir = g_dir_make_tmp("pf-libvirt-lib-XXXXXX", &error);
+    g_autofree char *lib = g_build_filename(dir, "libvirt.so.0", NULL);
     PfLibvirtMetadataCounts n;
+    Dl_info info;
     char *xml;
 
+    g_assert_no_error(error);
     pf_scanner_run_passes(f->scanner, 1);
-    pf_libvirt_metadata_set_library("libpagefold-no-such-libvirt.so.0");
+    pf_libvirt_metadata_set_library(lib);
     m = publisher_new(f, TEST_URI);
     for (int i = 0; i < 2; i++) {
         pf_libvirt_metadata_refresh(m);
@@ -602,12 +608,18 @@ test_not_loaded(Fixture *f, gconstpointer data)
     g_assert_cmpuint(n.published, ==, 0);
     g_assert_null(element_now(f));
 
-    pf_libvirt_metadata_set_library(NULL);
+    /* libvirt installed since, where pagefoldd looks: nothing else said. */
+    g_assert_true(dladdr((void *)virConnectOpen, &info) != 0);
+    g_assert_cmpint(symlink(info.dli_fname, lib), ==, 0);
     xml = await_element(f, VM_DOMAIN, 5000);
     g_assert_nonnull(xml);
     free(xml);
     pf_libvirt_metadata_get_counts(m, &n);
     g_assert_true(n.connected);
+
+    pf_libvirt_metadata_set_library(NULL);
+    g_assert_cmpint(g_unlink(lib), ==, 0);
+    g_assert_cmpint(g_rmdir(dir), ==, 0);
 }
 
 /* Something listens where libvirtd would, and never answers: a hung
