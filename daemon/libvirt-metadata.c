@@ -1,7 +1,8 @@
 /*
  * libvirt-metadata.c - VMs' figures in their libvirt domains' live
- * metadata (libvirt-metadata.h), owning the worker thread and its
- * connection.  The main loop's side (the timer, the snapshots) never calls
+ * metadata (libvirt-metadata.h), owning the worker thread, libvirt's
+ * library (loaded by the worker when first needed) and the connection.
+ * The main loop's side (the timer, the snapshots) never calls
  * libvirt; the worker's side calls nothing of the scanner's: a snapshot is
  * all they share.
  */
@@ -291,7 +292,6 @@ static gboolean
 connect_libvirt(Worker *w)
 {
     Shared *sh = w->sh;
-
     g_autofree char *why = NULL;
 
     if (w->conn != NULL) {

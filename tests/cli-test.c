@@ -619,10 +619,10 @@ test_libvirt_loaded_late(void)
     list = pf_test_ctl_json(d, "list", NULL);
     g_assert_nonnull(pf_test_find_vm(json_node_get_array(list), "plain"));
     g_assert_nonnull(pf_test_find_vm(json_node_get_array(list), "domain"));
-    for (GSubprocess *p = plain; p != NULL; p = p == plain ? domain : NULL) {
-        g_subprocess_force_exit(p);
-        g_subprocess_wait(p, NULL, NULL);
-    }
+    g_subprocess_force_exit(plain);
+    g_subprocess_wait(plain, NULL, NULL);
+    g_subprocess_force_exit(domain);
+    g_subprocess_wait(domain, NULL, NULL);
     g_rmdir(dir);
 #else
     g_test_skip("built without libvirt");
