@@ -159,20 +159,26 @@ pf_libvirt_metadata_element(const PfVm *vm, const PfCounters *c, GDateTime *when
  * needs any of it.  A load that failed (libvirt installed since, no
  * descriptor or memory to spare, an upgraded libvirt that needs newer
  * libraries than pagefoldd has mapped) is tried again at the next
- * connection.  Never unloaded once loaded.
+ * connection.  Never unloaded once loaded.  LIBVIRT_API lists the
+ * functions called, each by its field in LibvirtApi.
  */
+#define LIBVIRT_API(X)                                                    \
+    X(connect_open, virConnectOpen)                                       \
+    X(connect_close, virConnectClose)                                     \
+    X(connect_is_alive, virConnectIsAlive)                                \
+    X(domain_lookup_by_uuid_string, virDomainLookupByUUIDString)          \
+    X(domain_get_name, virDomainGetName)                                  \
+    X(domain_is_active, virDomainIsActive)                                \
+    X(domain_set_metadata, virDomainSetMetadata)                          \
+    X(domain_free, virDomainFree)                                         \
+    X(get_last_error_code, virGetLastErrorCode)                           \
+    X(get_last_error_message, virGetLastErrorMessage)                     \
+    X(set_error_func, virSetErrorFunc)
+
 typedef struct {
-    __typeof__(virConnectOpen) *connect_open;
-    __typeof__(virConnectClose) *connect_close;
-    __typeof__(virConnectIsAlive) *connect_is_alive;
-    __typeof__(virDomainLookupByUUIDString) *domain_lookup_by_uuid_string;
-    __typeof__(virDomainGetName) *domain_get_name;
-    __typeof__(virDomainIsActive) *domain_is_active;
-    __typeof__(virDomainSetMetadata) *domain_set_metadata;
-    __typeof__(virDomainFree) *domain_free;
-    __typeof__(virGetLastErrorCode) *get_last_error_code;
-    __typeof__(virGetLastErrorMessage) *get_last_error_message;
-    __typeof__(virSetErrorFunc) *set_error_func;
+#define FIELD(field, name) __typeof__(name) *field;
+    LIBVIRT_API(FIELD)
+#undef FIELD
 } LibvirtApi;
 
 static GMutex lv_lock;
@@ -199,18 +205,8 @@ load_libvirt_locked(char **why)
         const char *name;
         void **at;
     } syms[] = {
-#define SYM(field, name) { #name, (void **)&api.field }
-        SYM(connect_open, virConnectOpen),
-        SYM(connect_close, virConnectClose),
-        SYM(connect_is_alive, virConnectIsAlive),
-        SYM(domain_lookup_by_uuid_string, virDomainLookupByUUIDString),
-        SYM(domain_get_name, virDomainGetName),
-        SYM(domain_is_active, virDomainIsActive),
-        SYM(domain_set_metadata, virDomainSetMetadata),
-        SYM(domain_free, virDomainFree),
-        SYM(get_last_error_code, virGetLastErrorCode),
-        SYM(get_last_error_message, virGetLastErrorMessage),
-        SYM(set_error_func, virSetErrorFunc),
+#define SYM(field, name) { #name, (void **)&api.field },
+        LIBVIRT_API(SYM)
 #undef SYM
     };
     void *h;

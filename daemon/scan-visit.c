@@ -296,10 +296,11 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
                        guint64 c)
 {
     gboolean merge_domain = pf_vm_merges(r->vm), merging = can_merge(r->vm);
+    guint32 sum = pf_page_sum(c);
     PfTableIter it;
     guint32 other;
 
-    pf_table_iter_init(&it, &s->unstable.table, pf_page_sum(c));
+    pf_table_iter_init(&it, &s->unstable.table, sum);
     while (merging || !merge_domain) {
         PfRegion *orr;
         PfPage *o;
@@ -320,7 +321,7 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
         }
         orr = region_of(s, other);
         o = pf_region_page(orr, other - orr->base);
-        pf_table_remove(&s->unstable.table, pf_page_sum(c), other);
+        pf_table_remove(&s->unstable.table, sum, other);
         node = pf_stable_tree_create(&s->stable, c, slot, pf_vm_domain_key(r->vm));
         if (merging) {
             ledger_take(s, slot, 0);
@@ -337,7 +338,7 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
         return;
     }
 
-    pf_table_insert(&s->unstable.table, pf_page_sum(c), id);
+    pf_table_insert(&s->unstable.table, sum, id);
     set_state(r, p, PF_PAGE_UNSHARED);
 }
 
@@ -349,6 +350,7 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
     const guint8 *data = r->map + idx * PF_PAGE_SIZE;
     gboolean back, changed;
     guint64 c;
+    guint32 sum;
 
     if (p == NULL || p->state == PF_PAGE_PENDING) {
         return; /* no memory for its record; or its agent has it */
@@ -383,8 +385,9 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
      * back every pass.  It waits two visits, as any page that changed.
      */
     back = p->state == PF_PAGE_VOLATILE && p->checksum == 0;
-    changed = p->state == PF_PAGE_ABSENT || pf_page_sum(c) != p->checksum;
-    p->checksum = pf_page_sum(c);
+    sum = pf_page_sum(c);
+    changed = p->state == PF_PAGE_ABSENT || sum != p->checksum;
+    p->checksum = sum;
     if (!back && stable_search(s, r, p, id, data, c)) {
         return;
     }

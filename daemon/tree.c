@@ -31,6 +31,13 @@ home_slot(const PfTable *t, guint64 checksum)
     return (gsize)(((unsigned __int128)h * t->capacity) >> 64);
 }
 
+/* The slot a probe goes to after i. */
+static inline gsize
+next_slot(const PfTable *t, gsize i)
+{
+    return i + 1 == t->capacity ? 0 : i + 1;
+}
+
 void
 pf_table_init(PfTable *t, PfTableKeyFunc key, gpointer user)
 {
@@ -61,7 +68,7 @@ table_place(PfTable *t, guint64 checksum, guint32 value)
     gsize i = home_slot(t, checksum);
 
     while (t->slots[i].value != 0 && t->slots[i].value != TOMBSTONE) {
-        i = i + 1 == t->capacity ? 0 : i + 1;
+        i = next_slot(t, i);
     }
     if (t->slots[i].value == TOMBSTONE) {
         t->removed--;
@@ -204,7 +211,7 @@ iter_next_slot(PfTableIter *it)
         gsize i = it->pos;
         const PfTableEntry *e = &t->slots[i];
 
-        it->pos = it->pos + 1 == t->capacity ? 0 : it->pos + 1;
+        it->pos = next_slot(t, it->pos);
         it->probes++;
         if (e->value == 0) {
             it->probes = t->capacity;

@@ -255,6 +255,15 @@ dump_pss(const char *system, Guest **g, int n_guests, guint64 ram_bytes, int dae
     }
 }
 
+/* The deduplicators' own CPU seconds: pagefoldd's and ksmd's, each where
+ * its /proc/PID/stat is given (the agents are counted apart). */
+static double
+dedup_cpu_s(const char *daemon_stat, const char *ksm_stat)
+{
+    return (daemon_stat != NULL ? proc_cpu_s(daemon_stat) : 0) +
+           (ksm_stat != NULL ? proc_cpu_s(ksm_stat) : 0);
+}
+
 /* One system: boot, wait, measure a baseline, start deduplicating,
  * sample until `seconds` have passed. */
 static Result
@@ -314,7 +323,7 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int
     }
     cpu0 += agent0;
     pss0 += pf ? pf_test_rollup_kib(daemon_pid, "Pss") : 0;
-    cpu0 += (pf ? proc_cpu_s(daemon_stat) : 0) + (ksm ? proc_cpu_s(ksm_stat) : 0);
+    cpu0 += dedup_cpu_s(pf ? daemon_stat : NULL, ksm ? ksm_stat : NULL);
 
     if (pf) {
         JsonNode *n = pf_test_ctl_json(d, "set", "run", "1", NULL);
@@ -324,8 +333,7 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int
     if (!ksm) {
         /* However the host had it: pagefold's runs alone are without. */
         ksm_set("run", "0");
-    }
-    if (ksm) {
+    } else {
         g_autofree char *pts = g_strdup_printf("%u", pages_to_scan);
 
         ksm_set("pages_to_scan", pts);
@@ -344,7 +352,7 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int
         ac -= agent0;
         g_array_append_val(agent_cpu, ac);
         pss += pf ? pf_test_rollup_kib(daemon_pid, "Pss") : 0;
-        c += (pf ? proc_cpu_s(daemon_stat) : 0) + (ksm ? proc_cpu_s(ksm_stat) : 0);
+        c += dedup_cpu_s(pf ? daemon_stat : NULL, ksm ? ksm_stat : NULL);
         save = (pss0 - pss) / 1024.0;
         c -= cpu0;
         g_array_append_val(t, now_s);
