@@ -116,6 +116,7 @@ struct _PfAgent {
      */
     GMutex dma;
     GArray *dma_ranges; /* DmaRange, one per mapping the VMM made */
+    GArray *written;    /* DmaRange: what devices wrote, untold (under dma) */
     GMutex out;  /* outbox, posting */
     GQueue outbox;      /* Outgoing*, sent by the agent thread alone */
     /*
@@ -165,6 +166,9 @@ gboolean pfa_uffd_resume(PfAgent *a, char **why);
 
 /* agent-dma.c */
 gboolean pfa_in_dma(PfAgent *a, const guint8 *lo, const guint8 *hi);
+/* What devices wrote since the last call is queued for pagefoldd (HINT),
+ * once READY is; dropped before.  On the agent thread, work not held. */
+void pfa_post_written(PfAgent *a);
 
 /* agent-remap.c */
 extern const guint8 pfa_zero_page[PF_PAGE_SIZE];

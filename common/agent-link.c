@@ -140,6 +140,7 @@ wait_readable(PfAgent *a, int timeout_ms, GError **error)
                 got = read(a->wake[0], buf, sizeof(buf));
             } while (got > 0);
 
+            pfa_post_written(a);
             if (!pfa_flush(a, error)) {
                 if (error != NULL && *error == NULL) {
                     g_set_error(error, PF_ERROR, PF_ERROR_CLOSED,

@@ -120,6 +120,10 @@ pfa_flush(PfAgent *a, GError **error)
             ok = pf_proto_send_results(
                 a->sock, o->seq, (const PfWireResult *)o->payload,
                 (guint32)(o->length / sizeof(PfWireResult)), error);
+        } else if (o->type == PF_MSG_HINT) {
+            ok = pf_proto_send_hints(
+                a->sock, (const PfWireRange *)o->payload,
+                (guint32)(o->length / sizeof(PfWireRange)), error);
         } else {
             ok = pf_proto_send(a->sock, o->type, o->seq, o->payload,
                                o->length, &o->fd, o->fd >= 0 ? 1 : 0, error);

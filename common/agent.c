@@ -74,6 +74,7 @@ pf_agent_new(const char *vm_name, const guint8 *uuid)
     a->regions = g_array_new(FALSE, TRUE, sizeof(Region));
     a->chunks = g_ptr_array_new_with_free_func(pfa_chunk_free);
     a->dma_ranges = g_array_new(FALSE, FALSE, sizeof(DmaRange));
+    a->written = g_array_new(FALSE, FALSE, sizeof(DmaRange));
     a->sys = real_syscalls;
     a->threads = gthreads;
     a->sock = a->uffd = -1;
@@ -121,6 +122,7 @@ pf_agent_free(PfAgent *a)
     g_array_unref(a->regions);
     g_ptr_array_unref(a->chunks);
     g_array_unref(a->dma_ranges);
+    g_array_unref(a->written);
     g_mutex_clear(&a->lock);
     g_mutex_clear(&a->work);
     g_mutex_clear(&a->dma);

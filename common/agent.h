@@ -72,6 +72,13 @@ typedef struct {
      * virtio-mem)
      */
     guint64 discarded;
+    /* pages a device wrote that pagefoldd was told of (HINT) */
+    guint64 hinted;
+    /*
+     * pages a device wrote that pagefoldd was not told of: more came
+     * between two sends than the agent keeps
+     */
+    guint64 hints_dropped;
 } PfAgentStats;
 
 typedef struct _PfAgent PfAgent;
@@ -146,7 +153,14 @@ void pf_agent_discard(PfAgent *a, void *host, gsize len);
  * returns.  Cheap: a mutex and an array append.
  */
 void pf_agent_dma_map(PfAgent *a, void *host, gsize len);
-void pf_agent_dma_unmap(PfAgent *a, void *host, gsize len);
+/*
+ * The DMA of pf_agent_dma_map(a, host, len) is over; the device wrote its
+ * first written bytes (a disk read's length; 0 for a write to the disk).
+ * pagefoldd hears which pages of guest RAM those were, and visits them
+ * first: a disk read of an image other VMs read too is about to be
+ * merged (a hint, which changes no page).
+ */
+void pf_agent_dma_unmap(PfAgent *a, void *host, gsize len, gsize written);
 
 /*
  * The system calls through which the agent changes guest RAM.  Tests

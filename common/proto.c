@@ -273,18 +273,42 @@ check_result(const PfMsg *msg, const char *what, GError **error)
     return TRUE;
 }
 
+/* A range of a region's pages no region can hold. */
+static gboolean
+range_impossible(const PfWireRange *p)
+{
+    return p->n_pages == 0 || p->page >= (1ull << 34) ||
+           p->n_pages > (1ull << 34);
+}
+
 /* DISCARD and GONE; GONE is of a whole region, from page 0. */
 static gboolean
 check_range(const PfMsg *msg, const char *what, GError **error)
 {
     const PfWireRange *p = (const void *)msg->payload;
 
-    if (msg->header.length != sizeof(*p) || p->n_pages == 0 ||
-        p->page >= (1ull << 34) || p->n_pages > (1ull << 34) ||
+    if (msg->header.length != sizeof(*p) || range_impossible(p) ||
         (msg->header.type == PF_MSG_GONE && p->page != 0)) {
         return fail(error,
                     "%s of %u bytes, or of an empty or impossible range",
                     what, msg->header.length);
+    }
+    return TRUE;
+}
+
+static gboolean
+check_hint(const PfMsg *msg, const char *what, GError **error)
+{
+    const PfWireRange *ranges = (const void *)(msg->payload +
+                                               sizeof(ListHeader));
+
+    if (!list_ok(msg, what, sizeof(*ranges), error)) {
+        return FALSE;
+    }
+    for (guint32 i = 0; i < ((const ListHeader *)msg->payload)->n; i++) {
+        if (range_impossible(&ranges[i])) {
+            return fail(error, "HINT range %u is empty or impossible", i);
+        }
     }
     return TRUE;
 }
@@ -317,6 +341,7 @@ static const struct {
     [PF_MSG_DISCARD] = { "DISCARD", check_range, 0, 0 },
     [PF_MSG_DROP] = { "DROP", check_pool, 0, 0 },
     [PF_MSG_GONE] = { "GONE", check_range, 0, 0 },
+    [PF_MSG_HINT] = { "HINT", check_hint, 0, 0 },
 };
 
 static gboolean
@@ -465,6 +490,14 @@ pf_msg_results(const PfMsg *msg, guint32 *n_results)
     return (const void *)(msg->payload + sizeof(ListHeader));
 }
 
+const PfWireRange *
+pf_msg_hints(const PfMsg *msg, guint32 *n_ranges)
+{
+    g_return_val_if_fail(msg->header.type == PF_MSG_HINT, NULL);
+    *n_ranges = ((const ListHeader *)msg->payload)->n;
+    return (const void *)(msg->payload + sizeof(ListHeader));
+}
+
 static gboolean
 send_list(int sock, PfMsgType type, guint32 seq, const void *entries,
           gsize each, guint32 n, GError **error)
@@ -494,5 +527,11 @@ pf_proto_send_results(int sock, guint32 seq, const PfWireResult *results,
 {
     return send_list(sock, PF_MSG_RESULT, seq, results, sizeof(*results), n,
                      error);
+}
 
+gboolean
+pf_proto_send_hints(int sock, const PfWireRange *ranges, guint32 n,
+                    GError **error)
+{
+    return send_list(sock, PF_MSG_HINT, 0, ranges, sizeof(*ranges), n, error);
 }

@@ -18,7 +18,7 @@
 #include <glib.h>
 
 #define PF_PROTO_MAGIC 0x31474650u /* "PFG1" */
-#define PF_PROTO_VERSION 1u
+#define PF_PROTO_VERSION 2u /* 2: HINT */
 #define PF_PROTO_MAX_PAYLOAD (64u * 1024u)
 #define PF_PROTO_MAX_FDS 4u
 #define PF_PROTO_NAME_LEN 64u
@@ -64,7 +64,12 @@ typedef enum {
      * index left before this link (its index stays taken)
      */
     PF_MSG_GONE = 12,
-    PF_MSG_LAST = PF_MSG_GONE,
+    /*
+     * agent -> daemon: ranges of pages a device just wrote (a disk read
+     * landed there), for pagefoldd to visit first: a hint, nothing more
+     */
+    PF_MSG_HINT = 13,
+    PF_MSG_LAST = PF_MSG_HINT,
 } PfMsgType;
 
 typedef struct {
@@ -113,7 +118,7 @@ typedef struct {
 
 /*
  * DISCARD: pages [page, page + n_pages) of a region.  GONE: the region,
- * page 0 and n_pages all its pages.
+ * page 0 and n_pages all its pages.  HINT: a list of them.
  */
 typedef struct {
     guint32 region;
@@ -185,13 +190,16 @@ const PfWirePool *pf_msg_pool(const PfMsg *msg);
 const PfWireRange *pf_msg_range(const PfMsg *msg);
 const PfWireItem *pf_msg_items(const PfMsg *msg, guint32 *n_items);
 const PfWireResult *pf_msg_results(const PfMsg *msg, guint32 *n_results);
+const PfWireRange *pf_msg_hints(const PfMsg *msg, guint32 *n_ranges);
 
-/* REQUEST and RESULT: n entries after a small list header. */
+/* REQUEST, RESULT and HINT: n entries after a small list header. */
 gboolean pf_proto_send_items(int sock, guint32 seq, const PfWireItem *items,
                              guint32 n, GError **error);
 gboolean pf_proto_send_results(int sock, guint32 seq,
                                const PfWireResult *results, guint32 n,
                                GError **error);
+gboolean pf_proto_send_hints(int sock, const PfWireRange *ranges, guint32 n,
+                             GError **error);
 
 
 /* Copies text into a fixed wire field, NUL-padded and always terminated. */

@@ -19,6 +19,8 @@ typedef struct {
     guint max_page_sharing;      /* sharers per canonical page (KSM) */
     gboolean smart_scan;         /* KSM >= 6.7 */
     gboolean use_zero_pages;     /* zero pages apart (KSM) */
+    gboolean io_hints;           /* visit first what agents say a device
+                                  * just wrote (scan-hints.c) */
     gboolean run;                /* 0: stopped, 1: scanning (KSM) */
     guint max_vma_percent;       /* share of vm.max_map_count a VM may
                                   * reach through merges */

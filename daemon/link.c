@@ -566,6 +566,35 @@ on_discard(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
+/* Pages a device just wrote: visited first (scan-hints.c).  The agent is
+ * not told which regions were refused, so a hint there is honest, and
+ * changes nothing; one of pages no region has is a lie. */
+static gboolean
+on_hint(PfLink *l, const PfMsg *msg)
+{
+    guint32 n;
+    const PfWireRange *hints = pf_msg_hints(msg, &n);
+
+    for (guint32 i = 0; i < n; i++) {
+        const PfWireRange *wr = &hints[i];
+        const PfRegion *r = range_region(l, wr);
+
+        if (r == NULL || r->gone || wr->page + wr->n_pages > r->n_pages) {
+            if (r != NULL && r->refused != NULL && !r->gone) {
+                continue;
+            }
+            return link_refuse(l, "HINT of pages %" G_GUINT64_FORMAT "+%" G_GUINT64_FORMAT
+                                  " of region %u: no such pages%s",
+                               wr->page, wr->n_pages, wr->region,
+                               r != NULL && r->gone ? " (the region is gone)" : "");
+        }
+        if (pf_region_live(r)) {
+            pf_scanner_hinted(l->srv->scanner, l->vm, wr->region, wr->page, wr->n_pages);
+        }
+    }
+    return TRUE;
+}
+
 static gboolean
 on_message(PfLink *l, PfMsg *msg)
 {
@@ -628,6 +657,9 @@ on_message(PfLink *l, PfMsg *msg)
         }
         if (msg->header.type == PF_MSG_DISCARD) {
             return on_discard(l, msg);
+        }
+        if (msg->header.type == PF_MSG_HINT) {
+            return on_hint(l, msg);
         }
         if (msg->header.type == PF_MSG_REGION) {
             return on_region(l, msg);

@@ -36,9 +36,13 @@ typedef struct {
     };
     guint16 slot;     /* SHARED: index in its node's member array */
     guint8 state : 3; /* PfPageState */
-    guint8 seen : 5;  /* smart scan: the pass of its last visit, modulo 32 */
-    guint8 age;       /* smart scan: passes without merging, saturating */
+    guint8 seen : 5;  /* the pass of its last visit, modulo 32 */
+    guint8 age : 7;   /* smart scan: passes without merging, saturating */
+    /* visited as a device wrote it (a hint), since the cursor last came */
+    guint8 hinted : 1;
 } PfPage;
+
+#define PF_PAGE_AGE_MAX 127u
 
 G_STATIC_ASSERT(sizeof(PfPage) == 8);
 

@@ -5,6 +5,7 @@
  *
  *   scan.c          the scanner's life, pacing, VM lookups, counters
  *   scan-pass.c     the pass loop: the cursor, holes, slices, entering a VM
+ *   scan-hints.c    pages a device just wrote, visited before the cursor's
  *   scan-vms.c      VMs and regions coming and going, merge domains
  *   scan-adopt.c    merged pages of an earlier pagefoldd, taken back
  *   scan-visit.c    one visit of a page: KSM's stable and unstable search
@@ -115,6 +116,7 @@ struct _PfScanner {
     gint64 deferred_wait; /* usec the pass waited for deferred VMs */
     gint64 wait_since;    /* monotonic: it waits for them since (or 0) */
     gint64 slice_end; /* monotonic: a scan stops here (0: at max_pages) */
+    guint hint_vm;    /* the VM whose hints were visited last */
 
     guint64 full_scans;
     guint64 memcmp_calls;
@@ -198,6 +200,14 @@ page_in_memory(const guint8 *page)
     return mincore((void *)page, PF_PAGE_SIZE, &v) == 0 && (v & 1);
 }
 
+/* How many pages of vm may be visited for its outbox now: a visit asks
+ * for two pages at most (a pair from the unstable tree). */
+static inline gsize
+outbox_visits(PfVm *vm)
+{
+    return vm->outbox == NULL ? G_MAXSIZE : pf_outbox_room(vm->outbox) / 2;
+}
+
 /* May this VM's pages be merged for real now?  Merging VMs group only with
  * merging VMs: a pool node is physical sharing, an advise node is not. */
 static inline gboolean
@@ -259,11 +269,19 @@ void ledger_hold_or_put(PfScanner *s, GArray *keep, guint32 slot, guint32 node);
  * keep (or is put), and it is absent from now on. */
 void ledger_forget_page(PfScanner *s, PfRegion *r, gsize idx, GArray *keep);
 
+/* ---- scan-hints.c ---- */
+
+/* Visits hinted pages, up to max, VMs in turn; returns the pages taken
+ * off their queues. */
+gsize hints_visit(PfScanner *s, gsize max);
+/* The VM's hints go (it is being unmerged, or its RAM changed). */
+void hints_forget(PfVm *vm);
+
 /* ---- scan-visit.c ---- */
 
 /* One page of r, by KSM's rules (scan.h); r's VM has room for two
- * requests. */
-void visit_page(PfScanner *s, PfRegion *r, gsize idx);
+ * requests.  hinted: a device just wrote it (scan-hints.c). */
+void visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted);
 
 /* ---- scan-moves.c ---- */
 
@@ -352,6 +370,9 @@ void vms_release_region(PfScanner *s, PfRegion *r, GArray *keep);
 /* A region that faulted when read leaves the scanner (and a VM attached
  * by pid; an agent's keeps it as a placeholder). */
 void vms_drop_region(PfScanner *s, PfRegion *r);
+/* A region faulted at pf_guard_addr as it was read: it is dropped, or its
+ * VM detached (and freed). */
+void vms_faulted(PfScanner *s);
 
 /* ---- scan-events.c: telling the layers above ---- */
 

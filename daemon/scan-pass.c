@@ -81,24 +81,6 @@ pf_scanner_in_pass(PfScanner *s)
     return s->in_pass;
 }
 
-/* A region faulted at pf_guard_addr: it is dropped, or its VM detached. */
-static void
-faulted(PfScanner *s)
-{
-    PfRegion *bad = pf_page_space_at_address(&s->space, pf_guard_addr);
-
-    if (bad == NULL) {
-        g_error("SIGBUS at %p outside guest RAM", pf_guard_addr);
-    }
-    g_warning("VM %s: region %s faulted at %p (truncated under us?); dropping it", bad->vm->name,
-              bad->name, pf_guard_addr);
-    if (pf_vm_merges(bad->vm)) {
-        pf_scanner_detach(s, bad->vm, "its RAM faulted (truncated under us?)");
-    } else {
-        vms_drop_region(s, bad);
-    }
-}
-
 /* Visits up to n pages of r from the cursor on, within the slice. */
 static gsize
 scan_range(PfScanner *s, PfRegion *r, gsize n)
@@ -110,7 +92,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
     if (sigsetjmp(env, 0) != 0) {
         pf_guard_env = NULL;
         s->cur_page = i;
-        faulted(s);
+        vms_faulted(s);
         return i - start;
     }
     pf_guard_env = &env;
@@ -126,7 +108,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         }
         for (gsize j = 0; j < k && (j == 0 || !past_slice(s)); j++, i++) {
             if (resident[j] & 1) {
-                visit_page(s, r, i);
+                visit_page(s, r, i, FALSE);
             } else {
                 cow_leave_hole(s, r, i, i + 1, TRUE);
             }
@@ -423,14 +405,6 @@ leave_vm(PfScanner *s, PfVm *vm, gboolean later)
     vm->resume_page = s->cur_page;
     vm->deferred = later;
     next_vm(s);
-}
-
-/* How many pages of vm the cursor may visit for its outbox now: a visit
- * asks for two pages at most (a pair from the unstable tree). */
-static gsize
-outbox_visits(PfVm *vm)
-{
-    return vm->outbox == NULL ? G_MAXSIZE : pf_outbox_room(vm->outbox) / 2;
 }
 
 /* Whether vm waits for a window of its memfd that is not read yet: one
@@ -774,7 +748,7 @@ scan_step(PfScanner *s, PfVm *vm, gsize max, gboolean *moved)
 gsize
 pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
 {
-    gboolean moved = FALSE, step_moved;
+    gboolean moved = FALSE, step_moved, hints_due = s->knobs.io_hints;
     gsize done = 0;
 
     s->blocked = FALSE;
@@ -794,6 +768,16 @@ pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
 
         if (!s->in_pass && !begin_pass(s)) {
             break;
+        }
+        if (hints_due) {
+            /* First, in this pass's unstable tree: up to half the budget,
+             * so that the cursor goes on however many hints come. */
+            gsize hinted = hints_visit(s, (max_pages - done + 1) / 2);
+
+            hints_due = FALSE;
+            done += hinted;
+            moved = moved || hinted > 0;
+            continue;
         }
         if (s->cur_vm >= s->vms->len) {
             if (to_deferred(s)) {

@@ -71,14 +71,10 @@ smart_skip(PfPage *p, guint64 pass)
 {
     guint age = p->age, period = skip_period(age);
 
-    if (age != G_MAXUINT8) {
+    if (age != PF_PAGE_AGE_MAX) {
         p->age++;
     }
-    if (pass % period != 0 && ((pass - p->seen) & 31) < 2 * period) {
-        return TRUE;
-    }
-    p->seen = pass & 31;
-    return FALSE;
+    return pass % period != 0 && ((pass - p->seen) & 31) < 2 * period;
 }
 
 /*
@@ -297,6 +293,7 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
 {
     gboolean merge_domain = pf_vm_merges(r->vm), merging = can_merge(r->vm);
     guint32 sum = pf_page_sum(c);
+    gboolean listed = FALSE;
     PfTableIter it;
     guint32 other;
 
@@ -309,6 +306,12 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
 
         if ((other = pf_table_iter_next(&it)) == 0) {
             break;
+        }
+        if (other == id) {
+            /* In this pass's tree already (a hinted visit, then another):
+             * once is enough. */
+            listed = TRUE;
+            continue;
         }
         if (!pair_candidate(s, r, id, data, other)) {
             continue;
@@ -338,12 +341,14 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
         return;
     }
 
-    pf_table_insert(&s->unstable.table, sum, id);
+    if (!listed) {
+        pf_table_insert(&s->unstable.table, sum, id);
+    }
     set_state(r, p, PF_PAGE_UNSHARED);
 }
 
 void
-visit_page(PfScanner *s, PfRegion *r, gsize idx)
+visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
 {
     guint32 id = r->base + (guint32)idx;
     PfPage *p = pf_region_page_make(r, idx);
@@ -363,11 +368,23 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
         cow_check_merged(s, r, idx, idx + 1);
         return;
     }
-    if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED && p->state != PF_PAGE_ZERO &&
-        smart_skip(p, s->full_scans)) {
+    if (hinted) {
+        /* New content: smart scan starts over; the cursor passes it by
+         * in this pass (it was visited in it). */
+        p->age = 0;
+        p->hinted = 1;
+        r->vm->pages_hinted++;
+    } else if (p->hinted) {
+        p->hinted = 0;
+        if (p->seen == (s->full_scans & 31)) {
+            return;
+        }
+    } else if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED &&
+               p->state != PF_PAGE_ZERO && smart_skip(p, s->full_scans)) {
         r->vm->pages_skipped++;
         return;
     }
+    p->seen = s->full_scans & 31;
     r->vm->pages_scanned++;
     if (advise_still_shares(s, r, p, id, data, &c)) {
         return;
@@ -386,7 +403,9 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx)
      */
     back = p->state == PF_PAGE_VOLATILE && p->checksum == 0;
     sum = pf_page_sum(c);
-    changed = p->state == PF_PAGE_ABSENT || sum != p->checksum;
+    /* A page a device just wrote holds what it will hold (a disk read
+     * into the page cache): the hint stands for the second visit. */
+    changed = !hinted && (p->state == PF_PAGE_ABSENT || sum != p->checksum);
     p->checksum = sum;
     if (!back && stable_search(s, r, p, id, data, c)) {
         return;

@@ -14,6 +14,8 @@
 #include <glib-unix.h>
 #include <unistd.h>
 
+#include "guard.h"
+
 /* The VM at index idx left the scanner's list: the cursor stays right (if
  * it was at that VM, on to the next one, or back to those deferred once
  * every VM had its turn). */
@@ -96,6 +98,23 @@ vms_drop_region(PfScanner *s, PfRegion *r)
     }
     cursor_region_changed(s, vm, k, TRUE);
     pf_region_free(pf_vm_steal_region(vm, k));
+}
+
+void
+vms_faulted(PfScanner *s)
+{
+    PfRegion *bad = pf_page_space_at_address(&s->space, pf_guard_addr);
+
+    if (bad == NULL) {
+        g_error("SIGBUS at %p outside guest RAM", pf_guard_addr);
+    }
+    g_warning("VM %s: region %s faulted at %p (truncated under us?); dropping it", bad->vm->name,
+              bad->name, pf_guard_addr);
+    if (pf_vm_merges(bad->vm)) {
+        pf_scanner_detach(s, bad->vm, "its RAM faulted (truncated under us?)");
+    } else {
+        vms_drop_region(s, bad);
+    }
 }
 
 static gboolean

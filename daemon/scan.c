@@ -66,6 +66,7 @@ pf_scanner_begin_unmerge(PfScanner *s, PfVm *vm)
 {
     vm->unmerging++;
     moves_forget_joins(s, NULL);
+    hints_forget(vm);
 }
 
 void
@@ -255,6 +256,8 @@ vm_counters(const PfVm *vm, guint64 shared, guint64 meta, PfCounters *c)
     c->vmas = vm->vmas;
     c->pages_skipped = vm->pages_skipped;
     c->pages_scanned = vm->pages_scanned;
+    c->pages_hinted = vm->pages_hinted;
+    c->hints_dropped = vm->hints_dropped;
     c->full_scans = vm->full_scans;
     c->pages_tracked = pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT];
     c->metadata_bytes = meta;

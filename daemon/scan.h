@@ -196,6 +196,11 @@ gboolean pf_scanner_add_region(PfScanner *s, PfVm *vm, PfRegion *r);
  * let go, requests not sent yet are never sent, answers still to come for
  * it change nothing, and it stays a placeholder at its index. */
 void pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index);
+/* Pages [first, first + n) of a VM's live region were just written by a
+ * device (its agent says: a disk read): they are visited before the
+ * cursor's pages, up to a bound a VM (scan-hints.c).  With io_hints 0,
+ * nothing. */
+void pf_scanner_hinted(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n);
 /* Pages of a VM's region were mapped from the memfd again and discarded. */
 void pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n);
 

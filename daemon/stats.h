@@ -17,6 +17,11 @@
  *   pages_pending   pages an agent is merging or unmerging right now
  *   cow             merged pages the guest wrote since (copy-on-write)
  *   vmas            mappings of the VM's process (merge mode)
+ *   pages_hinted    visits of pages its agent said a device had just
+ *                   written (disk reads), made before the cursor's: of
+ *                   pages_scanned, cumulative
+ *   hints_dropped   such pages not visited first, since more came than
+ *                   pagefoldd keeps for a VM, cumulative
  *
  * Attribution: a canonical page used by n guest pages counts 1/n to the VM
  * of each of them.  Those fractions are rounded by the largest-remainder
@@ -40,6 +45,8 @@ typedef struct {
     guint64 pages_pending;
     guint64 cow;
     guint64 vmas;
+    guint64 pages_hinted;
+    guint64 hints_dropped;
     guint64 pages_tracked;  /* pages with a record: KSM's rmap_items */
     guint64 metadata_bytes;
     gint64 general_profit;

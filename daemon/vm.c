@@ -594,6 +594,7 @@ pf_vm_free(PfVm *vm)
         close(vm->pagemap_fd);
     }
     g_clear_pointer(&vm->dropped, g_array_unref);
+    g_clear_pointer(&vm->hints, g_array_unref);
     if (vm->looking != NULL) {
         /* Its callback sees it cancelled, and touches nothing of the VM. */
         g_cancellable_cancel(vm->looking);

@@ -29,6 +29,13 @@ typedef struct {
     gint64 usec;  /* monotonic time when told */
 } PfDropped;
 
+/* Pages [page, page + n_pages) of the VM's region `region`. */
+typedef struct {
+    guint32 region;
+    guint32 n_pages;
+    guint64 page;
+} PfHint;
+
 /* The key of a merge domain of one VM's own (an agent no root process
  * vouched for): this bit and the VM's serial.  Other keys are the index
  * of a named domain, 0 the host's default. */
@@ -57,6 +64,12 @@ struct _PfVm {
     gsize gone_zero;
     guint64 pages_scanned;
     guint64 pages_skipped;
+    /* Ranges of its pages its agent says a device just wrote, visited
+     * before the cursor's (scan-hints.c): PfHint, hint_pages pages. */
+    GArray *hints;
+    gsize hint_pages;
+    guint64 pages_hinted;
+    guint64 hints_dropped;
     guint64 full_scans;
     /* The cursor left it before its end (its outbox was full, or its agent
      * silent): it comes back to it later in the pass if deferred, and

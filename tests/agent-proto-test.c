@@ -279,6 +279,9 @@ test_bad_messages(Fixture *f, gconstpointer data)
         { "length mismatch", 16, PF_MSG_REQUEST, 100 },
         { "unknown type", 16, 77, 0 },
         { "empty request", 16 + 8, PF_MSG_REQUEST, 8 },
+        { "empty hint", 16 + 8, PF_MSG_HINT, 8 },
+        /* One range of no page. */
+        { "empty range", 16 + 8 + 24, PF_MSG_HINT, 8 + 24 },
     };
 
     for (guint i = 0; i < G_N_ELEMENTS(cases); i++) {
@@ -795,10 +798,10 @@ test_dma(Fixture *f, gconstpointer data)
     res = unmerge_page(f, 0, 2);
     g_assert_cmpuint(res[0].status, ==, PF_RESULT_ERROR);
     g_assert_cmpint(res[0].err, ==, EBUSY);
-    pf_agent_dma_unmap(f->agent, mem, PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, mem, PF_PAGE_SIZE, 0);
     res = unmerge_page(f, 0, 3);
     g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
-    pf_agent_dma_unmap(f->agent, mem + 4 * PF_PAGE_SIZE, 2 * PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, mem + 4 * PF_PAGE_SIZE, 2 * PF_PAGE_SIZE, 0);
     res = merge_pages(f, 4, 2, 4);
     g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
     g_assert_cmpuint(res[1].status, ==, PF_RESULT_DONE);
@@ -821,13 +824,79 @@ test_dma(Fixture *f, gconstpointer data)
     assert_covered(covered, 16, 20, TRUE);
     assert_covered(covered, 1, 8, FALSE);
     g_assert_true(pf_agent_is_connected(f->agent));
-    pf_agent_dma_unmap(f->agent, mem + 6 * PF_PAGE_SIZE, PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, mem + 6 * PF_PAGE_SIZE, PF_PAGE_SIZE, 0);
     g_assert_true(pf_agent_step_back(f->agent, "a test", NULL));
     g_assert_cmpuint(remapped(f), ==, 0);
     memset(covered, 0, sizeof(covered));
     read_discards(f, 0, PF_MSG_ADVISE, covered);
     assert_covered(covered, 1, 8, TRUE);
-    pf_agent_dma_unmap(f->agent, mem + 40 * PF_PAGE_SIZE, 8 * PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, mem + 40 * PF_PAGE_SIZE, 8 * PF_PAGE_SIZE, 0);
+}
+
+/*
+ * What a device wrote (a disk read: the VMM's unmap says how much) is told
+ * to pagefoldd as HINTs of whole pages of the region, reads one after
+ * another as one range; a write to the disk, an unmap of no mapping and
+ * RAM outside the regions tell nothing.  Hints come before the RESULT of
+ * a request sent after them.
+ */
+static void
+test_dma_written(Fixture *f, gconstpointer data)
+{
+    gboolean covered[PAGES] = { FALSE };
+    guint8 *mem = f->guest->mem;
+    g_autofree guint8 *outside = g_malloc(2 * PF_PAGE_SIZE);
+    PfAgentStats st;
+    guint hints = 0;
+
+    pf_agent_dma_map(f->agent, mem + 8 * PF_PAGE_SIZE, 4 * PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, mem + 8 * PF_PAGE_SIZE, 4 * PF_PAGE_SIZE,
+                       2 * PF_PAGE_SIZE + 100);
+    pf_agent_dma_map(f->agent, mem + 20 * PF_PAGE_SIZE + 512, 2 * PF_PAGE_SIZE);
+    pf_agent_dma_map(f->agent, mem + 22 * PF_PAGE_SIZE + 512, 2 * PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, mem + 20 * PF_PAGE_SIZE + 512, 2 * PF_PAGE_SIZE,
+                       2 * PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, mem + 22 * PF_PAGE_SIZE + 512, 2 * PF_PAGE_SIZE,
+                       2 * PF_PAGE_SIZE);
+    pf_agent_dma_map(f->agent, mem + 30 * PF_PAGE_SIZE, PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, mem + 30 * PF_PAGE_SIZE, PF_PAGE_SIZE, 0);
+    pf_agent_dma_unmap(f->agent, mem + 40 * PF_PAGE_SIZE, PF_PAGE_SIZE, PF_PAGE_SIZE);
+    pf_agent_dma_map(f->agent, outside, 2 * PF_PAGE_SIZE);
+    pf_agent_dma_unmap(f->agent, outside, 2 * PF_PAGE_SIZE, 2 * PF_PAGE_SIZE);
+
+    g_assert_true(pf_proto_send_items(f->conn, 9, &(PfWireItem){ .kind = PF_ITEM_UNMERGE,
+                                                                  .page = 50 },
+                                      1, NULL));
+    for (;;) {
+        guint32 n;
+        const PfWireRange *wr;
+
+        g_assert_true(pf_proto_recv(f->conn, &f->msg, NULL));
+        if (f->msg.header.type == PF_MSG_RESULT) {
+            break;
+        }
+        g_assert_cmpuint(f->msg.header.type, ==, PF_MSG_HINT);
+        wr = pf_msg_hints(&f->msg, &n);
+        for (guint32 i = 0; i < n; i++, hints++) {
+            g_assert_cmpuint(wr[i].region, ==, 0);
+            for (guint64 k = 0; k < wr[i].n_pages; k++) {
+                covered[wr[i].page + k] = TRUE;
+            }
+            g_test_message("HINT %" G_GUINT64_FORMAT "+%" G_GUINT64_FORMAT, wr[i].page,
+                           wr[i].n_pages);
+        }
+    }
+    assert_covered(covered, 0, 8, FALSE);
+    assert_covered(covered, 8, 11, TRUE);
+    assert_covered(covered, 11, 20, FALSE);
+    assert_covered(covered, 20, 25, TRUE);
+    assert_covered(covered, 25, PAGES, FALSE);
+    g_assert_cmpuint(hints, <=, 3);
+    pf_agent_get_stats(f->agent, &st);
+    /* Pages told: 8, or 9 when the two reads were told apart. */
+    g_assert_cmpuint(st.hinted, >=, 3 + 5);
+    g_assert_cmpuint(st.hinted, <=, 3 + 3 + 3);
+    g_assert_cmpuint(st.hints_dropped, ==, 0);
 }
 
 /* ---- pool chunks dropped and ids reused; pages moved between chunks ---- */
@@ -1669,6 +1738,7 @@ main(int argc, char **argv)
     g_test_add("/agent-proto/fault/unprotect-unregister", Fixture, "wp-off,unregister", setup,
                test_fault_unprotect, teardown);
     g_test_add("/agent-proto/dma", Fixture, NULL, setup, test_dma, teardown);
+    g_test_add("/agent-proto/dma-written", Fixture, NULL, setup, test_dma_written, teardown);
     g_test_add("/agent-proto/drop", Fixture, NULL, setup, test_drop, teardown);
     g_test_add("/agent-proto/drop-unknown", Fixture, GINT_TO_POINTER(DROP_NEVER_SENT), setup,
                test_drop_bad, teardown);

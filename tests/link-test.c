@@ -181,6 +181,14 @@ send_discard(int fd, guint32 region, guint64 page, guint64 n)
     g_assert_true(pf_proto_send(fd, PF_MSG_DISCARD, 0, &r, sizeof(r), NULL, 0, NULL));
 }
 
+static void
+send_hint(int fd, guint32 region, guint64 page, guint64 n)
+{
+    PfWireRange r = { region, 0, page, n };
+
+    g_assert_true(pf_proto_send_hints(fd, &r, 1, NULL));
+}
+
 static guint
 count_fds(int pid)
 {
@@ -306,6 +314,14 @@ test_bad_agents(void)
     fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     send_discard(fd, 0, 0, 0);
     expect_refusal(fd, "DISCARD of");
+    /* Hints of pages the VM does not have. */
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
+    send_hint(fd, 0, 0, 256);
+    send_hint(fd, 0, 200, 57);
+    expect_refusal(fd, "HINT of pages 200+57 of region 0: no such pages");
+    fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
+    send_hint(fd, 3, 0, 1);
+    expect_refusal(fd, "no such pages");
 
     /* Stepping back to advise mode: only from merge mode, with a reason,
      * and to advise mode. */

@@ -670,6 +670,103 @@ test_full_nodes(Fixture *f, gconstpointer data)
     g_assert_cmpuint(f->total.pages_unshared, ==, 2 * 16 - 1);
 }
 
+/* The last 256 pages of each guest's 4096 hold the same content. */
+static const PfLayout layout_tail = { .unique = 4096 };
+
+static void
+same_tail(Fixture *f)
+{
+    for (int i = 0; i < 2; i++) {
+        for (gsize k = 4096 - 256; k < 4096; k++) {
+            pf_fill_page(f->guest[i]->mem + k * PF_PAGE_SIZE, 0x7a11000 + k);
+        }
+    }
+}
+
+/*
+ * Pages an agent says a device just wrote (disk reads: HINT) are visited
+ * before the cursor's, and enter the unstable tree at that first visit:
+ * the two guests' copies at the end of their RAM merge while the cursor
+ * is still at the start of the first guest.  With io_hints 0 they wait for
+ * the cursor.  The cursor passes by the pages the hints had it visit in
+ * this pass, and a VM's hints are kept only up to a bound.
+ */
+static void
+test_hinted_first(Fixture *f, gconstpointer data)
+{
+    PfKnobs *k = pf_scanner_get_knobs(f->scanner);
+    PfVm *a = g_ptr_array_index(pf_scanner_get_vms(f->scanner), 0);
+    PfVm *b = g_ptr_array_index(pf_scanner_get_vms(f->scanner), 1);
+
+    same_tail(f);
+    k->smart_scan = FALSE;
+    k->io_hints = FALSE;
+    pf_scanner_hinted(f->scanner, a, 0, 4096 - 256, 256);
+    pf_scanner_hinted(f->scanner, b, 0, 4096 - 256, 256);
+    for (int i = 0; i < 8; i++) {
+        pf_test_scan(f->scanner, 128);
+    }
+    collect(f);
+    g_assert_cmpuint(f->total.pages_hinted, ==, 0);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 0);
+    g_assert_cmpuint(f->total.full_scans, ==, 0);
+
+    k->io_hints = TRUE;
+    pf_scanner_hinted(f->scanner, a, 0, 4096 - 256, 128);
+    /* Reads one after another make one range. */
+    pf_scanner_hinted(f->scanner, a, 0, 4096 - 128, 128);
+    pf_scanner_hinted(f->scanner, b, 0, 4096 - 256, 256);
+    g_assert_cmpuint(a->hints->len, ==, 1);
+    /* Up to half of each call's budget for hints, a VM's range at a
+     * time: the cursor, at the other half, is still in the first guest. */
+    for (int i = 0; i < 32 && f->total.pages_hinted < 512; i++) {
+        pf_test_scan(f->scanner, 128);
+        collect(f);
+    }
+    g_assert_cmpuint(f->total.pages_hinted, ==, 512);
+    g_assert_cmpuint(f->total.pages_shared, ==, 256);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 256);
+    g_assert_cmpuint(f->total.full_scans, ==, 0);
+    g_assert_cmpuint(f->total.pages_scanned - 512, <, 4096 - 256);
+
+    /* The rest of the pass: every page once, the hinted ones not again. */
+    while (f->total.full_scans == 0) {
+        pf_test_scan(f->scanner, 4096);
+        collect(f);
+    }
+    g_assert_cmpuint(f->total.full_scans, ==, 1);
+    g_assert_cmpuint(f->total.pages_scanned, ==, 2 * 4096);
+    g_assert_cmpuint(f->total.pages_volatile, ==, 2 * (4096 - 256));
+    g_assert_cmpuint(f->total.pages_sharing, ==, 256);
+    /* The next pass visits them as any other. */
+    pf_scanner_run_passes(f->scanner, 1);
+    collect(f);
+    g_assert_cmpuint(f->total.pages_scanned, ==, 4 * 4096);
+    g_assert_cmpuint(f->total.pages_sharing, ==, 256);
+    g_assert_cmpuint(f->total.pages_unshared, ==, 2 * (4096 - 256));
+
+    /* A flood: 256 MiB of hints are kept, the rest counted. */
+    for (int i = 0; i < 300; i++) {
+        pf_scanner_hinted(f->scanner, a, 0, 0, 256);
+    }
+    collect(f);
+    g_assert_cmpuint(f->vm[0].hints_dropped, ==, 300 * 256 - 65536);
+    g_assert_cmpuint(a->hint_pages, ==, 65536);
+    /* Visited at up to half of each scan's pages (more while the cursor
+     * waits for a look at a VM), while the cursor goes on. */
+    for (int i = 0; i < 8; i++) {
+        pf_test_scan(f->scanner, 128);
+    }
+    collect(f);
+    g_assert_cmpuint(f->total.pages_hinted - 512, >, 0);
+    g_assert_cmpuint(f->total.pages_scanned - 4 * 4096, >, f->total.pages_hinted - 512);
+    g_assert_cmpuint(a->hint_pages, ==, 65536 - (f->total.pages_hinted - 512));
+    /* An unmerge forgets them. */
+    pf_scanner_begin_unmerge(f->scanner, a);
+    pf_scanner_end_unmerge(f->scanner, a);
+    g_assert_cmpuint(a->hint_pages, ==, 0);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -699,5 +796,7 @@ main(int argc, char **argv)
     g_test_add_func("/scan/metadata-follows-pages", test_metadata_follows_pages);
     g_test_add_func("/scan/window-read-fails", test_window_read_fails);
     g_test_add_func("/scan/pace-present-pages", test_pace_present_pages);
+    g_test_add("/scan/hinted-first", Fixture, &layout_tail, fixture_setup, test_hinted_first,
+               fixture_teardown);
     return g_test_run();
 }

@@ -1,0 +1,131 @@
+/*
+ * scan-hints.c - the pages an agent says a device just wrote (a disk read
+ * landed there: HINT), visited before the cursor comes to them.  A read of
+ * an image other VMs read too (their root disk's backing file) fills pages
+ * their page caches hold as well: visited now, such a page meets its
+ * copies in the unstable tree within seconds, where the cursor would reach
+ * it minutes later (the idea of XLH, USENIX ATC 2013).  A page the device
+ * just wrote is taken as unchanged since its last visit: the two visits
+ * KSM asks of a page before the unstable tree are what the hint stands
+ * for, and the agent's compare still decides every merge.
+ *
+ * Owns each VM's queue of hinted ranges.  A hint is a peer's word: it is
+ * checked against the VM's regions (link.c), kept within a bound a VM
+ * (PF_HINT_PAGES), visited within a share of each scan's budget, a VM at a
+ * time in turn, and it changes nothing but the order of visits: a VM that
+ * floods hints spends its own share, and its own pages' smart scan.
+ */
+#include "scan-internal.h"
+
+#include <setjmp.h>
+
+#include "guard.h"
+
+/* Hinted pages a VM may have waiting: a 256 MiB read at once.  Past it,
+ * the pages wait for the cursor, as with no hint. */
+#define PF_HINT_PAGES 65536u
+/* Ranges a VM may have waiting (a read of scattered pages is many). */
+#define PF_HINT_RANGES 8192u
+/* Pages of one range visited before the next VM's turn. */
+#define HINT_TURN 64u
+
+void
+pf_scanner_hinted(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n)
+{
+    PfHint h = { region, (guint32)n, first };
+
+    if (!s->knobs.io_hints) {
+        return;
+    }
+    if (vm->hints == NULL) {
+        vm->hints = g_array_new(FALSE, FALSE, sizeof(PfHint));
+    }
+    if (vm->hints->len > 0) {
+        PfHint *last = &g_array_index(vm->hints, PfHint, vm->hints->len - 1);
+
+        /* Reads of one file come one after another. */
+        if (last->region == region && last->page + last->n_pages == first &&
+            vm->hint_pages + n <= PF_HINT_PAGES) {
+            last->n_pages += (guint32)n;
+            vm->hint_pages += n;
+            return;
+        }
+    }
+    if (n > PF_HINT_PAGES - vm->hint_pages || vm->hints->len >= PF_HINT_RANGES) {
+        vm->hints_dropped += n;
+        return;
+    }
+    g_array_append_val(vm->hints, h);
+    vm->hint_pages += n;
+}
+
+void
+hints_forget(PfVm *vm)
+{
+    if (vm->hints != NULL) {
+        g_array_set_size(vm->hints, 0);
+    }
+    vm->hint_pages = 0;
+}
+
+/* Visits up to max pages of vm's first hinted range; returns how many
+ * pages it took off the queue. */
+static gsize
+visit_hinted(PfScanner *s, PfVm *vm, gsize max)
+{
+    PfHint *h = &g_array_index(vm->hints, PfHint, 0);
+    PfRegion *r = h->region < vm->regions->len ? g_ptr_array_index(vm->regions, h->region)
+                                               : NULL;
+    gsize n = MIN(MIN(max, HINT_TURN), MIN(h->n_pages, outbox_visits(vm)));
+    guint8 resident[HINT_TURN];
+    sigjmp_buf env;
+
+    /* A region that left since, or refused: nothing to visit. */
+    if (r != NULL && pf_region_live(r) && h->page + n <= r->n_pages &&
+        mincore((void *)(r->map + h->page * PF_PAGE_SIZE), n * PF_PAGE_SIZE, resident) == 0) {
+        if (sigsetjmp(env, 0) != 0) {
+            pf_guard_env = NULL;
+            vms_faulted(s);
+            return 0; /* the VM's queue may be gone with it */
+        }
+        pf_guard_env = &env;
+        for (gsize j = 0; j < n; j++) {
+            /* Never read a page not in memory: that would allocate it. */
+            if (resident[j] & 1) {
+                visit_page(s, r, h->page + j, TRUE);
+            }
+        }
+        pf_guard_env = NULL;
+    }
+    h->page += n;
+    h->n_pages -= (guint32)n;
+    vm->hint_pages -= n;
+    if (h->n_pages == 0) {
+        g_array_remove_index(vm->hints, 0);
+    }
+    return n;
+}
+
+gsize
+hints_visit(PfScanner *s, gsize max)
+{
+    gsize done = 0;
+    guint idle = 0;
+
+    /* A VM at a time, a range's turn each, until the budget is spent or
+     * no VM that may take requests has hints. */
+    while (done < max && s->vms->len > 0 && idle < s->vms->len && !past_slice(s)) {
+        PfVm *vm;
+
+        s->hint_vm = (s->hint_vm + 1) % s->vms->len;
+        vm = g_ptr_array_index(s->vms, s->hint_vm);
+        if (vm->hint_pages == 0 || vm->unmerging ||
+            (vm->outbox != NULL && outbox_visits(vm) == 0)) {
+            idle++;
+            continue;
+        }
+        idle = 0;
+        done += visit_hinted(s, vm, max - done);
+    }
+    return done;
+}
