@@ -18,11 +18,16 @@
  */
 #include "agent-internal.h"
 
+#include <errno.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 /* Ranges noted between two sends of the agent thread, which wakes at the
  * first; past them (the thread held up), the rest are counted, untold. */
 #define WRITTEN_MAX 4096u
+/* Past this much not yet sent to pagefoldd, hints are dropped. */
+#define HINT_UNSENT_MAX (64 * 1024)
 
 void
 pf_agent_dma_map(PfAgent *a, void *host, gsize len)
@@ -34,14 +39,34 @@ pf_agent_dma_map(PfAgent *a, void *host, gsize len)
     g_mutex_unlock(&a->dma);
 }
 
-/* Notes the pages of [lo, hi) a device wrote.  With dma held. */
+/* Is any page of [lo, hi) in DMA?  Called with a->dma held. */
+gboolean
+pfa_in_dma(PfAgent *a, const guint8 *lo, const guint8 *hi)
+{
+    for (guint i = 0; i < a->dma_ranges->len; i++) {
+        const DmaRange *d = &g_array_index(a->dma_ranges, DmaRange, i);
+
+        if (d->lo < hi && lo < d->hi) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+/* Notes the whole pages of [lo, hi) a device wrote: not a part of a page
+ * (a request's status byte, a header), whose other bytes the guest's
+ * kernel writes as it likes.  With dma held. */
 static gboolean
 note_written(PfAgent *a, const guint8 *lo, const guint8 *hi)
 {
-    DmaRange w = { (const guint8 *)((guintptr)lo & ~(guintptr)(PF_PAGE_SIZE - 1)),
-                   (const guint8 *)(((guintptr)hi + PF_PAGE_SIZE - 1) &
-                                    ~(guintptr)(PF_PAGE_SIZE - 1)) };
+    DmaRange w = { (const guint8 *)(((guintptr)lo + PF_PAGE_SIZE - 1) &
+                                    ~(guintptr)(PF_PAGE_SIZE - 1)),
+                   (const guint8 *)((guintptr)hi & ~(guintptr)(PF_PAGE_SIZE - 1)) };
     gboolean first = a->written->len == 0;
+
+    if (w.lo >= w.hi) {
+        return FALSE;
+    }
 
     if (!first) {
         DmaRange *last = &g_array_index(a->written, DmaRange, a->written->len - 1);
@@ -81,9 +106,9 @@ pf_agent_dma_unmap(PfAgent *a, void *host, gsize len, gsize written)
         }
     }
     g_mutex_unlock(&a->dma);
-    if (wake) {
-        /* A full pipe is readable already. */
-        (void)!write(a->wake[1], "x", 1);
+    /* Only ranges mapped since the start are noted: the pipe is made. */
+    if (wake && write(a->wake[1], "x", 1) < 0 && errno != EAGAIN) {
+        g_warning("pagefold agent: cannot wake the agent thread: %s", g_strerror(errno));
     }
 }
 
@@ -101,7 +126,7 @@ hints_of(PfAgent *a, const DmaRange *w, GArray *hints)
         }
         lo = MAX(w->lo, r->host);
         hi = MIN(w->hi, r->host + r->size);
-        if (lo < hi) {
+        if (hi - lo >= (gssize)PF_PAGE_SIZE) {
             h.page = (guint64)(lo - r->host) / PF_PAGE_SIZE;
             h.n_pages = (guint64)(hi - lo) / PF_PAGE_SIZE;
             g_array_append_val(hints, h);
@@ -109,55 +134,58 @@ hints_of(PfAgent *a, const DmaRange *w, GArray *hints)
     }
 }
 
+/* Bytes the link's socket has not sent yet (SIOCOUTQ), 0 if unknown. */
+static int
+unsent(PfAgent *a)
+{
+    int n = 0;
+
+    return ioctl(a->sock, SIOCOUTQ, &n) == 0 ? n : 0;
+}
+
 void
 pfa_post_written(PfAgent *a)
 {
-    g_autoptr(GArray) written = g_array_new(FALSE, FALSE, sizeof(DmaRange));
-    g_autoptr(GArray) hints = g_array_new(FALSE, FALSE, sizeof(PfWireRange));
-    guint64 pages = 0;
+    g_autoptr(GArray) written = NULL;
+    g_autoptr(GArray) hints = NULL;
+    guint64 pages = 0, dropped = 0;
 
-    g_mutex_lock(&a->work);
     g_mutex_lock(&a->dma);
     if (a->written->len > 0) {
-        GArray *t = a->written;
-
-        a->written = written;
-        written = t;
+        written = a->written;
+        a->written = g_array_new(FALSE, FALSE, sizeof(DmaRange));
     }
     g_mutex_unlock(&a->dma);
-    if (!a->ready) {
-        /* pagefoldd reads all of guest RAM at its first pass anyway. */
-        g_mutex_unlock(&a->work);
+    if (written == NULL) {
         return;
     }
+    hints = g_array_new(FALSE, FALSE, sizeof(PfWireRange));
+    g_mutex_lock(&a->work);
     for (guint i = 0; i < written->len; i++) {
         hints_of(a, &g_array_index(written, DmaRange, i), hints);
     }
-    for (guint i = 0; i < hints->len; i += PF_PROTO_MAX_ITEMS) {
-        guint n = MIN(hints->len - i, PF_PROTO_MAX_ITEMS);
-
-        pfa_post(a, PF_MSG_HINT, 0, &g_array_index(hints, PfWireRange, i),
-                 n * sizeof(PfWireRange), -1);
-    }
-    g_mutex_unlock(&a->work);
     for (guint i = 0; i < hints->len; i++) {
         pages += g_array_index(hints, PfWireRange, i).n_pages;
     }
-    g_mutex_lock(&a->lock);
-    a->stats.hinted += pages;
-    g_mutex_unlock(&a->lock);
-}
+    /*
+     * Not before READY (pagefoldd reads all of guest RAM at its first
+     * pass anyway), nor to a pagefoldd of protocol 1, nor while pagefoldd
+     * has not read what was sent: a hint must never hold up an answer.
+     */
+    if (!a->ready || a->version < PF_PROTO_VERSION_HINT || unsent(a) > HINT_UNSENT_MAX) {
+        dropped = pages;
+        pages = 0;
+    } else {
+        for (guint i = 0; i < hints->len; i += PF_PROTO_MAX_ITEMS) {
+            guint n = MIN(hints->len - i, PF_PROTO_MAX_ITEMS);
 
-/* Is any page of [lo, hi) in DMA?  Called with a->dma held. */
-gboolean
-pfa_in_dma(PfAgent *a, const guint8 *lo, const guint8 *hi)
-{
-    for (guint i = 0; i < a->dma_ranges->len; i++) {
-        const DmaRange *d = &g_array_index(a->dma_ranges, DmaRange, i);
-
-        if (d->lo < hi && lo < d->hi) {
-            return TRUE;
+            pfa_post(a, PF_MSG_HINT, 0, &g_array_index(hints, PfWireRange, i),
+                     n * sizeof(PfWireRange), -1);
         }
     }
-    return FALSE;
+    g_mutex_unlock(&a->work);
+    g_mutex_lock(&a->lock);
+    a->stats.hinted += pages;
+    a->stats.hints_dropped += dropped;
+    g_mutex_unlock(&a->lock);
 }

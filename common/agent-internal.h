@@ -95,6 +95,7 @@ struct _PfAgent {
     /* either side said ERROR: not connected again (under work) */
     gboolean parted;
     int relink_ms;     /* the last wait before connecting again */
+    guint32 version;   /* of the link, as WELCOME said (under work) */
     int uffd;
     gboolean uffd_lost; /* closed because protection could not be lifted */
     GPtrArray *chunks;  /* Chunk*, indexed by chunk id, NULL where unknown */

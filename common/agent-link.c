@@ -68,7 +68,8 @@ settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
         mode = PF_MODE_MERGE;
     }
     pfa_set_mode(a, mode, why ? why : "");
-    ready.version = PF_PROTO_VERSION;
+    a->version = welcome->version;
+    ready.version = a->version;
     ready.mode = mode;
     pf_wire_set_string(ready.reason, sizeof(ready.reason), a->reason);
     pfa_post(a, PF_MSG_READY, 0, &ready, sizeof(ready), -1);

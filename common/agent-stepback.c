@@ -172,7 +172,7 @@ step_back_end(PfAgent *a, int rc, gboolean final)
         a->advise_untold = FALSE;
     }
     if (rc == 0) {
-        PfWireMode m = { PF_PROTO_VERSION, PF_MODE_ADVISE, "" };
+        PfWireMode m = { a->version, PF_MODE_ADVISE, "" };
 
         if (a->uffd >= 0) {
             /*

@@ -136,9 +136,9 @@ check_hello(const PfMsg *msg, const char *what, GError **error)
     if (msg->header.length != sizeof(*p)) {
         return fail(error, "HELLO of %u bytes", msg->header.length);
     }
-    if (p->version != PF_PROTO_VERSION) {
-        return fail(error, "protocol version %u, this side speaks %u",
-                    p->version, PF_PROTO_VERSION);
+    if (p->version < PF_PROTO_VERSION_MIN) {
+        return fail(error, "protocol version %u, this side speaks %u to %u",
+                    p->version, PF_PROTO_VERSION_MIN, PF_PROTO_VERSION);
     }
     if (!string_ok(p->name, sizeof(p->name), FALSE)) {
         return fail(error, "HELLO name is not a terminated UTF-8 string");
@@ -184,7 +184,7 @@ check_mode(const PfMsg *msg, const char *what, GError **error)
     if (msg->header.length != sizeof(*p)) {
         return fail(error, "%s of %u bytes", what, msg->header.length);
     }
-    if (p->version != PF_PROTO_VERSION) {
+    if (p->version < PF_PROTO_VERSION_MIN || p->version > PF_PROTO_VERSION) {
         return fail(error, "%s of protocol version %u", what, p->version);
     }
     if (p->mode != PF_MODE_ADVISE && p->mode != PF_MODE_MERGE) {

@@ -18,7 +18,16 @@
 #include <glib.h>
 
 #define PF_PROTO_MAGIC 0x31474650u /* "PFG1" */
-#define PF_PROTO_VERSION 2u /* 2: HINT */
+/*
+ * Each side speaks every version from PF_PROTO_VERSION_MIN to
+ * PF_PROTO_VERSION.  The agent's HELLO says its newest; pagefoldd's
+ * WELCOME says the version of the link, the lower of the two, which READY
+ * and ADVISE say again: a pagefoldd upgraded under running VMs keeps
+ * their older agents.  2 added HINT.
+ */
+#define PF_PROTO_VERSION 2u
+#define PF_PROTO_VERSION_MIN 1u
+#define PF_PROTO_VERSION_HINT 2u
 #define PF_PROTO_MAX_PAYLOAD (64u * 1024u)
 #define PF_PROTO_MAX_FDS 4u
 #define PF_PROTO_NAME_LEN 64u

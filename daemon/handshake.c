@@ -530,7 +530,8 @@ handshake_welcome(PfLink *l, PfWireMode *w)
 {
     int fd = l->srv->uffd_dev;
 
-    *w = (PfWireMode){ PF_PROTO_VERSION, PF_MODE_MERGE, "" };
+    /* The link's version: an older agent's. */
+    *w = (PfWireMode){ MIN(l->hello.version, PF_PROTO_VERSION), PF_MODE_MERGE, "" };
     if (l->regions->len == 0) {
         w->mode = PF_MODE_ADVISE;
         pf_wire_set_string(w->reason, sizeof(w->reason), "no guest RAM to merge was announced");

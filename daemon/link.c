@@ -575,6 +575,9 @@ on_hint(PfLink *l, const PfMsg *msg)
     guint32 n;
     const PfWireRange *hints = pf_msg_hints(msg, &n);
 
+    if (l->hello.version < PF_PROTO_VERSION_HINT) {
+        return link_refuse(l, "HINT on a link of protocol version %u", l->hello.version);
+    }
     for (guint32 i = 0; i < n; i++) {
         const PfWireRange *wr = &hints[i];
         const PfRegion *r = range_region(l, wr);

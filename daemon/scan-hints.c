@@ -11,9 +11,10 @@
  *
  * Owns each VM's queue of hinted ranges.  A hint is a peer's word: it is
  * checked against the VM's regions (link.c), kept within a bound a VM
- * (PF_HINT_PAGES), visited within a share of each scan's budget, a VM at a
- * time in turn, and it changes nothing but the order of visits: a VM that
- * floods hints spends its own share, and its own pages' smart scan.
+ * (PF_HINT_PAGES), visited within half of each scan's budget, VMs in turn,
+ * a page once a pass (visit_page()), and it changes nothing but the order
+ * of visits: a VM that floods hints spends its own turns, and its own
+ * pages' smart scan.  Must never let hints take the cursor's half.
  */
 #include "scan-internal.h"
 
@@ -32,7 +33,7 @@
 void
 pf_scanner_hinted(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n)
 {
-    PfHint h = { region, (guint32)n, first };
+    guint64 take = MIN(n, PF_HINT_PAGES - vm->hint_pages);
 
     if (!s->knobs.io_hints) {
         return;
@@ -40,23 +41,27 @@ pf_scanner_hinted(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n
     if (vm->hints == NULL) {
         vm->hints = g_array_new(FALSE, FALSE, sizeof(PfHint));
     }
-    if (vm->hints->len > 0) {
+    /* What does not fit waits for the cursor, as with no hint. */
+    vm->hints_dropped += n - take;
+    if (take == 0) {
+        return;
+    }
+    if (vm->hints->len > vm->hint_head) {
         PfHint *last = &g_array_index(vm->hints, PfHint, vm->hints->len - 1);
 
         /* Reads of one file come one after another. */
-        if (last->region == region && last->page + last->n_pages == first &&
-            vm->hint_pages + n <= PF_HINT_PAGES) {
-            last->n_pages += (guint32)n;
-            vm->hint_pages += n;
+        if (last->region == region && last->page + last->n_pages == first) {
+            last->n_pages += (guint32)take;
+            vm->hint_pages += take;
             return;
         }
     }
-    if (n > PF_HINT_PAGES - vm->hint_pages || vm->hints->len >= PF_HINT_RANGES) {
-        vm->hints_dropped += n;
+    if (vm->hints->len - vm->hint_head >= PF_HINT_RANGES) {
+        vm->hints_dropped += take;
         return;
     }
-    g_array_append_val(vm->hints, h);
-    vm->hint_pages += n;
+    g_array_append_val(vm->hints, ((PfHint){ region, (guint32)take, first }));
+    vm->hint_pages += take;
 }
 
 void
@@ -65,6 +70,7 @@ hints_forget(PfVm *vm)
     if (vm->hints != NULL) {
         g_array_set_size(vm->hints, 0);
     }
+    vm->hint_head = 0;
     vm->hint_pages = 0;
 }
 
@@ -73,7 +79,7 @@ hints_forget(PfVm *vm)
 static gsize
 visit_hinted(PfScanner *s, PfVm *vm, gsize max)
 {
-    PfHint *h = &g_array_index(vm->hints, PfHint, 0);
+    PfHint *h = &g_array_index(vm->hints, PfHint, vm->hint_head);
     PfRegion *r = h->region < vm->regions->len ? g_ptr_array_index(vm->regions, h->region)
                                                : NULL;
     gsize n = MIN(MIN(max, HINT_TURN), MIN(h->n_pages, outbox_visits(vm)));
@@ -100,8 +106,13 @@ visit_hinted(PfScanner *s, PfVm *vm, gsize max)
     h->page += n;
     h->n_pages -= (guint32)n;
     vm->hint_pages -= n;
-    if (h->n_pages == 0) {
-        g_array_remove_index(vm->hints, 0);
+    if (h->n_pages == 0 && ++vm->hint_head == vm->hints->len) {
+        hints_forget(vm); /* empty: it starts over */
+    } else if (vm->hint_head >= 1024 && vm->hint_head * 2 >= vm->hints->len) {
+        /* Never emptied (hints come as fast as they go): the ranges
+         * visited go, a few at a time. */
+        g_array_remove_range(vm->hints, 0, vm->hint_head);
+        vm->hint_head = 0;
     }
     return n;
 }
@@ -112,6 +123,13 @@ hints_visit(PfScanner *s, gsize max)
     gsize done = 0;
     guint idle = 0;
 
+    if (!s->knobs.io_hints) {
+        /* Turned off: what was hinted is not visited when it comes on. */
+        for (guint i = 0; i < s->vms->len; i++) {
+            hints_forget(g_ptr_array_index(s->vms, i));
+        }
+        return 0;
+    }
     /* A VM at a time, a range's turn each, until the budget is spent or
      * no VM that may take requests has hints. */
     while (done < max && s->vms->len > 0 && idle < s->vms->len && !past_slice(s)) {

@@ -274,7 +274,7 @@ void ledger_forget_page(PfScanner *s, PfRegion *r, gsize idx, GArray *keep);
 /* Visits hinted pages, up to max, VMs in turn; returns the pages taken
  * off their queues. */
 gsize hints_visit(PfScanner *s, gsize max);
-/* The VM's hints go (it is being unmerged, or its RAM changed). */
+/* The VM's hints go (it is being unmerged, or io_hints went off). */
 void hints_forget(PfVm *vm);
 
 /* ---- scan-visit.c ---- */

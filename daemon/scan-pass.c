@@ -748,7 +748,7 @@ scan_step(PfScanner *s, PfVm *vm, gsize max, gboolean *moved)
 gsize
 pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
 {
-    gboolean moved = FALSE, step_moved, hints_due = s->knobs.io_hints;
+    gboolean moved = FALSE, step_moved, hints_due = TRUE;
     gsize done = 0;
 
     s->blocked = FALSE;
@@ -770,9 +770,10 @@ pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
             break;
         }
         if (hints_due) {
-            /* First, in this pass's unstable tree: up to half the budget,
-             * so that the cursor goes on however many hints come. */
-            gsize hinted = hints_visit(s, (max_pages - done + 1) / 2);
+            /* First, in this pass's unstable tree: up to half the budget
+             * (none of a budget of 1), so that the cursor goes on however
+             * many hints come. */
+            gsize hinted = hints_visit(s, (max_pages - done) / 2);
 
             hints_due = FALSE;
             done += hinted;

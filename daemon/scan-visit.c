@@ -293,7 +293,6 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
 {
     gboolean merge_domain = pf_vm_merges(r->vm), merging = can_merge(r->vm);
     guint32 sum = pf_page_sum(c);
-    gboolean listed = FALSE;
     PfTableIter it;
     guint32 other;
 
@@ -306,12 +305,6 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
 
         if ((other = pf_table_iter_next(&it)) == 0) {
             break;
-        }
-        if (other == id) {
-            /* In this pass's tree already (a hinted visit, then another):
-             * once is enough. */
-            listed = TRUE;
-            continue;
         }
         if (!pair_candidate(s, r, id, data, other)) {
             continue;
@@ -341,9 +334,7 @@ unstable_search_insert(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const g
         return;
     }
 
-    if (!listed) {
-        pf_table_insert(&s->unstable.table, sum, id);
-    }
+    pf_table_insert(&s->unstable.table, sum, id);
     set_state(r, p, PF_PAGE_UNSHARED);
 }
 
@@ -369,8 +360,13 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
         return;
     }
     if (hinted) {
+        /* Once a pass, whoever came first: the next visit is the next
+         * pass's (a page is in a pass's unstable tree once). */
+        if (p->state != PF_PAGE_ABSENT && p->seen == (s->full_scans & 31)) {
+            return;
+        }
         /* New content: smart scan starts over; the cursor passes it by
-         * in this pass (it was visited in it). */
+         * in this pass. */
         p->age = 0;
         p->hinted = 1;
         r->vm->pages_hinted++;
@@ -404,8 +400,9 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
     back = p->state == PF_PAGE_VOLATILE && p->checksum == 0;
     sum = pf_page_sum(c);
     /* A page a device just wrote holds what it will hold (a disk read
-     * into the page cache): the hint stands for the second visit. */
-    changed = !hinted && (p->state == PF_PAGE_ABSENT || sum != p->checksum);
+     * into the page cache): the hint stands for the second visit, but for
+     * a page back from a merge, which waits as ever. */
+    changed = (back || !hinted) && (p->state == PF_PAGE_ABSENT || sum != p->checksum);
     p->checksum = sum;
     if (!back && stable_search(s, r, p, id, data, c)) {
         return;

@@ -260,7 +260,7 @@ vm_counters(const PfVm *vm, guint64 shared, guint64 meta, PfCounters *c)
     c->hints_dropped = vm->hints_dropped;
     c->full_scans = vm->full_scans;
     c->pages_tracked = pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT];
-    c->metadata_bytes = meta;
+    c->metadata_bytes = meta + (vm->hints != NULL ? vm->hints->len * sizeof(PfHint) : 0);
     for (guint k = 0; k < vm->regions->len; k++) {
         const PfRegion *r = g_ptr_array_index(vm->regions, k);
 

@@ -35,7 +35,7 @@ static const CounterInfo counters[] = {
     C(cow, TRUE, FALSE, "Merged pages written by the guest (copy-on-write)"),
     C(vmas, FALSE, FALSE, "Mappings of the VM process"),
     C(pages_hinted, TRUE, FALSE, "Page visits made first, as a device had just written the page"),
-    C(hints_dropped, TRUE, FALSE, "Pages a device wrote not visited first: too many at once"),
+    C(hints_dropped, TRUE, FALSE, "Pages a device wrote not visited first: more than pagefoldd keeps for a VM"),
     C(pages_tracked, FALSE, FALSE, "Guest pages with a scan record"),
     C(metadata_bytes, FALSE, FALSE, "Bytes of pagefold metadata"),
     C(general_profit, FALSE, TRUE, "Bytes saved minus metadata bytes"),

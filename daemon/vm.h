@@ -67,6 +67,7 @@ struct _PfVm {
     /* Ranges of its pages its agent says a device just wrote, visited
      * before the cursor's (scan-hints.c): PfHint, hint_pages pages. */
     GArray *hints;
+    guint hint_head;     /* its first range not visited yet */
     gsize hint_pages;
     guint64 pages_hinted;
     guint64 hints_dropped;

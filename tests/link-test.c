@@ -54,15 +54,21 @@ connect_agent(PfTestDaemon *d)
 }
 
 static void
-send_hello(int fd, guint32 pid, guint32 n_regions)
+send_hello_version(int fd, guint32 pid, guint32 n_regions, guint32 version)
 {
     PfWireHello h = { 0 };
 
-    h.version = PF_PROTO_VERSION;
+    h.version = version;
     h.pid = pid;
     h.n_regions = n_regions;
     pf_wire_set_string(h.name, sizeof(h.name), "fake");
     g_assert_true(pf_proto_send(fd, PF_MSG_HELLO, 0, &h, sizeof(h), NULL, 0, NULL));
+}
+
+static void
+send_hello(int fd, guint32 pid, guint32 n_regions)
+{
+    send_hello_version(fd, pid, n_regions, PF_PROTO_VERSION);
 }
 
 static void
@@ -679,6 +685,41 @@ test_welcome(void)
     expect_welcome(fd, m);
     g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_MERGE);
     g_assert_cmpuint(m->n_fds, ==, g_file_test("/dev/userfaultfd", G_FILE_TEST_EXISTS) ? 1 : 0);
+    g_assert_cmpuint(pf_msg_mode(m)->version, ==, PF_PROTO_VERSION);
+    pf_msg_close_fds(m);
+    close(fd);
+}
+
+/*
+ * An agent of protocol 1 (a QEMU started before pagefoldd was upgraded)
+ * is answered in protocol 1 and attached; a HINT, which protocol 1 does
+ * not have, is refused.  One of a newer protocol than pagefoldd's is
+ * answered in pagefoldd's.
+ */
+static void
+test_older_agent(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(PfGuest) g = sealed_guest(256, 0);
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+    int fd = connect_agent(d);
+    PfWireMode ready = { 1, PF_MODE_ADVISE, "protocol 1" };
+
+    send_hello_version(fd, (guint32)getpid(), 1, 1);
+    send_region(fd, g);
+    expect_welcome(fd, m);
+    g_assert_cmpuint(pf_msg_mode(m)->version, ==, 1);
+    pf_msg_close_fds(m);
+    g_assert_true(pf_proto_send(fd, PF_MSG_READY, 0, &ready, sizeof(ready), NULL, 0, NULL));
+    wait_listed(d, "fake", TRUE);
+    send_hint(fd, 0, 0, 1);
+    expect_refusal(fd, "HINT on a link of protocol version 1");
+
+    fd = connect_agent(d);
+    send_hello_version(fd, (guint32)getpid(), 1, PF_PROTO_VERSION + 1);
+    send_region(fd, g);
+    expect_welcome(fd, m);
+    g_assert_cmpuint(pf_msg_mode(m)->version, ==, PF_PROTO_VERSION);
     pf_msg_close_fds(m);
     close(fd);
 }
@@ -1974,6 +2015,7 @@ main(int argc, char **argv)
     g_test_add_func("/link/regions", test_regions);
     g_test_add_func("/link/peer-gone", test_peer_gone);
     g_test_add_func("/link/welcome", test_welcome);
+    g_test_add_func("/link/older-agent", test_older_agent);
     g_test_add_func("/link/ready", test_ready);
     g_test_add_func("/link/handshake-timeout", test_handshake_timeout);
     g_test_add_func("/link/many-idle", test_many_idle);

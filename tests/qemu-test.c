@@ -881,6 +881,7 @@ test_odirect(gconstpointer data)
         g_assert_cmpint(merged[i], >=, 1000);
         /* QEMU told its agent what the reads wrote, and pagefoldd heard. */
         g_assert_cmpint(hinted[i], >, 0);
+        g_assert_cmpint(agent_stat(g[i], "hinted"), >=, hinted[i]);
     }
     g_assert_cmpint(unmerged[0] + unmerged[1], >, 0);
     g_assert_cmpint(errors[0] + errors[1], >, 0);

@@ -729,6 +729,15 @@ test_hinted_first(Fixture *f, gconstpointer data)
     g_assert_cmpuint(f->total.full_scans, ==, 0);
     g_assert_cmpuint(f->total.pages_scanned - 512, <, 4096 - 256);
 
+    /* Once a pass: hinted again, a page visited in this pass waits. */
+    pf_scanner_hinted(f->scanner, a, 0, 4096 - 256, 1);
+    for (int i = 0; i < 4 && a->hint_pages > 0; i++) {
+        pf_test_scan(f->scanner, 128);
+    }
+    collect(f);
+    g_assert_cmpuint(a->hint_pages, ==, 0);
+    g_assert_cmpuint(f->total.pages_hinted, ==, 512);
+
     /* The rest of the pass: every page once, the hinted ones not again. */
     while (f->total.full_scans == 0) {
         pf_test_scan(f->scanner, 4096);
@@ -760,7 +769,25 @@ test_hinted_first(Fixture *f, gconstpointer data)
     collect(f);
     g_assert_cmpuint(f->total.pages_hinted - 512, >, 0);
     g_assert_cmpuint(f->total.pages_scanned - 4 * 4096, >, f->total.pages_hinted - 512);
-    g_assert_cmpuint(a->hint_pages, ==, 65536 - (f->total.pages_hinted - 512));
+    /* (The same 256 pages over and over: visited once in a pass.) */
+    g_assert_cmpuint(f->total.pages_hinted - 512, <=, 256);
+    g_assert_cmpuint(a->hint_pages, <, 65536);
+    /* A budget of 1 is the cursor's. */
+    {
+        guint64 hinted = f->total.pages_hinted, scanned = f->total.pages_scanned;
+
+        for (int i = 0; i < 16; i++) {
+            pf_test_scan(f->scanner, 1);
+        }
+        collect(f);
+        g_assert_cmpuint(f->total.pages_hinted, ==, hinted);
+        g_assert_cmpuint(f->total.pages_scanned, >, scanned);
+    }
+    /* A range is taken as far as it fits, the rest counted. */
+    pf_scanner_hinted(f->scanner, b, 0, 0, 65536 + 10);
+    g_assert_cmpuint(b->hint_pages, ==, 65536);
+    collect(f);
+    g_assert_cmpuint(f->vm[1].hints_dropped, ==, 10);
     /* An unmerge forgets them. */
     pf_scanner_begin_unmerge(f->scanner, a);
     pf_scanner_end_unmerge(f->scanner, a);

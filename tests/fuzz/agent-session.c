@@ -662,6 +662,15 @@ step(const uint8_t **data, size_t *size)
         }
         break;
     }
+    case 14: { /* HINT: a disk read wrote pages (or the agent says so) */
+        struct {
+            guint32 n, reserved;
+            PfWireRange r;
+        } h = { 1, 0, { a & 1, 0, (a >> 1) % (REGION_PAGES + 4), 1 + next(data, size) % 40 } };
+
+        send_msg(p, PF_MSG_HINT, 0, &h, sizeof(h), NULL, 0);
+        break;
+    }
     default:
         pump(a % 8);
         break;

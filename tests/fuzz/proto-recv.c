@@ -103,6 +103,15 @@ touch(const PfMsg *m)
         within(m, sizeof(PfWireRange));
         sum += pf_msg_range(m)->n_pages;
         break;
+    case PF_MSG_HINT: {
+        const PfWireRange *hints = pf_msg_hints(m, &n);
+
+        within(m, 8 + (gsize)n * sizeof(*hints));
+        for (guint32 i = 0; i < n; i++) {
+            sum += hints[i].page + hints[i].n_pages;
+        }
+        break;
+    }
     case PF_MSG_ERROR:
         break;
     default:
