@@ -26,8 +26,9 @@
 /* Ranges noted between two sends of the agent thread, which wakes at the
  * first; past them (the thread held up), the rest are counted, untold. */
 #define WRITTEN_MAX 4096u
-/* Past this much not yet sent to pagefoldd, hints are dropped. */
-#define HINT_UNSENT_MAX (64 * 1024)
+/* Past this much socket memory not yet read by pagefoldd (half the
+ * link's send buffer, agent-link.c), hints are dropped. */
+#define HINT_UNSENT_MAX (128 * 1024)
 
 void
 pf_agent_dma_map(PfAgent *a, void *host, gsize len)
@@ -99,7 +100,8 @@ pf_agent_dma_unmap(PfAgent *a, void *host, gsize len, gsize written)
 
         if (d->lo == host && d->hi == (const guint8 *)host + len) {
             g_array_remove_index_fast(a->dma_ranges, i);
-            if (written > 0) {
+            /* Not before the agent thread runs to tell it. */
+            if (written > 0 && a->wake[1] >= 0) {
                 wake = note_written(a, host, (const guint8 *)host + MIN(written, len));
             }
             break;
@@ -134,7 +136,8 @@ hints_of(PfAgent *a, const DmaRange *w, GArray *hints)
     }
 }
 
-/* Bytes the link's socket has not sent yet (SIOCOUTQ), 0 if unknown. */
+/* Socket memory of what the link's socket has not sent yet (SIOCOUTQ),
+ * 0 if unknown. */
 static int
 unsent(PfAgent *a)
 {

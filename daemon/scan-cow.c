@@ -124,15 +124,14 @@ cow_leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to, gboolean look)
         PfPageState st = pf_region_page_state(r, i);
         const PfPage *p = pf_region_page(r, i);
 
-        if (p != NULL && p->hinted && p->seen == (s->full_scans & 31)) {
-            /* A device wrote it since the window was read, which saw a
-             * hole: a hinted visit found it in memory in this pass. */
-            continue;
-        }
         if (merges && st == PF_PAGE_SHARED) {
             moves_follow(s, r, i);
         } else if (st != PF_PAGE_ABSENT && st != PF_PAGE_PENDING &&
-                   !(merges && st == PF_PAGE_ZERO)) {
+                   !(merges && st == PF_PAGE_ZERO) &&
+                   /* Not one a device wrote since the window was read
+                    * (which saw a hole): a hinted visit found it in
+                    * memory in this pass. */
+                   !(p->hinted && p->seen == (s->full_scans & 31))) {
             ledger_forget_page(s, r, i, NULL);
         }
     }

@@ -137,7 +137,9 @@ hints_visit(PfScanner *s, gsize max)
 
         s->hint_vm = (s->hint_vm + 1) % s->vms->len;
         vm = g_ptr_array_index(s->vms, s->hint_vm);
-        if (vm->hint_pages == 0 || vm->unmerging ||
+        /* A merging VM not before the cursor first counted its
+         * mappings: no request for it goes before (max_vma_percent). */
+        if (vm->hint_pages == 0 || vm->unmerging || (pf_vm_merges(vm) && !vm->counted) ||
             (vm->outbox != NULL && outbox_visits(vm) == 0)) {
             idle++;
             continue;

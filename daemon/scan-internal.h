@@ -234,6 +234,7 @@ reset_page(PfRegion *r, PfPage *p, PfPageState state)
     set_state(r, p, state);
     p->checksum = 0;
     p->age = 0;
+    p->hinted = 0;
 }
 
 /* Merged (or, in advise mode, found shareable): smart scan starts over. */

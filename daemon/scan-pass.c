@@ -669,6 +669,7 @@ enter_vm(PfScanner *s, PfVm *vm)
         vm->vmas = pf_vm_look_vmas(look) + vm->vmas_since_look;
         vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
     }
+    vm->counted = TRUE;
     return ENTER_DONE;
 }
 
@@ -773,8 +774,15 @@ pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
             /* First, in this pass's unstable tree: up to half the budget
              * (none of a budget of 1), so that the cursor goes on however
              * many hints come. */
-            gsize hinted = hints_visit(s, (max_pages - done) / 2);
+            gint64 end = s->slice_end, now = g_get_monotonic_time();
+            gsize hinted;
 
+            /* And half the slice: the time is the cursor's too. */
+            if (end != 0) {
+                s->slice_end = now + MAX(end - now, 0) / 2;
+            }
+            hinted = hints_visit(s, (max_pages - done) / 2);
+            s->slice_end = end;
             hints_due = FALSE;
             done += hinted;
             moved = moved || hinted > 0;

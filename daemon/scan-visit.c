@@ -344,7 +344,7 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
     guint32 id = r->base + (guint32)idx;
     PfPage *p = pf_region_page_make(r, idx);
     const guint8 *data = r->map + idx * PF_PAGE_SIZE;
-    gboolean back, changed;
+    gboolean back, changed, again;
     guint64 c;
     guint32 sum;
 
@@ -359,12 +359,8 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
         cow_check_merged(s, r, idx, idx + 1);
         return;
     }
+    again = p->state != PF_PAGE_ABSENT && p->seen == (s->full_scans & 31);
     if (hinted) {
-        /* Once a pass, whoever came first: the next visit is the next
-         * pass's (a page is in a pass's unstable tree once). */
-        if (p->state != PF_PAGE_ABSENT && p->seen == (s->full_scans & 31)) {
-            return;
-        }
         /* New content: smart scan starts over; the cursor passes it by
          * in this pass. */
         p->age = 0;
@@ -399,6 +395,11 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
      */
     back = p->state == PF_PAGE_VOLATILE && p->checksum == 0;
     sum = pf_page_sum(c);
+    if (hinted && again && p->state == PF_PAGE_UNSHARED && sum == p->checksum) {
+        /* Hinted again in this pass, as it was: in this pass's unstable
+         * tree already, or waiting to join a node (once is enough). */
+        return;
+    }
     /* A page a device just wrote holds what it will hold (a disk read
      * into the page cache): the hint stands for the second visit, but for
      * a page back from a merge, which waits as ever. */

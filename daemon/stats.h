@@ -21,7 +21,8 @@
  *                   written (disk reads), made before the cursor's: of
  *                   pages_scanned, cumulative
  *   hints_dropped   such pages not visited first, since more came than
- *                   pagefoldd keeps for a VM, cumulative
+ *                   pagefoldd keeps for a VM (65536 pages in 8192 ranges),
+ *                   cumulative
  *
  * Attribution: a canonical page used by n guest pages counts 1/n to the VM
  * of each of them.  Those fractions are rounded by the largest-remainder

@@ -78,6 +78,7 @@ struct _PfVm {
     gboolean resume;
     gboolean deferred;
     gboolean entered;    /* looked at in this pass (the scanner's enter_vm()) */
+    gboolean counted;    /* its mappings were counted once: requests may go */
     GCancellable *looking; /* its look under way, or NULL */
     PfVmLook *look;      /* its look, done, not yet taken by enter_vm() */
     guint32 look_answered; /* its outbox's last answered batch, and the time, */
