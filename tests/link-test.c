@@ -696,31 +696,35 @@ test_welcome(void)
  * not have, is refused.  One of a newer protocol than pagefoldd's is
  * answered in pagefoldd's.
  */
+/* HELLO of that version with g as its region: WELCOME's version. */
+static guint32
+welcome_version(int fd, const PfGuest *g, guint32 version)
+{
+    g_autofree PfMsg *m = g_new0(PfMsg, 1);
+
+    send_hello_version(fd, (guint32)getpid(), 1, version);
+    send_region(fd, g);
+    expect_welcome(fd, m);
+    pf_msg_close_fds(m);
+    return pf_msg_mode(m)->version;
+}
+
 static void
 test_older_agent(void)
 {
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
     g_autoptr(PfGuest) g = sealed_guest(256, 0);
-    g_autofree PfMsg *m = g_new0(PfMsg, 1);
     int fd = connect_agent(d);
     PfWireMode ready = { 1, PF_MODE_ADVISE, "protocol 1" };
 
-    send_hello_version(fd, (guint32)getpid(), 1, 1);
-    send_region(fd, g);
-    expect_welcome(fd, m);
-    g_assert_cmpuint(pf_msg_mode(m)->version, ==, 1);
-    pf_msg_close_fds(m);
+    g_assert_cmpuint(welcome_version(fd, g, 1), ==, 1);
     g_assert_true(pf_proto_send(fd, PF_MSG_READY, 0, &ready, sizeof(ready), NULL, 0, NULL));
     wait_listed(d, "fake", TRUE);
     send_hint(fd, 0, 0, 1);
     expect_refusal(fd, "HINT on a link of protocol version 1");
 
     fd = connect_agent(d);
-    send_hello_version(fd, (guint32)getpid(), 1, PF_PROTO_VERSION + 1);
-    send_region(fd, g);
-    expect_welcome(fd, m);
-    g_assert_cmpuint(pf_msg_mode(m)->version, ==, PF_PROTO_VERSION);
-    pf_msg_close_fds(m);
+    g_assert_cmpuint(welcome_version(fd, g, PF_PROTO_VERSION + 1), ==, PF_PROTO_VERSION);
     close(fd);
 }
 
