@@ -524,6 +524,7 @@ pf_test_peer_new(void)
     g_assert_cmpint(bind(p->listen_fd, (struct sockaddr *)&addr, sizeof(addr)), ==, 0);
     g_assert_cmpint(listen(p->listen_fd, 4), ==, 0);
     p->conn = -1;
+    p->version = PF_PROTO_VERSION;
     return p;
 }
 
@@ -549,7 +550,7 @@ pf_test_peer_accept(PfTestPeer *p, PfAgent *agent)
 {
     StartArgs args = { agent, p->path };
     g_autofree PfMsg *m = g_new0(PfMsg, 1);
-    PfWireMode welcome = { PF_PROTO_VERSION, PF_MODE_MERGE, "" };
+    PfWireMode welcome = { p->version, PF_MODE_MERGE, "" };
     GThread *t = g_thread_new("agent-start", start_agent, &args);
     int mode;
 
@@ -567,6 +568,7 @@ pf_test_peer_accept(PfTestPeer *p, PfAgent *agent)
                                 NULL));
     g_assert_true(pf_proto_recv(p->conn, m, NULL));
     g_assert_cmpuint(m->header.type, ==, PF_MSG_READY);
+    g_assert_cmpuint(pf_msg_mode(m)->version, ==, p->version);
     mode = (int)pf_msg_mode(m)->mode;
     g_assert_true(g_thread_join(t));
     return mode;

@@ -120,6 +120,7 @@ typedef struct {
     char *path;
     int listen_fd;
     int conn;
+    guint32 version; /* WELCOME's: PF_PROTO_VERSION unless set before */
 } PfTestPeer;
 
 PfTestPeer *pf_test_peer_new(void);
