@@ -177,7 +177,6 @@ pfa_post_written(PfAgent *a)
      */
     if (!a->ready || a->version < PF_PROTO_VERSION_HINT || unsent(a) > HINT_UNSENT_MAX) {
         dropped = pages;
-        pages = 0;
     } else {
         for (guint i = 0; i < hints->len; i += PF_PROTO_MAX_ITEMS) {
             guint n = MIN(hints->len - i, PF_PROTO_MAX_ITEMS);
@@ -187,8 +186,6 @@ pfa_post_written(PfAgent *a)
         }
     }
     g_mutex_unlock(&a->work);
-    g_mutex_lock(&a->lock);
-    a->stats.hinted += pages;
-    a->stats.hints_dropped += dropped;
-    g_mutex_unlock(&a->lock);
+    /* The pages queued are counted as the agent thread sends them. */
+    pfa_count_hints(a, 0, dropped);
 }

@@ -147,6 +147,9 @@ void pfa_post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload,
 void pfa_post_error(PfAgent *a, const char *text);
 gboolean pfa_flush(PfAgent *a, GError **error);
 void pfa_outgoing_free(gpointer p);
+void pfa_outbox_discard(PfAgent *a);
+/* Pages of HINTs sent (told) and not (dropped), into the stats. */
+void pfa_count_hints(PfAgent *a, guint64 told, guint64 dropped);
 
 /* agent-uffd.c */
 int pfa_uffd_ioctl(PfAgent *a, unsigned long request, void *arg);

@@ -336,11 +336,7 @@ relink(PfAgent *a)
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
 
     g_mutex_lock(&a->work);
-    g_mutex_lock(&a->out);
-    a->posting = FALSE;
-    a->hangup = FALSE;
-    g_queue_clear_full(&a->outbox, pfa_outgoing_free);
-    g_mutex_unlock(&a->out);
+    pfa_outbox_discard(a);
     pfa_set_connected(a, FALSE);
     g_ptr_array_set_size(a->chunks, 0); /* pfa_chunk_free() */
     /*
@@ -562,9 +558,7 @@ agent_thread(gpointer data)
     }
     /* Under the work lock: nothing is queued once it ends. */
     g_mutex_lock(&a->work);
-    g_mutex_lock(&a->out);
-    a->posting = FALSE;
-    g_mutex_unlock(&a->out);
+    pfa_outbox_discard(a);
     pfa_set_connected(a, FALSE);
     g_mutex_unlock(&a->work);
     if (a->sock >= 0) {

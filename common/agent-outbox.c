@@ -37,6 +37,51 @@ pfa_outgoing_free(gpointer p)
     g_free(o);
 }
 
+/* The pages a HINT tells of; 0 for any other message. */
+static guint64
+hint_pages(const Outgoing *o)
+{
+    const PfWireRange *r = (const PfWireRange *)o->payload;
+    guint64 n = 0;
+
+    for (gsize i = 0; o->type == PF_MSG_HINT && i < o->length / sizeof(*r); i++) {
+        n += r[i].n_pages;
+    }
+    return n;
+}
+
+void
+pfa_count_hints(PfAgent *a, guint64 told, guint64 dropped)
+{
+    if (told + dropped > 0) {
+        g_mutex_lock(&a->lock);
+        a->stats.hinted += told;
+        a->stats.hints_dropped += dropped;
+        g_mutex_unlock(&a->lock);
+    }
+}
+
+/* The link ended: what was not sent never will be, and nothing is queued
+ * until the next link says READY.  Called with a->work held. */
+void
+pfa_outbox_discard(PfAgent *a)
+{
+    GQueue gone = G_QUEUE_INIT;
+    guint64 dropped = 0;
+
+    g_mutex_lock(&a->out);
+    a->posting = FALSE;
+    a->hangup = FALSE;
+    gone = a->outbox;
+    g_queue_init(&a->outbox);
+    g_mutex_unlock(&a->out);
+    for (GList *l = gone.head; l != NULL; l = l->next) {
+        dropped += hint_pages(l->data);
+    }
+    g_queue_clear_full(&gone, pfa_outgoing_free);
+    pfa_count_hints(a, 0, dropped);
+}
+
 /*
  * Queues a message for pagefoldd; the agent thread sends it.  Called with
  * a->work held (or before the agent thread runs), so that pagefoldd hears
@@ -65,6 +110,7 @@ pfa_post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload,
     g_mutex_lock(&a->out);
     if (!a->posting) {
         g_mutex_unlock(&a->out);
+        pfa_count_hints(a, 0, hint_pages(o));
         pfa_outgoing_free(o);
         return;
     }
@@ -124,6 +170,8 @@ pfa_flush(PfAgent *a, GError **error)
             ok = pf_proto_send_hints(
                 a->sock, (const PfWireRange *)o->payload,
                 (guint32)(o->length / sizeof(PfWireRange)), error);
+            /* Counted as told once sent, as dropped if it cannot be. */
+            pfa_count_hints(a, ok ? hint_pages(o) : 0, ok ? 0 : hint_pages(o));
         } else {
             ok = pf_proto_send(a->sock, o->type, o->seq, o->payload,
                                o->length, &o->fd, o->fd >= 0 ? 1 : 0, error);

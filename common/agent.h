@@ -76,8 +76,9 @@ typedef struct {
     guint64 hinted;
     /*
      * pages a device wrote that pagefoldd was not told of: more came
-     * between two sends than the agent keeps, or no link of protocol 2 was
-     * ready, or pagefoldd had not read what was sent yet
+     * between two sends than the agent keeps, no link of protocol 2 was
+     * ready or it ended before they went, or pagefoldd had not read what
+     * was sent yet
      */
     guint64 hints_dropped;
 } PfAgentStats;

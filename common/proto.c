@@ -28,7 +28,7 @@
 
 typedef struct {
     guint32 n;
-    guint32 reserved;
+    guint32 reserved; /* 0, checked */
 } ListHeader;
 
 static gboolean
@@ -218,66 +218,12 @@ check_pool(const PfMsg *msg, const char *what, GError **error)
     return TRUE;
 }
 
-/*
- * REQUEST and RESULT: a list header, then exactly its n entries of each
- * bytes, at least one and at most PF_PROTO_MAX_ITEMS.
- */
-static gboolean
-list_ok(const PfMsg *msg, const char *what, gsize each, GError **error)
-{
-    const ListHeader *l = (const void *)msg->payload;
-    guint32 length = msg->header.length;
-
-    if (length < sizeof(*l) || (length - sizeof(*l)) % each != 0 ||
-        l->n != (length - sizeof(*l)) / each || l->n == 0 ||
-        l->n > PF_PROTO_MAX_ITEMS) {
-        return fail(error, "%s of %u bytes does not hold its %u entries",
-                    what, length, length >= sizeof(*l) ? l->n : 0);
-    }
-    return TRUE;
-}
-
-static gboolean
-check_request(const PfMsg *msg, const char *what, GError **error)
-{
-    const PfWireItem *items = (const void *)(msg->payload +
-                                             sizeof(ListHeader));
-
-    if (!list_ok(msg, what, sizeof(*items), error)) {
-        return FALSE;
-    }
-    for (guint32 i = 0; i < ((const ListHeader *)msg->payload)->n; i++) {
-        if (items[i].kind < PF_ITEM_MERGE || items[i].kind > PF_ITEM_COLLAPSE) {
-            return fail(error, "REQUEST item %u has kind %u", i,
-                        items[i].kind);
-        }
-    }
-    return TRUE;
-}
-
-static gboolean
-check_result(const PfMsg *msg, const char *what, GError **error)
-{
-    const PfWireResult *results = (const void *)(msg->payload +
-                                                 sizeof(ListHeader));
-
-    if (!list_ok(msg, what, sizeof(*results), error)) {
-        return FALSE;
-    }
-    for (guint32 i = 0; i < ((const ListHeader *)msg->payload)->n; i++) {
-        if (results[i].status > PF_RESULT_ERROR) {
-            return fail(error, "RESULT %u has status %u", i,
-                        results[i].status);
-        }
-    }
-    return TRUE;
-}
-
-/* A range of a region's pages no region can hold. */
+/* A range of a region's pages no region can hold; reserved is 0, so that
+ * a later version may give it a meaning. */
 static gboolean
 range_impossible(const PfWireRange *p)
 {
-    return p->n_pages == 0 || p->page >= (1ull << 34) ||
+    return p->reserved != 0 || p->n_pages == 0 || p->page >= (1ull << 34) ||
            p->n_pages > (1ull << 34);
 }
 
@@ -290,27 +236,92 @@ check_range(const PfMsg *msg, const char *what, GError **error)
     if (msg->header.length != sizeof(*p) || range_impossible(p) ||
         (msg->header.type == PF_MSG_GONE && p->page != 0)) {
         return fail(error,
-                    "%s of %u bytes, or of an empty or impossible range",
-                    what, msg->header.length);
+                    "%s of %u bytes, of an empty or impossible range, or "
+                    "with reserved set", what, msg->header.length);
+    }
+    return TRUE;
+}
+
+/* One entry of a list, the i-th. */
+typedef gboolean (*EntryCheck)(const void *entry, guint32 i, GError **error);
+
+static gboolean
+item_ok(const void *entry, guint32 i, GError **error)
+{
+    const PfWireItem *item = entry;
+
+    if (item->kind < PF_ITEM_MERGE || item->kind > PF_ITEM_COLLAPSE) {
+        return fail(error, "REQUEST item %u has kind %u", i, item->kind);
     }
     return TRUE;
 }
 
 static gboolean
-check_hint(const PfMsg *msg, const char *what, GError **error)
+result_ok(const void *entry, guint32 i, GError **error)
 {
-    const PfWireRange *ranges = (const void *)(msg->payload +
-                                               sizeof(ListHeader));
+    const PfWireResult *result = entry;
 
-    if (!list_ok(msg, what, sizeof(*ranges), error)) {
-        return FALSE;
+    if (result->status > PF_RESULT_ERROR) {
+        return fail(error, "RESULT %u has status %u", i, result->status);
     }
-    for (guint32 i = 0; i < ((const ListHeader *)msg->payload)->n; i++) {
-        if (range_impossible(&ranges[i])) {
-            return fail(error, "HINT range %u is empty or impossible", i);
+    return TRUE;
+}
+
+static gboolean
+hint_ok(const void *entry, guint32 i, GError **error)
+{
+    if (range_impossible(entry)) {
+        return fail(error, "HINT range %u is empty or impossible, or has "
+                    "reserved set", i);
+    }
+    return TRUE;
+}
+
+/*
+ * REQUEST, RESULT and HINT: a list header (reserved 0), then exactly its n
+ * entries of each bytes, at least one and at most PF_PROTO_MAX_ITEMS, each
+ * of them right.
+ */
+static gboolean
+check_list(const PfMsg *msg, const char *what, gsize each, EntryCheck ok,
+           GError **error)
+{
+    const ListHeader *l = (const void *)msg->payload;
+    guint32 length = msg->header.length;
+
+    if (length < sizeof(*l) || (length - sizeof(*l)) % each != 0 ||
+        l->n != (length - sizeof(*l)) / each || l->n == 0 ||
+        l->n > PF_PROTO_MAX_ITEMS) {
+        return fail(error, "%s of %u bytes does not hold its %u entries",
+                    what, length, length >= sizeof(*l) ? l->n : 0);
+    }
+    if (l->reserved != 0) {
+        return fail(error, "%s with reserved set", what);
+    }
+    for (guint32 i = 0; i < l->n; i++) {
+        if (!ok(msg->payload + sizeof(*l) + i * each, i, error)) {
+            return FALSE;
         }
     }
     return TRUE;
+}
+
+static gboolean
+check_request(const PfMsg *msg, const char *what, GError **error)
+{
+    return check_list(msg, what, sizeof(PfWireItem), item_ok, error);
+}
+
+static gboolean
+check_result(const PfMsg *msg, const char *what, GError **error)
+{
+    return check_list(msg, what, sizeof(PfWireResult), result_ok, error);
+}
+
+static gboolean
+check_hint(const PfMsg *msg, const char *what, GError **error)
+{
+    return check_list(msg, what, sizeof(PfWireRange), hint_ok, error);
 }
 
 static gboolean

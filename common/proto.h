@@ -131,7 +131,7 @@ typedef struct {
  */
 typedef struct {
     guint32 region;
-    guint32 reserved;
+    guint32 reserved; /* 0, checked */
     guint64 page;
     guint64 n_pages;
 } PfWireRange;

@@ -796,6 +796,61 @@ test_hinted_first(Fixture *f, gconstpointer data)
     g_assert_cmpuint(b->hint_pages, ==, 0);
 }
 
+/* The pages a VM's queue of hints holds, counted range by range. */
+static gsize
+queued_pages(const PfVm *vm)
+{
+    gsize n = 0;
+
+    for (guint i = vm->hint_head; i < vm->hints->len; i++) {
+        n += g_array_index(vm->hints, PfHint, i).n_pages;
+    }
+    return n;
+}
+
+/*
+ * Hints that come as fast as they go: the queue is never empty, so it
+ * never starts over; the ranges visited go once they are most of it (or
+ * 1024), whatever the VM sends.  Every page queued is visited once.
+ */
+static void
+test_hint_queue_kept(Fixture *f, gconstpointer data)
+{
+    PfKnobs *k = pf_scanner_get_knobs(f->scanner);
+    PfVm *a = g_ptr_array_index(pf_scanner_get_vms(f->scanner), 0);
+    guint64 sent = 0, page = 0;
+    gboolean compacted = FALSE;
+
+    same_tail(f);
+    k->smart_scan = FALSE;
+    for (int round = 0; round < 100; round++) {
+        guint head = a->hint_head;
+        /* Kept at 2000 or more (a scan takes at most its 256), so never
+         * emptied nor over PF_HINT_RANGES. */
+        gsize add = 32 + (a->hint_pages < 2000 ? 2000 - a->hint_pages : 0);
+
+        /* Pages two apart, before the guests' common tail: unique
+         * ranges of one page that never join, each visited as hinted. */
+        for (gsize i = 0; i < add; i++, page = (page + 2) % (4096 - 256), sent++) {
+            pf_scanner_hinted(f->scanner, a, 0, page, 1);
+        }
+        pf_test_scan(f->scanner, 256);
+        g_assert_cmpuint(a->hint_pages, >, 0);
+        g_assert_cmpuint(queued_pages(a), ==, a->hint_pages);
+        /* What visit_hinted() keeps after every range it visits. */
+        g_assert_cmpuint(a->hint_head, <, MAX(1024u, a->hints->len - a->hint_head));
+        compacted |= a->hint_head < head;
+    }
+    g_assert_true(compacted);
+    while (a->hint_pages > 0) {
+        pf_test_scan(f->scanner, 256);
+    }
+    collect(f);
+    g_assert_cmpuint(f->vm[0].hints_dropped, ==, 0);
+    g_assert_cmpuint(f->vm[0].pages_hinted, ==, sent);
+    g_assert_cmpuint(a->hints->len, ==, 0);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -827,5 +882,7 @@ main(int argc, char **argv)
     g_test_add_func("/scan/pace-present-pages", test_pace_present_pages);
     g_test_add("/scan/hinted-first", Fixture, &layout_tail, fixture_setup, test_hinted_first,
                fixture_teardown);
+    g_test_add("/scan/hint-queue-kept", Fixture, &layout_tail, fixture_setup,
+               test_hint_queue_kept, fixture_teardown);
     return g_test_run();
 }

@@ -62,6 +62,7 @@ typedef struct {
     /* per input */
     int fd;           /* the session, or -1 */
     gboolean welcomed;
+    guint32 version;  /* the protocol its HELLO said */
     guint n_regions;  /* announced */
     guint32 ever_had; /* contents its RAM held: bit c */
     GHashTable *held; /* chunk id -> Held* */
@@ -377,6 +378,9 @@ receive(Peer *p)
     }
     switch (msg->header.type) {
     case PF_MSG_WELCOME:
+        if (pf_msg_mode(msg)->version > p->version) {
+            fail("a WELCOME in a protocol newer than the agent's", p);
+        }
         p->welcomed = TRUE;
         break;
     case PF_MSG_POOL:
@@ -454,13 +458,14 @@ send_region(Peer *p, guint index)
     p->n_regions = MAX(p->n_regions, index + 1);
 }
 
-/* Connects, says HELLO with one or two regions, and READY in merge mode
- * or advise once WELCOME came. */
+/* Connects, says HELLO with one or two regions in this protocol or the
+ * oldest pagefoldd speaks (whose links take no HINT), and READY in merge
+ * mode or advise once WELCOME came. */
 static void
 handshake(Peer *p, guint8 how)
 {
     PfWireHello h = { 0 };
-    PfWireMode m = { PF_PROTO_VERSION, (how & 2) ? PF_MODE_ADVISE : PF_MODE_MERGE, "" };
+    PfWireMode m = { 0, (how & 2) ? PF_MODE_ADVISE : PF_MODE_MERGE, "" };
     guint n = 1 + (how & 1);
 
     session_end(p);
@@ -468,7 +473,7 @@ handshake(Peer *p, guint8 how)
     if (p->fd < 0) {
         return;
     }
-    h.version = PF_PROTO_VERSION;
+    h.version = m.version = p->version = (how & 4) ? PF_PROTO_VERSION_MIN : PF_PROTO_VERSION;
     h.pid = (guint32)p->child;
     h.n_regions = n;
     pf_wire_set_string(h.name, sizeof(h.name), "fuzz");
@@ -625,7 +630,7 @@ step(const uint8_t **data, size_t *size)
         break;
     }
     case 9: { /* ADVISE: the VM steps back */
-        PfWireMode m = { PF_PROTO_VERSION, PF_MODE_ADVISE, "fuzz" };
+        PfWireMode m = { p->version, PF_MODE_ADVISE, "fuzz" };
 
         send_msg(p, PF_MSG_ADVISE, 0, &m, sizeof(m), NULL, 0);
         break;
