@@ -66,7 +66,7 @@ pfa_count_hints(PfAgent *a, guint64 told, guint64 dropped)
 void
 pfa_outbox_discard(PfAgent *a)
 {
-    GQueue gone = G_QUEUE_INIT;
+    GQueue gone;
     guint64 dropped = 0;
 
     g_mutex_lock(&a->out);
@@ -154,6 +154,7 @@ pfa_flush(PfAgent *a, GError **error)
     for (;;) {
         Outgoing *o;
         gboolean ok, hangup;
+        guint64 pages;
 
         g_mutex_lock(&a->out);
         o = g_queue_pop_head(&a->outbox);
@@ -171,7 +172,8 @@ pfa_flush(PfAgent *a, GError **error)
                 a->sock, (const PfWireRange *)o->payload,
                 (guint32)(o->length / sizeof(PfWireRange)), error);
             /* Counted as told once sent, as dropped if it cannot be. */
-            pfa_count_hints(a, ok ? hint_pages(o) : 0, ok ? 0 : hint_pages(o));
+            pages = hint_pages(o);
+            pfa_count_hints(a, ok ? pages : 0, ok ? 0 : pages);
         } else {
             ok = pf_proto_send(a->sock, o->type, o->seq, o->payload,
                                o->length, &o->fd, o->fd >= 0 ? 1 : 0, error);
