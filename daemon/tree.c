@@ -181,11 +181,15 @@ pf_table_insert(PfTable *t, guint64 checksum, guint32 value)
     g_assert(value != 0 && value != TOMBSTONE);
     g_assert(t->key != NULL || checksum <= G_MAXUINT32);
     if (overloaded(t, t->n + t->removed + 1, t->capacity)) {
-        /* Many tombstones: rehashing at the same size is enough. */
+        /* Many tombstones: rehashing at the same size is enough.  Else
+         * room for half as many entries again, not twice as many: a table
+         * that doubles is a quarter larger on average, and its entries are
+         * a tenth of the metadata (a stable node's slot costs what its
+         * record does where a content has two sharers). */
         gsize capacity = t->capacity;
 
         if ((t->n + 1) * 2 > capacity) {
-            capacity *= 2;
+            capacity = capacity_for(t, (t->n + 1) + (t->n + 1) / 2);
         }
         table_rehash(t, capacity);
     }
@@ -287,6 +291,12 @@ static PfStableNode *
 node_at(const PfStableTree *t, guint32 id)
 {
     return &g_array_index(t->nodes, PfStableNode, id);
+}
+
+static guint32
+node_capacity(const PfStableNode *n)
+{
+    return n->capacity_shift != 0 ? 1u << n->capacity_shift : 0;
 }
 
 /* Whether lookups find the node: neither retired nor full. */
@@ -403,12 +413,12 @@ pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
     g_assert(n->n_members < G_MAXUINT16);
     reshare(t, node_id, n, n->n_members, n->n_members + 1);
     t->n_in_use += n->n_members == 0;
-    if (n->n_members == n->capacity) {
-        guint32 cap = MAX(2u, n->capacity * 2);
+    if (n->n_members == node_capacity(n)) {
+        guint32 cap = MAX(2u, node_capacity(n) * 2);
 
         n->members = g_renew(guint32, n->members, cap);
-        t->member_bytes += (cap - n->capacity) * sizeof(guint32);
-        n->capacity = cap;
+        t->member_bytes += (cap - node_capacity(n)) * sizeof(guint32);
+        n->capacity_shift = (guint8)g_bit_nth_msf(cap, -1);
     }
     p->node = node_id;
     p->slot = (guint16)n->n_members;
@@ -452,9 +462,9 @@ pf_stable_tree_drop(PfStableTree *t, guint32 id)
     }
     n->next = 0;
     n->full = FALSE;
-    t->member_bytes -= n->capacity * sizeof(guint32);
+    t->member_bytes -= node_capacity(n) * sizeof(guint32);
     g_clear_pointer(&n->members, g_free);
-    n->capacity = 0;
+    n->capacity_shift = 0;
     n->live = FALSE;
     t->n_nodes--;
     g_array_append_val(t->free_ids, id);

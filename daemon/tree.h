@@ -97,20 +97,25 @@ void pf_unstable_tree_destroy(PfUnstableTree *t);
 
 typedef struct {
     guint64 checksum;
+    guint64 born;      /* never the same for two nodes of a tree, whatever
+                        * id they had: a node's identity across a pass */
     guint32 *members;  /* page ids of the guest pages sharing it */
-    guint32 n_members;
-    guint32 capacity;
     guint32 slot;      /* pool slot holding the content, in merge mode;
                         * 0 in advise mode, where members[0] holds it */
     guint32 next;      /* retired: the node its members move to (the
                         * same content in a slot that more VMs, or a
                         * fuller chunk, hold); it is out of the table */
     guint32 domain;    /* the merge domain of every page it has (vm.h) */
-    guint live : 1;
-    guint full : 1;    /* takes no more sharers: out of the table too */
-    guint64 born;      /* never the same for two nodes of a tree, whatever
-                        * id they had: a node's identity across a pass */
+    /* Below G_MAXUINT16, as a record's 16-bit slot indexes members: packed
+     * so that a node is 40 bytes, not 48 (a node per content that several
+     * pages share is a byte of metadata a page where four VMs share). */
+    guint16 n_members;
+    guint8 capacity_shift; /* members has room for 1 << it; 0: no array */
+    guint8 live : 1;
+    guint8 full : 1;   /* takes no more sharers: out of the table too */
 } PfStableNode;
+
+G_STATIC_ASSERT(sizeof(PfStableNode) == 40);
 
 typedef struct {
     PfTable table;    /* checksum -> node id */

@@ -78,6 +78,10 @@ growth_and_tombstones(PfTableKeyFunc key, guint max_load_num, guint max_load_den
     for (guint32 v = 1; v < G_N_ELEMENTS(keys); v++) {
         keys[v] = g_random_int() | (key != NULL ? (guint64)(v % 7) << 40 : 0);
         pf_table_insert(&t, keys[v], v);
+        /* Grown by room for half as many entries again, not doubled. */
+        if (t.capacity > 64) {
+            g_assert_cmpuint(t.capacity, <=, (t.n + t.n / 2) * max_load_den / max_load_num + 1);
+        }
     }
     g_assert_cmpuint(t.n, ==, G_N_ELEMENTS(keys) - 1);
     g_assert_cmpuint(t.capacity * max_load_num / max_load_den, >=, t.n);
@@ -176,6 +180,46 @@ test_stable_tree_members(void)
     g_assert_cmpuint(t.member_bytes, ==, 0);
     /* Its id is reused. */
     g_assert_cmpuint(pf_stable_tree_create(&t, 43, 0, 0), ==, n);
+    pf_stable_tree_destroy(&t);
+}
+
+static PfPage *
+page_in(guint32 id, gpointer user)
+{
+    return &((PfPage *)user)[id];
+}
+
+/* A node's count and room are 16 bits and a shift (40-byte nodes): it
+ * still takes as many members as a record's 16-bit slot indexes. */
+static void
+test_stable_tree_most_members(void)
+{
+    g_autofree PfPage *many = g_new0(PfPage, G_MAXUINT16 + 1);
+    PfStableTree t;
+    const PfStableNode *node;
+    guint32 n;
+
+    pf_stable_tree_init(&t, page_in, NULL, many);
+    n = pf_stable_tree_create(&t, 42, 0, 0);
+    for (guint32 id = 1; id <= G_MAXUINT16; id++) {
+        pf_stable_tree_add(&t, n, id);
+    }
+    node = pf_stable_tree_node(&t, n);
+    g_assert_cmpuint(node->n_members, ==, G_MAXUINT16);
+    g_assert_cmpuint(t.member_bytes, ==, (G_MAXUINT16 + 1) * sizeof(guint32));
+    g_assert_cmpuint(node->members[G_MAXUINT16 - 1], ==, G_MAXUINT16);
+    g_assert_cmpuint(many[G_MAXUINT16].slot, ==, G_MAXUINT16 - 1);
+    g_assert_false(pf_stable_tree_remove(&t, 7));
+    g_assert_cmpuint(node->members[6], ==, G_MAXUINT16);
+    g_assert_cmpuint(many[G_MAXUINT16].slot, ==, 6);
+    for (guint32 id = 1; id <= G_MAXUINT16; id++) {
+        if (id != 7) {
+            pf_stable_tree_remove(&t, id);
+        }
+    }
+    g_assert_cmpuint(node->n_members, ==, 0);
+    pf_stable_tree_drop(&t, n);
+    g_assert_cmpuint(t.member_bytes, ==, 0);
     pf_stable_tree_destroy(&t);
 }
 
@@ -320,6 +364,7 @@ main(int argc, char **argv)
     g_test_add_func("/tree/table/growth-and-tombstones", test_table_growth_and_tombstones);
     g_test_add_func("/tree/table/whole-keys", test_table_whole_keys);
     g_test_add_func("/tree/stable/members", test_stable_tree_members);
+    g_test_add_func("/tree/stable/most-members", test_stable_tree_most_members);
     g_test_add_func("/tree/stable/full", test_stable_tree_full);
     g_test_add_func("/tree/stable/shares", test_stable_tree_shares);
     return g_test_run();
