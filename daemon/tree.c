@@ -183,9 +183,9 @@ pf_table_insert(PfTable *t, guint64 checksum, guint32 value)
     if (overloaded(t, t->n + t->removed + 1, t->capacity)) {
         /* Many tombstones: rehashing at the same size is enough.  Else
          * room for half as many entries again, not twice as many: a table
-         * that doubles is a quarter larger on average, and its entries are
-         * a tenth of the metadata (a stable node's slot costs what its
-         * record does where a content has two sharers). */
+         * that doubles is a quarter larger on average, and where VMs share
+         * pages the two trees' tables are a fifth of the metadata (README,
+         * bench-scale). */
         gsize capacity = t->capacity;
 
         if ((t->n + 1) * 2 > capacity) {

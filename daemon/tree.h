@@ -107,8 +107,8 @@ typedef struct {
                         * fuller chunk, hold); it is out of the table */
     guint32 domain;    /* the merge domain of every page it has (vm.h) */
     /* Below G_MAXUINT16, as a record's 16-bit slot indexes members: packed
-     * so that a node is 40 bytes, not 48 (a node per content that several
-     * pages share is a byte of metadata a page where four VMs share). */
+     * so that a node is 40 bytes, not 48, a byte less of metadata a
+     * tracked page where four VMs share (README, bench-scale). */
     guint16 n_members;
     guint8 capacity_shift; /* members has room for 1 << it; 0: no array */
     guint8 live : 1;
