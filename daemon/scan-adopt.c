@@ -25,7 +25,11 @@
 
 /* Pages taken back per turn of the main loop: a few milliseconds. */
 #define ADOPT_PAGES 32768u
-/* Members a node may have (tree.c keeps 16-bit member indexes). */
+/* Sharers a node may have as pages are adopted into it (tree.c keeps
+ * 16-bit member indexes).  Counted as the ledger counts them, its requests
+ * in flight included: merges asked for before a restart's adoption filled
+ * the node still join it when answered, and with max_page_sharing at its
+ * most they would take it past what a member index holds. */
 #define ADOPT_MAX_MEMBERS (G_MAXUINT16 - 1u)
 
 /* The chunk of a run, one of the pool's (adopted now if it was not), the
@@ -67,7 +71,7 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
     const PfStableNode *n = node != 0 ? node_at(s, node) : NULL;
     PfPage *p;
 
-    if (n != NULL && n->live && n->slot == slot && n->n_members >= ADOPT_MAX_MEMBERS) {
+    if (n != NULL && n->live && n->slot == slot && ledger_sharers(s, n) >= ADOPT_MAX_MEMBERS) {
         return FALSE;
     }
     p = pf_region_page_make(r, idx);

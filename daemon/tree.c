@@ -182,14 +182,15 @@ pf_table_insert(PfTable *t, guint64 checksum, guint32 value)
     g_assert(t->key != NULL || checksum <= G_MAXUINT32);
     if (overloaded(t, t->n + t->removed + 1, t->capacity)) {
         /* Many tombstones: rehashing at the same size is enough.  Else
-         * room for half as many entries again, not twice as many: a table
-         * that doubles is a quarter larger on average, and where VMs share
-         * pages the two trees' tables are a fifth of the metadata (README,
-         * bench-scale). */
+         * room for half as many entries again, not twice as many (never
+         * less than it has: a table churned by tombstones would rehash
+         * ever sooner): a table that doubles is about a sixth larger on
+         * average, and where VMs share pages the two trees' tables are a
+         * fifth of the metadata (README, bench-scale). */
         gsize capacity = t->capacity;
 
         if ((t->n + 1) * 2 > capacity) {
-            capacity = capacity_for(t, (t->n + 1) + (t->n + 1) / 2);
+            capacity = MAX(capacity, capacity_for(t, (t->n + 1) + (t->n + 1) / 2));
         }
         table_rehash(t, capacity);
     }

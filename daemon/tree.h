@@ -106,7 +106,7 @@ typedef struct {
                         * same content in a slot that more VMs, or a
                         * fuller chunk, hold); it is out of the table */
     guint32 domain;    /* the merge domain of every page it has (vm.h) */
-    /* Below G_MAXUINT16, as a record's 16-bit slot indexes members: packed
+    /* At most G_MAXUINT16, as a record's 16-bit slot indexes members: packed
      * so that a node is 40 bytes, not 48, a byte less of metadata a
      * tracked page where four VMs share (README, bench-scale). */
     guint16 n_members;

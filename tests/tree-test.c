@@ -115,6 +115,25 @@ growth_and_tombstones(PfTableKeyFunc key, guint max_load_num, guint max_load_den
         pf_table_insert(&t, keys[v], v);
         g_assert_cmpuint(t.capacity, ==, capacity);
     }
+
+    /* Tombstones overload a table whose live entries are just over half
+     * of it: it rehashes, to no fewer slots than it had. */
+    pf_table_reset(&t, 875);
+    {
+        gsize capacity = t.capacity, most = capacity * max_load_num / max_load_den;
+        guint32 v = 1;
+
+        for (; v <= most; v++) {
+            pf_table_insert(&t, keys[v], v);
+        }
+        g_assert_cmpuint(t.capacity, ==, capacity);
+        for (guint32 gone = 1; t.n > capacity / 2 + 1; gone++) {
+            g_assert_true(pf_table_remove(&t, keys[gone], gone));
+        }
+        pf_table_insert(&t, keys[v], v);
+        g_assert_cmpuint(t.removed, ==, 0);
+        g_assert_cmpuint(t.capacity, >=, capacity);
+    }
     pf_table_destroy(&t);
 }
 
@@ -220,6 +239,12 @@ test_stable_tree_most_members(void)
     g_assert_cmpuint(node->n_members, ==, 0);
     pf_stable_tree_drop(&t, n);
     g_assert_cmpuint(t.member_bytes, ==, 0);
+    /* Its id comes back with no array: room for 4 when 3 join. */
+    g_assert_cmpuint(pf_stable_tree_create(&t, 43, 0, 0), ==, n);
+    for (guint32 id = 1; id <= 3; id++) {
+        pf_stable_tree_add(&t, n, id);
+    }
+    g_assert_cmpuint(t.member_bytes, ==, 4 * sizeof(guint32));
     pf_stable_tree_destroy(&t);
 }
 
