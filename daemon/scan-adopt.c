@@ -30,7 +30,7 @@
  * in flight included: merges asked for before a restart's adoption filled
  * the node still join it when answered, and with max_page_sharing at its
  * most they would take it past what a member index holds. */
-#define ADOPT_MAX_MEMBERS (G_MAXUINT16 - 1u)
+#define ADOPT_MAX_SHARERS (G_MAXUINT16 - 1u)
 
 /* The chunk of a run, one of the pool's (adopted now if it was not), the
  * VM one of its VMs; 0 where it cannot be. */
@@ -71,7 +71,7 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
     const PfStableNode *n = node != 0 ? node_at(s, node) : NULL;
     PfPage *p;
 
-    if (n != NULL && n->live && n->slot == slot && ledger_sharers(s, n) >= ADOPT_MAX_MEMBERS) {
+    if (n != NULL && n->live && n->slot == slot && ledger_sharers(s, n) >= ADOPT_MAX_SHARERS) {
         return FALSE;
     }
     p = pf_region_page_make(r, idx);

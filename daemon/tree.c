@@ -410,16 +410,16 @@ pf_stable_tree_add(PfStableTree *t, guint32 node_id, guint32 page_id)
 {
     PfStableNode *n = node_at(t, node_id);
     PfPage *p = t->page_of(page_id, t->user);
+    guint32 room;
 
     g_assert(n->n_members < G_MAXUINT16);
     reshare(t, node_id, n, n->n_members, n->n_members + 1);
     t->n_in_use += n->n_members == 0;
-    if (n->n_members == node_capacity(n)) {
-        guint32 cap = MAX(2u, node_capacity(n) * 2);
-
-        n->members = g_renew(guint32, n->members, cap);
-        t->member_bytes += (cap - node_capacity(n)) * sizeof(guint32);
-        n->capacity_shift = (guint8)g_bit_nth_msf(cap, -1);
+    room = node_capacity(n);
+    if (n->n_members == room) {
+        n->capacity_shift = room != 0 ? n->capacity_shift + 1 : 1;
+        n->members = g_renew(guint32, n->members, node_capacity(n));
+        t->member_bytes += (node_capacity(n) - room) * sizeof(guint32);
     }
     p->node = node_id;
     p->slot = (guint16)n->n_members;
