@@ -34,7 +34,7 @@ recv_expect(PfAgent *a, PfMsg *msg, PfMsgType type, GError **error)
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "pagefoldd refused: %.*s",
                     (int)msg->header.length, (const char *)msg->payload);
         g_mutex_lock(&a->work);
-        a->parted = TRUE;
+        a->parted = msg->header.seq != PF_ERROR_TRY_AGAIN;
         g_mutex_unlock(&a->work);
         return FALSE;
     }
@@ -386,10 +386,12 @@ relink(PfAgent *a)
 }
 
 /*
- * Either side said ERROR: pagefoldd let go of this VM (root detached it,
- * it answered too slowly, it kept dropped chunks) or refused it, or the
- * agent gave up on pagefoldd.  It stays unattached: only a link that just
- * broke (pagefoldd died, restarted, was upgraded) is made again.
+ * Either side said ERROR for good: pagefoldd let go of this VM (root
+ * detached it, it answered too slowly, it kept dropped chunks), or the
+ * agent gave up on pagefoldd.  It stays unattached.  A link that broke
+ * (pagefoldd died, restarted, was upgraded) is made again, and so is a
+ * handshake pagefoldd refused for now (PF_ERROR_TRY_AGAIN: too many at
+ * once, a flood of other processes among them).
  */
 static gboolean
 parted(PfAgent *a)
@@ -427,9 +429,10 @@ pfa_dispatch(PfAgent *a, PfMsg *msg, GError **error)
     case PF_MSG_REQUEST:
         return pfa_handle_request(a, msg, error);
     case PF_MSG_ERROR:
+        /* TRY_AGAIN: READY refused, before pagefoldd took the VM. */
         g_warning("pagefold agent: pagefoldd says: %.*s",
                   (int)msg->header.length, (const char *)msg->payload);
-        a->parted = TRUE;
+        a->parted = msg->header.seq != PF_ERROR_TRY_AGAIN;
         return FALSE;
     default:
         g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,

@@ -50,7 +50,11 @@ typedef enum {
     PF_MSG_POOL = 5,    /* daemon -> agent: a sealed pool chunk memfd */
     PF_MSG_REQUEST = 6, /* daemon -> agent: a batch of items */
     PF_MSG_RESULT = 7,  /* agent -> daemon: one result per item of a batch */
-    PF_MSG_ERROR = 8,   /* either way: why the sender gives up, then close */
+    /*
+     * either way: why the sender gives up, then close.  From pagefoldd, seq
+     * says whether the agent may connect again (PF_ERROR_TRY_AGAIN)
+     */
+    PF_MSG_ERROR = 8,
     /*
      * agent -> daemon: advise mode from now on, and why; every page it had
      * remapped is back in its memfd (a device or a migration needs plain RAM)
@@ -80,6 +84,16 @@ typedef enum {
     PF_MSG_HINT = 13,
     PF_MSG_LAST = PF_MSG_HINT,
 } PfMsgType;
+
+/*
+ * An ERROR's seq from pagefoldd.  TRY_AGAIN: a handshake refused (too many
+ * at once, a check that may pass later); the agent connects again after
+ * a while, as when pagefoldd went.  FOR_GOOD (what an older pagefoldd
+ * always sends): it let the VM go (root detached it, it answered too
+ * slowly), and the VM stays unattached.
+ */
+#define PF_ERROR_FOR_GOOD 0u
+#define PF_ERROR_TRY_AGAIN 1u
 
 typedef struct {
     guint32 magic;

@@ -519,6 +519,20 @@ handshake_vouched(PfLink *l, char **why)
     return FALSE;
 }
 
+/*
+ * Before a handshake place is won: whether root vouches for the
+ * connecting process by what costs no message of the peer's and no read
+ * of its memory: its uid is root's or pagefoldd's, or one of libvirt's
+ * status files names its pid as a domain's QEMU.  It decides only which
+ * places it may take (link.c); HELLO decides again what it may have.
+ */
+gboolean
+handshake_vouched_at_accept(PfLinkServer *srv, const struct ucred *cred)
+{
+    return cred->uid == 0 || cred->uid == geteuid() ||
+           pf_libvirt_pids_has(srv->libvirt_pids, srv->libvirt_run_dir, cred->pid);
+}
+
 void
 handshake_vouch(PfLink *l)
 {

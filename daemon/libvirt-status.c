@@ -5,6 +5,7 @@
  */
 #include "libvirt-status.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -135,4 +136,88 @@ pf_libvirt_domain_status(const char *run_dir, const char *name, Domain *dom, GEr
         return 0;
     }
     return pid;
+}
+
+/*
+ * A folder's mtime is the kernel's coarse clock (a tick of some ms): a
+ * file renamed in within the tick of a read could leave the same mtime.
+ * So the pids read are believed only while the folder's mtime is older
+ * than the read's start by more than any tick.
+ */
+#define MTIME_SETTLED_USEC 100000
+
+struct _PfLibvirtPids {
+    char *run_dir;      /* of the last read; NULL: none yet */
+    GHashTable *pids;   /* pid -> itself, as the last read found them */
+    gint64 mtime_usec;  /* the folder's, as that read began */
+    gint64 read_usec;   /* when it began (real time, as mtime is) */
+};
+
+PfLibvirtPids *
+pf_libvirt_pids_new(void)
+{
+    PfLibvirtPids *p = g_new0(PfLibvirtPids, 1);
+
+    p->pids = g_hash_table_new(NULL, NULL);
+    return p;
+}
+
+void
+pf_libvirt_pids_free(PfLibvirtPids *p)
+{
+    if (p != NULL) {
+        g_hash_table_unref(p->pids);
+        g_free(p->run_dir);
+        g_free(p);
+    }
+}
+
+static void
+pids_read(PfLibvirtPids *p, const char *run_dir, gint64 mtime_usec)
+{
+    DIR *dir;
+    struct dirent *e;
+    guint n = 0;
+
+    g_hash_table_remove_all(p->pids);
+    g_free(p->run_dir);
+    p->run_dir = g_strdup(run_dir);
+    p->mtime_usec = mtime_usec;
+    p->read_usec = g_get_real_time();
+    dir = opendir(run_dir);
+    if (dir == NULL) {
+        return; /* no libvirt: nobody is vouched for this way */
+    }
+    while ((e = readdir(dir)) != NULL && n < PF_LIBVIRT_MAX_DOMAINS) {
+        gsize len = strlen(e->d_name);
+        g_autofree char *name = NULL;
+        int pid;
+
+        if (len <= 4 || !g_str_has_suffix(e->d_name, ".xml")) {
+            continue;
+        }
+        n++;
+        name = g_strndup(e->d_name, len - 4);
+        pid = pf_libvirt_domain_pid(run_dir, name, NULL);
+        if (pid > 0) {
+            g_hash_table_add(p->pids, GINT_TO_POINTER(pid));
+        }
+    }
+    closedir(dir);
+}
+
+gboolean
+pf_libvirt_pids_has(PfLibvirtPids *p, const char *run_dir, int pid)
+{
+    struct stat st;
+    gint64 mtime = 0;
+
+    if (stat(run_dir, &st) == 0) {
+        mtime = (gint64)st.st_mtim.tv_sec * G_USEC_PER_SEC + st.st_mtim.tv_nsec / 1000;
+    }
+    if (p->run_dir == NULL || !g_str_equal(p->run_dir, run_dir) || mtime != p->mtime_usec ||
+        mtime > p->read_usec - MTIME_SETTLED_USEC) {
+        pids_read(p, run_dir, mtime);
+    }
+    return g_hash_table_contains(p->pids, GINT_TO_POINTER(pid));
 }

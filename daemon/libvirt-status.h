@@ -35,3 +35,19 @@ int pf_libvirt_domain_pid(const char *run_dir, const char *name, GError **error)
  * domain among it.  Reads a file of some hundred KiB: not on a main loop. */
 int pf_libvirt_domain_status(const char *run_dir, const char *name, Domain *dom,
                              GError **error);
+
+/*
+ * The QEMU pids every status file of RUN_DIR names, kept so that asking
+ * costs a stat() of the folder: the files are read again only when the
+ * folder may have changed since they were last read (libvirt writes a
+ * status file by renaming a new one into place).  At most
+ * PF_LIBVIRT_MAX_DOMAINS files are read.
+ */
+#define PF_LIBVIRT_MAX_DOMAINS 4096
+typedef struct _PfLibvirtPids PfLibvirtPids;
+
+PfLibvirtPids *pf_libvirt_pids_new(void);
+void pf_libvirt_pids_free(PfLibvirtPids *p);
+G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfLibvirtPids, pf_libvirt_pids_free)
+/* Whether a status file of run_dir names pid as its domain's QEMU. */
+gboolean pf_libvirt_pids_has(PfLibvirtPids *p, const char *run_dir, int pid);

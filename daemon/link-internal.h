@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 
 #include "channel.h"
+#include "libvirt-status.h"
 #include "link.h"
 
 /* Where a link is in the protocol: HELLO, REGIONs, READY, then running. */
@@ -20,6 +21,7 @@ struct _PfLinkServer {
     guint watch;
     int uffd_dev; /* /dev/userfaultfd, for agents root vouched for */
     char *libvirt_run_dir; /* libvirt's status files (libvirt-status.h) */
+    PfLibvirtPids *libvirt_pids; /* the pids they name, as last read */
     GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
     GHashTable *running;   /* PfVm* -> its PfLink*, READY */
     GPtrArray *ended;      /* PfLink* closed, freed from the main loop */
@@ -50,6 +52,8 @@ struct _PfLink {
     LinkState state;
     pid_t peer_pid;
     uid_t peer_uid;       /* at connect (SO_PEERCRED) */
+    gboolean vouched_place; /* it took one of the places of peers root
+                             * vouched for (handshake_vouched_at_accept()) */
     int pidfd;            /* the peer's process, from accept on */
     int proc_dir;         /* its /proc/PID */
     guint handshake_timer;
@@ -89,6 +93,9 @@ gboolean handshake_pin_peer(int sock, pid_t pid, int *pidfd_out, int *proc_dir_o
  * l->vouch_why), which decides what it may have: /dev/userfaultfd, and
  * page ids past its uid's share. */
 void handshake_vouch(PfLink *l);
+/* Whether root vouches for a connecting process by its credentials and
+ * libvirt's status files alone: which handshake places it may take. */
+gboolean handshake_vouched_at_accept(PfLinkServer *srv, const struct ucred *cred);
 /* Whether the connecting process may be an agent. */
 gboolean handshake_peer_permitted(PfLinkServer *srv, int sock, const struct ucred *cred);
 /* Where a link goes on once a message was checked, from the main loop:

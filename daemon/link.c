@@ -64,10 +64,13 @@
 /* A handshake is a few messages the agent sends at once: an agent that
  * has not finished in this long is not going to. */
 #define HANDSHAKE_TIMEOUT_MS 5000
-/* Handshakes in progress: in all, and per process.  Per process, not per
- * uid: under libvirt every QEMU runs as the same user, and one of them
- * must not be able to take the others' places. */
+/* Handshakes in progress: of peers root vouched for at connect, of the
+ * others, and per process.  Per process, not per uid: under libvirt every
+ * QEMU runs as the same user, and one of them must not be able to take
+ * the others' places; nor can a flood of processes root vouched for none
+ * of take a place of one it did (the QEMUs libvirt started). */
 #define MAX_HANDSHAKES 64
+#define MAX_VOUCHED_HANDSHAKES 64
 #define MAX_HANDSHAKES_PER_PROCESS 4
 /* What the kernel may hold for a peer; the rest waits in the link. */
 #define SOCKET_SNDBUF (256 << 10)
@@ -166,13 +169,17 @@ drain_socket(int sock)
 }
 
 /* Best effort, never waiting: the link is closed right after.  Once: the
- * first says why. */
+ * first says why.  An agent refused before its VM was taken tries again
+ * later (an eviction, a check that may pass then); one whose VM is let go
+ * does not. */
 static void
 link_send_error(PfLink *l, const char *text)
 {
     if (!l->error_sent) {
         l->error_sent = TRUE;
-        pf_proto_send(l->sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
+        pf_proto_send(l->sock, PF_MSG_ERROR,
+                      l->vm == NULL ? PF_ERROR_TRY_AGAIN : PF_ERROR_FOR_GOOD, text,
+                      MIN(strlen(text), 1024), NULL, 0, NULL);
     }
 }
 
@@ -792,7 +799,7 @@ refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...)
     text = g_strdup_vprintf(fmt, ap);
     va_end(ap);
     link_peer_message(srv, uid, "agent connection refused: %s", text);
-    pf_proto_send(sock, PF_MSG_ERROR, 0, text, MIN(strlen(text), 1024), NULL, 0, NULL);
+    pf_proto_send(sock, PF_MSG_ERROR, PF_ERROR_TRY_AGAIN, text, MIN(strlen(text), 1024), NULL, 0, NULL);
     drain_socket(sock);
     close(sock);
 }
@@ -808,46 +815,70 @@ handshakes_of(PfLinkServer *srv, pid_t pid)
     return n;
 }
 
+static guint
+places_taken(PfLinkServer *srv, gboolean vouched)
+{
+    guint n = 0;
+
+    for (guint i = 0; i < srv->handshakes->len; i++) {
+        n += ((PfLink *)g_ptr_array_index(srv->handshakes, i))->vouched_place == vouched;
+    }
+    return n;
+}
+
+/* Who holds a place, as the eviction counts them: processes among the
+ * peers root vouched for (each one a VM), uids among the others. */
+static guint
+place_holder(const PfLink *l)
+{
+    return l->vouched_place ? (guint)l->peer_pid : (guint)l->peer_uid;
+}
+
 /*
- * The handshake that gives way when all places are taken: the oldest of
- * the uid that holds the most (the newcomer's own counted), so that a uid
- * whose processes connect in a loop takes places from itself, never from
- * another uid's VMs.  Where no uid holds more than one, the oldest of
- * all.
+ * The handshake that gives way when all places of the newcomer's kind
+ * (vouched for or not) are taken: the oldest of the holder that holds the
+ * most (the newcomer's own counted), so that a uid whose processes
+ * connect in a loop takes places from itself, never from another uid's
+ * VMs nor from any VM root vouched for.  Where no holder has more than
+ * one, the oldest of that kind.
  */
 static PfLink *
-handshake_to_evict(PfLinkServer *srv, uid_t newcomer)
+handshake_to_evict(PfLinkServer *srv, guint newcomer, gboolean vouched)
 {
     g_autoptr(GHashTable) held = g_hash_table_new(NULL, NULL);
-    guint most = 0;
-    uid_t top = newcomer;
+    guint most = 1;
+    guint top = newcomer;
     PfLink *oldest = NULL;
 
     g_hash_table_insert(held, GUINT_TO_POINTER(newcomer), GUINT_TO_POINTER(1));
     for (guint i = 0; i < srv->handshakes->len; i++) {
         PfLink *l = g_ptr_array_index(srv->handshakes, i);
-        guint n = GPOINTER_TO_UINT(g_hash_table_lookup(held, GUINT_TO_POINTER(l->peer_uid)));
+        gpointer who = GUINT_TO_POINTER(place_holder(l));
+        guint n = GPOINTER_TO_UINT(g_hash_table_lookup(held, who)) + 1;
 
-        g_hash_table_insert(held, GUINT_TO_POINTER(l->peer_uid), GUINT_TO_POINTER(n + 1));
-    }
-    most = GPOINTER_TO_UINT(g_hash_table_lookup(held, GUINT_TO_POINTER(newcomer)));
-    for (guint i = 0; i < srv->handshakes->len; i++) {
-        PfLink *l = g_ptr_array_index(srv->handshakes, i);
-        guint n = GPOINTER_TO_UINT(g_hash_table_lookup(held, GUINT_TO_POINTER(l->peer_uid)));
-
+        if (l->vouched_place != vouched) {
+            continue;
+        }
+        g_hash_table_insert(held, who, GUINT_TO_POINTER(n));
         if (n > most) {
             most = n;
-            top = l->peer_uid;
+            top = place_holder(l);
         }
     }
-    for (guint i = 0; i < srv->handshakes->len && oldest == NULL; i++) {
+    for (guint i = 0; i < srv->handshakes->len; i++) {
         PfLink *l = g_ptr_array_index(srv->handshakes, i);
 
-        if (l->peer_uid == top) {
+        if (l->vouched_place != vouched) {
+            continue;
+        }
+        if (oldest == NULL) {
             oldest = l;
         }
+        if (place_holder(l) == top) {
+            return l;
+        }
     }
-    return oldest != NULL ? oldest : g_ptr_array_index(srv->handshakes, 0);
+    return oldest;
 }
 
 static void accept_one(PfLinkServer *srv, int sock);
@@ -877,6 +908,7 @@ accept_one(PfLinkServer *srv, int sock)
     struct ucred cred;
     socklen_t len = sizeof(cred);
     int pidfd, proc_dir, buf = SOCKET_SNDBUF;
+    gboolean vouched;
     PfLink *l;
 
     /* pid 0: a process outside pagefoldd's pid namespace. */
@@ -904,11 +936,18 @@ accept_one(PfLinkServer *srv, int sock)
         return;
     }
     /* Many processes holding places idle: one gives way (an agent sends
-     * its whole handshake at once, so that is rarely a real one). */
-    if (srv->handshakes->len >= MAX_HANDSHAKES) {
-        link_refuse(handshake_to_evict(srv, cred.uid),
-                    "too many agent handshakes in progress (%u): the oldest of the uid "
-                    "holding the most gives way", MAX_HANDSHAKES);
+     * its whole handshake at once, so that is rarely a real one), and
+     * tries again later, as the agent of any refused handshake does. */
+    vouched = handshake_vouched_at_accept(srv, &cred);
+    if (places_taken(srv, vouched) >= (vouched ? MAX_VOUCHED_HANDSHAKES : MAX_HANDSHAKES)) {
+        PfLink *evicted = handshake_to_evict(srv, vouched ? (guint)cred.pid : (guint)cred.uid,
+                                             vouched);
+
+        link_refuse(evicted, "too many agent handshakes in progress (%u%s): the oldest of the "
+                    "%s holding the most gives way",
+                    vouched ? MAX_VOUCHED_HANDSHAKES : MAX_HANDSHAKES,
+                    vouched ? " of processes root vouched for" : "",
+                    vouched ? "process" : "uid");
     }
     /* Enough for a few batches; more waits in the link's queue. */
     setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
@@ -917,6 +956,7 @@ accept_one(PfLinkServer *srv, int sock)
     l->sock = sock;
     l->peer_pid = cred.pid;
     l->peer_uid = cred.uid;
+    l->vouched_place = vouched;
     l->pidfd = pidfd;
     l->proc_dir = proc_dir;
     l->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
@@ -991,6 +1031,7 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     srv->log_budgets = g_hash_table_new_full(NULL, NULL, NULL, log_budget_free);
     srv->uffd_dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
     srv->libvirt_run_dir = g_strdup(PF_LIBVIRT_QEMU_RUN_DIR);
+    srv->libvirt_pids = pf_libvirt_pids_new();
     srv->fd = pf_unix_listen(path, SOCK_SEQPACKET, error);
     if (srv->fd < 0) {
         return NULL;
@@ -1085,5 +1126,6 @@ pf_link_server_free(PfLinkServer *srv)
     }
     g_free(srv->path);
     g_free(srv->libvirt_run_dir);
+    pf_libvirt_pids_free(srv->libvirt_pids);
     g_free(srv);
 }

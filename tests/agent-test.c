@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "guestmem.h"
 #include "testproc.h"
 #include "util.h"
 
@@ -1577,8 +1578,8 @@ test_kill_vmm(void)
  * exec only after it wrote that file).
  */
 static Vmm *
-vmm_start_vouched_in(PfTestDaemon *d, const char *run_dir, const char *name, int seed,
-                     const char *extra, const char *domain_xml)
+vmm_launch_vouched_in(PfTestDaemon *d, const char *run_dir, const char *name, int seed,
+                      const char *extra, const char *domain_xml)
 {
     g_autofree char *status = g_strdup_printf("%s/%s.xml", run_dir, name);
     g_autofree char *guest = g_strdup_printf("guest=%s", name);
@@ -1599,8 +1600,24 @@ vmm_start_vouched_in(PfTestDaemon *d, const char *run_dir, const char *name, int
     Vmm *v = pf_test_vmm_spawn(argv);
 
     g_assert_nonnull(v);
+    return v;
+}
+
+static Vmm *
+vmm_start_vouched_in(PfTestDaemon *d, const char *run_dir, const char *name, int seed,
+                     const char *extra, const char *domain_xml)
+{
+    Vmm *v = vmm_launch_vouched_in(d, run_dir, name, seed, extra, domain_xml);
+
     pf_test_daemon_wait_vmm(d, v);
     return v;
+}
+
+/* Launched, its agent settled, not waited for in pagefoldd's list. */
+static Vmm *
+vmm_launch_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int seed)
+{
+    return vmm_launch_vouched_in(d, run_dir, name, seed, "--writes-per-sec=200", NULL);
 }
 
 static Vmm *
@@ -1782,6 +1799,97 @@ unprivileged_uffd_set(const char *value)
     return g_strstrip(g_steal_pointer(&old));
 }
 
+/* Polls pagefoldd's list until it has process pid; FALSE after
+ * timeout_s. */
+static gboolean
+wait_listed_pid(PfTestDaemon *d, int pid, double timeout_s)
+{
+    gint64 end = g_get_monotonic_time() + (gint64)(timeout_s * G_USEC_PER_SEC);
+
+    for (;;) {
+        g_autoptr(JsonNode) list = pf_test_ctl_json(d, "list", NULL);
+
+        if (pf_test_find_vm_pid(json_node_get_array(list), pid) != NULL) {
+            return TRUE;
+        }
+        if (g_get_monotonic_time() > end) {
+            return FALSE;
+        }
+        g_usleep(50000);
+    }
+}
+
+/*
+ * A flood of handshakes from the very uid libvirt runs every QEMU as (32
+ * processes of nobody, as a compromised QEMU could make, reconnecting in
+ * a loop) keeps no VM out: the three QEMUs libvirt's status files name
+ * attach during the flood, in merge mode, on places the flood cannot
+ * take; three stand-ins of that uid that root vouched for none of may
+ * lose their handshakes to it, and attach once it is over, their agents
+ * trying again as they were told to (PF_ERROR_TRY_AGAIN).
+ */
+static void
+test_flood_same_uid(void)
+{
+    g_autofree char *run_dir = g_dir_make_tmp("pagefold-run-XXXXXX", NULL);
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", "--agent-group",
+                                                     "nogroup", "--libvirt-run-dir", run_dir,
+                                                     NULL);
+    Vmm *vouched[3], *others[3];
+    int flooders[32];
+    gint64 t0;
+
+    g_chmod(d->dir, 0755);
+    for (guint i = 0; i < G_N_ELEMENTS(flooders); i++) {
+        flooders[i] = pf_test_flooder(d, 0);
+    }
+    g_usleep(G_USEC_PER_SEC); /* the flood under way */
+    for (guint i = 0; i < G_N_ELEMENTS(vouched); i++) {
+        g_autofree char *name = g_strdup_printf("v%u", i);
+
+        vouched[i] = vmm_launch_vouched(d, run_dir, name, (int)i + 1);
+        g_test_message("%s: mode %s", name, vouched[i]->mode);
+        g_assert_cmpstr(vouched[i]->mode, ==, "merge");
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(others); i++) {
+        g_autofree char *name = g_strdup_printf("o%u", i);
+        g_autofree char *guest = g_strdup_printf("guest=%s", name);
+        g_autofree char *seed = g_strdup_printf("%u", i + 10);
+        const char *argv[] = { "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket",
+                               d->agent_sock, "--mib", "4", "--seed", seed, "--writers", "1",
+                               "--writes-per-sec", "200", "--run-unattached", NULL };
+
+        others[i] = pf_test_vmm_spawn(argv);
+        g_assert_nonnull(others[i]);
+    }
+    /* Still flooding: every vouched VM is pagefoldd's. */
+    for (guint i = 0; i < G_N_ELEMENTS(vouched); i++) {
+        g_assert_true(wait_listed_pid(d, vouched[i]->pid, 0));
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(flooders); i++) {
+        pf_guest_release(flooders[i]);
+    }
+    t0 = g_get_monotonic_time();
+    /* An agent tries again at most 5 s apart; the bound is for a loaded
+     * machine, the time it took is said. */
+    for (guint i = 0; i < G_N_ELEMENTS(others); i++) {
+        g_assert_true(wait_listed_pid(d, others[i]->pid, 60));
+    }
+    g_test_message("the unvouched VMs were all attached %.1f s after the flood",
+                   (g_get_monotonic_time() - t0) / 1e6);
+    for (guint i = 0; i < G_N_ELEMENTS(vouched); i++) {
+        g_autofree char *name = g_strdup_printf("v%u", i);
+
+        pf_test_vmm_verify(vouched[i]);
+        pf_test_vmm_quit(vouched[i]);
+        pf_test_vmm_verify(others[i]);
+        pf_test_vmm_quit(others[i]);
+        pf_test_write_libvirt_status(run_dir, name, NULL);
+    }
+    g_assert_cmpint(g_rmdir(run_dir), ==, 0);
+}
+
 /*
  * A process of the agent socket's group that root did not vouch for gets
  * no /dev/userfaultfd from pagefoldd, however proper the RAM it shows (a
@@ -1857,6 +1965,7 @@ main(int argc, char **argv)
     g_test_add_func("/agent/detach-stays", test_detach_stays);
     g_test_add_func("/agent/unprivileged", test_unprivileged);
     g_test_add_func("/agent/not-vouched", test_not_vouched);
+    g_test_add_func("/agent/flood-same-uid", test_flood_same_uid);
     g_test_add_func("/agent/libvirt-domain", test_libvirt_domain);
     return g_test_run();
 }

@@ -912,45 +912,6 @@ test_many_idle(void)
     }
 }
 
-/* A process of uid nobody that connects in a loop, as fast as it can,
- * for 10 s: it holds up to 4 connections, and drops the oldest for a new
- * one. */
-static int
-flooder(PfTestDaemon *d)
-{
-    gint64 end = g_get_monotonic_time() + 10 * G_USEC_PER_SEC;
-    int pid = fork();
-
-    g_assert_cmpint(pid, >=, 0);
-    if (pid == 0) {
-        struct sockaddr_un addr = { .sun_family = AF_UNIX };
-        int held[4] = { -1, -1, -1, -1 };
-
-        /* A change of credentials clears the parent-death signal: after. */
-        if (setgroups(0, NULL) < 0 || setgid(65534) < 0 || setuid(65534) < 0 ||
-            prctl(PR_SET_PDEATHSIG, SIGKILL) < 0) {
-            _exit(1);
-        }
-        g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
-        for (guint i = 0; g_get_monotonic_time() < end; i++) {
-            int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-
-            if (held[i % 4] >= 0) {
-                close(held[i % 4]);
-            }
-            held[i % 4] = connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0 ? fd : -1;
-            if (held[i % 4] < 0) {
-                /* The queue full: a moment for pagefoldd, not a spin that
-                 * takes the test's cores. */
-                close(fd);
-                g_usleep(1000);
-            }
-        }
-        _exit(0);
-    }
-    return pid;
-}
-
 /*
  * A flood of connections from one uid (32 processes of nobody, in the
  * agent socket's group, reconnecting in a loop for 10 s) keeps no VM of
@@ -972,7 +933,7 @@ test_flood(void)
     /* The flooders reach the agent socket: nobody may search its folder. */
     g_assert_cmpint(chmod(d->dir, 0755), ==, 0);
     for (guint i = 0; i < G_N_ELEMENTS(flooders); i++) {
-        flooders[i] = flooder(d);
+        flooders[i] = pf_test_flooder(d, 10);
     }
     g_usleep(G_USEC_PER_SEC); /* the flood under way */
     for (int i = 0; i < 3; i++) {

@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <gio/gunixinputstream.h>
+#include <grp.h>
 #include <glib/gstdio.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -767,6 +768,42 @@ pf_test_memfd_kib(int pid)
         }
     }
     return -1;
+}
+
+int
+pf_test_flooder(PfTestDaemon *d, guint seconds)
+{
+    gint64 end = seconds > 0 ? g_get_monotonic_time() + seconds * G_USEC_PER_SEC : G_MAXINT64;
+    int pid = fork();
+
+    g_assert_cmpint(pid, >=, 0);
+    if (pid == 0) {
+        struct sockaddr_un addr = { .sun_family = AF_UNIX };
+        int held[4] = { -1, -1, -1, -1 };
+
+        /* A change of credentials clears the parent-death signal: after. */
+        if (setgroups(0, NULL) < 0 || setgid(65534) < 0 || setuid(65534) < 0 ||
+            prctl(PR_SET_PDEATHSIG, SIGKILL) < 0) {
+            _exit(1);
+        }
+        g_strlcpy(addr.sun_path, d->agent_sock, sizeof(addr.sun_path));
+        for (guint i = 0; g_get_monotonic_time() < end; i++) {
+            int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+
+            if (held[i % 4] >= 0) {
+                close(held[i % 4]);
+            }
+            held[i % 4] = connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0 ? fd : -1;
+            if (held[i % 4] < 0) {
+                /* The queue full: a moment for pagefoldd, not a spin that
+                 * takes the test's cores. */
+                close(fd);
+                g_usleep(1000);
+            }
+        }
+        _exit(0);
+    }
+    return pid;
 }
 
 void

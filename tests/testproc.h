@@ -137,6 +137,12 @@ int pf_test_pool_chunk(guint32 n_slots, gboolean seal, guint8 **map);
  * half are the same in every guest; its pid in *pid once it is ready. */
 GSubprocess *pf_test_standin_guest(const char *name, const char *uuid, int seed, int *pid);
 
+/* A child of uid nobody that connects to d's agent socket in a loop, as
+ * fast as it can, for that many seconds (0: until it is killed, with
+ * pf_guest_release()): it holds up to 4 connections, and drops the oldest
+ * for a new one.  Its pid. */
+int pf_test_flooder(PfTestDaemon *d, guint seconds);
+
 /* Writes libvirt's status file for domain name in dir, NAME.xml, as
  * libvirt's qemu driver does for a running domain (<domstatus pid='PID'>,
  * root's, 0600), with pid as its text ("4242x": not a pid); NULL removes
