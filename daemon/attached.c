@@ -1,7 +1,8 @@
 /*
- * attached.c - the VMs attached by pid, kept in a file (attached.h): one
- * JSON object per VM in an array, written whole (a temporary file renamed)
- * when it changed.
+ * attached.c - what a restart would lose, kept in a file (attached.h): a
+ * JSON object with the VMs attached by pid ("vms") and the merge domains
+ * of agents' VMs ("domains"), one object per VM, written whole (a
+ * temporary file renamed) when it changed.
  */
 #include "attached.h"
 
@@ -21,12 +22,29 @@
 /* Far more than the VMs one host runs take. */
 #define MAX_FILE_BYTES (16u << 20)
 
+/* The merge domain of an agent's VM, as the file said. */
+typedef struct {
+    guint64 start_time;
+    char *domain;
+} Kept;
+
 struct _PfAttached {
     PfScanner *scanner;
     char *path;
-    char *written; /* what the file holds */
+    char *written;    /* what the file holds */
     guint timer;
+    GHashTable *kept; /* pid -> Kept: agents' VMs the file named, not back yet */
+    gboolean unknown; /* the file was there, and could not be read */
 };
+
+static void
+kept_free(gpointer p)
+{
+    Kept *k = p;
+
+    g_free(k->domain);
+    g_free(k);
+}
 
 /* When process pid started (field 22 of /proc/PID/stat), or 0. */
 static guint64
@@ -62,13 +80,29 @@ boot_id(void)
     return g_strstrip(id);
 }
 
+static void
+add_domain(JsonBuilder *b, int pid, guint64 started, const char *domain)
+{
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "pid");
+    json_builder_add_int_value(b, pid);
+    json_builder_set_member_name(b, "start_time");
+    json_builder_add_int_value(b, (gint64)started);
+    json_builder_set_member_name(b, "merge_domain");
+    json_builder_add_string_value(b, domain);
+    json_builder_end_object(b);
+}
+
 static char *
-snapshot(PfScanner *s)
+snapshot(PfAttached *a)
 {
     g_autoptr(JsonBuilder) b = json_builder_new();
     g_autoptr(JsonNode) root = NULL;
     g_autofree char *boot = boot_id();
+    PfScanner *s = a->scanner;
     GPtrArray *vms = pf_scanner_get_vms(s);
+    GHashTableIter it;
+    gpointer key, value;
 
     json_builder_begin_object(b);
     json_builder_set_member_name(b, "boot_id");
@@ -98,41 +132,102 @@ snapshot(PfScanner *s)
         json_builder_end_object(b);
     }
     json_builder_end_array(b);
+    /* Agents' VMs: their handshake gives their name, not their domain.
+     * Unlabelled is what a handshake gives anyway where it is not told. */
+    json_builder_set_member_name(b, "domains");
+    json_builder_begin_array(b);
+    for (guint i = 0; i < vms->len; i++) {
+        PfVm *vm = g_ptr_array_index(vms, i);
+        guint64 started;
+
+        if (vm->outbox != NULL && !vm->unlabelled && (started = start_time(vm->pid)) != 0) {
+            add_domain(b, vm->pid, started, pf_scanner_merge_domain(s, vm));
+        }
+    }
+    /* Those not back yet, while their processes run: another restart
+     * before they come back must not lose them. */
+    g_hash_table_iter_init(&it, a->kept);
+    while (g_hash_table_iter_next(&it, &key, &value)) {
+        Kept *k = value;
+        int pid = GPOINTER_TO_INT(key);
+
+        if (pf_scanner_find_vm_by_pid(s, pid) == NULL && start_time(pid) == k->start_time) {
+            add_domain(b, pid, k->start_time, k->domain);
+        }
+    }
+    json_builder_end_array(b);
     json_builder_end_object(b);
     root = json_builder_get_root(b);
     return json_to_string(root, FALSE);
 }
 
-static gboolean
-write_cb(gpointer user)
+static void
+write_now(PfAttached *a)
 {
-    PfAttached *a = user;
-    g_autofree char *now = snapshot(a->scanner);
+    g_autofree char *now = snapshot(a);
     g_autoptr(GError) error = NULL;
 
     if (g_strcmp0(now, a->written) == 0) {
-        return G_SOURCE_CONTINUE;
+        return;
     }
     if (!g_file_set_contents_full(a->path, now, -1, G_FILE_SET_CONTENTS_CONSISTENT, 0600,
                                   &error)) {
-        g_warning("cannot keep the VMs attached by pid in %s: %s (a pagefoldd started again "
-                  "would not attach them)", a->path, error->message);
-        return G_SOURCE_CONTINUE;
+        g_warning("cannot keep the VMs attached by pid and the merge domains in %s: %s (a "
+                  "pagefoldd started again would not attach them, and would keep agents' "
+                  "VMs apart)", a->path, error->message);
+        return;
     }
     g_free(a->written);
     a->written = g_steal_pointer(&now);
+}
+
+static gboolean
+write_cb(gpointer user)
+{
+    write_now(user);
     return G_SOURCE_CONTINUE;
 }
 
+/* Before the change is answered: a pagefoldd killed right after it must
+ * not wake up with the VM back in its old domain. */
+static void
+domain_changed(PfScanner *s, PfVm *vm, gpointer user)
+{
+    write_now(user);
+}
+
+static const PfScanEvents attached_events = {
+    .domain = domain_changed,
+};
+
+/* The scanner went first. */
+static void
+scanner_gone(gpointer user)
+{
+    PfAttached *a = user;
+
+    a->scanner = NULL;
+    g_clear_handle_id(&a->timer, g_source_remove);
+}
+
+static guint restore(PfAttached *a);
+
 PfAttached *
-pf_attached_new(PfScanner *scanner, const char *path)
+pf_attached_new(PfScanner *scanner, const char *path, guint *n_restored)
 {
     PfAttached *a = g_new0(PfAttached, 1);
+    guint n;
 
     a->scanner = scanner;
     a->path = g_strdup(path);
-    write_cb(a);
+    a->kept = g_hash_table_new_full(NULL, NULL, NULL, kept_free);
+    n = restore(a);
+    if (n_restored != NULL) {
+        *n_restored = n;
+    }
+    write_now(a);
     a->timer = g_timeout_add(WRITE_PERIOD_MS, write_cb, a);
+    pf_scanner_add_listener(scanner, &attached_events, a, scanner_gone);
     return a;
 }
 
@@ -142,10 +237,23 @@ pf_attached_free(PfAttached *a)
     if (a == NULL) {
         return;
     }
+    if (a->scanner != NULL) {
+        pf_scanner_remove_listener(a->scanner, &attached_events, a);
+    }
     g_clear_handle_id(&a->timer, g_source_remove);
+    g_hash_table_unref(a->kept);
     g_free(a->path);
     g_free(a->written);
     g_free(a);
+}
+
+const char *
+pf_attached_agent_domain(PfAttached *a, int pid, gboolean *unknown)
+{
+    Kept *k = g_hash_table_lookup(a->kept, GINT_TO_POINTER(pid));
+
+    *unknown = a->unknown;
+    return k != NULL && start_time(pid) == k->start_time ? k->domain : NULL;
 }
 
 /* A member of the file's, of the type it must have, or 0 / NULL. */
@@ -244,20 +352,44 @@ read_own(const char *path, GError **error)
     return g_string_free(g_steal_pointer(&text), FALSE);
 }
 
-guint
-pf_attached_restore(PfScanner *scanner, const char *path)
+/* An agent's VM's domain the file names, kept until it comes back. */
+static void
+keep_domain(PfAttached *a, JsonObject *o)
+{
+    gint64 pid = member_int(o, "pid");
+    gint64 started = member_int(o, "start_time");
+    const char *domain = member_str(o, "merge_domain");
+    Kept *k;
+
+    if (pid <= 0 || pid > G_MAXINT || started <= 0 || domain == NULL ||
+        g_str_equal(domain, "unlabelled") ||
+        !pf_label_is_valid("a merge domain", domain, NULL)) {
+        return;
+    }
+    k = g_new0(Kept, 1);
+    k->start_time = (guint64)started;
+    k->domain = g_strdup(domain);
+    g_hash_table_replace(a->kept, GINT_TO_POINTER((int)pid), k);
+}
+
+/* The file's VMs attached again, and its agents' domains kept; how many
+ * VMs were attached. */
+static guint
+restore(PfAttached *a)
 {
     g_autoptr(JsonParser) parser = json_parser_new();
     g_autoptr(GError) error = NULL;
-    g_autofree char *text = read_own(path, &error);
+    g_autofree char *text = read_own(a->path, &error);
     g_autofree char *boot = boot_id();
-    JsonNode *root, *list;
+    JsonNode *root, *list, *domains;
     JsonArray *vms;
     guint n = 0;
 
     if (text == NULL || !json_parser_load_from_data(parser, text, -1, &error)) {
         if (!g_error_matches(error, G_FILE_ERROR, G_FILE_ERROR_NOENT)) {
-            g_warning("%s: %s: no VM attached by pid is attached again", path, error->message);
+            g_warning("%s: %s: no VM attached by pid is attached again, and agents' VMs "
+                      "that merged before come back apart", a->path, error->message);
+            a->unknown = TRUE;
         }
         return 0;
     }
@@ -266,8 +398,9 @@ pf_attached_restore(PfScanner *scanner, const char *path)
                ? json_object_get_member(json_node_get_object(root), "vms")
                : NULL;
     if (list == NULL || !JSON_NODE_HOLDS_ARRAY(list)) {
-        g_warning("%s is not pagefoldd's list of VMs: no VM attached by pid is attached again",
-                  path);
+        g_warning("%s is not pagefoldd's list of VMs: no VM attached by pid is attached again, "
+                  "and agents' VMs that merged before come back apart", a->path);
+        a->unknown = TRUE;
         return 0;
     }
     if (g_strcmp0(member_str(json_node_get_object(root), "boot_id"), boot) != 0) {
@@ -277,7 +410,20 @@ pf_attached_restore(PfScanner *scanner, const char *path)
     for (guint i = 0; i < json_array_get_length(vms); i++) {
         JsonNode *e = json_array_get_element(vms, i);
 
-        n += JSON_NODE_HOLDS_OBJECT(e) && restore_one(scanner, json_node_get_object(e));
+        n += JSON_NODE_HOLDS_OBJECT(e) && restore_one(a->scanner, json_node_get_object(e));
+    }
+    /* A file of a pagefoldd that kept no domains has none to give. */
+    domains = json_object_get_member(json_node_get_object(root), "domains");
+    if (domains != NULL && JSON_NODE_HOLDS_ARRAY(domains)) {
+        JsonArray *list_of = json_node_get_array(domains);
+
+        for (guint i = 0; i < json_array_get_length(list_of); i++) {
+            JsonNode *e = json_array_get_element(list_of, i);
+
+            if (JSON_NODE_HOLDS_OBJECT(e)) {
+                keep_domain(a, json_node_get_object(e));
+            }
+        }
     }
     return n;
 }

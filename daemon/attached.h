@@ -1,15 +1,22 @@
 /*
- * attached.h - the VMs attached by pid (advise mode: no agent), kept in a
- * file beside the control socket, so that a pagefoldd started again (a
- * restart, an upgrade, a crash) attaches them again, with their names,
- * UUIDs and merge domains: they have no agent to come back by themselves.
+ * attached.h - what a pagefoldd started again (a restart, an upgrade, a
+ * crash) would otherwise lose, kept in a file beside the control socket:
+ * the VMs attached by pid (advise mode: no agent to come back by
+ * themselves), with their names, UUIDs and merge domains, and the merge
+ * domains of agents' VMs, which come back by themselves but would come
+ * back to whatever domain their handshake gives (default, for root's),
+ * silently opening sharing between tenants root had kept apart.
  *
- * Owns the file and a timer that writes it, once a second, when what it
- * holds changed.  A process is known by its pid and its start time (in
- * /proc/PID/stat), so that a pid reused since is not taken for it.  Never
- * attaches a process the file names unless that process started when the
- * file says, and never trusts the file more than root's own: it is
- * pagefoldd's, 0600, in its run directory.
+ * Owns the file, a timer that writes it once a second when what it holds
+ * changed, and the merge domains it read for agents' VMs that have not
+ * come back yet.  It writes at once, before the change is answered, when
+ * a VM's merge domain changes (the scanner's domain event): a pagefoldd
+ * killed right after `pagefoldctl merge-domain` keeps it.  A process is
+ * known by its pid and its start time (in /proc/PID/stat), so that a pid
+ * reused since is not taken for it.  Never attaches a process the file
+ * names unless that process started when the file says, and never trusts
+ * the file more than root's own: it is pagefoldd's, 0600, in its run
+ * directory.
  */
 #pragma once
 
@@ -19,11 +26,19 @@
 
 typedef struct _PfAttached PfAttached;
 
-/* Keeps path up to date with the scanner's VMs attached by pid. */
-PfAttached *pf_attached_new(PfScanner *scanner, const char *path);
+/* Reads path (once, at start): the VMs it names whose processes still
+ * run are attached again (*n_restored says how many), and the merge
+ * domains of agents' VMs are kept for pf_attached_agent_domain(); then
+ * keeps path up to date with the scanner's VMs. */
+PfAttached *pf_attached_new(PfScanner *scanner, const char *path, guint *n_restored);
 void pf_attached_free(PfAttached *a);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfAttached, pf_attached_free)
 
-/* The VMs path names whose processes still run, attached again (a missing
- * file: none); how many.  Once, before pf_attached_new(). */
-guint pf_attached_restore(PfScanner *scanner, const char *path);
+/*
+ * An agent's VM of process pid comes back after a restart: the merge
+ * domain root gave it under the pagefoldd before, if the file said one
+ * for this very process (its start time), or NULL.  *unknown: the file
+ * was there but could not be read, so no domain is known of any VM (its
+ * caller keeps a VM that merged before apart rather than guess).
+ */
+const char *pf_attached_agent_domain(PfAttached *a, int pid, gboolean *unknown);

@@ -22,6 +22,8 @@ struct _PfLinkServer {
     int uffd_dev; /* /dev/userfaultfd, for agents root vouched for */
     char *libvirt_run_dir; /* libvirt's status files (libvirt-status.h) */
     PfLibvirtPids *libvirt_pids; /* the pids they name, as last read */
+    PfAttached *kept;      /* agents' VMs' merge domains kept by the
+                            * pagefoldd before (main.c's), or NULL */
     GPtrArray *handshakes; /* PfLink* not yet READY, oldest first */
     GHashTable *running;   /* PfVm* -> its PfLink*, READY */
     GPtrArray *ended;      /* PfLink* closed, freed from the main loop */

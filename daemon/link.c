@@ -345,26 +345,55 @@ on_result(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
+/* Whether the VM came with pages merged under an earlier pagefoldd. */
+static gboolean
+merged_before(const PfVm *vm)
+{
+    for (guint i = 0; i < vm->regions->len; i++) {
+        if (((const PfRegion *)g_ptr_array_index(vm->regions, i))->pooled != NULL) {
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
 /*
- * A new VM's merge domain.  libvirt's status file of the domain, where it
- * names this process as its QEMU, is root's word on which domain it is
- * and what its XML says: its merge domain then, however long libvirt's
- * hook takes to say the same (or if it never runs, as after a restart of
+ * A new VM's merge domain.  One root gave this very process under the
+ * pagefoldd before (kept beside the socket: attached.h) is root's latest
+ * word.  Otherwise, libvirt's status file of the domain, where it names
+ * this process as its QEMU, is root's word on which domain it is and what
+ * its XML says: its merge domain then, however long libvirt's hook takes
+ * to say the same (or if it never runs, as after a restart of
  * pagefoldd).  Otherwise any process of the socket's group may have
  * connected: a VM no root process vouched for shares with nobody until
- * one does.
+ * one does.  And a VM that merged under an earlier pagefoldd whose kept
+ * domains could not be read is kept apart too: its domain is not known,
+ * and default could join tenants root had kept apart.
  */
 static void
 on_ready_domain(PfLink *l, PfVm *vm)
 {
     PfScanner *s = l->srv->scanner;
     g_autoptr(GError) error = NULL;
+    gboolean unknown = FALSE;
+    const char *kept =
+        l->srv->kept != NULL ? pf_attached_agent_domain(l->srv->kept, vm->pid, &unknown) : NULL;
 
     if (l->libvirt != NULL) {
         /* libvirt's, not what the peer claimed. */
         memcpy(vm->uuid, l->libvirt->uuid, sizeof(vm->uuid));
     }
-    if (l->libvirt != NULL && l->libvirt->merge_domain != NULL) {
+    if (kept != NULL) {
+        if (pf_scanner_set_merge_domain(s, vm, kept, &error)) {
+            g_message("VM %s (pid %d): merge domain '%s', as root set it before pagefoldd "
+                      "started", vm->name, vm->pid, kept);
+            return;
+        }
+        g_warning("VM %s (pid %d): %s", vm->name, vm->pid, error->message);
+    } else if (unknown && merged_before(vm)) {
+        g_message("VM %s (pid %d): its merge domain before pagefoldd started is not known; it "
+                  "shares with no other VM until root says it", vm->name, vm->pid);
+    } else if (l->libvirt != NULL && l->libvirt->merge_domain != NULL) {
         if (pf_scanner_set_merge_domain(s, vm, l->libvirt->merge_domain, &error)) {
             return;
         }
@@ -1079,6 +1108,12 @@ pf_link_server_set_libvirt_run_dir(PfLinkServer *srv, const char *dir)
 {
     g_free(srv->libvirt_run_dir);
     srv->libvirt_run_dir = g_strdup(dir);
+}
+
+void
+pf_link_server_set_kept(PfLinkServer *srv, PfAttached *kept)
+{
+    srv->kept = kept;
 }
 
 void

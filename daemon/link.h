@@ -28,6 +28,7 @@
 
 #include <glib.h>
 
+#include "attached.h"
 #include "pool.h"
 #include "scan.h"
 
@@ -48,6 +49,10 @@ gboolean pf_link_server_allow_group(PfLinkServer *srv, const char *group, GError
  * only if the status file of the domain it names says it is that domain's
  * QEMU. */
 void pf_link_server_set_libvirt_run_dir(PfLinkServer *srv, const char *dir);
+
+/* What the pagefoldd before kept of agents' VMs (their merge domains),
+ * looked at as each VM is made; kept must outlive the server. */
+void pf_link_server_set_kept(PfLinkServer *srv, PfAttached *kept);
 
 /* An agent that has requests to answer and answers none for this long is
  * given up, its VM detached (default 30 s). */

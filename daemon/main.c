@@ -477,12 +477,13 @@ main(int argc, char **argv)
         return status;
     }
     {
-        /* VMs attached by pid have no agent to come back by: the last
-         * pagefoldd on this socket kept them beside it. */
+        /* VMs attached by pid have no agent to come back by, and agents'
+         * VMs come back without their merge domains: the last pagefoldd
+         * on this socket kept both beside it. */
         g_autofree char *kept = g_strconcat(socket_path(&opts), ".attached", NULL);
 
-        pf_attached_restore(d.scanner, kept);
-        d.attached = pf_attached_new(d.scanner, kept);
+        d.attached = pf_attached_new(d.scanner, kept, NULL);
+        pf_link_server_set_kept(d.links, d.attached);
     }
     return run(&d, &opts);
 }

@@ -75,3 +75,15 @@ scan_emit_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop)
         }
     }
 }
+
+void
+scan_emit_domain(PfScanner *s, PfVm *vm)
+{
+    for (guint i = 0; i < s->listeners->len; i++) {
+        Listener *l = &g_array_index(s->listeners, Listener, i);
+
+        if (l->events->domain != NULL) {
+            l->events->domain(s, vm, l->user);
+        }
+    }
+}

@@ -380,3 +380,4 @@ void vms_faulted(PfScanner *s);
 void scan_emit_vm_gone(PfScanner *s, PfVm *vm, const char *why);
 void scan_emit_passed_over(PfScanner *s, PfVm *vm);
 void scan_emit_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop);
+void scan_emit_domain(PfScanner *s, PfVm *vm);

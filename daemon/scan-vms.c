@@ -340,7 +340,10 @@ pf_scanner_merge_domain(PfScanner *s, const PfVm *vm)
 void
 pf_scanner_set_unlabelled(PfScanner *s, PfVm *vm)
 {
-    vm->unlabelled = TRUE;
+    if (!vm->unlabelled) {
+        vm->unlabelled = TRUE;
+        scan_emit_domain(s, vm);
+    }
 }
 
 /* Its pages have other partners now: smart scan's back-off, earned failing
@@ -404,5 +407,6 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
               pf_scanner_merge_domain(s, vm));
     vm->unlabelled = FALSE;
     vm->domain = id;
+    scan_emit_domain(s, vm);
     return TRUE;
 }

@@ -68,6 +68,9 @@ typedef struct {
      * one (drop TRUE); chunk->fd is valid during the call only. */
     void (*chunk)(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop,
                   gpointer user);
+    /* The VM's merge domain changed (pf_scanner_merge_domain() says the
+     * new one). */
+    void (*domain)(PfScanner *s, PfVm *vm, gpointer user);
 } PfScanEvents;
 
 PfScanner *pf_scanner_new(const PfHashAlgo *hash);

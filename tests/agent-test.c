@@ -1519,6 +1519,112 @@ test_restart(void)
     }
 }
 
+/* The merge domain pagefoldd lists the VM in. */
+static char *
+listed_domain(PfTestDaemon *d, const char *name)
+{
+    g_autoptr(JsonObject) vm = pf_test_listed_vm(d, name);
+
+    g_assert_nonnull(vm);
+    return g_strdup(json_object_get_string_member(vm, "merge_domain"));
+}
+
+/* Passes until pages_sharing stops changing (at most 40); the stats. */
+static JsonObject *
+scan_until_settled(PfTestDaemon *d)
+{
+    JsonObject *s = stats(d, "scan-now", "2");
+
+    for (int i = 0; i < 40; i++) {
+        JsonObject *next = stats(d, "scan-now", "2");
+        gboolean same = total(next, "pages_sharing") == total(s, "pages_sharing") &&
+                        total(next, "pages_shared") == total(s, "pages_shared");
+
+        json_object_unref(s);
+        s = next;
+        if (same) {
+            break;
+        }
+    }
+    return s;
+}
+
+/*
+ * Merge domains root set by hand outlive pagefoldd: four VMs of the same
+ * content, two in t1 and two in t2, pagefoldd killed with -9 and started
+ * again.  Each comes back in its domain (pagefoldd kept it, written before
+ * merge-domain answered), and when t2's pages are unmerged and merge
+ * again, they merge with each other, not with t1's: the sharing is what
+ * it was, none across the two.  Where what was kept cannot be read, the
+ * VMs come back each in a domain of its own, never in default.
+ */
+static void
+test_domains_restart(void)
+{
+    const char *names[4] = { "d0", "d1", "d2", "d3" };
+    const char *domains[4] = { "t1", "t1", "t2", "t2" };
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(JsonObject) before = NULL;
+    g_autoptr(JsonObject) after = NULL;
+    Vmm *v[4];
+
+    for (int i = 0; i < 4; i++) {
+        v[i] = vmm_start(d, names[i], i + 1, 0, FALSE);
+        json_node_unref(pf_test_ctl_json(d, "merge-domain", names[i], domains[i], NULL));
+    }
+    before = scan_until_settled(d);
+    g_assert_cmpint(total(before, "pages_sharing"), >=, IDENTICAL * 2);
+    g_subprocess_send_signal(d->proc, SIGKILL);
+    g_subprocess_wait(d->proc, NULL, NULL);
+    for (int i = 0; i < 4; i++) {
+        wait_disconnected(v[i]);
+    }
+    pf_test_daemon_restart(d, "--set", "run=0", NULL);
+    for (int i = 0; i < 4; i++) {
+        g_autofree char *domain = NULL;
+
+        wait_merging(d, names[i]);
+        domain = listed_domain(d, names[i]);
+        g_test_message("%s: merge domain %s", names[i], domain);
+        g_assert_cmpstr(domain, ==, domains[i]);
+    }
+    /* t2's pages merge again: with each other only. */
+    json_node_unref(pf_test_ctl_json(d, "unmerge", names[2], NULL));
+    json_node_unref(pf_test_ctl_json(d, "unmerge", names[3], NULL));
+    after = scan_until_settled(d);
+    g_test_message("pages_shared %" G_GINT64_FORMAT " -> %" G_GINT64_FORMAT
+                   ", pages_sharing %" G_GINT64_FORMAT " -> %" G_GINT64_FORMAT,
+                   total(before, "pages_shared"), total(after, "pages_shared"),
+                   total(before, "pages_sharing"), total(after, "pages_sharing"));
+    g_assert_cmpint(total(after, "pages_sharing"), ==, total(before, "pages_sharing"));
+    g_assert_cmpint(total(after, "pages_shared"), ==, total(before, "pages_shared"));
+    /* What was kept cannot be read: VMs that merged come back apart,
+     * never in default. */
+    g_subprocess_send_signal(d->proc, SIGKILL);
+    g_subprocess_wait(d->proc, NULL, NULL);
+    for (int i = 0; i < 4; i++) {
+        wait_disconnected(v[i]);
+    }
+    {
+        g_autofree char *kept = g_strconcat(d->sock, ".attached", NULL);
+
+        g_assert_true(g_file_set_contents_full(kept, "{\"boot_id\": ", -1,
+                                               G_FILE_SET_CONTENTS_CONSISTENT, 0600, NULL));
+    }
+    pf_test_daemon_restart(d, "--set", "run=0", NULL);
+    for (int i = 0; i < 4; i++) {
+        g_autofree char *domain = NULL;
+
+        wait_merging(d, names[i]);
+        domain = listed_domain(d, names[i]);
+        g_assert_cmpstr(domain, ==, "unlabelled");
+    }
+    for (int i = 0; i < 4; i++) {
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
+    }
+}
+
 /* A VM that root detaches stays detached: its agent hears why, and
  * connects again only when a pagefoldd dies, not when one lets it go. */
 static void
@@ -1676,16 +1782,6 @@ test_unprivileged(void)
     pf_test_write_libvirt_status(run_dir, "u0", NULL);
     pf_test_write_libvirt_status(run_dir, "u1", NULL);
     g_assert_cmpint(g_rmdir(run_dir), ==, 0);
-}
-
-/* The merge domain pagefoldd lists the VM in. */
-static char *
-listed_domain(PfTestDaemon *d, const char *name)
-{
-    g_autoptr(JsonObject) vm = pf_test_listed_vm(d, name);
-
-    g_assert_nonnull(vm);
-    return g_strdup(json_object_get_string_member(vm, "merge_domain"));
 }
 
 /*
@@ -1963,6 +2059,7 @@ main(int argc, char **argv)
     g_test_add_func("/agent/kill-vmm", test_kill_vmm);
     g_test_add_func("/agent/restart", test_restart);
     g_test_add_func("/agent/detach-stays", test_detach_stays);
+    g_test_add_func("/agent/domains-restart", test_domains_restart);
     g_test_add_func("/agent/unprivileged", test_unprivileged);
     g_test_add_func("/agent/not-vouched", test_not_vouched);
     g_test_add_func("/agent/flood-same-uid", test_flood_same_uid);
