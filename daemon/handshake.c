@@ -126,6 +126,7 @@ struct _HandshakeCheck {
                            * mapped from pool chunks (an agent whose
                            * pagefoldd went); not RAM plugged in later */
     PfPoolMapped *pooled; /* ... which they are */
+    PfChunkHolder holder; /* ... for whom their descriptors are held */
     GError *error;        /* the REGION refused, or smaps unreadable */
     HandshakeDone done;
 };
@@ -220,8 +221,8 @@ check_run(HandshakeCheck *c, GCancellable *cancel)
         const PfWireRegion *wr = pf_msg_region(c->msg);
 
         if (!pf_region_check_mapping(c->proc_dir, c->fd, c->name, wr->host_addr, wr->offset,
-                                     wr->size, c->adopt ? &c->pooled : NULL, cancel,
-                                     &c->error) ||
+                                     wr->size, &c->holder, c->adopt ? &c->pooled : NULL,
+                                     cancel, &c->error) ||
             !c->protect) {
             return;
         }
@@ -261,6 +262,7 @@ check_start(PfLink *l, PfMsg *msg, gboolean protect, HandshakeDone done)
     c->msg = msg;
     c->protect = protect;
     c->adopt = l->vm == NULL;
+    c->holder = (PfChunkHolder){ l->peer_pid, l->peer_uid, l->vouched };
     c->done = done;
     c->spans = g_new0(PfRegionSpan, MAX(regions->len, 1));
     c->index = g_new0(guint, MAX(regions->len, 1));

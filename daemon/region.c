@@ -232,22 +232,100 @@ check_vma(int proc_dir, const Vma *v, const struct stat *st, const char *name,
     return TRUE;
 }
 
+/*
+ * Pool chunk descriptors the checks of all links hold, until their VMs
+ * take their pages back or their links end: a peer whose process maps
+ * thousands of chunks (or many such peers at once) must not take every
+ * descriptor pagefoldd may have, nor those the checks of VMs root vouched
+ * for need.  Checks run on threads of GLib's pool; descriptors are let go
+ * of on the main loop.
+ */
+static GMutex held_lock;
+static PfChunkCaps caps = PF_CHUNK_CAPS_DEFAULT;
+static GHashTable *held_by_pid;  /* pid -> descriptors */
+static GHashTable *held_by_uid;  /* uid -> descriptors, of unvouched peers */
+static guint held_unvouched, held_all;
+
+void
+pf_region_set_chunk_caps(const PfChunkCaps *set)
+{
+    static const PfChunkCaps dflt = PF_CHUNK_CAPS_DEFAULT;
+
+    g_mutex_lock(&held_lock);
+    caps = set != NULL ? *set : dflt;
+    g_mutex_unlock(&held_lock);
+}
+
+static guint
+held_of(GHashTable *t, guint key)
+{
+    return t != NULL ? GPOINTER_TO_UINT(g_hash_table_lookup(t, GUINT_TO_POINTER(key))) : 0;
+}
+
+static void
+held_add(GHashTable **t, guint key, gint n)
+{
+    guint now = held_of(*t, key) + (guint)n;
+
+    if (*t == NULL) {
+        *t = g_hash_table_new(NULL, NULL);
+    }
+    if (now == 0) {
+        g_hash_table_remove(*t, GUINT_TO_POINTER(key));
+    } else {
+        g_hash_table_insert(*t, GUINT_TO_POINTER(key), GUINT_TO_POINTER(now));
+    }
+}
+
+static void
+held_count(const PfChunkHolder *h, gint n)
+{
+    held_all += (guint)n;
+    held_add(&held_by_pid, (guint)h->pid, n);
+    if (!h->vouched) {
+        held_unvouched += (guint)n;
+        held_add(&held_by_uid, (guint)h->uid, n);
+    }
+}
+
+/* One more descriptor for h, where every cap allows; region_held: those
+ * the region's check holds already. */
+static gboolean
+chunk_hold(const PfChunkHolder *h, guint region_held)
+{
+    gboolean ok;
+
+    g_mutex_lock(&held_lock);
+    ok = region_held < caps.region && held_all < caps.all &&
+         held_of(held_by_pid, (guint)h->pid) < caps.peer &&
+         (h->vouched || (held_unvouched < caps.unvouched &&
+                         held_of(held_by_uid, (guint)h->uid) < caps.unvouched_uid));
+    if (ok) {
+        held_count(h, 1);
+    }
+    g_mutex_unlock(&held_lock);
+    return ok;
+}
+
+static void
+chunk_unhold(const PfChunkHolder *h, guint n)
+{
+    g_mutex_lock(&held_lock);
+    held_count(h, -(gint)n);
+    g_mutex_unlock(&held_lock);
+}
+
 void
 pf_pool_mapped_free(PfPoolMapped *m)
 {
     if (m == NULL) {
         return;
     }
+    chunk_unhold(&m->holder, g_hash_table_size(m->fds));
     g_array_unref(m->runs);
     g_hash_table_unref(m->fds);
     g_free(m);
 }
-
-/* Pool chunk descriptors the checks of all links hold, until their VMs
- * take their pages back or their links end: a peer whose process maps
- * thousands of chunks (or many such peers at once) must not take every
- * descriptor pagefoldd may have. */
-static gint held_chunk_fds;
 
 /* The device of every memfd, pool chunks among them; 0 if none can be
  * made. */
@@ -276,7 +354,6 @@ static void
 close_fd(gpointer p)
 {
     close(GPOINTER_TO_INT(p) - 1);
-    g_atomic_int_dec_and_test(&held_chunk_fds);
 }
 
 /*
@@ -287,7 +364,7 @@ close_fd(gpointer p)
  */
 static gboolean
 check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, guint64 at,
-             guint64 end, PfPoolMapped **pooled, GError **error)
+             guint64 end, const PfChunkHolder *holder, PfPoolMapped **pooled, GError **error)
 {
     dev_t shm_dev = memfd_dev();
     g_autofree char *entry = g_strdup_printf("map_files/%" G_GINT64_MODIFIER "x-%"
@@ -310,10 +387,10 @@ check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, gu
             return refuse_region(error, "region %s: the process maps another file at %#"
                                  G_GINT64_MODIFIER "x, privately", name, at);
         }
-        if ((*pooled != NULL && g_hash_table_size((*pooled)->fds) >= PF_MAX_POOLED_CHUNKS) ||
-            g_atomic_int_get(&held_chunk_fds) >= PF_MAX_POOLED_CHUNKS_ALL) {
+        if (!chunk_hold(holder, *pooled != NULL ? g_hash_table_size((*pooled)->fds) : 0)) {
             return refuse_region(error, "region %s: the process maps more pool chunks than "
-                                 "pagefoldd takes back at a time", name);
+                                 "pagefoldd takes back at a time, for it%s", name,
+                                 holder->vouched ? "" : " and its uid's others");
         }
         fd = openat(proc_dir, entry, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
         if (fd < 0 || fstat(fd, &st) < 0 || st.st_ino != v->ino || st.st_dev != shm_dev ||
@@ -321,23 +398,25 @@ check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, gu
             if (fd >= 0) {
                 close(fd);
             }
+            chunk_unhold(holder, 1);
             return refuse_region(error, "region %s: the process maps another file at %#"
                                  G_GINT64_MODIFIER "x, privately", name, at);
         }
-        g_atomic_int_inc(&held_chunk_fds);
     } else {
         fd = GPOINTER_TO_INT(known) - 1;
         (void)pf_pool_is_marked(fd, &run.zero); /* it was, and stays so */
     }
     if (v->offset % PF_PAGE_SIZE || index + run.n_pages > PF_POOL_CHUNK_SLOTS) {
         if (known == NULL) {
-            close_fd(FD_VALUE(fd));
+            close(fd);
+            chunk_unhold(holder, 1);
         }
         return refuse_region(error, "region %s: the process maps a pool chunk at %#"
                              G_GINT64_MODIFIER "x beyond its end", name, at);
     }
     if (*pooled == NULL) {
         *pooled = g_new0(PfPoolMapped, 1);
+        (*pooled)->holder = *holder;
         (*pooled)->runs = g_array_new(FALSE, FALSE, sizeof(PfPoolRun));
         (*pooled)->fds = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, close_fd);
     }
@@ -351,8 +430,8 @@ check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, gu
 
 gboolean
 pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
-                        guint64 offset, guint64 size, PfPoolMapped **pooled,
-                        GCancellable *cancel, GError **error)
+                        guint64 offset, guint64 size, const PfChunkHolder *holder,
+                        PfPoolMapped **pooled, GCancellable *cancel, GError **error)
 {
     g_autoptr(GArray) vmas = NULL;
     g_autoptr(PfPoolMapped) found = NULL;
@@ -385,7 +464,7 @@ pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_add
         }
         if (pooled != NULL && v->perms[0] != '\0' && v->perms[3] == 'p' &&
             (v->ino != (guint64)st.st_ino || makedev(v->major, v->minor) != st.st_dev)) {
-            if (!check_pooled(proc_dir, v, name, host_addr, at, end, &found, error)) {
+            if (!check_pooled(proc_dir, v, name, host_addr, at, end, holder, &found, error)) {
                 return FALSE;
             }
         } else if (!check_vma(proc_dir, v, &st, name, host_addr, offset, at, error)) {

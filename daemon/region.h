@@ -47,16 +47,36 @@ typedef struct {
     gboolean zero;   /* the zero chunk */
 } PfPoolRun;
 
-/* The most pool chunks one region's check keeps open, and all checks at
- * once: a region past either is refused (its merged pages stay, uncounted). */
-#define PF_MAX_POOLED_CHUNKS 16384
-#define PF_MAX_POOLED_CHUNKS_ALL 131072
+/*
+ * The most pool chunk descriptors checks keep open: for one region, for
+ * one peer (its process, all its regions and connections), for the peers
+ * of one uid root vouched for none of, for all such peers, and for all
+ * checks at once.  A region past any is refused (its merged pages stay,
+ * uncounted).  A process that hoards chunks, or many of one uid (under
+ * libvirt every QEMU's), leaves the VMs root vouched for at least half of
+ * them.
+ */
+typedef struct {
+    guint region, peer, unvouched_uid, unvouched, all;
+} PfChunkCaps;
+#define PF_CHUNK_CAPS_DEFAULT { 16384, 32768, 16384, 32768, 131072 }
+
+/* Who a check holds chunk descriptors for. */
+typedef struct {
+    int pid;          /* the peer's process */
+    uid_t uid;
+    gboolean vouched; /* root vouched for it: not counted with its uid */
+} PfChunkHolder;
+
+/* Tests set smaller caps; NULL: the defaults. */
+void pf_region_set_chunk_caps(const PfChunkCaps *caps);
 
 /* What a region's check found its process maps from pool chunks. */
 typedef struct {
     GArray *runs;    /* PfPoolRun, in page order */
     GHashTable *fds; /* ino (guint64*) -> the chunk's memfd plus one (an
                       * int, owned), opened through the process's map_files */
+    PfChunkHolder holder; /* whose descriptors fds are, as counted */
     guint at_run;    /* how far the scanner took them back (scan-adopt.c) */
     gsize at_page;
     gsize shared, zero, refused; /* ... and how many so far */
@@ -108,12 +128,13 @@ typedef struct {
  * process mapping exactly that file there, shared, at those offsets, in
  * one mapping or several.  Where pooled is not NULL, pages may be mapped
  * privately from pool chunks instead (an agent whose pagefoldd restarted):
- * *pooled says which, or is NULL where none is.  Allocates nothing for the
- * region.
+ * *pooled says which, or is NULL where none is, and holds their
+ * descriptors, counted against holder's caps (PfChunkCaps).  Allocates
+ * nothing for the region.
  */
 gboolean pf_region_check_mapping(int proc_dir, int fd, const char *name, guint64 host_addr,
-                                 guint64 offset, guint64 size, PfPoolMapped **pooled,
-                                 GCancellable *cancel, GError **error);
+                                 guint64 offset, guint64 size, const PfChunkHolder *holder,
+                                 PfPoolMapped **pooled, GCancellable *cancel, GError **error);
 
 /* Guest RAM as announced, for checks made away from the region itself. */
 typedef struct {

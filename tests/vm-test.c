@@ -3,6 +3,7 @@
  * like QEMU, processes that are no VM, and VMs that misbehave mid-pass
  * (exit, unmap their RAM, truncate it).  The daemon side must carry on.
  */
+#include <fcntl.h>
 #include <glib.h>
 #include <signal.h>
 #include <string.h>
@@ -12,6 +13,8 @@
 
 #include "guestmem.h"
 #include "jobs.h"
+#include "pool.h"
+#include "region.h"
 #include "scan-helpers.h"
 #include "scan.h"
 #include "util.h"
@@ -276,12 +279,103 @@ test_truncated_under_us(Pair *p, gconstpointer data)
     assert_sums(p->s);
 }
 
+/* Checks the region of pages [first, first + n) of the guest memfd as
+ * holder's, pooled; whether it passed (its pooled kept in *pooled). */
+static gboolean
+check_as(int proc_dir, int memfd, guint8 *base, gsize first, gsize n, int pid, uid_t uid,
+         gboolean vouched, PfPoolMapped **pooled)
+{
+    PfChunkHolder h = { pid, uid, vouched };
+    g_autoptr(GError) error = NULL;
+    gboolean ok = pf_region_check_mapping(proc_dir, memfd, "pc.ram",
+                                          (guint64)(guintptr)(base + first * PF_PAGE_SIZE),
+                                          first * PF_PAGE_SIZE, n * PF_PAGE_SIZE, &h, pooled,
+                                          NULL, &error);
+
+    if (!ok) {
+        g_test_message("pid %d, uid %u%s: %s", pid, (guint)uid, vouched ? ", vouched" : "",
+                       error->message);
+        g_assert_nonnull(strstr(error->message, "more pool chunks than pagefoldd takes back"));
+    }
+    return ok;
+}
+
+/*
+ * Pool chunk descriptors held while regions are checked after a restart
+ * are capped per peer, per uid of the peers root vouched for none of, for
+ * all of those, and in all: a process that hoards chunks, or many of one
+ * uid, cannot get another VM's pooled regions refused, least of all one
+ * root vouched for.  Small caps here; the pages are this process's.
+ */
+static void
+test_chunk_caps(void)
+{
+    const PfChunkCaps small = { .region = 16, .peer = 2, .unvouched_uid = 3, .unvouched = 4,
+                                .all = 6 };
+    g_autoptr(PfPool) p = pf_pool_new(NULL, NULL, NULL);
+    guint8 content[PF_PAGE_SIZE];
+    PfPoolMapped *held[8] = { NULL };
+    int memfd, proc_dir;
+    guint8 *base;
+
+    if (geteuid() != 0) {
+        g_test_skip("needs root: pool chunks are marked in the trusted namespace");
+        return;
+    }
+    memfd = memfd_create("guest", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    g_assert_cmpint(ftruncate(memfd, 8 * PF_PAGE_SIZE), ==, 0);
+    g_assert_cmpint(fcntl(memfd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL), ==, 0);
+    base = mmap(NULL, 8 * PF_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+    g_assert_true(base != MAP_FAILED);
+    /* Pages 0 and 1 from two chunks (the region of two), page 4 from a
+     * third (the region of one), as an agent maps merged pages. */
+    for (guint i = 0; i < 3; i++) {
+        guint32 vm = i + 1, chunk, index, slot;
+        const PfPoolChunk *c;
+        gsize page = i < 2 ? i : 4;
+
+        memset(content, 0x11 * (i + 1), sizeof(content));
+        slot = pf_pool_alloc(p, &vm, 1, content, NULL);
+        pf_pool_locate(p, slot, &chunk, &index);
+        c = pf_pool_chunk(p, chunk);
+        g_assert_true(mmap(base + page * PF_PAGE_SIZE, PF_PAGE_SIZE, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_FIXED, c->fd,
+                           (off_t)index * PF_PAGE_SIZE) != MAP_FAILED);
+    }
+    proc_dir = open("/proc/self", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    pf_region_set_chunk_caps(&small);
+    /* A peer: two chunks, and no more however it asks. */
+    g_assert_true(check_as(proc_dir, memfd, base, 0, 2, 100, 1000, FALSE, &held[0]));
+    g_assert_false(check_as(proc_dir, memfd, base, 4, 1, 100, 1000, FALSE, &held[1]));
+    /* Its uid: three in all. */
+    g_assert_true(check_as(proc_dir, memfd, base, 4, 1, 101, 1000, FALSE, &held[2]));
+    g_assert_false(check_as(proc_dir, memfd, base, 4, 1, 102, 1000, FALSE, &held[3]));
+    /* Unvouched peers: four in all. */
+    g_assert_true(check_as(proc_dir, memfd, base, 4, 1, 103, 1001, FALSE, &held[4]));
+    g_assert_false(check_as(proc_dir, memfd, base, 4, 1, 104, 1002, FALSE, &held[5]));
+    /* A peer root vouched for, of the same uid: the rest. */
+    g_assert_true(check_as(proc_dir, memfd, base, 0, 2, 105, 1000, TRUE, &held[6]));
+    g_assert_false(check_as(proc_dir, memfd, base, 4, 1, 106, 1000, TRUE, &held[7]));
+    /* What a check held is given back with it. */
+    g_clear_pointer(&held[0], pf_pool_mapped_free);
+    g_assert_true(check_as(proc_dir, memfd, base, 4, 1, 106, 1000, TRUE, &held[7]));
+    g_assert_true(check_as(proc_dir, memfd, base, 4, 1, 100, 1000, FALSE, &held[1]));
+    for (guint i = 0; i < G_N_ELEMENTS(held); i++) {
+        g_clear_pointer(&held[i], pf_pool_mapped_free);
+    }
+    pf_region_set_chunk_caps(NULL);
+    close(proc_dir);
+    munmap(base, 8 * PF_PAGE_SIZE);
+    close(memfd);
+}
+
 int
 main(int argc, char **argv)
 {
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/vm/attach-child", test_attach_child);
     g_test_add_func("/vm/not-a-vm", test_not_a_vm);
+    g_test_add_func("/region/chunk-caps", test_chunk_caps);
     g_test_add("/vm/exit-mid-pass", Pair, NULL, pair_setup, test_exit_mid_pass, pair_teardown);
     g_test_add("/vm/region-vanishes", Pair, NULL, pair_setup, test_region_vanishes,
                pair_teardown);
