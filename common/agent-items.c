@@ -213,7 +213,10 @@ exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
 /*
  * Back to a huge page, once every page of the extent is unmerged.  The
  * kernel will not collapse a range registered for write protection, so it
- * is unregistered for the collapse: no page of it is protected then.
+ * is unregistered for the collapse: no page of it is protected then.  So
+ * never while a page of it is still remapped, whatever pagefoldd believes
+ * (a page it could not take back after a restart is one it does not
+ * count): EBUSY, and nothing changes.
  */
 static void
 exec_collapse(PfAgent *a, const PfWireItem *it, PfWireResult *res)
@@ -224,6 +227,11 @@ exec_collapse(PfAgent *a, const PfWireItem *it, PfWireResult *res)
     struct uffdio_range range = { (guint64)(guintptr)hva, len };
     int err = 0, rc;
 
+    if (pfa_find_remapped(r, it->page, it->page + HUGE_PAGES, TRUE) <
+        it->page + HUGE_PAGES) {
+        set_result(res, PF_RESULT_ERROR, EBUSY);
+        return;
+    }
     rc = pfa_uffd_ioctl(a, UFFDIO_UNREGISTER, &range);
     if (rc < 0) {
         set_result(res, PF_RESULT_ERROR, -rc);

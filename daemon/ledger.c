@@ -65,6 +65,16 @@ ledger_take(PfScanner *s, guint32 slot, guint32 node)
     }
 }
 
+gboolean
+ledger_adopt_slot(PfScanner *s, guint32 slot)
+{
+    if (pf_pool_adopt_slot(s->pool, slot)) {
+        return TRUE;
+    }
+    pf_pool_unref(s->pool, slot); /* the one pf_pool_adopt_slot() took */
+    return FALSE;
+}
+
 void
 ledger_put(PfScanner *s, guint32 slot, guint32 node)
 {

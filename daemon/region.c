@@ -321,10 +321,28 @@ pf_pool_mapped_free(PfPoolMapped *m)
     if (m == NULL) {
         return;
     }
-    chunk_unhold(&m->holder, g_hash_table_size(m->fds));
+    chunk_unhold(&m->holder, m->n_held);
     g_array_unref(m->runs);
     g_hash_table_unref(m->fds);
+    g_free(m->back);
     g_free(m);
+}
+
+void
+pf_pool_mapped_back(PfPoolMapped *m, gsize n_pages, gsize from, gsize to)
+{
+    if (m->back == NULL) {
+        m->back = g_new0(guint8, (n_pages + 7) / 8);
+    }
+    for (gsize i = from; i < MIN(to, n_pages); i++) {
+        m->back[i / 8] |= (guint8)(1u << (i % 8));
+    }
+}
+
+gboolean
+pf_pool_mapped_is_back(const PfPoolMapped *m, gsize idx)
+{
+    return m->back != NULL && (m->back[idx / 8] & (1u << (idx % 8))) != 0;
 }
 
 /* The device of every memfd, pool chunks among them; 0 if none can be
@@ -423,6 +441,7 @@ check_pooled(int proc_dir, const Vma *v, const char *name, guint64 host_addr, gu
     if (known == NULL) {
         g_hash_table_insert((*pooled)->fds, g_memdup2(&run.ino, sizeof(run.ino)),
                             FD_VALUE(fd));
+        (*pooled)->n_held++;
     }
     g_array_append_val((*pooled)->runs, run);
     return TRUE;

@@ -76,13 +76,21 @@ typedef struct {
     GArray *runs;    /* PfPoolRun, in page order */
     GHashTable *fds; /* ino (guint64*) -> the chunk's memfd plus one (an
                       * int, owned), opened through the process's map_files */
-    PfChunkHolder holder; /* whose descriptors fds are, as counted */
+    PfChunkHolder holder; /* whose descriptors fds are ... */
+    guint n_held;         /* ... and how many of them are counted */
+    guint8 *back;    /* by bit, per page of the region: back in the memfd
+                      * since the check (a DISCARD), not to be taken back;
+                      * NULL: none */
     guint at_run;    /* how far the scanner took them back (scan-adopt.c) */
     gsize at_page;
     gsize shared, zero, refused; /* ... and how many so far */
 } PfPoolMapped;
 
 void pf_pool_mapped_free(PfPoolMapped *m);
+/* Pages [from, to) of the region of n_pages are back in the memfd. */
+void pf_pool_mapped_back(PfPoolMapped *m, gsize n_pages, gsize from, gsize to);
+/* Whether page idx is: then it maps no pool chunk any more. */
+gboolean pf_pool_mapped_is_back(const PfPoolMapped *m, gsize idx);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfPoolMapped, pf_pool_mapped_free)
 
 /*

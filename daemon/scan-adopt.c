@@ -25,12 +25,6 @@
 
 /* Pages taken back per turn of the main loop: a few milliseconds. */
 #define ADOPT_PAGES 32768u
-/* Sharers a node may have as pages are adopted into it (tree.c keeps
- * 16-bit member indexes).  Counted as the ledger counts them, its requests
- * in flight included: merges asked for before a restart's adoption filled
- * the node still join it when answered, and with max_page_sharing at its
- * most they would take it past what a member index holds. */
-#define ADOPT_MAX_SHARERS (G_MAXUINT16 - 1u)
 
 /* The chunk of a run, one of the pool's (adopted now if it was not), the
  * VM one of its VMs; 0 where it cannot be. */
@@ -59,9 +53,25 @@ run_chunk(PfScanner *s, PfVm *vm, const PfPoolMapped *pooled, const PfPoolRun *r
     return chunk;
 }
 
+/*
+ * A page that maps a slot but cannot be taken back (its node is full, or
+ * something else holds the slot) is folded back into its memfd: left
+ * merged and uncounted, it would keep a slot of a chunk pagefoldd may drop
+ * (and its VM would be detached for still mapping it), and a COLLAPSE of
+ * its extent would be asked as if it were not merged.  The request holds
+ * a reference on the slot until answered, as any unmerge's does.
+ */
+static void
+fold_back_refused(PfScanner *s, PfRegion *r, gsize idx, PfPage *p, guint32 slot)
+{
+    ledger_take(s, slot, 0);
+    request_page(s, r, p, r->base + (guint32)idx, PF_ITEM_UNMERGE, slot, 0, 0);
+}
+
 /* Page idx maps slot index of chunk: a member of the slot's node.  FALSE
- * when it cannot be (its node is full, or no memory for its record): it
- * stays merged, uncounted. */
+ * when it cannot be: folded back (its node is full, or its slot held by
+ * another), or left (no memory for its record; a request in flight for it
+ * decides). */
 static gboolean
 adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
 {
@@ -69,22 +79,26 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
     guint32 slot = chunk * PF_POOL_CHUNK_SLOTS + index + 1;
     guint32 node = pf_pool_adopted_tag(pool, slot);
     const PfStableNode *n = node != 0 ? node_at(s, node) : NULL;
-    PfPage *p;
+    PfPage *p = pf_region_page_make(r, idx);
 
-    if (n != NULL && n->live && n->slot == slot && ledger_sharers(s, n) >= ADOPT_MAX_SHARERS) {
+    if (p == NULL || p->state == PF_PAGE_PENDING) {
         return FALSE;
     }
-    p = pf_region_page_make(r, idx);
-    if (p == NULL || p->state != PF_PAGE_ABSENT) {
-        return FALSE;
+    /* Whatever was thought of it read the memfd, not what the guest sees. */
+    if (p->state != PF_PAGE_ABSENT) {
+        ledger_forget_page(s, r, idx, NULL);
     }
-    if (n == NULL || !n->live || n->slot != slot) {
-        /* A slot with no node has no reference either: the node's own
-         * is its first. */
-        if (!pf_pool_adopt_slot(pool, slot)) {
-            pf_pool_unref(pool, slot);
+    if (n != NULL && n->live && n->slot == slot) {
+        if (ledger_sharers(s, n) >= s->adopt_max_sharers) {
+            fold_back_refused(s, r, idx, p, slot);
             return FALSE;
         }
+    } else if (!ledger_adopt_slot(s, slot)) {
+        fold_back_refused(s, r, idx, p, slot);
+        return FALSE;
+    } else {
+        /* A slot with no node had no reference either: the node's own is
+         * its first. */
         node = pf_stable_tree_create(&s->stable, s->hash(pf_pool_data(pool, slot)), slot,
                                      pf_vm_domain_key(r->vm));
         pf_pool_set_adopted_tag(pool, slot, node);
@@ -108,8 +122,11 @@ adopt_zero(PfScanner *s, PfRegion *r, gsize idx)
 {
     PfPage *p = pf_region_page_make(r, idx);
 
-    if (p == NULL || p->state != PF_PAGE_ABSENT) {
+    if (p == NULL || p->state == PF_PAGE_PENDING) {
         return FALSE;
+    }
+    if (p->state != PF_PAGE_ABSENT) {
+        ledger_forget_page(s, r, idx, NULL);
     }
     p->checksum = pf_page_sum(s->zero_checksum);
     mark_merged(r, p, PF_PAGE_ZERO);
@@ -131,10 +148,10 @@ region_adopted(PfScanner *s, PfRegion *r)
         pf_pool_adopted_settle(pool, pf_pool_find_ino(pool, *(guint64 *)ino));
     }
     g_message("VM %s (pid %d): region %u: took back %zu merged page(s) and %zu zero page(s) "
-              "on %u pool chunk(s) of an earlier pagefoldd%s",
+              "on %u pool chunk(s) of an earlier pagefoldd%s%s",
               r->vm->name, r->vm->pid, r->index, pooled->shared, pooled->zero,
-              g_hash_table_size(pooled->fds),
-              pooled->refused > 0 ? "; some stay merged, uncounted" : "");
+              g_hash_table_size(pooled->fds), pooled->refused > 0 ? "; the others are " : "",
+              pooled->refused > 0 ? "folded back, or stay merged where they cannot be" : "");
 }
 
 /* Takes back up to *budget pages of region r (its agent's VM merging). */
@@ -154,6 +171,10 @@ adopt_region(PfScanner *s, PfRegion *r, guint *budget)
         for (; m->at_page < run->n_pages && *budget > 0; m->at_page++, (*budget)--) {
             gsize idx = run->page + m->at_page;
 
+            /* Discarded since READY: in the memfd, nothing to take. */
+            if (pf_pool_mapped_is_back(m, idx)) {
+                continue;
+            }
             if (run->zero ? adopt_zero(s, r, idx)
                           : adopt_page(s, r, idx, chunk, run->index + (guint32)m->at_page)) {
                 (*(run->zero ? &m->zero : &m->shared))++;
@@ -197,6 +218,8 @@ adopt_cb(gpointer user)
             adopt_region(s, r, &budget);
         }
     }
+    /* What it asked (pages folded back) goes now, not with the next scan. */
+    pf_scanner_flush(s);
     if (budget > 0) {
         s->adopt_source = 0;
         return G_SOURCE_REMOVE;

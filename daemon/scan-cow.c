@@ -171,5 +171,12 @@ pf_scanner_step_back(PfScanner *s, PfVm *vm, const char *reason)
 void
 pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n)
 {
-    back_in_memfd(s, g_ptr_array_index(vm->regions, region), first, first + n);
+    PfRegion *r = g_ptr_array_index(vm->regions, region);
+
+    /* Pages merged under an earlier pagefoldd, not taken back yet, are
+     * not to be: they map no pool chunk any more (scan-adopt.c). */
+    if (r->pooled != NULL) {
+        pf_pool_mapped_back(r->pooled, r->n_pages, first, first + n);
+    }
+    back_in_memfd(s, r, first, first + n);
 }

@@ -68,6 +68,13 @@ typedef struct {
     GDestroyNotify destroy;
 } Listener;
 
+/* Sharers a node may have as pages are adopted into it (tree.c keeps
+ * 16-bit member indexes).  Counted as the ledger counts them, its requests
+ * in flight included: merges asked for before a restart's adoption filled
+ * the node still join it when answered, and with max_page_sharing at its
+ * most they would take it past what a member index holds. */
+#define ADOPT_MAX_SHARERS (G_MAXUINT16 - 1u)
+
 struct _PfScanner {
     PfKnobs knobs;
     const PfHashAlgo *algo;
@@ -96,6 +103,8 @@ struct _PfScanner {
     PfPool *pool;        /* created with the first merging VM */
     guint adopt_source;  /* takes back pages merged under an earlier
                           * pagefoldd, a slice at a time (scan-adopt.c) */
+    guint32 adopt_max_sharers; /* a node takes adopted pages up to this
+                                * (ADOPT_MAX_SHARERS; a model case lowers it) */
     guint32 next_serial; /* the last PfVm.serial given */
     GPtrArray *leftovers; /* Leftover* */
     guint64 max_map_count;
@@ -261,6 +270,10 @@ guint32 ledger_new_slot(PfScanner *s, const guint32 *vms, guint n_vms, const gui
                         GError **error);
 /* A page (or a request for one) takes a reference on node's slot. */
 void ledger_take(PfScanner *s, guint32 slot, guint32 node);
+/* A slot of an adopted chunk that nothing holds takes its first
+ * reference, its node's to be; FALSE (nothing taken) where something
+ * holds it already. */
+gboolean ledger_adopt_slot(PfScanner *s, guint32 slot);
 /* A hold on a slot ends (its mapping is gone); its node may go. */
 void ledger_put(PfScanner *s, guint32 slot, guint32 node);
 /* A hold that must outlive the page's record: kept in keep when its

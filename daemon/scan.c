@@ -355,6 +355,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     pf_guard_install();
     pf_knobs_init_default(&s->knobs);
     s->listed_sharing = s->knobs.max_page_sharing;
+    s->adopt_max_sharers = ADOPT_MAX_SHARERS;
     s->algo = hash ? hash : pf_hash_default();
     s->vms = g_ptr_array_new_with_free_func((GDestroyNotify)pf_vm_free);
     pf_page_space_init(&s->space);

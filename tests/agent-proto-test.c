@@ -59,10 +59,11 @@ expect_msg(Fixture *f, PfMsgType type)
  * data is theirs). */
 static const char protocol_1[] = "protocol 1";
 
+/* The fixture with guest RAM of n_pages (the pool has PAGES slots). */
 static void
-setup(Fixture *f, gconstpointer data)
+setup_pages(Fixture *f, gconstpointer data, guint n_pages)
 {
-    PfLayout l = { .identical = PAGES / 2, .unique = PAGES / 4, .zero = PAGES / 4 };
+    PfLayout l = { .identical = n_pages / 2, .unique = n_pages / 4, .zero = n_pages / 4 };
     PfAgentRegion r;
 
     memset(f, 0, sizeof(*f));
@@ -73,7 +74,7 @@ setup(Fixture *f, gconstpointer data)
     }
     f->guest = pf_guest_new_aligned("memory-backend-memfd", &l, 1);
     f->agent = pf_agent_new("vm-test", NULL);
-    r = (PfAgentRegion){ "pc.ram", f->guest->mem, PAGES * PF_PAGE_SIZE, f->guest->fd, 0,
+    r = (PfAgentRegion){ "pc.ram", f->guest->mem, n_pages * PF_PAGE_SIZE, f->guest->fd, 0,
                          { MADV_DONTFORK } };
     g_assert_true(pf_agent_add_region(f->agent, &r, NULL));
     /* The fault tests' calls fail only when a test says so. */
@@ -81,6 +82,19 @@ setup(Fixture *f, gconstpointer data)
     g_assert_cmpint(pf_test_peer_accept(f->peer, f->agent), ==, PF_MODE_MERGE);
     f->conn = f->peer->conn;
     f->pool_fd = make_pool(PAGES, TRUE, &f->pool_map);
+}
+
+static void
+setup(Fixture *f, gconstpointer data)
+{
+    setup_pages(f, data, PAGES);
+}
+
+/* Guest RAM of a 2 MiB extent, which COLLAPSE may name. */
+static void
+setup_extent(Fixture *f, gconstpointer data)
+{
+    setup_pages(f, data, 512);
 }
 
 static void
@@ -222,6 +236,48 @@ test_merge_zero_unmerge(Fixture *f, gconstpointer data)
         g_assert_cmpint(pread(f->guest->fd, &b, 1, 9), ==, 1);
         g_assert_cmpuint(b, ==, 0x5a);
     }
+}
+
+/*
+ * COLLAPSE lifts the write protection of its whole extent: refused (EBUSY)
+ * while a page of it is still mapped from the pool, whatever pagefoldd
+ * believes, and the page stays merged and protected; once it is folded
+ * back, the extent may collapse.
+ */
+static void
+test_collapse_merged(Fixture *f, gconstpointer data)
+{
+    guint8 *mem = f->guest->mem;
+    g_autofree guint8 *before = g_memdup2(mem, 512 * PF_PAGE_SIZE);
+    PfWireItem merge = { .kind = PF_ITEM_MERGE, .region = 0, .page = 7, .chunk = 0,
+                         .slot = 0 };
+    PfWireItem collapse = { .kind = PF_ITEM_COLLAPSE, .region = 0, .page = 0 };
+    PfWireItem unmerge = { .kind = PF_ITEM_UNMERGE, .region = 0, .page = 7 };
+    guint64 start = (guint64)(guintptr)mem, size = 512 * PF_PAGE_SIZE;
+    const PfWireResult *res;
+
+    memcpy(f->pool_map, mem + 7 * PF_PAGE_SIZE, PF_PAGE_SIZE);
+    send_pool(f, f->pool_fd, 0, PAGES);
+    res = request(f, &merge, 1, 1);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    res = request(f, &collapse, 1, 2);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_ERROR);
+    g_assert_cmpint(res[0].err, ==, EBUSY);
+    /* Still the pool's page (read, so that it is mapped), and every
+     * mapping of the extent registered. */
+    g_assert_cmpint(memcmp(mem, before, 512 * PF_PAGE_SIZE), ==, 0);
+    g_assert_cmpuint(pagemap_entry(mem + 7 * PF_PAGE_SIZE) & ((1ull << 55) - 1), ==,
+                     pagemap_entry(f->pool_map) & ((1ull << 55) - 1));
+    g_assert_cmpint(pf_test_count_vmas_flag(getpid(), start, size, "uw"), ==,
+                    pf_test_count_vmas(getpid(), start, size));
+    mem[7 * PF_PAGE_SIZE + 3] ^= 0xff;
+    before[7 * PF_PAGE_SIZE + 3] ^= 0xff;
+    res = request(f, &unmerge, 1, 3);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    /* The kernel may not collapse shmem here; the agent no longer refuses. */
+    res = request(f, &collapse, 1, 4);
+    g_assert_true(res[0].status == PF_RESULT_DONE || res[0].err != EBUSY);
+    g_assert_cmpint(memcmp(mem, before, 512 * PF_PAGE_SIZE), ==, 0);
 }
 
 /* Items pagefoldd must never send: each is refused, nothing changes. */
@@ -1725,6 +1781,8 @@ main(int argc, char **argv)
     g_test_add("/agent-proto/merge-zero-unmerge", Fixture, NULL, setup, test_merge_zero_unmerge,
                teardown);
     g_test_add("/agent-proto/bad-items", Fixture, NULL, setup, test_bad_items, teardown);
+    g_test_add("/agent-proto/collapse-merged", Fixture, NULL, setup_extent,
+               test_collapse_merged, teardown);
     g_test_add("/agent-proto/unsealed-pool", Fixture, NULL, setup, test_unsealed_pool, teardown);
     g_test_add("/agent-proto/bad-messages", Fixture, NULL, setup, test_bad_messages, teardown);
     g_test_add("/agent-proto/fault/merge-map-early", Fixture, NULL, setup, test_fault_merge_mmap,

@@ -68,6 +68,9 @@ typedef struct {
     GPtrArray *regions; /* ModelRegion*, by the agent's index: [0] the RAM its
                          * process holds, then RAM plugged in since */
     GPtrArray *old;   /* ModelRegion* plugged in under an earlier agent */
+    gboolean kept_merged; /* attached again with pages merged under its
+                           * earlier agent: the pagefoldd that let it go
+                           * keeps their slots, uncounted (DESIGN 2.9) */
 } ModelVm;
 
 /* A VM's agent: what it received and has not answered, the chunks it
@@ -192,6 +195,13 @@ agent_answer(ModelAgent *l, const PfWireItem *item, const PfPending *pd,
     if (model->answer != NULL) {
         model->answer(l, item, pd, status, err);
     }
+}
+
+/* A descriptor as region.c's tables keep it: plus one. */
+static void
+close_fd_value(gpointer p)
+{
+    close(GPOINTER_TO_INT(p) - 1);
 }
 
 /* Pages [first, end) leave the memfd: mapped from the pool now. */
@@ -517,6 +527,29 @@ node_listed(PfScanner *s, guint32 id)
  * no fewer: one too many is a slot (and its chunk) that never comes back,
  * one too few a slot freed and reused while a guest page still maps it.
  */
+/* Every page the agent keeps merged is one pagefoldd counts merged, or
+ * has a request in flight for.  (Not the other way: a page written while
+ * its unmerge was in flight, which was refused, is counted merged until
+ * the next pass finds its copy on write again, which the model does not
+ * play.) */
+static void
+assert_merged_counted(ModelVm *mv, guint k, const PfRegion *r, const char *when)
+{
+    const ModelRegion *mr = model_region(mv, k);
+
+    for (gsize i = 0; i < r->n_pages; i++) {
+        PfPageState st = pf_region_page_state(r, i);
+
+        if (!mr->merged[i] || st == PF_PAGE_SHARED || st == PF_PAGE_ZERO ||
+            st == PF_PAGE_PENDING) {
+            continue;
+        }
+        g_test_message("%s, %s: VM %s region %u page %zu: merged by its agent, state %u in "
+                       "pagefoldd", model->context, when, mv->vm->name, k, i, st);
+        g_assert_not_reached();
+    }
+}
+
 static void
 check_model(Model *m, const char *when)
 {
@@ -591,6 +624,9 @@ check_model(Model *m, const char *when)
             g_assert_cmpint(pf_region_live(r), ==, !model_region(mv, k)->gone);
             g_assert_true(pf_region_live(r) || (r->n_pages == 0 && r->map == NULL &&
                                                 r->fd < 0 && r->extents == NULL));
+            if (pf_region_live(r) && !m->lying && !mv->kept_merged) {
+                assert_merged_counted(mv, k, r, when);
+            }
         }
         shared += vm->count[PF_PAGE_SHARED];
         if (vm->outbox != NULL) {
@@ -730,9 +766,11 @@ announced_region(ModelRegion *mr)
 }
 
 /* A VM (again) with its agent, in merge mode: as link.c makes it at
- * READY, its process pinned by a pidfd and its /proc directory. */
+ * READY, its process pinned by a pidfd and its /proc directory; pooled:
+ * what its region check found its process maps from pool chunks (a
+ * pagefoldd started again), or NULL. */
 static void
-model_attach(Model *m, ModelVm *mv)
+model_attach_pooled(Model *m, ModelVm *mv, PfPoolMapped *pooled)
 {
     g_autoptr(GError) error = NULL;
     g_autofree char *name = g_strdup_printf("vm%u", m->n_made++);
@@ -750,7 +788,11 @@ model_attach(Model *m, ModelVm *mv)
         g_ptr_array_add(mv->old, g_ptr_array_steal_index(mv->regions, mv->regions->len - 1));
     }
     model_region(mv, 0)->gone = FALSE;
+    for (gsize i = 0; i < model_region(mv, 0)->guest->n_pages && pooled == NULL; i++) {
+        mv->kept_merged |= model_region(mv, 0)->merged[i];
+    }
     g_ptr_array_add(regions, announced_region(model_region(mv, 0)));
+    ((PfRegion *)g_ptr_array_index(regions, 0))->pooled = pooled;
     mv->vm = pf_vm_new_from_agent(mv->pid, pidfd, proc_dir, name, no_uuid, regions,
                                   PF_MODE_MERGE, NULL, &error);
     g_assert_no_error(error);
@@ -759,6 +801,15 @@ model_attach(Model *m, ModelVm *mv)
     g_assert_cmpuint(mv->vm->regions->len, ==, 1);
     mv->agent = agent_new(mv->vm, mv);
     pf_scanner_add_vm(m->s, mv->vm);
+    if (pooled != NULL) {
+        pf_scanner_adopt(m->s, mv->vm);
+    }
+}
+
+static void
+model_attach(Model *m, ModelVm *mv)
+{
+    model_attach_pooled(m, mv, NULL);
 }
 
 /* The holder of a guest's RAM is forked from this process, where the
@@ -1011,6 +1062,114 @@ totals(Model *m)
 /* Defined below. */
 static const PfLayout identical_only;
 #define N_IDENTICAL 256
+
+/* A guest whose agent merged every page of its RAM to the slots of an
+ * earlier pagefoldd's pool, slots[i] for page i (one chunk), then
+ * connects to this one: attached with what its region check found. */
+static ModelVm *
+model_add_vm_merged(Model *m, PfPool *old, const guint32 *slots, guint32 seed)
+{
+    ModelVm *mv = g_new0(ModelVm, 1);
+    PfPoolMapped *pooled = g_new0(PfPoolMapped, 1);
+    ModelRegion *mr;
+    guint32 chunk, index;
+    const PfPoolChunk *c;
+    PfPoolRun run;
+
+    mv->regions = g_ptr_array_new_with_free_func(model_region_free);
+    mv->old = g_ptr_array_new_with_free_func(model_region_free);
+    mr = model_region_new(&identical_only, seed);
+    g_ptr_array_add(mv->regions, mr);
+    pf_pool_locate(old, slots[0], &chunk, &index);
+    c = pf_pool_chunk(old, chunk);
+    run = (PfPoolRun){ 0, N_IDENTICAL, c->ino, index, FALSE };
+    for (guint i = 0; i < N_IDENTICAL; i++) {
+        guint32 ci, ii;
+
+        pf_pool_locate(old, slots[i], &ci, &ii);
+        g_assert_cmpuint(ci, ==, chunk);
+        g_assert_cmpuint(ii, ==, index + i);
+        mr->merged[i] = TRUE;
+    }
+    punch(mr, 0, N_IDENTICAL);
+    pooled->holder = (PfChunkHolder){ getpid(), 0, TRUE };
+    pooled->runs = g_array_new(FALSE, FALSE, sizeof(PfPoolRun));
+    g_array_append_val(pooled->runs, run);
+    pooled->fds = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, close_fd_value);
+    g_hash_table_insert(pooled->fds, g_memdup2(&c->ino, sizeof(c->ino)),
+                        GINT_TO_POINTER(fcntl(c->fd, F_DUPFD_CLOEXEC, 3) + 1));
+    keep_pool_from_children(m);
+    mv->pid = pf_guest_hold(mr->guest);
+    g_ptr_array_add(m->vms, mv);
+    model_attach_pooled(m, mv, pooled);
+    return mv;
+}
+
+/* Until the scanner has taken back every page it will, and the agents
+ * answered what that asked. */
+static void
+wait_adopted(Model *m)
+{
+    gint64 deadline = g_get_monotonic_time() + 10 * G_USEC_PER_SEC;
+
+    while (m->s->adopt_source != 0 || g_main_context_pending(NULL)) {
+        g_assert_cmpint(g_get_monotonic_time(), <, deadline);
+        g_main_context_iteration(NULL, FALSE);
+    }
+}
+
+/*
+ * A pagefoldd started again takes back the pages two VMs merged under the
+ * one before, as far as a node may take them (a seam lowers that to one
+ * sharer here): the pages it cannot take are folded back, never left
+ * merged and uncounted, where their chunk could go and their VM be
+ * detached for still mapping it.  A page the guest discarded before its
+ * turn is not taken back.  After every step each page the agents keep
+ * merged is one pagefoldd counts (check_model()).
+ */
+static void
+test_adopt_refused(void)
+{
+    Model *m = model_new();
+    g_autoptr(PfPool) old = NULL;
+    guint32 slots[N_IDENTICAL];
+    guint32 one = 1;
+    ModelVm *a, *b;
+    PfCounters t;
+
+    if (geteuid() != 0) {
+        g_test_skip("needs root: pool chunks are marked in the trusted namespace");
+        model_free(m);
+        return;
+    }
+    old = pf_pool_new(NULL, NULL, NULL);
+    {
+        g_autoptr(PfGuest) g = pf_guest_new("memory-backend-memfd", &identical_only, 1);
+
+        for (guint i = 0; i < N_IDENTICAL; i++) {
+            slots[i] = pf_pool_alloc(old, &one, 1, g->mem + i * PF_PAGE_SIZE, NULL);
+        }
+    }
+    m->s->adopt_max_sharers = 1;
+    a = model_add_vm_merged(m, old, slots, 1);
+    b = model_add_vm_merged(m, old, slots, 2);
+    /* a's page 3 was ballooned away before its turn. */
+    guest_discards(m, a, 0, 3, 1);
+    wait_adopted(m);
+    check_model(m, "taken back");
+    /* a took every node but that of page 3, which b took. */
+    g_assert_cmpuint(a->vm->count[PF_PAGE_SHARED], ==, N_IDENTICAL - 1);
+    g_assert_cmpuint(b->vm->count[PF_PAGE_SHARED], ==, 1);
+    for (guint i = 0; i < N_IDENTICAL; i++) {
+        g_assert_cmpint(model_region(b, 0)->merged[i], ==, i == 3);
+    }
+    m->s->adopt_max_sharers = ADOPT_MAX_SHARERS;
+    run_passes(m, 4, "merging again");
+    t = totals(m);
+    g_assert_cmpuint(t.pages_sharing, >=, N_IDENTICAL - 1);
+    model_end(m);
+    model_free(m);
+}
 
 /*
  * A VM put in a merge domain of its own in the middle of a pass, when some
@@ -2136,6 +2295,7 @@ main(int argc, char **argv)
     g_test_add_func("/scan-model/region-gone-during-move", test_region_gone_during_move);
     g_test_add_func("/scan-model/region-gone-frees-chunk", test_region_gone_frees_chunk);
     g_test_add_func("/scan-model/merge-domain-mid-pass", test_merge_domain_mid_pass);
+    g_test_add_func("/scan-model/adopt-refused", test_adopt_refused);
     g_test_add_func("/scan-model/ids-reused", test_ids_reused);
     g_test_add_func("/scan-model/joins-within-pass", test_joins_within_pass);
     g_test_add_func("/scan-model/written-back-waits", test_written_back_waits);
