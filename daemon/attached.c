@@ -113,7 +113,7 @@ snapshot(PfAttached *a)
         PfVm *vm = g_ptr_array_index(vms, i);
         char uuid[37];
 
-        if (vm->outbox != NULL) {
+        if (vm->kind == PF_VM_AGENT) {
             continue; /* an agent's: it comes back by itself */
         }
         json_builder_begin_object(b);
@@ -140,7 +140,7 @@ snapshot(PfAttached *a)
         PfVm *vm = g_ptr_array_index(vms, i);
         guint64 started;
 
-        if (vm->outbox != NULL && !vm->unlabelled && (started = start_time(vm->pid)) != 0) {
+        if (vm->kind == PF_VM_AGENT && !vm->unlabelled && (started = start_time(vm->pid)) != 0) {
             add_domain(b, vm->pid, started, pf_scanner_merge_domain(s, vm));
         }
     }

@@ -497,7 +497,7 @@ cmd_set(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
         PfControlLater *l = reply_later(r, "set run 2");
 
         pf_scanner_get_knobs(r->scanner)->run = 0;
-        l->job = pf_scanner_unmerge_async(r->scanner, NULL, later_done, l);
+        l->job = pf_scan_job_unmerge(r->scanner, NULL, later_done, l);
         return TRUE;
     }
     pf_scanner_kick(r->scanner);
@@ -532,7 +532,7 @@ cmd_scan_now(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
     {
         PfControlLater *l = reply_later(r, "scan-now");
 
-        l->job = pf_scanner_run_passes_async(r->scanner, (guint)passes, later_done, l);
+        l->job = pf_scan_job_run_passes(r->scanner, (guint)passes, later_done, l);
     }
     return TRUE;
 }
@@ -549,7 +549,7 @@ cmd_unmerge(Request *r, JsonObject *args, JsonBuilder *b, GError **error)
     }
     l = reply_later(r, "unmerge");
     l->pid = vm != NULL ? vm->pid : 0;
-    l->job = pf_scanner_unmerge_async(r->scanner, vm, later_done, l);
+    l->job = pf_scan_job_unmerge(r->scanner, vm, later_done, l);
     return TRUE;
 }
 

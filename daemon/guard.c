@@ -4,6 +4,7 @@
  */
 #include "guard.h"
 
+#include <errno.h>
 #include <glib.h>
 #include <signal.h>
 
@@ -34,7 +35,11 @@ pf_guard_install(void)
          * the mask, and a second fault must not find SIGBUS blocked. */
         sa.sa_flags = SA_SIGINFO | SA_NODEFER;
         sigemptyset(&sa.sa_mask);
-        sigaction(SIGBUS, &sa, NULL);
+        /* Without it a memfd truncated under a read would kill pagefoldd:
+         * it must not run so. */
+        if (sigaction(SIGBUS, &sa, NULL) < 0) {
+            g_error("cannot install the SIGBUS handler: %s", g_strerror(errno));
+        }
         g_once_init_leave(&done, 1);
     }
 }

@@ -610,7 +610,7 @@ handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old_out, GError **error)
      * The agent knows this VM better than /proc did: it replaces a VM
      * attached by pid. */
     old = pf_scanner_find_vm_by_pid(l->srv->scanner, l->peer_pid);
-    if (old != NULL && old->outbox != NULL) {
+    if (old != NULL && old->kind == PF_VM_AGENT) {
         g_set_error(error, PF_ERROR, PF_ERROR_EXISTS, "process %d already has an agent connected",
                     l->peer_pid);
         return NULL;
@@ -622,9 +622,11 @@ handshake_ready(PfLink *l, const PfMsg *msg, PfVm **old_out, GError **error)
          * could not make a userfaultfd. */
         reason = with_uffd = g_strdup_printf("%s; its agent: %s", l->no_uffd_why, reason);
     }
+    /* libvirt's UUID where its status file names this process, not what
+     * the peer claimed; the regions are the VM's from here on. */
     return pf_vm_new_from_agent(l->peer_pid, l->pidfd, l->proc_dir, l->hello.name,
-                                l->hello.uuid,
-                                l->regions, m->mode == PF_MODE_MERGE ? PF_MODE_MERGE
-                                                                     : PF_MODE_ADVISE,
+                                l->libvirt != NULL ? l->libvirt->uuid : l->hello.uuid,
+                                g_steal_pointer(&l->regions),
+                                m->mode == PF_MODE_MERGE ? PF_MODE_MERGE : PF_MODE_ADVISE,
                                 reason, error);
 }

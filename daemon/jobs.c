@@ -72,7 +72,7 @@ answers_due(GPtrArray *vms, gboolean answering)
     for (guint i = 0; i < vms->len; i++) {
         PfVm *vm = g_ptr_array_index(vms, i);
 
-        if (vm->outbox != NULL && pf_outbox_n_batched(vm->outbox) > 0 &&
+        if (vm->kind == PF_VM_AGENT && pf_outbox_n_batched(vm->outbox) > 0 &&
             !(answering && pf_scanner_agent_silent(vm))) {
             return TRUE;
         }
@@ -124,7 +124,7 @@ passes_step(PfScanJob *j)
     for (guint i = 0; i < vms->len; i++) {
         PfVm *vm = g_ptr_array_index(vms, i);
 
-        if (vm->outbox == NULL || pf_outbox_in_flight(vm->outbox) == 0) {
+        if (vm->kind == PF_VM_BY_PID || pf_outbox_in_flight(vm->outbox) == 0) {
             continue;
         }
         if (pf_outbox_waiting_usec(vm->outbox) < SETTLE_USEC) {
@@ -164,7 +164,7 @@ sweep_region(PfScanJob *j, PfVm *vm, PfRegion *r, gint64 end, StepResult *result
     while (j->page < r->n_pages) {
         gsize stop = MIN(r->n_pages, j->page + SWEEP_PAGES);
 
-        if (vm->outbox != NULL && pf_outbox_room(vm->outbox) == 0) {
+        if (vm->kind == PF_VM_AGENT && pf_outbox_room(vm->outbox) == 0) {
             pf_scanner_flush(j->s);
             *result = STEP_WAIT;
             return FALSE;
@@ -175,7 +175,7 @@ sweep_region(PfScanJob *j, PfVm *vm, PfRegion *r, gint64 end, StepResult *result
 
             if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
                 pf_scanner_end_sharing(j->s, r, j->page);
-                if (vm->outbox != NULL && pf_outbox_room(vm->outbox) == 0) {
+                if (vm->kind == PF_VM_AGENT && pf_outbox_room(vm->outbox) == 0) {
                     j->page++;
                     break;
                 }
@@ -430,7 +430,7 @@ job_finish(PfScanJob *j)
  * keep requests in flight for as long as the job looked: on a slow guest
  * it never saw none, and scan-now never replied. */
 PfScanJob *
-pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done, gpointer user)
+pf_scan_job_run_passes(PfScanner *s, guint n, PfScanJobFunc done, gpointer user)
 {
     PfScanJob *j = job_new(s, JOB_PASSES, done, user);
 
@@ -441,7 +441,7 @@ pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done, gpointer 
 }
 
 PfScanJob *
-pf_scanner_unmerge_async(PfScanner *s, PfVm *only, PfScanJobFunc done, gpointer user)
+pf_scan_job_unmerge(PfScanner *s, PfVm *only, PfScanJobFunc done, gpointer user)
 {
     PfScanJob *j = job_new(s, JOB_UNMERGE, done, user);
     GPtrArray *vms = pf_scanner_get_vms(s);
@@ -480,19 +480,19 @@ wait_job(gboolean *done)
 }
 
 void
-pf_scanner_run_passes(PfScanner *s, guint n)
+pf_scan_job_run_passes_wait(PfScanner *s, guint n)
 {
     gboolean done = FALSE;
 
-    pf_scanner_run_passes_async(s, n, sync_done, &done);
+    pf_scan_job_run_passes(s, n, sync_done, &done);
     wait_job(&done);
 }
 
 void
-pf_scanner_unmerge(PfScanner *s, PfVm *only)
+pf_scan_job_unmerge_wait(PfScanner *s, PfVm *only)
 {
     gboolean done = FALSE;
 
-    pf_scanner_unmerge_async(s, only, sync_done, &done);
+    pf_scan_job_unmerge(s, only, sync_done, &done);
     wait_job(&done);
 }

@@ -33,16 +33,14 @@ typedef void (*PfScanJobFunc)(PfScanner *s, const GError *error, GPtrArray *deta
  * every request they made is answered, but for agents that answered
  * nothing for 30 s (passed_over).  The scanner's own batches wait
  * meanwhile. */
-PfScanJob *pf_scanner_run_passes_async(PfScanner *s, guint n, PfScanJobFunc done,
-                                       gpointer user);
+PfScanJob *pf_scan_job_run_passes(PfScanner *s, guint n, PfScanJobFunc done, gpointer user);
 /* Unmerges every page of one VM, or of all (KSM's run=2): done when no
  * page of theirs is merged, merges that were in flight included.  They
  * take no new merges meanwhile. */
-PfScanJob *pf_scanner_unmerge_async(PfScanner *s, PfVm *only, PfScanJobFunc done,
-                                    gpointer user);
+PfScanJob *pf_scan_job_unmerge(PfScanner *s, PfVm *only, PfScanJobFunc done, gpointer user);
 /* Whoever was to be told is gone: done is not called; the job runs on. */
 void pf_scan_job_forget(PfScanJob *job);
 /* The same, waited for by iterating the default main context: for tests
  * and programs of their own; pagefoldd never waits so. */
-void pf_scanner_run_passes(PfScanner *s, guint n);
-void pf_scanner_unmerge(PfScanner *s, PfVm *only);
+void pf_scan_job_run_passes_wait(PfScanner *s, guint n);
+void pf_scan_job_unmerge_wait(PfScanner *s, PfVm *only);

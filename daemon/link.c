@@ -379,10 +379,6 @@ on_ready_domain(PfLink *l, PfVm *vm)
     const char *kept =
         l->srv->kept != NULL ? pf_attached_agent_domain(l->srv->kept, vm->pid, &unknown) : NULL;
 
-    if (l->libvirt != NULL) {
-        /* libvirt's, not what the peer claimed. */
-        memcpy(vm->uuid, l->libvirt->uuid, sizeof(vm->uuid));
-    }
     if (kept != NULL) {
         if (pf_scanner_set_merge_domain(s, vm, kept, &error)) {
             g_message("VM %s (pid %d): merge domain '%s', as root set it before pagefoldd "

@@ -21,7 +21,7 @@ restore_huge(PfScanner *s, PfRegion *r, gsize idx)
     if (!huge_restorable(s, r, idx, &first)) {
         return;
     }
-    if (r->vm->outbox != NULL) {
+    if (r->vm->kind == PF_VM_AGENT) {
         request_collapse(s, r, first);
     } else {
         huge_collapse_by_pid(r, first);

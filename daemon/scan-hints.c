@@ -140,7 +140,7 @@ hints_visit(PfScanner *s, gsize max)
         /* A merging VM not before the cursor first counted its
          * mappings: no request for it goes before (max_vma_percent). */
         if (vm->hint_pages == 0 || vm->unmerging || (pf_vm_merges(vm) && !vm->counted) ||
-            (vm->outbox != NULL && outbox_visits(vm) == 0)) {
+            (vm->kind == PF_VM_AGENT && outbox_visits(vm) == 0)) {
             idle++;
             continue;
         }

@@ -29,7 +29,7 @@ cmp_u32(gconstpointer a, gconstpointer b)
 gboolean
 moves_chunk_is_for(const PfPoolChunk *chunk, const PfVm *vm)
 {
-    if (vm->outbox == NULL) {
+    if (vm->kind == PF_VM_BY_PID) {
         return FALSE;
     }
     if (chunk->n_vms == 0) {

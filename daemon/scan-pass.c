@@ -47,7 +47,7 @@
 gboolean
 pf_scanner_agent_silent(PfVm *vm)
 {
-    return vm->outbox != NULL && pf_outbox_waiting_usec(vm->outbox) > STUCK_USEC;
+    return vm->kind == PF_VM_AGENT && pf_outbox_waiting_usec(vm->outbox) > STUCK_USEC;
 }
 
 gboolean
@@ -361,7 +361,7 @@ check_dropped(PfScanner *s, PfVm *vm, const PfVmLook *look, GError **error)
     GHashTable *held = pf_vm_look_held_pool(look);
     guint kept = 0;
 
-    if (vm->dropped == NULL || vm->outbox == NULL) {
+    if (vm->dropped == NULL || vm->kind == PF_VM_BY_PID) {
         return TRUE;
     }
     for (guint i = 0; i < vm->dropped->len;) {
@@ -517,9 +517,9 @@ look_start(PfScanner *s, PfVm *vm)
     }
     vm->look_usec = g_get_monotonic_time();
     vm->vmas_since_look = 0;
-    vm->look_answered = vm->outbox != NULL ? pf_outbox_answered_seq(vm->outbox) : 0;
+    vm->look_answered = vm->kind == PF_VM_AGENT ? pf_outbox_answered_seq(vm->outbox) : 0;
     pf_vm_look_async(vm,
-                     (vm->outbox == NULL ? PF_VM_LOOK_RANGES : 0) |
+                     (vm->kind == PF_VM_BY_PID ? PF_VM_LOOK_RANGES : 0) |
                          (vm->dropped != NULL && vm->dropped->len > 0 ? PF_VM_LOOK_HELD : 0),
                      call->cancel, look_done, call);
 }
@@ -539,7 +539,7 @@ look_start(PfScanner *s, PfVm *vm)
 static gboolean
 look_due(const PfScanner *s, const PfVm *vm, gint64 now)
 {
-    return s->whole_passes || vm->outbox == NULL ||
+    return s->whole_passes || vm->kind == PF_VM_BY_PID ||
            (vm->dropped != NULL && vm->dropped->len > 0) || vm->vma_budget == 0 ||
            vm->vmas >= vm->vma_budget || vm->vmas_since_look >= vm->vma_budget / 8 ||
            now - vm->look_usec >= LOOK_PERIOD_USEC;

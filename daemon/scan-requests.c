@@ -103,7 +103,7 @@ requests_settle_region(PfScanner *s, PfRegion *r)
 {
     GoneRange g = { s, r->base, (guint32)r->n_pages };
 
-    if (r->vm->outbox != NULL) {
+    if (r->vm->kind == PF_VM_AGENT) {
         pf_outbox_withdraw(r->vm->outbox, settle_gone_cb, &g);
     }
 }
@@ -142,7 +142,7 @@ requests_abandon(PfScanner *s, PfVm *vm, GArray *keep)
 {
     Abandon ab = { s, keep };
 
-    if (vm->outbox != NULL) {
+    if (vm->kind == PF_VM_AGENT) {
         pf_outbox_set_drain(vm->outbox, NULL, NULL);
         pf_outbox_abandon(vm->outbox, abandon_cb, &ab);
     }
@@ -154,7 +154,7 @@ pf_scanner_flush(PfScanner *s)
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (vm->outbox != NULL) {
+        if (vm->kind == PF_VM_AGENT) {
             pf_outbox_flush(vm->outbox);
         }
     }

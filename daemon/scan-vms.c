@@ -10,7 +10,6 @@
  */
 #include "scan-internal.h"
 
-#include <fcntl.h>
 #include <glib-unix.h>
 #include <unistd.h>
 
@@ -90,7 +89,7 @@ vms_drop_region(PfScanner *s, PfRegion *r)
         requests_settle_region(s, r);
         vms_release_region(s, r, NULL);
     }
-    if (vm->outbox != NULL) {
+    if (vm->kind == PF_VM_AGENT) {
         /* The agent names regions by index: n_pages 0 now, the cursor
          * steps over it. */
         pf_region_refuse(r, "it faulted when read (truncated under us?)");
@@ -117,20 +116,29 @@ vms_faulted(PfScanner *s)
     }
 }
 
+/* Whose pidfd a watch is on: the VM's and the scanner's (a VM knows no
+ * scanner).  Freed with the watch, which goes with the VM. */
+typedef struct {
+    PfScanner *s;
+    PfVm *vm;
+} ExitWatch;
+
 static gboolean
 vm_exited_cb(gint fd, GIOCondition cond, gpointer user)
 {
-    PfVm *vm = user;
+    ExitWatch *w = user;
 
-    vm->watch_id = 0;
-    pf_scanner_detach(vm->scanner, vm, "its process exited");
+    w->vm->watch_id = 0;
+    pf_scanner_detach(w->s, w->vm, "its process exited");
     return G_SOURCE_REMOVE;
 }
 
 void
 pf_scanner_add_vm(PfScanner *s, PfVm *vm)
 {
-    vm->scanner = s;
+    ExitWatch *w = g_new(ExitWatch, 1);
+
+    *w = (ExitWatch){ s, vm };
     vm->serial = ++s->next_serial;
     for (guint k = 0; k < vm->regions->len;) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
@@ -140,7 +148,7 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
             continue;
         }
         g_warning("VM %s: no page ids left for region %s", vm->name, r->name);
-        if (vm->outbox != NULL) {
+        if (vm->kind == PF_VM_AGENT) {
             /* The agent names its regions by index: this one stays. */
             pf_region_refuse(r, "no page ids left for it");
             k++;
@@ -148,7 +156,8 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
             pf_region_free(pf_vm_steal_region(vm, k));
         }
     }
-    vm->watch_id = g_unix_fd_add(vm->pidfd, G_IO_IN, vm_exited_cb, vm);
+    vm->watch_id = g_unix_fd_add_full(G_PRIORITY_DEFAULT, vm->pidfd, G_IO_IN, vm_exited_cb, w,
+                                      g_free);
     if (pf_vm_merges(vm)) {
         const PfPoolChunk *zero = pf_pool_zero_chunk(pf_scanner_get_pool(s));
 
@@ -207,14 +216,16 @@ vms_leftover_free(gpointer data)
 }
 
 /* Pool slots a process may still map after its VM left: kept until it
- * exits. */
+ * exits, which the VM's own pidfd says (taken from it, as it is about to
+ * be freed: no new descriptor, so nothing to fail). */
 static void
 vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep)
 {
     Leftover *l = g_new0(Leftover, 1);
 
     l->s = s;
-    l->pidfd = fcntl(vm->pidfd, F_DUPFD_CLOEXEC, 3);
+    l->pidfd = vm->pidfd;
+    vm->pidfd = -1;
     l->refs = g_array_ref(keep);
     l->watch = g_unix_fd_add(l->pidfd, G_IO_IN, leftover_cb, l);
     g_ptr_array_add(s->leftovers, l);

@@ -320,8 +320,9 @@ pf_scanner_get_info(PfScanner *s, PfScanInfo *info)
 
 /* ---- life ---- */
 
+/* The stable tree's way to a member's record (tree.h's PfPageFunc). */
 static PfPage *
-page_of(guint32 id, gpointer user)
+member_record(guint32 id, gpointer user)
 {
     PfScanner *s = user;
 
@@ -365,7 +366,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->max_map_count = read_max_map_count();
     s->kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
     s->cow = pf_cow_new();
-    pf_stable_tree_init(&s->stable, page_of, page_share, s);
+    pf_stable_tree_init(&s->stable, member_record, page_share, s);
     pf_unstable_tree_init(&s->unstable);
     s->joins = g_array_new(FALSE, FALSE, sizeof(Joining));
     s->joining = g_array_new(FALSE, FALSE, sizeof(Joining));

@@ -260,7 +260,7 @@ pf_vm_refresh(PfVm *vm, const PfVmLook *look, GPtrArray *gone, GPtrArray *added,
                     "process %d has exited", vm->pid);
         return FALSE;
     }
-    if (vm->outbox != NULL) {
+    if (vm->kind == PF_VM_AGENT) {
         return TRUE; /* the agent says what its RAM is */
     }
     if (look->error != NULL) {
@@ -474,8 +474,9 @@ vm_new(int pid, int pidfd, GError **error)
 
 PfVm *
 pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const guint8 uuid[16],
-                     GPtrArray *regions, PfMode mode, const char *reason, GError **error)
+                     GPtrArray *regions_in, PfMode mode, const char *reason, GError **error)
 {
+    g_autoptr(GPtrArray) regions = regions_in;
     g_autoptr(PfVm) vm = vm_new(pid, pidfd, error);
     g_autofree char *pagemap = g_strdup_printf("/proc/%d/pagemap", pid);
 
@@ -485,8 +486,8 @@ pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const g
     for (guint i = 0; i < regions->len; i++) {
         pf_vm_add_region(vm, g_ptr_array_index(regions, i));
     }
+    /* They are the VM's now, freed with it. */
     g_ptr_array_set_free_func(regions, NULL);
-    g_ptr_array_set_size(regions, 0);
     vm->pagemap_fd = openat(proc_dir, "pagemap", O_RDONLY | O_CLOEXEC);
     if (vm->pagemap_fd < 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot open %s: %s", pagemap,
@@ -500,6 +501,7 @@ pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const g
     vm->mode = mode;
     g_free(vm->mode_reason);
     vm->mode_reason = mode == PF_MODE_MERGE ? NULL : pf_escape_text(reason, -1);
+    vm->kind = PF_VM_AGENT;
     vm->outbox = pf_outbox_new();
     return g_steal_pointer(&vm);
 }
@@ -523,7 +525,7 @@ pf_vm_steal_region(PfVm *vm, guint k)
 {
     PfRegion *r;
 
-    g_return_val_if_fail(vm->outbox == NULL, NULL);
+    g_return_val_if_fail(vm->kind == PF_VM_BY_PID, NULL);
     r = g_ptr_array_steal_index(vm->regions, k);
     for (guint i = k; i < vm->regions->len; i++) {
         ((PfRegion *)g_ptr_array_index(vm->regions, i))->index = i;

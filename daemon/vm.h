@@ -41,6 +41,11 @@ typedef struct {
  * of a named domain, 0 the host's default. */
 #define PF_DOMAIN_UNLABELLED 0x80000000u
 
+/* How a VM came, set as it is made: its agent announced it (its requests
+ * go through its outbox), or root attached its process by pid (advise
+ * mode, no agent: its regions are what its mappings show). */
+typedef enum { PF_VM_BY_PID, PF_VM_AGENT } PfVmKind;
+
 struct _PfVm {
     /* A label: VMs may share one (the pid is who).  An agent's or a
      * process's own is kept escaped (escape.h), root's as given. */
@@ -49,11 +54,12 @@ struct _PfVm {
     guint8 uuid[16];     /* as the agent or QEMU's -uuid says; all zero:
                           * none.  A label too: a peer may claim any */
     int pidfd;
+    PfVmKind kind;
     GPtrArray *regions;  /* PfRegion*, owned */
     PfMode mode;         /* merge only with an agent that merges */
     char *mode_reason;   /* why advise, when it is; an agent's escaped */
     PfOutbox *outbox;    /* an agent's VM: its requests, owned; NULL if
-                          * attached by pid */
+                          * attached by pid (kind says which) */
     int pagemap_fd;      /* /proc/PID/pagemap, to see copy-on-write */
     /* pages of this VM in each PfPageState */
     gsize count[PF_PAGE_N_STATES];
@@ -101,7 +107,6 @@ struct _PfVm {
     guint32 run_next_slot;
     guint8 run_kind;
     guint watch_id;      /* pidfd watch, owned by the scanner */
-    gpointer scanner;    /* the PfScanner that owns this VM */
     guint32 serial;      /* its name in the pool, never reused */
     GArray *dropped;     /* PfDropped: chunks it was told to let go of,
                           * until it is seen to have */
@@ -127,10 +132,11 @@ pf_vm_domain_key(const PfVm *vm)
 PfVm *pf_vm_attach(int pid, const char *name, GError **error);
 /* A VM announced by its agent: regions as the agent described them (each
  * checked by pf_region_check_mapping()), the memfds it passed, and the mode
- * it chose (reason: why advise).  pidfd and proc_dir (its /proc/PID, opened
- * while pidfd showed it alive) pin the process the agent's socket came
- * from; pidfd is duplicated.  Its regions never change behind the agent's
- * back; its requests go through its outbox. */
+ * it chose (reason: why advise).  Takes regions, the array and its
+ * regions (freed with it on failure).  pidfd and proc_dir (its /proc/PID,
+ * opened while pidfd showed it alive) pin the process the agent's socket
+ * came from; pidfd is duplicated.  Its regions never change behind the
+ * agent's back; its requests go through its outbox. */
 PfVm *pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name,
                            const guint8 uuid[16], GPtrArray *regions, PfMode mode,
                            const char *reason, GError **error);

@@ -80,7 +80,7 @@ time_pass(PfScanner *s, PfGuest **g)
     pf_guest_churn(g[0]);
     pf_guest_churn(g[1]);
     t = bench_now();
-    pf_scanner_run_passes(s, 1);
+    pf_scan_job_run_passes_wait(s, 1);
     return bench_now() - t;
 }
 
@@ -119,7 +119,7 @@ main(int argc, char **argv)
 
     /* Every page hashed at every visit: smart scan off. */
     pf_scanner_get_knobs(s)->smart_scan = FALSE;
-    pf_scanner_run_passes(s, 2);
+    pf_scan_job_run_passes_wait(s, 2);
     pf_scanner_get_info(s, &info0);
     for (int r = 0; r < reps; r++) {
         double t = bench_now();

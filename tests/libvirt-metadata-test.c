@@ -331,7 +331,7 @@ test_publish(Fixture *f, gconstpointer data)
     PfCounters before;
     char *xml;
 
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     m = publisher_new(f, TEST_URI);
 
     /* The first snapshot comes at the first tick. */
@@ -358,7 +358,7 @@ test_publish(Fixture *f, gconstpointer data)
     /* Refreshed, at the interval, when the figures change: the second
      * pass merges. */
     before = domain_counters(f);
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     g_assert_cmpuint(domain_counters(f).pages_sharing, >, before.pages_sharing);
     g_assert_cmpuint(domain_counters(f).zero_pages, >, before.zero_pages);
     xml = await_element(f, VM_DOMAIN, 5000);
@@ -403,9 +403,9 @@ test_publish(Fixture *f, gconstpointer data)
     /* refresh() does not wait for the interval. */
     pf_scanner_get_knobs(f->scanner)->libvirt_metadata_millisecs = 3600000;
     g_assert_true(pf_libvirt_metadata_wait(m, 5000));
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     pf_guest_churn(f->guest[VM_DOMAIN]);
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     pf_libvirt_metadata_refresh(m);
     g_assert_true(pf_libvirt_metadata_wait(m, 5000));
     xml = element_now(f);
@@ -429,7 +429,7 @@ test_interval_off(Fixture *f, gconstpointer data)
     guint64 snapshots;
     char *xml;
 
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     m = publisher_new(f, TEST_URI);
     xml = await_element(f, VM_DOMAIN, 5000);
     g_assert_nonnull(xml);
@@ -444,7 +444,7 @@ test_interval_off(Fixture *f, gconstpointer data)
     virDomainSetMetadata(f->dom, VIR_DOMAIN_METADATA_ELEMENT, NULL, NULL,
                          PF_LIBVIRT_METADATA_NS, VIR_DOMAIN_AFFECT_LIVE);
     pf_guest_churn(f->guest[VM_DOMAIN]);
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     pf_libvirt_metadata_refresh(m);
     run_loop_for(2500);
     pf_libvirt_metadata_get_counts(m, &n);
@@ -470,7 +470,7 @@ test_other_process(Fixture *f, gconstpointer data)
     char *xml;
 
     write_pid_file(f, f->pid[VM_NO_UUID]);
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     m = publisher_new(f, TEST_URI);
     for (int i = 0; i < 3; i++) {
         pf_libvirt_metadata_refresh(m);
@@ -523,7 +523,7 @@ test_no_pid_file(Fixture *f, gconstpointer data)
     char *xml;
 
     write_pid_file(f, 0);
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     m = publisher_new(f, TEST_URI);
     for (int i = 0; i < 2; i++) {
         pf_libvirt_metadata_refresh(m);
@@ -594,7 +594,7 @@ test_not_loaded(Fixture *f, gconstpointer data)
     char *xml;
 
     g_assert_no_error(error);
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     pf_libvirt_metadata_set_library(lib);
     m = publisher_new(f, TEST_URI);
     for (int i = 0; i < 2; i++) {

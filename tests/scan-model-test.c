@@ -295,7 +295,7 @@ answer_batches(ModelAgent *l, guint max)
         l->n_in_flight -= b->items->len;
         /* As the real link: the answer must answer the oldest batch. */
         g_assert_true(pf_outbox_answers(vm->outbox, b->seq, b->items->len));
-        pf_scanner_answer(vm->scanner, vm, res, b->items->len);
+        pf_scanner_answer(model->s, vm, res, b->items->len);
         batch_free(b);
         assert_nothing_queued();
     }
@@ -629,7 +629,7 @@ check_model(Model *m, const char *when)
             }
         }
         shared += vm->count[PF_PAGE_SHARED];
-        if (vm->outbox != NULL) {
+        if (vm->kind == PF_VM_AGENT) {
             account_requests(s, vm, want);
         } else {
             g_assert_cmpuint(vm->count[PF_PAGE_PENDING], ==, 0);
@@ -793,7 +793,8 @@ model_attach_pooled(Model *m, ModelVm *mv, PfPoolMapped *pooled)
     }
     g_ptr_array_add(regions, announced_region(model_region(mv, 0)));
     ((PfRegion *)g_ptr_array_index(regions, 0))->pooled = pooled;
-    mv->vm = pf_vm_new_from_agent(mv->pid, pidfd, proc_dir, name, no_uuid, regions,
+    mv->vm = pf_vm_new_from_agent(mv->pid, pidfd, proc_dir, name, no_uuid,
+                                  g_steal_pointer(&regions),
                                   PF_MODE_MERGE, NULL, &error);
     g_assert_no_error(error);
     close(pidfd);
@@ -976,7 +977,7 @@ static void
 run_passes(Model *m, guint n, const char *when)
 {
     for (guint i = 0; i < n; i++) {
-        pf_scanner_run_passes(m->s, 1);
+        pf_scan_job_run_passes_wait(m->s, 1);
         check_model(m, when);
     }
 }
@@ -1623,7 +1624,7 @@ test_evacuate(void)
     }
     /* The pages go now; their slots with the agents' answers. */
     moves = m->moves;
-    pf_scanner_run_passes(m->s, 1);
+    pf_scan_job_run_passes_wait(m->s, 1);
     check_model(m, "pages written");
     g_assert_cmpuint(pf_pool_n_evacuating(m->s->pool), ==, 1);
     g_assert_cmpuint(m->moves, ==, moves);
@@ -2114,10 +2115,10 @@ fuzz_events(Model *m, const PfLayout *layout)
     } else if (ev < 28) {
         /* The control socket's unmerge, of one VM or of all (run=2). */
         if (g_rand_boolean(m->rand) && (mv = pick_vm(m, TRUE, TRUE)) != NULL) {
-            pf_scanner_unmerge(m->s, mv->vm);
+            pf_scan_job_unmerge_wait(m->s, mv->vm);
         } else {
             pf_scanner_get_knobs(m->s)->run = 2;
-            pf_scanner_unmerge(m->s, NULL);
+            pf_scan_job_unmerge_wait(m->s, NULL);
             pf_scanner_get_knobs(m->s)->run = 1;
         }
     } else if (ev < 31 && m->step_back && (mv = pick_vm(m, TRUE, TRUE)) != NULL &&
@@ -2215,7 +2216,7 @@ fuzz_one(const FuzzMode *mode, guint32 seed)
     }
     for (guint round = 0; round < FUZZ_ROUNDS; round++) {
         if (g_rand_boolean(m->rand)) {
-            pf_scanner_run_passes(m->s, 1);
+            pf_scan_job_run_passes_wait(m->s, 1);
         } else {
             /* A batch, as the scanner's timer scans one; the agents answer
              * some of what they were sent, and the rest stays in flight

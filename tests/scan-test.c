@@ -83,7 +83,7 @@ fixture_teardown(Fixture *f, gconstpointer data)
 static void
 pass_and_churn(Fixture *f)
 {
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     pf_guest_churn(f->guest[0]);
     pf_guest_churn(f->guest[1]);
 }
@@ -170,12 +170,12 @@ test_leave_and_rejoin(Fixture *f, gconstpointer data)
     pf_scanner_get_knobs(f->scanner)->smart_scan = FALSE;
     /* Without churn the "volatile" pages are stable and identical across
      * the guests too: 1000 more nodes of 2. */
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     collect(f);
     g_assert_cmpuint(f->total.pages_sharing, ==, 9996);
 
     page[100] ^= 0xff;
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     collect(f);
     /* Its node keeps a's page: pages_shared stays, one sharer fewer. */
     g_assert_cmpuint(f->total.pages_shared, ==, 9004);
@@ -186,7 +186,7 @@ test_leave_and_rejoin(Fixture *f, gconstpointer data)
      * the stable tree comes before its checksum test; its checksum
      * changed, which keeps a page only out of the unstable tree. */
     memcpy(page, saved, PF_PAGE_SIZE);
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     collect(f);
     g_assert_cmpuint(f->total.pages_sharing, ==, 9996);
     g_assert_cmpuint(f->vm[1].pages_volatile, ==, 0);
@@ -194,12 +194,12 @@ test_leave_and_rejoin(Fixture *f, gconstpointer data)
     /* The first page of a node (its content provider) changes: the node
      * lives on with the other sharer providing the content. */
     f->guest[0]->mem[7] ^= 1;
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     collect(f);
     g_assert_cmpuint(f->total.pages_shared, ==, 9004);
     g_assert_cmpuint(f->total.pages_sharing, ==, 9995);
     f->guest[0]->mem[7] ^= 1;
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     collect(f);
     g_assert_cmpuint(f->total.pages_sharing, ==, 9996);
 }
@@ -249,7 +249,7 @@ test_forged_collision(Fixture *f, gconstpointer data)
     g_assert_cmpuint(weak_hash(a0), ==, weak_hash(b0));
     g_assert_cmpint(memcmp(a0, b0, PF_PAGE_SIZE), !=, 0);
 
-    pf_scanner_run_passes(f->scanner, 3);
+    pf_scan_job_run_passes_wait(f->scanner, 3);
     collect(f);
     pf_scanner_get_info(f->scanner, &info);
     /* 63 identical and 8 unchurned volatile pages pair up. */
@@ -262,7 +262,7 @@ test_forged_collision(Fixture *f, gconstpointer data)
      * memcmp with the provider still throws it out of the group. */
     swap_words(b1);
     g_assert_cmpuint(weak_hash(b1), ==, weak_hash(f->guest[0]->mem + PF_PAGE_SIZE));
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     collect(f);
     g_assert_cmpuint(f->total.pages_sharing, ==, 62 + 8);
     g_assert_cmpuint(f->total.pages_unshared, ==, 2 * 64 + 3);
@@ -290,7 +290,7 @@ test_use_zero_pages_off(Fixture *f, gconstpointer data)
 
     k->smart_scan = FALSE;
     k->use_zero_pages = FALSE;
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     collect(f);
     /* Zero pages merge like any other content: 16 pages, one node
      * (beside 64 + 8 nodes of identical and unchurned volatile pages). */
@@ -313,14 +313,14 @@ test_merge_domains(Fixture *f, gconstpointer data)
     g_assert_cmpstr(pf_scanner_merge_domain(f->scanner, a), ==, "default");
     g_assert_true(pf_scanner_set_merge_domain(f->scanner, a, "tenant-a", &error));
     g_assert_cmpstr(pf_scanner_merge_domain(f->scanner, a), ==, "tenant-a");
-    pf_scanner_run_passes(f->scanner, 3);
+    pf_scan_job_run_passes_wait(f->scanner, 3);
     collect(f);
     g_assert_cmpuint(f->total.pages_shared + f->total.pages_sharing, ==, 0);
     g_assert_cmpuint(f->total.zero_pages, ==, 2 * 8);
     g_assert_cmpuint(f->total.pages_unshared, ==, 2 * (64 + 64 + 8));
 
     g_assert_true(pf_scanner_set_merge_domain(f->scanner, b, "tenant-a", &error));
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     collect(f);
     g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
     g_assert_cmpuint(f->total.pages_sharing, ==, 64 + 8);
@@ -334,7 +334,7 @@ test_merge_domains(Fixture *f, gconstpointer data)
 
         g_assert_no_error(error);
         pf_scanner_add_vm(f->scanner, c);
-        pf_scanner_run_passes(f->scanner, 3);
+        pf_scan_job_run_passes_wait(f->scanner, 3);
         g_assert_cmpuint(c->count[PF_PAGE_SHARED], ==, 0);
         g_assert_cmpuint(c->count[PF_PAGE_UNSHARED], ==, 64 + 64 + 8);
         pf_scanner_detach(f->scanner, c, "test over");
@@ -360,12 +360,12 @@ test_merge_domain_smart_scan(Fixture *f, gconstpointer data)
 
     g_assert_true(pf_scanner_get_knobs(f->scanner)->smart_scan);
     g_assert_true(pf_scanner_set_merge_domain(f->scanner, a, "tenant-a", NULL));
-    pf_scanner_run_passes(f->scanner, 12);
+    pf_scan_job_run_passes_wait(f->scanner, 12);
     collect(f);
     g_assert_cmpuint(f->total.pages_skipped, >, 0);
     g_assert_cmpuint(f->total.pages_shared + f->total.pages_sharing, ==, 0);
     g_assert_true(pf_scanner_set_merge_domain(f->scanner, b, "tenant-a", NULL));
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     collect(f);
     g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
     g_assert_cmpuint(f->total.pages_sharing, ==, 64 + 8);
@@ -387,10 +387,10 @@ test_smart_scan_late_partner(void)
         vms = pf_scanner_get_vms(f.scanner);
         g_assert_true(pf_scanner_set_merge_domain(f.scanner, g_ptr_array_index(vms, 0),
                                                   "tenant-a", NULL));
-        pf_scanner_run_passes(f.scanner, t);
+        pf_scan_job_run_passes_wait(f.scanner, t);
         g_assert_true(pf_scanner_set_merge_domain(f.scanner, g_ptr_array_index(vms, 1),
                                                   "tenant-a", NULL));
-        pf_scanner_run_passes(f.scanner, 9);
+        pf_scan_job_run_passes_wait(f.scanner, 9);
         collect(&f);
         g_test_message("b came after %u passes: %" G_GUINT64_FORMAT " pages shared", t,
                        f.total.pages_shared);
@@ -408,7 +408,7 @@ test_detach(Fixture *f, gconstpointer data)
     PfVm *b;
 
     pf_scanner_get_knobs(f->scanner)->smart_scan = FALSE;
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     b = pf_scanner_find_vm(f->scanner, "b");
     g_assert_nonnull(b);
     pf_scanner_remove_vm(f->scanner, b);
@@ -418,7 +418,7 @@ test_detach(Fixture *f, gconstpointer data)
     g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
     g_assert_cmpuint(f->total.pages_sharing, ==, 0);
     g_assert_cmpuint(f->vm[0].pages_shared, ==, 64 + 8);
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     pf_scanner_collect(f->scanner, &f->total, f->vm);
     g_assert_cmpuint(f->total.pages_shared, ==, 64 + 8);
     g_assert_cmpuint(f->total.pages_unshared, ==, 64);
@@ -468,7 +468,7 @@ test_discarded_not_read(void)
     int pid;
     PfScanner *s = lone_guest(&l, &g, &pid);
 
-    pf_scanner_run_passes(s, 1);
+    pf_scan_job_run_passes_wait(s, 1);
     /* The second pass, a page in: page 0 is a candidate now, and the
      * cursor is inside the extent of data that holds every page. */
     g_assert_cmpuint(pf_test_scan(s, 1), ==, 1);
@@ -476,7 +476,7 @@ test_discarded_not_read(void)
                               PF_PAGE_SIZE), ==, 0);
     g_assert_cmpint(fallocate(g->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                               1000 * PF_PAGE_SIZE, 100 * PF_PAGE_SIZE), ==, 0);
-    pf_scanner_run_passes(s, 2);
+    pf_scan_job_run_passes_wait(s, 2);
     g_assert_true(all_holes(g, 0, 1));
     g_assert_true(all_holes(g, 1000, 100));
     pf_scanner_free(s);
@@ -511,7 +511,7 @@ test_window_read_fails(void)
     int (*was)(int) = pf_extents_dup;
 
     pf_extents_dup = dup_fails;
-    pf_scanner_run_passes(s, 3);
+    pf_scan_job_run_passes_wait(s, 3);
     pf_extents_dup = was;
     g_assert_cmpuint(dups_failed, >=, 3);
     pf_scanner_collect(s, &total, &vm);
@@ -540,7 +540,7 @@ test_metadata_follows_pages(void)
     PfScanner *s = lone_guest(&l, &g, &pid);
     guint64 full;
 
-    pf_scanner_run_passes(s, 3);
+    pf_scan_job_run_passes_wait(s, 3);
     pf_scanner_collect(s, &total, &vm);
     g_assert_cmpuint(total.pages_tracked, ==, 16384);
     g_test_message("%" G_GUINT64_FORMAT " bytes of metadata for %" G_GUINT64_FORMAT
@@ -552,7 +552,7 @@ test_metadata_follows_pages(void)
     /* All but the first 1024 pages given back. */
     g_assert_cmpint(fallocate(g->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                               1024 * PF_PAGE_SIZE, 15360 * PF_PAGE_SIZE), ==, 0);
-    pf_scanner_run_passes(s, 3);
+    pf_scan_job_run_passes_wait(s, 3);
     pf_scanner_collect(s, &total, &vm);
     g_assert_cmpuint(total.pages_tracked, ==, 1024);
     g_test_message("then %" G_GUINT64_FORMAT " bytes for %" G_GUINT64_FORMAT " pages",
@@ -579,7 +579,7 @@ test_pace_present_pages(void)
     PfScanner *s = lone_guest(&l, &g, &pid);
     guint calls = 0;
 
-    pf_scanner_run_passes(s, 2);
+    pf_scan_job_run_passes_wait(s, 2);
     pf_scanner_collect(s, &total, &vm);
     g_assert_cmpuint(total.full_scans, ==, 2);
     while (total.full_scans == 2) {
@@ -628,9 +628,9 @@ test_full_nodes(Fixture *f, gconstpointer data)
 
     k->smart_scan = FALSE;
     k->max_page_sharing = m;
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     before = nodes_examined(f);
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     collect(f);
     g_assert_cmpuint(f->total.pages_shared, ==, nodes);
     g_assert_cmpuint(f->total.pages_sharing, ==, copies - nodes);
@@ -644,7 +644,7 @@ test_full_nodes(Fixture *f, gconstpointer data)
     /* A sharer leaves, and comes back: to the node it left, the only
      * one of that content with room, in one look. */
     page[0] ^= 1;
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     collect(f);
     g_assert_cmpuint(f->total.pages_shared, ==, nodes);
     g_assert_cmpuint(f->total.pages_sharing, ==, copies - nodes - 1);
@@ -652,7 +652,7 @@ test_full_nodes(Fixture *f, gconstpointer data)
      * searched before its checksum is judged. */
     memcpy(page, saved, PF_PAGE_SIZE);
     before = nodes_examined(f);
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     collect(f);
     g_assert_cmpuint(nodes_examined(f) - before, ==, 1);
     g_assert_cmpuint(f->total.pages_shared, ==, nodes);
@@ -663,7 +663,7 @@ test_full_nodes(Fixture *f, gconstpointer data)
      * tree, joins a node that was full. */
     k->max_page_sharing = 2 * m;
     memcpy(own, saved, PF_PAGE_SIZE);
-    pf_scanner_run_passes(f->scanner, 2);
+    pf_scan_job_run_passes_wait(f->scanner, 2);
     collect(f);
     g_assert_cmpuint(f->total.pages_shared, ==, nodes);
     g_assert_cmpuint(f->total.pages_sharing, ==, copies - nodes + 1);
@@ -749,7 +749,7 @@ test_hinted_first(Fixture *f, gconstpointer data)
     g_assert_cmpuint(f->total.pages_volatile, ==, 2 * (4096 - 256));
     g_assert_cmpuint(f->total.pages_sharing, ==, 256);
     /* The next pass visits them as any other. */
-    pf_scanner_run_passes(f->scanner, 1);
+    pf_scan_job_run_passes_wait(f->scanner, 1);
     collect(f);
     g_assert_cmpuint(f->total.pages_scanned, ==, 4 * 4096 + 1);
     g_assert_cmpuint(f->total.pages_sharing, ==, 256);

@@ -138,7 +138,7 @@ test_exit_mid_pass(Pair *p, gconstpointer data)
 {
     PfCounters total, per[2];
 
-    pf_scanner_run_passes(p->s, 2);
+    pf_scan_job_run_passes_wait(p->s, 2);
     pf_test_scan(p->s, 300); /* part of the next pass, inside VM a */
     pf_guest_release(p->pid[0]);
     p->pid[0] = 0;
@@ -146,7 +146,7 @@ test_exit_mid_pass(Pair *p, gconstpointer data)
         g_main_context_iteration(NULL, TRUE);
     }
     g_assert_cmpuint(pf_scanner_get_vms(p->s)->len, ==, 1);
-    pf_scanner_run_passes(p->s, 1);
+    pf_scan_job_run_passes_wait(p->s, 1);
     pf_scanner_collect(p->s, &total, per);
     /* b's identical pages were in nodes with a's: each is alone now. */
     g_assert_cmpuint(total.pages_shared, ==, 512);
@@ -166,7 +166,7 @@ test_region_vanishes(Pair *p, gconstpointer data)
     int ready[2];
     int pid;
 
-    pf_scanner_run_passes(p->s, 2);
+    pf_scan_job_run_passes_wait(p->s, 2);
     /* VM c maps the RAM of a and b (inherited), then unmaps it all when
      * told, as a QEMU unplugging its memory would. */
     g_assert_cmpint(pipe(ready), ==, 0);
@@ -198,10 +198,10 @@ test_region_vanishes(Pair *p, gconstpointer data)
         g_assert_no_error(error);
         g_assert_cmpuint(vm->regions->len, ==, 2); /* it inherited both */
         pf_scanner_add_vm(p->s, vm);
-        pf_scanner_run_passes(p->s, 2);
+        pf_scan_job_run_passes_wait(p->s, 2);
         kill(pid, SIGUSR1);
         g_assert_cmpint(read(ready[0], &c, 1), ==, 1);
-        pf_scanner_run_passes(p->s, 1);
+        pf_scan_job_run_passes_wait(p->s, 1);
         g_assert_cmpuint(vm->regions->len, ==, 0);
         g_assert_cmpuint(pf_scanner_get_vms(p->s)->len, ==, 3);
         pf_scanner_collect(p->s, &total, per);
@@ -241,7 +241,7 @@ test_truncated_under_us(Pair *p, gconstpointer data)
     PfVm *a;
     PfRegion *r;
 
-    pf_scanner_run_passes(p->s, 2);
+    pf_scan_job_run_passes_wait(p->s, 2);
     a = pf_scanner_find_vm(p->s, "a");
     r = g_ptr_array_index(a->regions, 0);
     truncate_lo = r->map;
@@ -252,7 +252,7 @@ test_truncated_under_us(Pair *p, gconstpointer data)
     pf_scanner_get_knobs(p->s)->smart_scan = FALSE;
     pf_scanner_set_hash_func(p->s, truncating_hash);
     g_test_expect_message("pagefold", G_LOG_LEVEL_WARNING, "VM a: region * faulted at *");
-    pf_scanner_run_passes(p->s, 1);
+    pf_scan_job_run_passes_wait(p->s, 1);
     g_test_assert_expected_messages();
     truncate_fd = -1;
     a = pf_scanner_find_vm(p->s, "a");
@@ -268,10 +268,10 @@ test_truncated_under_us(Pair *p, gconstpointer data)
     /* a's process still maps the memfd, shorter than the mapping now: no
      * pass takes it again (nor faults on it) until it has its size back,
      * and then as a new region, with nothing of the old one's left. */
-    pf_scanner_run_passes(p->s, 2);
+    pf_scan_job_run_passes_wait(p->s, 2);
     g_assert_cmpuint(a->regions->len, ==, 0);
     g_assert_cmpint(ftruncate(p->g[0]->fd, (off_t)(p->g[0]->n_pages * PF_PAGE_SIZE)), ==, 0);
-    pf_scanner_run_passes(p->s, 1);
+    pf_scan_job_run_passes_wait(p->s, 1);
     g_assert_cmpuint(a->regions->len, ==, 1);
     pf_scanner_collect(p->s, &total, per);
     g_assert_cmpuint(per[0].pages_tracked, ==, 0); /* holes only */
