@@ -16,7 +16,7 @@
  *
  * SPDX-License-Identifier: GPL-2.0-or-later
  */
-#include "agent-internal.h"
+#include "agent-records.h"
 
 #include <errno.h>
 #include <linux/sockios.h>

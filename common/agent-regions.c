@@ -11,7 +11,7 @@
  *
  * SPDX-License-Identifier: GPL-2.0-or-later
  */
-#include "agent-internal.h"
+#include "agent-records.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -19,17 +19,6 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <unistd.h>
-
-void
-pfa_region_clear(Region *r)
-{
-    g_free(r->name);
-    g_free(r->remapped);
-    g_free(r->refused);
-    if (r->fd >= 0) {
-        close(r->fd);
-    }
-}
 
 /*
  * Tells pagefoldd of region i, write-protected first (protect) when this

@@ -4,15 +4,17 @@
  * calls, its thread), and the mode, reason, link state and counters,
  * which are read under a->lock alone.  A reader never takes a->work: a
  * VMM thread asking must not wait behind a merge, nor behind pagefoldd.
- * The work itself is done by the other agent-*.c files (agent-internal.h
- * lists what each offers); pf_agent_free() frees nothing before the agent
- * thread has been joined.
+ * The work itself is done by the other agent-*.c files (agent-records.h
+ * lists what each offers), which call this file; it calls none of theirs
+ * but to free what they made (agent-pool.c's chunks, agent-outbox.c's
+ * messages), so the files call one way.  pf_agent_free() frees nothing
+ * before the agent thread has been joined.
  *
  * Copyright (c) 2026 The pagefold authors
  *
  * SPDX-License-Identifier: GPL-2.0-or-later
  */
-#include "agent-internal.h"
+#include "agent-records.h"
 
 #include <fcntl.h>
 #include <string.h>
@@ -135,6 +137,19 @@ pf_agent_free(PfAgent *a)
     g_free(a->reason);
     g_free(a->name);
     g_free(a);
+}
+
+/* A region's own memory and descriptor: as it is freed, and as a
+ * region plugged in is given up. */
+void
+pfa_region_clear(Region *r)
+{
+    g_free(r->name);
+    g_free(r->remapped);
+    g_free(r->refused);
+    if (r->fd >= 0) {
+        close(r->fd);
+    }
 }
 
 /* ---- what any thread may ask ---- */

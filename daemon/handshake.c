@@ -8,7 +8,7 @@
  * frees a link, and never believes a field the peer's process does not
  * show.
  */
-#include "link-internal.h"
+#include "link-records.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -21,6 +21,7 @@
 #include "escape.h"
 #include "label.h"
 #include "libvirt-status.h"
+#include "peer-log.h"
 #include "util.h"
 
 #ifndef SO_PEERPIDFD
@@ -416,7 +417,7 @@ region_checked(PfLink *l, HandshakeCheck *c)
         }
     }
     if (r == NULL) {
-        link_peer_message(l->srv, l->peer_uid, "agent of process %d: region %u refused: %s",
+        pf_peer_log(l->srv->peer_log, l->peer_uid, "agent of process %d: region %u refused: %s",
                           l->peer_pid, wr->index, error->message);
         l->n_refused++;
         r = pf_region_new_refused(c->name, wr->host_addr, wr->size, error->message);
@@ -442,7 +443,7 @@ ready_checked(PfLink *l, HandshakeCheck *c)
         if (why == NULL || !pf_region_live(r)) {
             continue;
         }
-        link_peer_message(l->srv, l->peer_uid,
+        pf_peer_log(l->srv->peer_log, l->peer_uid,
                           "agent of process %d: region %u refused at READY: %s", l->peer_pid,
                           c->index[k], why);
         l->announced_bytes -= r->size;
@@ -567,7 +568,7 @@ handshake_welcome(PfLink *l, PfWireMode *w)
          * reason is prefixed with this (handshake_ready()). */
         l->no_uffd_why = g_strdup_printf("not vouched for by root: no /dev/userfaultfd (%s)",
                                          l->vouch_why);
-        link_peer_message(l->srv, l->peer_uid, "agent of process %d: %s", l->peer_pid,
+        pf_peer_log(l->srv->peer_log, l->peer_uid, "agent of process %d: %s", l->peer_pid,
                           l->no_uffd_why);
         fd = -1;
     }

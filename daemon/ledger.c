@@ -1,5 +1,5 @@
 /*
- * ledger.c - the slot/node ledger of the scanner core (scan-internal.h):
+ * ledger.c - the slot/node ledger of the scanner core (scan-core.h):
  * the only place a pool slot's references are taken or given back, and a
  * stable node made listed, unlisted or dropped for it.
  *
@@ -9,7 +9,7 @@
  * keeps (a VM detached while its process lives).  A node lives while any
  * of those do.  Nothing here decides a merge or sends anything.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 guint32
 ledger_sharers(PfScanner *s, const PfStableNode *n)

@@ -57,7 +57,8 @@
 
 #include "channel.h"
 #include "libvirt-status.h"
-#include "link-internal.h"
+#include "link-records.h"
+#include "peer-log.h"
 #include "escape.h"
 #include "util.h"
 
@@ -77,74 +78,6 @@
 /* An agent with requests to answer that answered nothing for this long is
  * not going to: pf_link_server_set_answer_timeout(). */
 #define DEFAULT_ANSWER_TIMEOUT_MS 30000
-/* Lines a uid's peers may cause in pagefoldd's log per window: a process
- * that connects in a loop (refused, or giving up its handshake) would
- * otherwise write a line or two a connection, as fast as it connects.
- * Per uid, the one thing a peer cannot choose (under libvirt every QEMU
- * shares one: a window's lines are enough for many VMs starting at once);
- * the rest is counted and said in one line as the window ends. */
-#define PEER_LOG_LINES 20
-#define PEER_LOG_WINDOW_S 10
-
-/* A uid's lines in the window that its first line opened. */
-typedef struct {
-    PfLinkServer *srv;
-    uid_t uid;
-    guint lines;
-    guint suppressed;
-    guint timer;
-} LogBudget;
-
-static void
-log_budget_free(gpointer p)
-{
-    LogBudget *b = p;
-
-    g_clear_handle_id(&b->timer, g_source_remove);
-    g_free(b);
-}
-
-/* The window is over: what was held back is said, and the uid starts
- * afresh with its next line. */
-static gboolean
-log_window_end_cb(gpointer user)
-{
-    LogBudget *b = user;
-
-    b->timer = 0;
-    if (b->suppressed > 0) {
-        g_message("agent connections of uid %u: %u more line(s) suppressed in %d s",
-                  (guint)b->uid, b->suppressed, PEER_LOG_WINDOW_S);
-    }
-    g_hash_table_remove(b->srv->log_budgets, GUINT_TO_POINTER(b->uid));
-    return G_SOURCE_REMOVE;
-}
-
-void
-link_peer_message(PfLinkServer *srv, uid_t uid, const char *fmt, ...)
-{
-    LogBudget *b = g_hash_table_lookup(srv->log_budgets, GUINT_TO_POINTER(uid));
-    g_autofree char *text = NULL;
-    va_list ap;
-
-    if (b == NULL) {
-        b = g_new0(LogBudget, 1);
-        b->srv = srv;
-        b->uid = uid;
-        b->timer = g_timeout_add_seconds(PEER_LOG_WINDOW_S, log_window_end_cb, b);
-        g_hash_table_insert(srv->log_budgets, GUINT_TO_POINTER(uid), b);
-    }
-    if (b->lines >= PEER_LOG_LINES) {
-        b->suppressed++;
-        return;
-    }
-    b->lines++;
-    va_start(ap, fmt);
-    text = g_strdup_vprintf(fmt, ap);
-    va_end(ap);
-    g_message("%s", text);
-}
-
 /*
  * Drops what the peer sent that will never be read: closing a socket with
  * unread data resets the connection, and the peer's next read returns
@@ -252,7 +185,7 @@ link_close(PfLink *l, const char *why)
         pf_scanner_detach(l->srv->scanner, l->vm, why);
         return;
     }
-    link_peer_message(l->srv, l->peer_uid,
+    pf_peer_log(l->srv->peer_log, l->peer_uid,
                       "agent connection of process %d closed during its handshake: %s",
                       l->peer_pid, why);
     link_end(l);
@@ -436,7 +369,7 @@ on_ready(PfLink *l, const PfMsg *msg)
         if (l->vouched) {
             g_message("%s", line);
         } else {
-            link_peer_message(l->srv, l->peer_uid, "%s", line);
+            pf_peer_log(l->srv->peer_log, l->peer_uid, "%s", line);
         }
     }
     if (old != NULL) {
@@ -823,7 +756,7 @@ refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...)
     va_start(ap, fmt);
     text = g_strdup_vprintf(fmt, ap);
     va_end(ap);
-    link_peer_message(srv, uid, "agent connection refused: %s", text);
+    pf_peer_log(srv->peer_log, uid, "agent connection refused: %s", text);
     pf_proto_send(sock, PF_MSG_ERROR, PF_ERROR_TRY_AGAIN, text, MIN(strlen(text), 1024), NULL, 0, NULL);
     drain_socket(sock);
     close(sock);
@@ -1053,7 +986,7 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     srv->handshakes = g_ptr_array_new();
     srv->running = g_hash_table_new(NULL, NULL);
     srv->ended = g_ptr_array_new_with_free_func((GDestroyNotify)link_free);
-    srv->log_budgets = g_hash_table_new_full(NULL, NULL, NULL, log_budget_free);
+    srv->peer_log = pf_peer_log_new();
     srv->uffd_dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
     srv->libvirt_run_dir = g_strdup(PF_LIBVIRT_QEMU_RUN_DIR);
     srv->libvirt_pids = pf_libvirt_pids_new();
@@ -1143,7 +1076,7 @@ pf_link_server_free(PfLinkServer *srv)
     }
     g_clear_handle_id(&srv->reap, g_source_remove);
     g_ptr_array_unref(srv->ended);
-    g_hash_table_unref(srv->log_budgets);
+    pf_peer_log_free(srv->peer_log);
     g_hash_table_unref(srv->running);
     g_ptr_array_unref(srv->handshakes);
     if (srv->fd >= 0) {

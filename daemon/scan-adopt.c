@@ -21,7 +21,7 @@
  * page the process does not map from a marked chunk, and never fills or
  * zeroes a slot of an adopted chunk (pool.h).
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 /* Pages taken back per turn of the main loop: a few milliseconds. */
 #define ADOPT_PAGES 32768u

@@ -6,7 +6,7 @@
  * a huge page made again), which goes with the outbox's next flush.
  * Never trusts an answer for a page that is not pending in that VM.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 #include <errno.h>
 

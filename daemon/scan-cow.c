@@ -9,7 +9,7 @@
  * memfd itself (it stepped back, or RAM was discarded) are forgotten here
  * too.  Never reads a page: only page tables and records.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 void
 pf_scanner_end_sharing(PfScanner *s, PfRegion *r, gsize idx)

@@ -3,7 +3,7 @@
  * listeners they register (scan.h's PfScanEvents) and the calls to them.
  * The bottom of the core: every core file may tell, none is called back.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 void
 pf_scanner_add_listener(PfScanner *s, const PfScanEvents *events, gpointer user,

@@ -16,7 +16,7 @@
  * of visits: a VM that floods hints spends its own turns, and its own
  * pages' smart scan.  Must never let hints take the cursor's half.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 #include <setjmp.h>
 

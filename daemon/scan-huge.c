@@ -7,7 +7,7 @@
  * nothing of an agent itself; a failure here costs a huge page, never a
  * guest write.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 #include <errno.h>
 #include <sys/syscall.h>

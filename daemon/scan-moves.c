@@ -13,7 +13,7 @@
  * with content it does not share, and changes slot references only
  * through the ledger.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -12,7 +12,7 @@
  * pagemap reads, which wait on a VMM's locks, are a thread's (a window's
  * read that failed there is made here).
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 #include <errno.h>
 #include <string.h>

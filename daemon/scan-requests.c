@@ -6,7 +6,7 @@
  * PfPending says.  Never sends anything itself (the outbox's drain does),
  * and never makes a page merged: only an answer does.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 #include <errno.h>
 

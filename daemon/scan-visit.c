@@ -9,7 +9,7 @@
  * page its VM may not yet read through the moves.  Never reads a page that
  * is not in memory, and never blocks.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 #include <string.h>
 

@@ -8,7 +8,7 @@
  * trees before its records go; a request for it is settled first.  Never
  * frees a pool slot a live process may still map.
  */
-#include "scan-internal.h"
+#include "scan-core.h"
 
 #include <glib-unix.h>
 #include <unistd.h>

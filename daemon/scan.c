@@ -2,7 +2,7 @@
  * scan.c - the scanner's life (scan.h): making and freeing it, its
  * listeners, the pool it creates and the chunk news it passes on, the
  * pacing of its background batches, VM lookups, and its counters.  The
- * pass itself is scan-pass.c's; scan-internal.h maps the rest.
+ * pass itself is scan-pass.c's; scan-core.h maps the rest.
  *
  * Tells the layers above only through listeners, and never frees a VM
  * before they have heard that it goes.
@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "guard.h"
-#include "scan-internal.h"
+#include "scan-core.h"
 #include "util.h"
 
 /* ---- VMs ---- */

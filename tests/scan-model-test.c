@@ -8,7 +8,7 @@
  * (outbox.h) when its drain callback says there is something to send, take
  * the chunks and drops the scanner's listener call tells of, and answer
  * through pf_scanner_answer().  It reads the scanner's state through
- * scan-internal.h (white-box: the stable nodes, the leftovers, the
+ * scan-core.h (white-box: the stable nodes, the leftovers, the
  * waiting joins) and plays the copy on write that pagefoldd finds in
  * pagemap (cow_found()); nothing of the scanner is replaced.  Its agents
  * act as the real one does, on the guest's memfd: they compare the page
@@ -38,7 +38,7 @@
 #include "guestmem.h"
 #include "jobs.h"
 #include "scan-helpers.h"
-#include "scan-internal.h"
+#include "scan-core.h"
 
 /* ---- the model: guests, and what their agents do ---- */
 

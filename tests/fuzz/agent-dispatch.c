@@ -22,7 +22,7 @@
  */
 #include <stdint.h>
 
-#include "agent-internal.h"
+#include "agent-records.h"
 #include "fuzz-common.h"
 #include "proto.h"
 

@@ -1,5 +1,5 @@
 /*
- * scan-internal.h - the scanner core's state and the calls between the
+ * scan-core.h - the scanner core's state and the calls between the
  * files that make it up (scan.h), from the top down, each calling only
  * files below it:
  *

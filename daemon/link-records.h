@@ -1,7 +1,8 @@
 /*
- * link-internal.h - the agent link's records, shared by link.c (the
+ * link-records.h - the agent link's records, shared by link.c (the
  * server, the links' lives and messages) and handshake.c (the checks a
- * peer must pass before it is believed).  Nothing else includes it.
+ * peer must pass before it is believed), which link.c calls and which
+ * calls nothing of link.c's.  Nothing else includes it.
  */
 #pragma once
 
@@ -10,6 +11,7 @@
 #include "channel.h"
 #include "libvirt-status.h"
 #include "link.h"
+#include "peer-log.h"
 
 /* Where a link is in the protocol: HELLO, REGIONs, READY, then running. */
 typedef enum { LINK_HELLO, LINK_REGIONS, LINK_READY, LINK_RUNNING } LinkState;
@@ -31,7 +33,7 @@ struct _PfLinkServer {
     guint answer_timeout_ms;
     gboolean group_allowed; /* besides root and pagefoldd's own user */
     gid_t group;
-    GHashTable *log_budgets; /* uid -> its LogBudget (link.c), this window */
+    PfPeerLog *peer_log;   /* what peers' uids may still say in the log */
 };
 
 typedef struct _PfLink PfLink;
@@ -78,12 +80,6 @@ struct _PfLink {
     gboolean ended;
     gboolean error_sent; /* ERROR went: the peer knows why it ends */
 };
-
-/* ---- link.c, for handshake.c ---- */
-
-/* g_message() of a line a peer of that uid caused, unless that uid has
- * had its share of lines for now (link.c says how many). */
-void link_peer_message(PfLinkServer *srv, uid_t uid, const char *fmt, ...) G_GNUC_PRINTF(3, 4);
 
 /* ---- handshake.c ---- */
 

@@ -1,5 +1,5 @@
 /*
- * agent-internal.h - what the agent library's files share, and nothing
+ * agent-records.h - what the agent library's files share, and nothing
  * outside them may use (a VMM has agent.h): the agent's state, its
  * regions, pool chunks and DMA ranges, the order of its locks, and the
  * functions one file offers the others.  Every .c file of the agent
@@ -136,9 +136,11 @@ struct _PfAgent {
     gboolean connected;
 };
 
-/* agent.c */
+/* agent.c: calls no agent-*.c file but agent-pool.c's and
+ * agent-outbox.c's freeing functions, so that the others may call it */
 void pfa_set_connected(PfAgent *a, gboolean connected);
 void pfa_set_mode(PfAgent *a, PfMode mode, const char *reason);
+void pfa_region_clear(Region *r);
 
 /* agent-outbox.c */
 void pfa_post(PfAgent *a, PfMsgType type, guint32 seq, const void *payload,
@@ -210,7 +212,6 @@ void pfa_chunk_free(gpointer p);
 
 /* agent-regions.c */
 void pfa_region_join(PfAgent *a, guint i, gboolean protect);
-void pfa_region_clear(Region *r);
 
 /* agent-stepback.c */
 int pfa_fold_back_region(PfAgent *a, guint i, gboolean copy);
