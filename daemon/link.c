@@ -1,8 +1,11 @@
 /*
- * link.c - pagefoldd's end of the agent protocol (link.h): the socket, the
- * handshake's checks, each link's send queue and timers.  Owns every
- * PfLink and every descriptor a peer passed; must never decide a merge,
- * believe what a peer has not shown, or wait for one on the main loop.
+ * link.c - pagefoldd's end of the agent protocol (link.h): the agent
+ * socket and its handshake places, each link's life, its messages in
+ * protocol order, its timers, and the scanner's listener that ends links
+ * and sends chunks.  The checks a peer must pass are handshake.c's, the
+ * sending channel.c's, the log limit peer-log.c's.  Owns every PfLink and
+ * every descriptor a peer passed; must never decide a merge, believe what
+ * a peer has not shown, or wait for one on the main loop.
  *
  * A connection goes HELLO -> REGION x n -> WELCOME -> READY, then carries
  * REQUESTs and RESULTs, and REGION (RAM plugged in) and GONE (RAM that

@@ -1,6 +1,7 @@
 /*
- * link.h - pagefoldd's end of the agent protocol: the agent socket, one
- * PfLink per connected VM, the batches of requests in flight.
+ * link.h - pagefoldd's end of the agent protocol: the agent socket, and
+ * one PfLink per agent connected, from its handshake to its end (its
+ * requests wait in its VM's outbox, outbox.h).
  *
  * Owns the agent connections.  A peer is believed only as far as its
  * process shows: its regions must be what that process maps, merge mode

@@ -1,11 +1,13 @@
 /*
- * scan.c - the scanner's life (scan.h): making and freeing it, its
- * listeners, the pool it creates and the chunk news it passes on, the
- * pacing of its background batches, VM lookups, and its counters.  The
- * pass itself is scan-pass.c's; scan-core.h maps the rest.
+ * scan.c - the scanner's life (scan.h): making and freeing it, the pacing
+ * of its background batches (a timer every sleep_millisecs, then slices),
+ * VM lookups by key, unmerge marks, and its counters (pf_scanner_collect(),
+ * a VM's share of pages_shared apportioned).  The pass itself is
+ * scan-pass.c's, the listeners scan-events.c's; scan-core.h maps the rest.
  *
- * Tells the layers above only through listeners, and never frees a VM
- * before they have heard that it goes.
+ * Writes of the scanner's state only its pacing (timer_id, batch_*) and
+ * what it makes and frees; never frees a VM (scan-vms.c does, after the
+ * listeners heard that it goes).
  */
 #include "scan.h"
 
