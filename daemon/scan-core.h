@@ -4,8 +4,11 @@
  * files below it:
  *
  *   scan.c          the scanner's life, pacing, VM lookups, counters
- *   scan-pass.c     the pass loop: the cursor, holes, slices, entering a VM
+ *   scan-pass.c     the pass loop: the cursor, slices, entering a VM,
+ *                   VMs left for later
  *   scan-hints.c    pages a device just wrote, visited before the cursor's
+ *   scan-reads.c    a VM's look and its memfds' windows, read on threads;
+ *                   the holes the cursor steps over with them
  *   scan-vms.c      VMs and regions coming and going, merge domains
  *   scan-adopt.c    merged pages of an earlier pagefoldd, taken back
  *   scan-visit.c    one visit of a page: KSM's stable and unstable search
@@ -290,6 +293,23 @@ void ledger_forget_page(PfScanner *s, PfRegion *r, gsize idx, GArray *keep);
 gsize hints_visit(PfScanner *s, gsize max);
 /* The VM's hints go (it is being unmerged, or io_hints went off). */
 void hints_forget(PfVm *vm);
+
+/* ---- scan-reads.c ---- */
+
+/* Starts reading the window of vm's memfds from page page of region k on
+ * (or of the next region with pages), unless a read is under way for it
+ * or for its process. */
+void reads_window(PfScanner *s, PfVm *vm, guint k, gsize page);
+/* Moves the cursor over holes of region r up to the next data or budget
+ * pages present (*present: how many it passed); FALSE when it must wait
+ * for the window (the VM is left for later). */
+gboolean reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget, gsize *present);
+/* Whether vm's process is to be looked at now, and starting its look. */
+gboolean reads_look_due(const PfScanner *s, const PfVm *vm, gint64 now);
+void reads_look_start(PfScanner *s, PfVm *vm);
+/* Whether the VM let go of the chunks it was told to drop, as its look
+ * saw; FALSE (error says why) when it is to be detached. */
+gboolean reads_check_dropped(PfScanner *s, PfVm *vm, const PfVmLook *look, GError **error);
 
 /* ---- scan-visit.c ---- */
 

@@ -537,7 +537,7 @@ new_chunk_cb(const PfPoolChunk *chunk, gpointer user)
 }
 
 /* A VM that stepped back to advise mode still holds the chunk: it is told
- * too, and checked later (scan-pass.c's check_dropped()).  One that is
+ * too, and checked later (scan-reads.c's reads_check_dropped()).  One that is
  * gone lets go of it with its process. */
 static void
 drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
