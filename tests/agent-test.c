@@ -211,6 +211,35 @@ test_merge_exact(void)
     }
 }
 
+/* pagefoldd seeing copy-on-write the way named: "PAGEMAP_SCAN", or
+ * "pagemap" (entries read as on kernels before 6.7). */
+static PfTestDaemon *
+daemon_seeing(const char *path)
+{
+    PfTestDaemon *d;
+
+    if (g_str_equal(path, "pagemap")) {
+        g_setenv("PAGEFOLD_NO_PAGEMAP_SCAN", "1", TRUE);
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_unsetenv("PAGEFOLD_NO_PAGEMAP_SCAN");
+    return d;
+}
+
+/* Does pagefoldd (stats s) see copy-on-write the way path names?  If not,
+ * the test is skipped: PAGEMAP_SCAN came in Linux 6.7 (Debian 12's
+ * 6.1 has not got it). */
+static gboolean
+seeing(JsonObject *s, const char *path)
+{
+    if (g_str_equal(json_object_get_string_member(s, "cow_detection"), path)) {
+        return TRUE;
+    }
+    g_assert_cmpstr(path, ==, "PAGEMAP_SCAN");
+    g_test_skip("this kernel has no PAGEMAP_SCAN");
+    return FALSE;
+}
+
 /* A merged page written: copied on write, counted out, content intact;
  * written back to what it was, it merges again. */
 static void
@@ -224,18 +253,11 @@ test_cow_and_remerge(gconstpointer data)
 
     /* Both ways of seeing copy-on-write: the kernel's PAGEMAP_SCAN, and
      * reading pagemap entries as on kernels before 6.7. */
-    if (g_str_equal(path, "pagemap")) {
-        g_setenv("PAGEFOLD_NO_PAGEMAP_SCAN", "1", TRUE);
-    }
-    d = pf_test_daemon_start("--set", "run=0", NULL);
-    g_unsetenv("PAGEFOLD_NO_PAGEMAP_SCAN");
+    d = daemon_seeing(path);
     a = vmm_start(d, "a", 1, 0, FALSE);
     b = vmm_start(d, "b", 2, 0, FALSE);
     s = stats(d, "scan-now", "3");
-    if (!g_str_equal(json_object_get_string_member(s, "cow_detection"), path)) {
-        /* PAGEMAP_SCAN came in Linux 6.7; Debian 12's 6.1 has not got it. */
-        g_assert_cmpstr(path, ==, "PAGEMAP_SCAN");
-        g_test_skip("this kernel has no PAGEMAP_SCAN");
+    if (!seeing(s, path)) {
         pf_test_vmm_quit(a);
         pf_test_vmm_quit(b);
         return;
@@ -946,34 +968,6 @@ kpageflags_of(int pid, guint64 addr)
     }
     close(fd);
     return flags;
-}
-
-/* pagefoldd seeing copy-on-write the way named: "PAGEMAP_SCAN", or
- * "pagemap" (entries read as on kernels before 6.7). */
-static PfTestDaemon *
-daemon_seeing(const char *path)
-{
-    PfTestDaemon *d;
-
-    if (g_str_equal(path, "pagemap")) {
-        g_setenv("PAGEFOLD_NO_PAGEMAP_SCAN", "1", TRUE);
-    }
-    d = pf_test_daemon_start("--set", "run=0", NULL);
-    g_unsetenv("PAGEFOLD_NO_PAGEMAP_SCAN");
-    return d;
-}
-
-/* Does pagefoldd (stats s) see copy-on-write the way path names?  If not,
- * the test is skipped: PAGEMAP_SCAN came in Linux 6.7. */
-static gboolean
-seeing(JsonObject *s, const char *path)
-{
-    if (g_str_equal(json_object_get_string_member(s, "cow_detection"), path)) {
-        return TRUE;
-    }
-    g_assert_cmpstr(path, ==, "PAGEMAP_SCAN");
-    g_test_skip("this kernel has no PAGEMAP_SCAN");
-    return FALSE;
 }
 
 /* The first zero page of a guest's layout (identical, unique, zero). */

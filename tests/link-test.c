@@ -71,6 +71,17 @@ send_hello(int fd, guint32 pid, guint32 n_regions)
     send_hello_version(fd, pid, n_regions, PF_PROTO_VERSION);
 }
 
+/* A new connection that has said HELLO as this process, announcing
+ * n_regions regions. */
+static int
+connect_hello(PfTestDaemon *d, guint32 n_regions)
+{
+    int fd = connect_agent(d);
+
+    send_hello(fd, (guint32)getpid(), n_regions);
+    return fd;
+}
+
 static void
 send_region_full(int fd, guint32 index, int memfd, const void *host, guint64 offset,
                  guint64 size)
@@ -109,6 +120,22 @@ sealed_guest(gsize pages, gsize zero)
     return g;
 }
 
+/* The ERROR in m, pagefoldd's last word on fd, says want; nothing follows
+ * it.  Closes fd. */
+static void
+refusal_said(int fd, PfMsg *m, const char *want)
+{
+    g_autoptr(GError) error = NULL;
+
+    if (g_strstr_len((const char *)m->payload, m->header.length, want) == NULL) {
+        g_error("refusal '%.*s' does not say '%s'", (int)m->header.length,
+                (const char *)m->payload, want);
+    }
+    g_test_message("refused: %.*s", (int)m->header.length, (const char *)m->payload);
+    g_assert_false(pf_proto_recv(fd, m, &error));
+    close(fd);
+}
+
 /* pagefoldd must answer with an ERROR containing want, then hang up.  The
  * ERROR is read after the hang-up: it must still be there to read, not
  * lost to a reset. */
@@ -128,13 +155,7 @@ expect_refusal(int fd, const char *want)
         g_error("expected a refusal saying '%s', got message type %u with %u fd(s)", want,
                 m->header.type, m->n_fds);
     }
-    if (g_strstr_len((const char *)m->payload, m->header.length, want) == NULL) {
-        g_error("refusal '%.*s' does not say '%s'", (int)m->header.length,
-                (const char *)m->payload, want);
-    }
-    g_test_message("refused: %.*s", (int)m->header.length, (const char *)m->payload);
-    g_assert_false(pf_proto_recv(fd, m, &error));
-    close(fd);
+    refusal_said(fd, m, want);
 }
 
 /* The WELCOME that must follow HELLO and every REGION; its fds stay in m. */
@@ -162,21 +183,28 @@ send_ready(int fd, PfMode mode, const char *reason)
     g_assert_true(pf_proto_send(fd, PF_MSG_READY, 0, &r, sizeof(r), NULL, 0, NULL));
 }
 
-/* HELLO, the guest as its one region (or none), WELCOME, READY. */
+/* HELLO, the n guests as regions 0 to n - 1, WELCOME, READY. */
 static int
-handshake(PfTestDaemon *d, const PfGuest *g, PfMode mode, const char *reason)
+handshake_regions(PfTestDaemon *d, const PfGuest *const *gs, guint32 n, PfMode mode,
+                  const char *reason)
 {
     g_autofree PfMsg *m = g_new0(PfMsg, 1);
-    int fd = connect_agent(d);
+    int fd = connect_hello(d, n);
 
-    send_hello(fd, (guint32)getpid(), g != NULL ? 1 : 0);
-    if (g != NULL) {
-        send_region(fd, g);
+    for (guint32 i = 0; i < n; i++) {
+        send_region_full(fd, i, gs[i]->fd, gs[i]->mem, 0, gs[i]->n_pages * PF_PAGE_SIZE);
     }
     expect_welcome(fd, m);
     pf_msg_close_fds(m);
     send_ready(fd, mode, reason);
     return fd;
+}
+
+/* HELLO, the guest as its one region (or none), WELCOME, READY. */
+static int
+handshake(PfTestDaemon *d, const PfGuest *g, PfMode mode, const char *reason)
+{
+    return handshake_regions(d, &g, g != NULL ? 1 : 0, mode, reason);
 }
 
 static void
@@ -291,8 +319,7 @@ test_bad_agents(void)
     expect_refusal(fd, "expected HELLO");
 
     /* READY before all regions. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 2);
+    fd = connect_hello(d, 2);
     send_region(fd, g);
     send_ready(fd, PF_MODE_MERGE, "");
     expect_refusal(fd, "expected REGION");
@@ -456,10 +483,11 @@ expect_all_refused(PfTestDaemon *d, int fd, const char *want)
     wait_listed(d, "fake", FALSE);
 }
 
-/* As expect_all_refused(), where region 0 passes and region 1 is refused:
- * merge is offered for the one that passed. */
+/* As expect_all_refused(), where of two regions the one at index refused
+ * is refused and the other passes: merge is offered for the one that
+ * passed. */
 static void
-expect_second_refused(PfTestDaemon *d, int fd, const char *want)
+expect_one_refused(PfTestDaemon *d, int fd, guint refused, const char *want)
 {
     g_autofree PfMsg *m = g_new0(PfMsg, 1);
 
@@ -468,8 +496,9 @@ expect_second_refused(PfTestDaemon *d, int fd, const char *want)
     pf_msg_close_fds(m);
     send_ready(fd, PF_MODE_ADVISE, "just looking");
     wait_listed(d, "fake", TRUE);
-    assert_region_refused(d, 0, NULL);
-    assert_region_refused(d, 1, want);
+    for (guint i = 0; i < 2; i++) {
+        assert_region_refused(d, i, i == refused ? want : NULL);
+    }
     close(fd);
     wait_listed(d, "fake", FALSE);
 }
@@ -507,61 +536,42 @@ test_regions(void)
 
     /* A pipe where a memfd belongs. */
     g_assert_cmpint(pipe(pipefd), ==, 0);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, pipefd[0], g->mem, 0, size);
     expect_all_refused(d, fd, "not a memfd");
     close(pipefd[0]);
     close(pipefd[1]);
 
     /* A region larger than its memfd. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, g->fd, g->mem, 0, 1024 * PF_PAGE_SIZE);
     expect_all_refused(d, fd, "beyond the end of its memfd");
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, g->fd, g->mem, G_MAXUINT64 - PF_PAGE_SIZE + 1, size);
     expect_all_refused(d, fd, "beyond the end of its memfd");
 
     /* A memfd that can shrink: a read of pagefoldd's would fault. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region(fd, unsealed);
     expect_all_refused(d, fd, "F_SEAL_SHRINK");
     /* The same as the first of two regions sent at once, as an agent
      * sends them (pagefoldd is stopped meanwhile, so that both are sent
      * before it reads the first): the second is kept. */
     g_assert_cmpint(kill(pf_test_daemon_pid(d), SIGSTOP), ==, 0);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 2);
+    fd = connect_hello(d, 2);
     send_region(fd, unsealed);
     send_region_full(fd, 1, g->fd, g->mem, 0, size);
     g_assert_cmpint(kill(pf_test_daemon_pid(d), SIGCONT), ==, 0);
-    {
-        g_autofree PfMsg *m = g_new0(PfMsg, 1);
-
-        expect_welcome(fd, m);
-        g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_MERGE);
-        pf_msg_close_fds(m);
-        send_ready(fd, PF_MODE_ADVISE, "just looking");
-        wait_listed(d, "fake", TRUE);
-        assert_region_refused(d, 0, "F_SEAL_SHRINK");
-        assert_region_refused(d, 1, NULL);
-        close(fd);
-        wait_listed(d, "fake", FALSE);
-    }
+    expect_one_refused(d, fd, 0, "F_SEAL_SHRINK");
 
     /* A memfd the peer does not map at all. */
     big = sparse_memfd(size, TRUE);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, big, g->mem, 0, size);
     expect_all_refused(d, fd, "maps another file");
 
     /* Its memfd, at an address where the peer maps another one. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, g->fd, other->mem, 0, size);
     expect_all_refused(d, fd, "maps another file");
 
@@ -569,55 +579,48 @@ test_regions(void)
     map = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     g_assert(map != MAP_FAILED);
     g_assert_cmpint(munmap(map, size), ==, 0);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, big, map, 0, size);
     expect_all_refused(d, fd, "not mapped");
 
     /* The right file, but not at the offset announced. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, g->fd, g->mem, PF_PAGE_SIZE, size - PF_PAGE_SIZE);
     expect_all_refused(d, fd, "offset");
 
     /* Mapped private: the peer's pages are not the memfd's. */
     map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, big, 0);
     g_assert(map != MAP_FAILED);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, big, map, 0, size);
     expect_all_refused(d, fd, "not shared");
     /* Shared, but one page in the middle is another file's. */
     g_assert(mmap(map, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, big, 0) == map);
     g_assert(mmap(map + 8 * PF_PAGE_SIZE, PF_PAGE_SIZE, PROT_READ | PROT_WRITE,
                   MAP_SHARED | MAP_FIXED, other->fd, 0) == map + 8 * PF_PAGE_SIZE);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, big, map, 0, size);
     expect_all_refused(d, fd, "maps another file");
     /* ... or a hole in the middle. */
     g_assert_cmpint(munmap(map + 8 * PF_PAGE_SIZE, PF_PAGE_SIZE), ==, 0);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, big, map, 0, size);
     expect_all_refused(d, fd, "not mapped");
     g_assert_cmpint(munmap(map, size), ==, 0);
     close(big);
 
     /* Two regions over the same pages: the second is refused. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 2);
+    fd = connect_hello(d, 2);
     send_region(fd, g);
     send_region_full(fd, 1, g->fd, g->mem + PF_PAGE_SIZE, PF_PAGE_SIZE, PF_PAGE_SIZE);
-    expect_second_refused(d, fd, "overlaps");
+    expect_one_refused(d, fd, 1, "overlaps");
 
     /* A region of 2^46 bytes, really mapped: once it aborted pagefoldd on
      * the allocation of its page records. */
     big = sparse_memfd(1ull << 46, TRUE);
     map = mmap(NULL, 1ull << 46, PROT_READ, MAP_SHARED | MAP_NORESERVE, big, 0);
     g_assert(map != MAP_FAILED);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region_full(fd, 0, big, map, 0, 1ull << 46);
     expect_all_refused(d, fd, "larger than");
     g_assert_cmpint(munmap(map, 1ull << 46), ==, 0);
@@ -627,11 +630,10 @@ test_regions(void)
     tib = sparse_memfd(1ull << 40, TRUE);
     map = mmap(NULL, 1ull << 40, PROT_READ, MAP_SHARED | MAP_NORESERVE, tib, 0);
     g_assert(map != MAP_FAILED);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 2);
+    fd = connect_hello(d, 2);
     send_region(fd, g);
     send_region_full(fd, 1, tib, map, 0, 1ull << 40);
-    expect_second_refused(d, fd, "more than");
+    expect_one_refused(d, fd, 1, "more than");
     g_assert_cmpint(munmap(map, 1ull << 40), ==, 0);
     close(tib);
 
@@ -689,8 +691,7 @@ test_welcome(void)
     int fd;
 
     /* No region: nothing to merge, no userfaultfd. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 0);
+    fd = connect_hello(d, 0);
     expect_welcome(fd, m);
     g_assert_cmpuint(m->n_fds, ==, 0);
     g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_ADVISE);
@@ -704,8 +705,7 @@ test_welcome(void)
                     0);
     g_assert_cmpint(pf_test_count_vmas(getpid(), (guint64)(guintptr)g->mem,
                                        g->n_pages * PF_PAGE_SIZE), ==, 3);
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 1);
+    fd = connect_hello(d, 1);
     send_region(fd, g);
     expect_welcome(fd, m);
     g_assert_cmpuint(pf_msg_mode(m)->mode, ==, PF_MODE_MERGE);
@@ -802,10 +802,9 @@ test_handshake_timeout(void)
     g_autoptr(PfGuest) g = sealed_guest(256, 0);
     gint64 t0 = g_get_monotonic_time();
     int silent = connect_agent(d);
-    int halfway = connect_agent(d);
+    int halfway = connect_hello(d, 2);
     double s;
 
-    send_hello(halfway, (guint32)getpid(), 2);
     send_region(halfway, g);
     expect_refusal(silent, "handshake");
     expect_refusal(halfway, "handshake");
@@ -1042,13 +1041,7 @@ expect_refusal_later(int fd, const char *want)
         g_assert_true(m->header.type == PF_MSG_POOL || m->header.type == PF_MSG_REQUEST ||
                       m->header.type == PF_MSG_DROP);
     }
-    if (g_strstr_len((const char *)m->payload, m->header.length, want) == NULL) {
-        g_error("refusal '%.*s' does not say '%s'", (int)m->header.length,
-                (const char *)m->payload, want);
-    }
-    g_test_message("refused: %.*s", (int)m->header.length, (const char *)m->payload);
-    g_assert_false(pf_proto_recv(fd, m, &error));
-    close(fd);
+    refusal_said(fd, m, want);
 }
 
 /* The regions named by a REQUEST's items, as a bit mask (regions < 32). */
@@ -1274,10 +1267,9 @@ test_bad_region_kept(void)
     g_autofree PfMsg *m = g_new0(PfMsg, 1);
     g_autoptr(JsonObject) vm = NULL;
     int uffd = register_wp(z);
-    int fd = connect_agent(d);
+    int fd = connect_hello(d, 2);
     guint32 mask;
 
-    send_hello(fd, (guint32)getpid(), 2);
     send_region(fd, unsealed);
     send_region_full(fd, 1, z->fd, z->mem, 0, z->n_pages * PF_PAGE_SIZE);
     expect_welcome(fd, m);
@@ -1394,13 +1386,7 @@ test_region_gone(void)
     g_autoptr(JsonObject) vm = NULL;
     int uffd = register_wp(g), uffd2 = register_wp(z), fd;
 
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 2);
-    send_region(fd, g);
-    send_region_full(fd, 1, z->fd, z->mem, 0, z->n_pages * PF_PAGE_SIZE);
-    expect_welcome(fd, m);
-    pf_msg_close_fds(m);
-    send_ready(fd, PF_MODE_MERGE, "");
+    fd = handshake_regions(d, (const PfGuest *[]){ g, z }, 2, PF_MODE_MERGE, "");
     wait_listed(d, "fake", TRUE);
 
     wait_request(fd, m, 1);
@@ -1424,25 +1410,14 @@ test_region_gone(void)
     wait_listed(d, "fake", FALSE);
 
     /* A DISCARD of a gone region. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 2);
-    send_region(fd, g);
-    send_region_full(fd, 1, z->fd, z->mem, 0, z->n_pages * PF_PAGE_SIZE);
-    expect_welcome(fd, m);
-    pf_msg_close_fds(m);
-    send_ready(fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake_regions(d, (const PfGuest *[]){ g, z }, 2, PF_MODE_ADVISE, "just looking");
     send_gone(fd, 0, 256);
     send_discard(fd, 0, 0, 1);
     expect_refusal_later(fd, "the region is gone");
 
     /* Of a refused region. */
-    fd = connect_agent(d);
-    send_hello(fd, (guint32)getpid(), 2);
-    send_region(fd, unsealed);
-    send_region_full(fd, 1, g->fd, g->mem, 0, g->n_pages * PF_PAGE_SIZE);
-    expect_welcome(fd, m);
-    pf_msg_close_fds(m);
-    send_ready(fd, PF_MODE_ADVISE, "just looking");
+    fd = handshake_regions(d, (const PfGuest *[]){ unsealed, g }, 2, PF_MODE_ADVISE,
+                           "just looking");
     /* The agent is not told a region was refused: its GONE is taken,
      * and the link stays (the DISCARD after it is what ends it). */
     send_gone(fd, 0, 256);
