@@ -57,24 +57,23 @@ pf_wire_set_string(char *field, gsize size, const char *text)
     }
 }
 
-gboolean
-pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload,
-              gsize length, const int *fds, guint n_fds, GError **error)
+/*
+ * One datagram of the n_iov pieces of iov, with n_fds descriptors: the
+ * framing's sendmsg(), shared by pf_proto_send() (header and payload
+ * apart, so that a payload is never copied) and pf_proto_send_raw().
+ */
+static gboolean
+send_datagram(int sock, struct iovec *iov, gsize n_iov, const int *fds,
+              guint n_fds, GError **error)
 {
-    PfMsgHeader h = { PF_PROTO_MAGIC, (guint16)type, 0, (guint32)length, seq };
-    struct iovec iov[2] = {
-        { &h, sizeof(h) },
-        { (void *)payload, length },
-    };
     union {
-        char buf[CMSG_SPACE(sizeof(int) * PF_PROTO_MAX_FDS)];
+        char buf[CMSG_SPACE(sizeof(int) * PF_PROTO_RAW_MAX_FDS)];
         struct cmsghdr align;
     } control;
-    struct msghdr mh = { .msg_iov = iov, .msg_iovlen = length ? 2 : 1 };
+    struct msghdr mh = { .msg_iov = iov, .msg_iovlen = n_iov };
     ssize_t n;
 
-    g_return_val_if_fail(length <= PF_PROTO_MAX_PAYLOAD &&
-                         n_fds <= PF_PROTO_MAX_FDS, FALSE);
+    g_return_val_if_fail(n_fds <= PF_PROTO_RAW_MAX_FDS, FALSE);
     if (n_fds > 0) {
         struct cmsghdr *c;
 
@@ -99,6 +98,30 @@ pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload,
         return FALSE;
     }
     return TRUE;
+}
+
+gboolean
+pf_proto_send(int sock, PfMsgType type, guint32 seq, const void *payload,
+              gsize length, const int *fds, guint n_fds, GError **error)
+{
+    PfMsgHeader h = { PF_PROTO_MAGIC, (guint16)type, 0, (guint32)length, seq };
+    struct iovec iov[2] = {
+        { &h, sizeof(h) },
+        { (void *)payload, length },
+    };
+
+    g_return_val_if_fail(length <= PF_PROTO_MAX_PAYLOAD &&
+                         n_fds <= PF_PROTO_MAX_FDS, FALSE);
+    return send_datagram(sock, iov, length ? 2 : 1, fds, n_fds, error);
+}
+
+gboolean
+pf_proto_send_raw(int sock, const void *data, gsize length, const int *fds,
+                  guint n_fds, GError **error)
+{
+    struct iovec iov = { (void *)data, length };
+
+    return send_datagram(sock, &iov, 1, fds, n_fds, error);
 }
 
 void

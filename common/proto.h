@@ -197,6 +197,17 @@ gboolean pf_proto_send(int sock, PfMsgType type, guint32 seq,
                        guint n_fds, GError **error);
 
 /*
+ * Sends length bytes of data as one datagram, with n_fds descriptors (up
+ * to PF_PROTO_RAW_MAX_FDS), as they are: no header, no check.  For tests
+ * and fuzz targets playing a peer that sends what pf_proto_send() never
+ * would (garbage, more descriptors than a message carries), so that
+ * pf_proto_recv() meets it through the framing's own sendmsg().
+ */
+#define PF_PROTO_RAW_MAX_FDS (2u * PF_PROTO_MAX_FDS)
+gboolean pf_proto_send_raw(int sock, const void *data, gsize length,
+                           const int *fds, guint n_fds, GError **error);
+
+/*
  * Receives and validates one message.  Returns FALSE with error on a bad
  * message (all its fds closed) or a closed socket (PF_ERROR_CLOSED);
  * the caller owns msg->fds of a good one (pf_msg_close_fds()).

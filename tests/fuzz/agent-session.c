@@ -204,23 +204,9 @@ static int
 peer_connect(Peer *p)
 {
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } control;
     char b = 0;
-    struct iovec iov = { &b, 1 };
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-                         .msg_controllen = sizeof(control.buf) };
-    struct cmsghdr *c;
 
-    memset(&control, 0, sizeof(control));
-    c = CMSG_FIRSTHDR(&mh);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof(fd));
-    if (fd < 0 || sendmsg(p->ctl, &mh, MSG_NOSIGNAL) != 1) {
+    if (fd < 0 || !pf_proto_send_raw(p->ctl, &b, 1, &fd, 1, NULL)) {
         abort();
     }
     /* pagefoldd accepts on its main loop, which is ours. */
@@ -668,12 +654,11 @@ step(const uint8_t **data, size_t *size)
         break;
     }
     case 14: { /* HINT: a disk read wrote pages (or the agent says so) */
-        struct {
-            guint32 n, reserved;
-            PfWireRange r;
-        } h = { 1, 0, { a & 1, 0, (a >> 1) % (REGION_PAGES + 4), 1 + next(data, size) % 40 } };
+        PfWireRange r = { a & 1, 0, (a >> 1) % (REGION_PAGES + 4), 1 + next(data, size) % 40 };
 
-        send_msg(p, PF_MSG_HINT, 0, &h, sizeof(h), NULL, 0);
+        if (p->fd >= 0 && !pf_proto_send_hints(p->fd, &r, 1, NULL)) {
+            session_end(p);
+        }
         break;
     }
     default:

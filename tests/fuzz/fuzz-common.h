@@ -3,7 +3,8 @@
  * this process's descriptors (a target aborts if an input leaked one),
  * making the descriptors a hostile peer could pass (memfds, sealed or not,
  * pipes, /dev/null), and sending one datagram with them over a
- * SOCK_SEQPACKET pair, as the real peer's sendmsg() would.
+ * SOCK_SEQPACKET pair through the framing's own sendmsg()
+ * (pf_proto_send_raw()), as a real peer would.
  *
  * Header-only and static: each target is one program of one .c file.
  */
@@ -20,6 +21,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "proto.h"
 #include "util.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
@@ -179,41 +181,24 @@ fuzz_socketpair(int sv[2])
 }
 
 /*
- * Sends data as one datagram on sock with n_fds descriptors made by
+ * Sends data as one datagram on sock, which must not block (the input's
+ * reader is this thread), with n_fds descriptors made by
  * fuzz_make_fd(kinds >> 2 * i, n_pages) (the kernel passes copies: ours
  * are closed here).  FALSE when the kernel refused it (too large).
  */
 static inline gboolean
 fuzz_send(int sock, const guint8 *data, gsize len, guint n_fds, guint kinds, guint n_pages)
 {
-    int fds[8];
-    union {
-        char buf[CMSG_SPACE(sizeof(fds))];
-        struct cmsghdr align;
-    } control;
-    struct iovec iov = { (void *)data, len };
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
-    ssize_t n;
+    int fds[PF_PROTO_RAW_MAX_FDS];
+    gboolean sent;
 
     g_assert(n_fds <= G_N_ELEMENTS(fds));
     for (guint i = 0; i < n_fds; i++) {
         fds[i] = fuzz_make_fd(kinds >> (2 * i), n_pages);
     }
-    if (n_fds > 0) {
-        struct cmsghdr *c;
-
-        memset(&control, 0, sizeof(control));
-        mh.msg_control = control.buf;
-        mh.msg_controllen = CMSG_SPACE(sizeof(int) * n_fds);
-        c = CMSG_FIRSTHDR(&mh);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int) * n_fds);
-        memcpy(CMSG_DATA(c), fds, sizeof(int) * n_fds);
-    }
-    n = sendmsg(sock, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    sent = pf_proto_send_raw(sock, data, len, fds, n_fds, NULL);
     for (guint i = 0; i < n_fds; i++) {
         close(fds[i]);
     }
-    return n == (ssize_t)len;
+    return sent;
 }

@@ -135,6 +135,10 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (sv[0] < 0) {
         fuzz_quiet_logs();
         fuzz_socketpair(sv);
+        /* fuzz_send() must fail, not wait: this thread is its only reader. */
+        if (fcntl(sv[0], F_SETFL, O_NONBLOCK) < 0) {
+            abort();
+        }
         msg = g_new0(PfMsg, 1);
     }
     n_fds = data[0] & 7;
