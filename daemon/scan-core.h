@@ -78,24 +78,48 @@ typedef struct {
  * most they would take it past what a member index holds. */
 #define ADOPT_MAX_SHARERS (G_MAXUINT16 - 1u)
 
+/*
+ * The scanner's state.  scan.c makes and frees every member; in between,
+ * each is written only where its group's heading says (this header's
+ * inline helpers count as the file that calls them), and read by the
+ * core's other files.
+ */
 struct _PfScanner {
+    /* Set as it is made (scan.c), read after; knobs, by the layers above
+     * (pf_scanner_get_knobs()). */
     PfKnobs knobs;
     const PfHashAlgo *algo;
     PfHashFunc hash;
     guint64 zero_checksum;
+    guint64 max_map_count;
+    PfCow *cow;            /* finds merged pages written since */
+    int kpageflags_fd;     /* /proc/kpageflags: is a page part of a THP */
+    guint32 adopt_max_sharers; /* a node takes adopted pages up to this
+                                * (ADOPT_MAX_SHARERS; a model case lowers it) */
 
+    /* scan-vms.c: VMs and regions coming and going, merge domains. */
     GPtrArray *vms;     /* PfVm*, owned */
     GPtrArray *domains; /* char*: merge domain i + 1's name (0: default) */
     PfPageSpace space;  /* page ids of every VM's live regions */
+    guint32 next_serial; /* the last PfVm.serial given */
+    GPtrArray *leftovers; /* Leftover* */
 
+    /* The trees (tree.h): a page joins or leaves a stable node in the
+     * file that decides it (scan-visit.c, scan-answers.c, scan-cow.c,
+     * scan-moves.c, scan-adopt.c), a node lives and dies in ledger.c;
+     * the unstable tree is reset by scan-pass.c as a pass begins, filled
+     * by scan-visit.c, and emptied by scan-vms.c when a region leaves
+     * mid-pass (its candidates would name pages gone). */
     PfStableTree stable;
     PfUnstableTree unstable;
+
+    /* scan-moves.c: who may read a slot; the pool, made with the first
+     * merging VM. */
+    PfPool *pool;
     GArray *joining;     /* Joining: the joins being made, sorted, a slice
                           * at a time, from joining_at on */
     guint joining_at;
     guint64 joining_pass; /* full_scans when they were found: the pass */
-    GHashTable *looking_pids; /* pids whose look's thread has not returned */
-    GHashTable *reading_pids; /* pids whose memfd window read has not */
     GArray *joins;       /* Joining: pages found equal to nodes their VM may
                           * not read, joined once the cursor is done with
                           * their VM (moves_make_vm_joins()) */
@@ -103,19 +127,21 @@ struct _PfScanner {
                           * joins and joining (scan-moves.c) */
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
                           * VM's pages matched part of the chunk */
-    PfPool *pool;        /* created with the first merging VM */
+
+    /* scan-reads.c: reads on threads, one of each kind per process. */
+    GHashTable *looking_pids; /* pids whose look's thread has not returned */
+    GHashTable *reading_pids; /* pids whose memfd window read has not */
+
+    /* scan-adopt.c */
     guint adopt_source;  /* takes back pages merged under an earlier
-                          * pagefoldd, a slice at a time (scan-adopt.c) */
-    guint32 adopt_max_sharers; /* a node takes adopted pages up to this
-                                * (ADOPT_MAX_SHARERS; a model case lowers it) */
-    guint32 next_serial; /* the last PfVm.serial given */
-    GPtrArray *leftovers; /* Leftover* */
-    guint64 max_map_count;
-    PfCow *cow;            /* finds merged pages written since */
-    int kpageflags_fd;     /* /proc/kpageflags: is a page part of a THP */
+                          * pagefoldd, a slice at a time */
+
+    /* scan-events.c */
     GArray *listeners;     /* Listener */
 
-    /* cursor: the next page to visit */
+    /* scan-pass.c: the pass, and the cursor (the next page to visit; the
+     * cursor_*() helpers below keep it right as scan-vms.c removes VMs
+     * and regions). */
     gboolean in_pass;
     guint cur_vm;
     guint cur_region;
@@ -128,16 +154,21 @@ struct _PfScanner {
     gint64 deferred_wait; /* usec the pass waited for deferred VMs */
     gint64 wait_since;    /* monotonic: it waits for them since (or 0) */
     gint64 slice_end; /* monotonic: a scan stops here (0: at max_pages) */
-    guint hint_vm;    /* the VM whose hints were visited last */
-
     guint64 full_scans;
-    guint64 memcmp_calls;
-    guint64 stable_nodes_examined;
     guint listed_sharing; /* the max_page_sharing that decided which nodes
                            * are full (ledger_relist()) */
     gint64 pass_start_usec;
     guint64 last_pass_usec;
 
+    /* scan-hints.c */
+    guint hint_vm;    /* the VM whose hints were visited last */
+
+    /* Counted where the work is done: scan-visit.c, and scan-moves.c's
+     * compares of a join. */
+    guint64 memcmp_calls;
+    guint64 stable_nodes_examined;
+
+    /* scan.c: the pacing of the background batches. */
     guint timer_id;
     guint batches_paused; /* pf_scanner_pause_batches() calls not resumed */
     gsize batch_left;  /* of the wake-up's batch, scanned in slices */
@@ -145,6 +176,7 @@ struct _PfScanner {
     gint64 batch_cpu;  /* thread CPU time when it began */
     gint64 last_batch_usec;
 };
+
 
 /* ---- small reads of the state ---- */
 
@@ -177,6 +209,40 @@ cursor_to_vm(PfScanner *s, guint i)
             s->cur_region = vm->resume_region;
             s->cur_page = vm->resume_page;
         }
+    }
+}
+
+/* The VM at index idx left the scanner's list: the cursor stays right (if
+ * it was at that VM, on to the next one, or back to those deferred once
+ * every VM had its turn). */
+static inline void
+cursor_vm_removed(PfScanner *s, guint idx)
+{
+    if (idx < s->cur_vm) {
+        s->cur_vm--;
+    } else if (idx == s->cur_vm) {
+        cursor_to_vm(s, s->revisiting ? s->vms->len : idx);
+    }
+}
+
+/* Region k of vm left it (removed) or changed: the cursor, if there, and
+ * where it left the VM stay right. */
+static inline void
+cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
+{
+    if (vm->resume && removed && k < vm->resume_region) {
+        vm->resume_region--;
+    } else if (vm->resume && k == vm->resume_region) {
+        vm->resume_page = 0;
+    }
+    if (s->cur_vm >= s->vms->len || g_ptr_array_index(s->vms, s->cur_vm) != vm) {
+        return;
+    }
+    if (removed && k < s->cur_region) {
+        s->cur_region--;
+    } else if (k == s->cur_region) {
+        s->cur_page = 0;
+        s->data_end = 0;
     }
 }
 
@@ -300,10 +366,12 @@ void hints_forget(PfVm *vm);
  * (or of the next region with pages), unless a read is under way for it
  * or for its process. */
 void reads_window(PfScanner *s, PfVm *vm, guint k, gsize page);
-/* Moves the cursor over holes of region r up to the next data or budget
- * pages present (*present: how many it passed); FALSE when it must wait
- * for the window (the VM is left for later). */
-gboolean reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget, gsize *present);
+/* Steps over holes of region r from page at, up to the next data or
+ * budget pages present: where the cursor goes on (*stop), where that
+ * data ends (*data_end), how many pages present it passed (*present);
+ * FALSE when it must wait for the window (the VM is left for later). */
+gboolean reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize at, gsize budget,
+                         gsize *stop, gsize *data_end, gsize *present);
 /* Whether vm's process is to be looked at now, and starting its look. */
 gboolean reads_look_due(const PfScanner *s, const PfVm *vm, gint64 now);
 void reads_look_start(PfScanner *s, PfVm *vm);

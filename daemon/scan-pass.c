@@ -408,7 +408,8 @@ scan_step(PfScanner *s, PfVm *vm, gsize max, gboolean *moved)
     if (s->cur_page >= s->data_end) {
         gsize present;
 
-        if (!reads_find_data(s, vm, r, max, &present)) {
+        if (!reads_find_data(s, vm, r, s->cur_page, max, &s->cur_page, &s->data_end,
+                             &present)) {
             leave_vm(s, vm, TRUE); /* the cursor is at another VM now */
             *moved = FALSE;
             return 0;

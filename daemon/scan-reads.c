@@ -11,8 +11,8 @@
  *
  * Writes a VM's look and window fields (looking, look, look_usec,
  * look_answered, vmas_since_look, reading, extents, extents_next,
- * read_failed, window_wait) and, in find_data, the cursor's page; never
- * blocks the main loop (a window's read that failed on a thread is made
+ * read_failed, window_wait); never moves the cursor, and never blocks
+ * the main loop (a window's read that failed on a thread is made
  * here, once).
  */
 #include "scan-core.h"
@@ -150,13 +150,12 @@ window_of_pass(PfScanner *s, const PfExtents *x)
 
 /* The window of this pass that holds the cursor, if there is one. */
 static PfExtents *
-window_at(PfScanner *s, PfVm *vm, PfRegion *r)
+window_at(PfScanner *s, PfVm *vm, PfRegion *r, gsize at)
 {
     for (int k = 0; k < 2; k++) {
         PfExtents *x = k == 0 ? vm->extents : vm->extents_next;
 
-        if (window_of_pass(s, x) && x->region == r && x->from <= s->cur_page &&
-            s->cur_page < x->to) {
+        if (window_of_pass(s, x) && x->region == r && x->from <= at && at < x->to) {
             if (k == 1) {
                 pf_extents_free(vm->extents);
                 vm->extents = g_steal_pointer(&vm->extents_next);
@@ -197,19 +196,23 @@ hole_stop(const PfRegion *r, gsize from, gsize end, gsize budget, gsize *present
 }
 
 /*
- * Moves the cursor over holes of the memfd (cow_leave_hole()), up to the
- * next data or budget pages present (hole_stop()): a merged VM's RAM is
- * one long hole, whose merged pages are looked at for copy-on-write, and a
- * tick must stay short however big the VM.  Where the holes are, and which
- * merged pages were written, come from a window read ahead on a thread
- * (extents.h); FALSE when the cursor must wait for it (the VM is left for
- * later).  A read that failed on a thread is made here.  *present says how
- * many pages present the cursor passed.
+ * Steps over the holes of the memfd from page `at` (cow_leave_hole()), up
+ * to the next data or budget pages present (hole_stop()): a merged VM's
+ * RAM is one long hole, whose merged pages are looked at for
+ * copy-on-write, and a tick must stay short however big the VM.  Where
+ * the holes are, and which merged pages were written, come from a window
+ * read ahead on a thread (extents.h); FALSE when the cursor must wait for
+ * it (the VM is left for later).  A read that failed on a thread is made
+ * here.  *stop: where the cursor goes on from; *data_end: where the data
+ * it stops at ends (a hint: pages discarded since are found before they
+ * are read); *present: how many pages present it passed.  The cursor is
+ * scan-pass.c's to move.
  */
 gboolean
-reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget, gsize *present)
+reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize at, gsize budget, gsize *stop_out,
+                gsize *data_end, gsize *present)
 {
-    PfExtents *x = window_at(s, vm, r);
+    PfExtents *x = window_at(s, vm, r, at);
     const PfExtent *e;
     gsize first, stop;
     guint i;
@@ -218,11 +221,11 @@ reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget, gsize *presen
         vm->read_failed = FALSE;
         pf_extents_free(vm->extents);
         vm->extents = x = pf_extents_read(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow,
-                                          s->cur_page);
+                                          at);
     }
     *present = 0;
     if (x == NULL) {
-        reads_window(s, vm, r->index, s->cur_page);
+        reads_window(s, vm, r->index, at);
         if (vm->window_wait == 0) {
             vm->window_wait = g_get_monotonic_time();
         }
@@ -233,25 +236,23 @@ reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize budget, gsize *presen
         reads_window(s, vm, r->index, x->to); /* ahead */
     }
     i = first_at_least(x->data->data, x->data->len, sizeof(PfExtent),
-                       G_STRUCT_OFFSET(PfExtent, end), s->cur_page + 1);
+                       G_STRUCT_OFFSET(PfExtent, end), at + 1);
     e = i < x->data->len ? &g_array_index(x->data, PfExtent, i) : NULL;
-    first = e != NULL ? MAX(e->first, s->cur_page) : x->to;
-    stop = hole_stop(r, s->cur_page, first, MAX(budget, 1), present);
+    first = e != NULL ? MAX(e->first, at) : x->to;
+    stop = hole_stop(r, at, first, MAX(budget, 1), present);
     for (i = first_at_least(x->cow->data, x->cow->len, sizeof(PfCowSeen),
-                            G_STRUCT_OFFSET(PfCowSeen, page), s->cur_page);
+                            G_STRUCT_OFFSET(PfCowSeen, page), at);
          i < x->cow->len && g_array_index(x->cow, PfCowSeen, i).page < stop; i++) {
         const PfCowSeen *c = &g_array_index(x->cow, PfCowSeen, i);
 
         cow_seen_in_hole(s, r, c->page, c->zero_pfn);
     }
-    if (stop > s->cur_page) {
-        cow_leave_hole(s, r, s->cur_page, stop, FALSE);
+    if (stop > at) {
+        cow_leave_hole(s, r, at, stop, FALSE);
     }
-    s->cur_page = stop;
-    /* The rest of a long hole: looked up again from here next time.  The
-     * data extent is a hint only: pages discarded since are found by
-     * scan_range() before they are read. */
-    s->data_end = stop < first || e == NULL ? stop : e->end;
+    *stop_out = stop;
+    /* The rest of a long hole: looked up again from here next time. */
+    *data_end = stop < first || e == NULL ? stop : e->end;
     return TRUE;
 }
 

@@ -15,40 +15,6 @@
 
 #include "guard.h"
 
-/* The VM at index idx left the scanner's list: the cursor stays right (if
- * it was at that VM, on to the next one, or back to those deferred once
- * every VM had its turn). */
-static void
-cursor_vm_removed(PfScanner *s, guint idx)
-{
-    if (idx < s->cur_vm) {
-        s->cur_vm--;
-    } else if (idx == s->cur_vm) {
-        cursor_to_vm(s, s->revisiting ? s->vms->len : idx);
-    }
-}
-
-/* Region k of vm left it (removed) or changed: the cursor, if there, and
- * where it left the VM stay right. */
-static void
-cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
-{
-    if (vm->resume && removed && k < vm->resume_region) {
-        vm->resume_region--;
-    } else if (vm->resume && k == vm->resume_region) {
-        vm->resume_page = 0;
-    }
-    if (s->cur_vm >= s->vms->len || g_ptr_array_index(s->vms, s->cur_vm) != vm) {
-        return;
-    }
-    if (removed && k < s->cur_region) {
-        s->cur_region--;
-    } else if (k == s->cur_region) {
-        s->cur_page = 0;
-        s->data_end = 0;
-    }
-}
-
 gboolean
 vms_place_region(PfScanner *s, PfRegion *r)
 {

@@ -46,50 +46,89 @@ typedef struct {
  * mode, no agent: its regions are what its mappings show). */
 typedef enum { PF_VM_BY_PID, PF_VM_AGENT } PfVmKind;
 
+/*
+ * A VM: first what every layer reads of it (its identity, mode, regions
+ * and outbox), then what only the scanner core keeps of it, grouped by
+ * the file that writes it (the page-state and cursor helpers of
+ * scan-core.h count as the file that calls them).
+ */
 struct _PfVm {
+    /* vm.c, as it is made; never written after but as said. */
     /* A label: VMs may share one (the pid is who).  An agent's or a
      * process's own is kept escaped (escape.h), root's as given. */
     char *name;
     int pid;
-    guint8 uuid[16];     /* as the agent or QEMU's -uuid says; all zero:
-                          * none.  A label too: a peer may claim any */
-    int pidfd;
+    guint8 uuid[16];     /* as the agent (or libvirt's status file) or
+                          * QEMU's -uuid says; all zero: none.  A label too:
+                          * a peer may claim any */
+    int pidfd;           /* scan-vms.c takes it for a leftover as it goes */
     PfVmKind kind;
-    GPtrArray *regions;  /* PfRegion*, owned */
-    PfMode mode;         /* merge only with an agent that merges */
-    char *mode_reason;   /* why advise, when it is; an agent's escaped */
-    PfOutbox *outbox;    /* an agent's VM: its requests, owned; NULL if
-                          * attached by pid (kind says which) */
     int pagemap_fd;      /* /proc/PID/pagemap, to see copy-on-write */
-    /* pages of this VM in each PfPageState */
+    PfOutbox *outbox;    /* an agent's VM: its requests, owned; NULL if
+                          * attached by pid (kind says which).  The scanner
+                          * pushes requests, link.c drains them */
+    GPtrArray *regions;  /* PfRegion*, owned; a VM attached by pid follows
+                          * its mappings (pf_vm_refresh()), scan-vms.c
+                          * adds and retires an agent's */
+    PfMode mode;         /* merge only with an agent that merges; */
+    char *mode_reason;   /* why advise, when it is; an agent's escaped;
+                          * both set again by scan-cow.c on a step back */
+
+    /* scan-vms.c: its place among the scanner's VMs. */
+    guint32 serial;      /* its name in the pool, never reused */
+    guint watch_id;      /* pidfd watch */
+    /* Its merge domain: it shares pages only with VMs of the same one
+     * (pf_scanner_set_merge_domain()). */
+    gboolean unlabelled; /* one of its own */
+    guint32 domain;      /* else: 0 the host's default, i the named
+                          * domain i */
+    /* pages of this VM in each PfPageState (the page-state helpers) */
     gsize count[PF_PAGE_N_STATES];
     /* Merged and zero pages its regions had as they left (QEMU frees
      * guest RAM, telling its agent, as it exits): told with its last
      * figures. */
     gsize gone_shared;
     gsize gone_zero;
+
+    /* scan-visit.c: its visits. */
     guint64 pages_scanned;
     guint64 pages_skipped;
-    /* Ranges of its pages its agent says a device just wrote, visited
-     * before the cursor's (scan-hints.c): PfHint, hint_pages pages. */
+    guint64 pages_hinted;
+
+    /* scan-hints.c: ranges of its pages its agent says a device just
+     * wrote, visited before the cursor's: PfHint, hint_pages pages. */
     GArray *hints;
     guint hint_head;     /* its first range not visited yet */
     gsize hint_pages;
-    guint64 pages_hinted;
     guint64 hints_dropped;
+
+    /* scan-pass.c: the cursor's dealings with it.  It left it before its
+     * end (its outbox was full, or its agent silent): it comes back to it
+     * later in the pass if deferred, and starts at resume_region,
+     * resume_page when it next comes. */
     guint64 full_scans;
-    /* The cursor left it before its end (its outbox was full, or its agent
-     * silent): it comes back to it later in the pass if deferred, and
-     * starts at resume_region, resume_page when it next comes. */
     gboolean resume;
     gboolean deferred;
-    gboolean entered;    /* looked at in this pass (the scanner's enter_vm()) */
+    guint resume_region;
+    gsize resume_page;
+    gboolean entered;    /* looked at in this pass (enter_vm()) */
     gboolean counted;    /* its mappings were counted once: requests may go */
+    /* Mappings of its process (invariant 5): counted at its last look
+     * (scan-pass.c), plus the most the requests since can add
+     * (scan-requests.c), or its budget after an ENOMEM (scan-answers.c). */
+    guint64 vmas;
+    guint64 vma_budget;  /* no merges once vmas reaches it (scan-pass.c,
+                          * first set by scan-vms.c) */
+
+    /* scan-reads.c: what is read of it on threads (its look is taken by
+     * scan-pass.c as the cursor enters it, its window wait reset there
+     * as a pass begins). */
     GCancellable *looking; /* its look under way, or NULL */
-    PfVmLook *look;      /* its look, done, not yet taken by enter_vm() */
+    PfVmLook *look;      /* its look, done, not yet taken */
     guint32 look_answered; /* its outbox's last answered batch, and the time, */
     gint64 look_usec;    /* when its look began */
-    guint64 vmas_since_look; /* mappings its requests may have added since */
+    guint64 vmas_since_look; /* mappings its requests may have added since
+                              * (scan-requests.c adds) */
     /* Its memfds ahead of the cursor (extents.h): the window the cursor is
      * in or comes to next, the one after, and the read under way. */
     PfExtents *extents;
@@ -97,30 +136,28 @@ struct _PfVm {
     GCancellable *reading;
     gboolean read_failed; /* the last read on a thread failed */
     gint64 window_wait;  /* since when the cursor waits for its window, or 0 */
-    guint resume_region;
-    gsize resume_page;
-    guint64 cow;         /* merged pages written since (copy-on-write) */
-    guint64 vmas;        /* mappings of the process: counted at its last
-                          * look, plus the most the requests since can add */
-    guint64 vma_budget;  /* no merges once vmas reaches it */
+
+    /* scan-requests.c: the run its last request continues. */
     guint32 run_next_page; /* the request that would continue the last run */
     guint32 run_next_slot;
     guint8 run_kind;
-    guint watch_id;      /* pidfd watch, owned by the scanner */
-    guint32 serial;      /* its name in the pool, never reused */
-    GArray *dropped;     /* PfDropped: chunks it was told to let go of,
-                          * until it is seen to have */
+
+    /* scan-cow.c and scan-answers.c: merged pages written since
+     * (copy-on-write). */
+    guint64 cow;
+
+    /* scan-moves.c: chunks it was told to let go of (PfDropped), until
+     * its look (scan-reads.c) sees it did. */
+    GArray *dropped;
+
+    /* scan.c: counting and unmerging. */
     guint64 share;       /* its pages' parts of the stable nodes they
                           * share (PF_SHARE_ONE a node, tree.h): its part
                           * of pages_shared, nodes too big to track aside */
     guint stats_index;   /* scratch for the scanner's attribution */
     guint unmerging;     /* unmerges of it running: no merges meanwhile */
-    /* Its merge domain: it shares pages only with VMs of the same one
-     * (pf_scanner_set_merge_domain()). */
-    gboolean unlabelled; /* one of its own */
-    guint32 domain;      /* else: 0 the host's default, i the named
-                          * domain i */
 };
+
 
 /* The merge domain's key, as stable nodes keep it (PF_DOMAIN_UNLABELLED). */
 static inline guint32
