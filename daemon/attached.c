@@ -140,8 +140,11 @@ snapshot(PfAttached *a)
         PfVm *vm = g_ptr_array_index(vms, i);
         guint64 started;
 
-        if (vm->kind == PF_VM_AGENT && !vm->unlabelled && (started = start_time(vm->pid)) != 0) {
-            add_domain(b, vm->pid, started, pf_scanner_merge_domain(s, vm));
+        const char *domain = pf_scanner_merge_domain(s, vm);
+
+        if (vm->kind == PF_VM_AGENT && !g_str_equal(domain, "unlabelled") &&
+            (started = start_time(vm->pid)) != 0) {
+            add_domain(b, vm->pid, started, domain);
         }
     }
     /* Those not back yet, while their processes run: another restart

@@ -148,9 +148,7 @@ still_merged(PfScanJob *j)
     gsize n = 0;
 
     for (guint i = 0; i < j->targets->len; i++) {
-        PfVm *vm = g_ptr_array_index(j->targets, i);
-
-        n += vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_ZERO] + vm->count[PF_PAGE_PENDING];
+        n += pf_scanner_vm_merged(g_ptr_array_index(j->targets, i));
     }
     return n;
 }

@@ -39,7 +39,7 @@ run_chunk(PfScanner *s, PfVm *vm, const PfPoolMapped *pooled, const PfPoolRun *r
 
         /* pf_pool_adopt_chunk() sends it to the VM, as any new chunk;
          * failing, the run stays merged, uncounted (said at the end). */
-        return pf_pool_adopt_chunk(pool, fd, vm->serial, NULL);
+        return pf_pool_adopt_chunk(pool, fd, vm->scan->serial, NULL);
     }
     /* One of this pagefoldd's own: the VM's agent lost its link to this
      * very pagefoldd, whose leftover holds its slots until the process
@@ -47,7 +47,7 @@ run_chunk(PfScanner *s, PfVm *vm, const PfPoolMapped *pooled, const PfPoolRun *r
     if (!pf_pool_is_adopted(pool, chunk)) {
         return 0;
     }
-    if (pf_pool_adopt_holder(pool, chunk, vm->serial)) {
+    if (pf_pool_adopt_holder(pool, chunk, vm->scan->serial)) {
         scan_emit_chunk(s, vm, pf_pool_chunk(pool, chunk), FALSE);
     }
     return chunk;

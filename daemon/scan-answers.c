@@ -44,7 +44,7 @@ log_refusal(PfVm *vm, const PfPending *pd, guint32 page, int err)
     }
     if (err == ENOMEM) {
         /* Out of mappings: no more merges until the next count. */
-        vm->vmas = vm->vma_budget;
+        vm->scan->vmas = vm->scan->vma_budget;
     }
 }
 
@@ -77,7 +77,7 @@ merge_answered(PfScanner *s, PfRegion *r, PfPage *p, const PfPending *pd,
     pf_stable_tree_add(&s->stable, pd->from, pd->page);
     mark_merged(r, p, PF_PAGE_SHARED);
     if (status == PF_RESULT_CHANGED) {
-        r->vm->cow++;
+        r->vm->scan->cow++;
     }
     if (status != PF_RESULT_ERROR || err != EBUSY) {
         pf_scanner_end_sharing(s, r, pd->page - r->base);

@@ -7,9 +7,9 @@
  *   scan-pass.c     the pass loop: the cursor, slices, entering a VM,
  *                   VMs left for later
  *   scan-hints.c    pages a device just wrote, visited before the cursor's
+ *   scan-vms.c      VMs and regions coming and going, merge domains
  *   scan-reads.c    a VM's look and its memfds' windows, read on threads;
  *                   the holes the cursor steps over with them
- *   scan-vms.c      VMs and regions coming and going, merge domains
  *   scan-adopt.c    merged pages of an earlier pagefoldd, taken back
  *   scan-visit.c    one visit of a page: KSM's stable and unstable search
  *   scan-answers.c  what the agents' answers make of a page
@@ -77,6 +77,105 @@ typedef struct {
  * the node still join it when answered, and with max_page_sharing at its
  * most they would take it past what a member index holds. */
 #define ADOPT_MAX_SHARERS (G_MAXUINT16 - 1u)
+
+/*
+ * What the scanner core keeps of a VM (PfVm.scan): made as the VM is added
+ * (pf_scanner_add_vm()), freed as it goes (scan-vms.c), grouped by the
+ * file that writes it (the page-state and cursor helpers below count as
+ * the file that calls them).  No layer above reads it: they have the
+ * counters (pf_scanner_collect()) and scan.h's questions.
+ */
+struct _PfScanVm {
+    /* scan-vms.c: its place among the scanner's VMs. */
+    guint32 serial;      /* its name in the pool, never reused */
+    guint watch_id;      /* pidfd watch */
+    /* Its merge domain: it shares pages only with VMs of the same one
+     * (pf_scanner_set_merge_domain()). */
+    gboolean unlabelled; /* one of its own */
+    guint32 domain;      /* else: 0 the host's default, i the named
+                          * domain i */
+    /* pages of this VM in each PfPageState (the page-state helpers) */
+    gsize count[PF_PAGE_N_STATES];
+    /* Merged and zero pages its regions had as they left (QEMU frees
+     * guest RAM, telling its agent, as it exits): told with its last
+     * figures. */
+    gsize gone_shared;
+    gsize gone_zero;
+
+    /* scan-visit.c: its visits. */
+    guint64 pages_scanned;
+    guint64 pages_skipped;
+    guint64 pages_hinted;
+
+    /* scan-hints.c: ranges of its pages its agent says a device just
+     * wrote, visited before the cursor's: PfHint, hint_pages pages. */
+    GArray *hints;
+    guint hint_head;     /* its first range not visited yet */
+    gsize hint_pages;
+    guint64 hints_dropped;
+
+    /* scan-pass.c: the cursor's dealings with it.  It left it before its
+     * end (its outbox was full, or its agent silent): it comes back to it
+     * later in the pass if deferred, and starts at resume_region,
+     * resume_page when it next comes. */
+    guint64 full_scans;
+    gboolean resume;
+    gboolean deferred;
+    guint resume_region;
+    gsize resume_page;
+    gboolean entered;    /* looked at in this pass (enter_vm()) */
+    gboolean counted;    /* its mappings were counted once: requests may go */
+    /* Mappings of its process (invariant 5): counted at its last look
+     * (scan-pass.c), plus the most the requests since can add
+     * (scan-requests.c), or its budget after an ENOMEM (scan-answers.c). */
+    guint64 vmas;
+    guint64 vma_budget;  /* no merges once vmas reaches it (scan-pass.c,
+                          * first set by scan-vms.c) */
+
+    /* scan-reads.c: what is read of it on threads (its look is taken by
+     * scan-pass.c as the cursor enters it, its window wait reset there
+     * as a pass begins). */
+    GCancellable *looking; /* its look under way, or NULL */
+    PfVmLook *look;      /* its look, done, not yet taken */
+    guint32 look_answered; /* its outbox's last answered batch, and the time, */
+    gint64 look_usec;    /* when its look began */
+    guint64 vmas_since_look; /* mappings its requests may have added since
+                              * (scan-requests.c adds) */
+    /* Its memfds ahead of the cursor (extents.h): the window the cursor is
+     * in or comes to next, the one after, and the read under way. */
+    PfExtents *extents;
+    PfExtents *extents_next;
+    GCancellable *reading;
+    gboolean read_failed; /* the last read on a thread failed */
+    gint64 window_wait;  /* since when the cursor waits for its window, or 0 */
+
+    /* scan-requests.c: the run its last request continues. */
+    guint32 run_next_page; /* the request that would continue the last run */
+    guint32 run_next_slot;
+    guint8 run_kind;
+
+    /* scan-cow.c and scan-answers.c: merged pages written since
+     * (copy-on-write). */
+    guint64 cow;
+
+    /* scan-moves.c: chunks it was told to let go of (PfDropped), until
+     * its look (scan-reads.c) sees it did. */
+    GArray *dropped;
+
+    /* scan.c: counting and unmerging. */
+    guint64 share;       /* its pages' parts of the stable nodes they
+                          * share (PF_SHARE_ONE a node, tree.h): its part
+                          * of pages_shared, nodes too big to track aside */
+    guint stats_index;   /* scratch for the scanner's attribution */
+    guint unmerging;     /* unmerges of it running: no merges meanwhile */
+};
+
+/* The merge domain's key, as stable nodes keep it (PF_DOMAIN_UNLABELLED). */
+static inline guint32
+pf_vm_domain_key(const PfVm *vm)
+{
+    return vm->scan->unlabelled ? PF_DOMAIN_UNLABELLED | vm->scan->serial : vm->scan->domain;
+}
 
 /*
  * The scanner's state.  scan.c makes and frees every member; in between,
@@ -204,10 +303,10 @@ cursor_to_vm(PfScanner *s, guint i)
     if (i < s->vms->len) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (vm->resume) {
-            vm->resume = FALSE;
-            s->cur_region = vm->resume_region;
-            s->cur_page = vm->resume_page;
+        if (vm->scan->resume) {
+            vm->scan->resume = FALSE;
+            s->cur_region = vm->scan->resume_region;
+            s->cur_page = vm->scan->resume_page;
         }
     }
 }
@@ -230,10 +329,10 @@ cursor_vm_removed(PfScanner *s, guint idx)
 static inline void
 cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
 {
-    if (vm->resume && removed && k < vm->resume_region) {
-        vm->resume_region--;
-    } else if (vm->resume && k == vm->resume_region) {
-        vm->resume_page = 0;
+    if (vm->scan->resume && removed && k < vm->scan->resume_region) {
+        vm->scan->resume_region--;
+    } else if (vm->scan->resume && k == vm->scan->resume_region) {
+        vm->scan->resume_page = 0;
     }
     if (s->cur_vm >= s->vms->len || g_ptr_array_index(s->vms, s->cur_vm) != vm) {
         return;
@@ -283,7 +382,7 @@ page_in_memory(const guint8 *page)
 static inline gsize
 outbox_visits(PfVm *vm)
 {
-    return vm->outbox == NULL ? G_MAXSIZE : pf_outbox_room(vm->outbox) / 2;
+    return vm->kind == PF_VM_BY_PID ? G_MAXSIZE : pf_outbox_room(vm->outbox) / 2;
 }
 
 /* May this VM's pages be merged for real now?  Merging VMs group only with
@@ -291,7 +390,7 @@ outbox_visits(PfVm *vm)
 static inline gboolean
 can_merge(const PfVm *vm)
 {
-    return pf_vm_merges(vm) && vm->vmas < vm->vma_budget && !vm->unmerging;
+    return pf_vm_merges(vm) && vm->scan->vmas < vm->scan->vma_budget && !vm->scan->unmerging;
 }
 
 /* ---- page states: every change goes through these, which keep the
@@ -300,8 +399,8 @@ can_merge(const PfVm *vm)
 static inline void
 set_state(PfRegion *r, PfPage *p, PfPageState state)
 {
-    r->vm->count[p->state]--;
-    r->vm->count[state]++;
+    r->vm->scan->count[p->state]--;
+    r->vm->scan->count[state]++;
     p->state = state;
 }
 
@@ -375,6 +474,10 @@ gboolean reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize at, gsize bu
 /* Whether vm's process is to be looked at now, and starting its look. */
 gboolean reads_look_due(const PfScanner *s, const PfVm *vm, gint64 now);
 void reads_look_start(PfScanner *s, PfVm *vm);
+/* Its windows of memfd read ahead, and any read under way, go (a region
+ * of it went); and its look too (it goes). */
+void reads_forget_windows(PfVm *vm);
+void reads_forget(PfVm *vm);
 /* Whether the VM let go of the chunks it was told to drop, as its look
  * saw; FALSE (error says why) when it is to be detached. */
 gboolean reads_check_dropped(PfScanner *s, PfVm *vm, const PfVmLook *look, GError **error);
@@ -461,6 +564,9 @@ gboolean huge_restorable(PfScanner *s, PfRegion *r, gsize idx, gsize *first);
 void huge_collapse_by_pid(PfRegion *r, gsize first);
 
 /* ---- scan-vms.c ---- */
+
+/* Frees a VM the scanner had, its record first. */
+void vms_free_vm(PfVm *vm);
 
 /* Gives r page ids (FALSE: none left); its pages are absent. */
 gboolean vms_place_region(PfScanner *s, PfRegion *r);

@@ -39,7 +39,7 @@ cow_found(PfScanner *s, PfRegion *r, gsize idx)
     PfPageState st = pf_region_page_state(r, idx);
 
     if (st == PF_PAGE_SHARED || st == PF_PAGE_ZERO) {
-        r->vm->cow++;
+        r->vm->scan->cow++;
         pf_scanner_end_sharing(s, r, idx);
     }
 }

@@ -33,45 +33,45 @@
 void
 pf_scanner_hinted(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n)
 {
-    guint64 take = MIN(n, PF_HINT_PAGES - vm->hint_pages);
+    guint64 take = MIN(n, PF_HINT_PAGES - vm->scan->hint_pages);
 
     if (!s->knobs.io_hints) {
         return;
     }
-    if (vm->hints == NULL) {
-        vm->hints = g_array_new(FALSE, FALSE, sizeof(PfHint));
+    if (vm->scan->hints == NULL) {
+        vm->scan->hints = g_array_new(FALSE, FALSE, sizeof(PfHint));
     }
     /* What does not fit waits for the cursor, as with no hint. */
-    vm->hints_dropped += n - take;
+    vm->scan->hints_dropped += n - take;
     if (take == 0) {
         return;
     }
-    if (vm->hints->len > vm->hint_head) {
-        PfHint *last = &g_array_index(vm->hints, PfHint, vm->hints->len - 1);
+    if (vm->scan->hints->len > vm->scan->hint_head) {
+        PfHint *last = &g_array_index(vm->scan->hints, PfHint, vm->scan->hints->len - 1);
 
         /* Reads of one file come one after another. */
         if (last->region == region && last->page + last->n_pages == first) {
             last->n_pages += (guint32)take;
-            vm->hint_pages += take;
+            vm->scan->hint_pages += take;
             return;
         }
     }
-    if (vm->hints->len - vm->hint_head >= PF_HINT_RANGES) {
-        vm->hints_dropped += take;
+    if (vm->scan->hints->len - vm->scan->hint_head >= PF_HINT_RANGES) {
+        vm->scan->hints_dropped += take;
         return;
     }
-    g_array_append_val(vm->hints, ((PfHint){ region, (guint32)take, first }));
-    vm->hint_pages += take;
+    g_array_append_val(vm->scan->hints, ((PfHint){ region, (guint32)take, first }));
+    vm->scan->hint_pages += take;
 }
 
 void
 hints_forget(PfVm *vm)
 {
-    if (vm->hints != NULL) {
-        g_array_set_size(vm->hints, 0);
+    if (vm->scan->hints != NULL) {
+        g_array_set_size(vm->scan->hints, 0);
     }
-    vm->hint_head = 0;
-    vm->hint_pages = 0;
+    vm->scan->hint_head = 0;
+    vm->scan->hint_pages = 0;
 }
 
 /* Visits up to max pages of vm's first hinted range; returns how many
@@ -79,7 +79,7 @@ hints_forget(PfVm *vm)
 static gsize
 visit_hinted(PfScanner *s, PfVm *vm, gsize max)
 {
-    PfHint *h = &g_array_index(vm->hints, PfHint, vm->hint_head);
+    PfHint *h = &g_array_index(vm->scan->hints, PfHint, vm->scan->hint_head);
     PfRegion *r = h->region < vm->regions->len ? g_ptr_array_index(vm->regions, h->region)
                                                : NULL;
     gsize n = MIN(MIN(max, HINT_TURN), MIN(h->n_pages, outbox_visits(vm)));
@@ -105,14 +105,14 @@ visit_hinted(PfScanner *s, PfVm *vm, gsize max)
     }
     h->page += n;
     h->n_pages -= (guint32)n;
-    vm->hint_pages -= n;
-    if (h->n_pages == 0 && ++vm->hint_head == vm->hints->len) {
+    vm->scan->hint_pages -= n;
+    if (h->n_pages == 0 && ++vm->scan->hint_head == vm->scan->hints->len) {
         hints_forget(vm); /* empty: it starts over */
-    } else if (vm->hint_head >= 1024 && vm->hint_head * 2 >= vm->hints->len) {
+    } else if (vm->scan->hint_head >= 1024 && vm->scan->hint_head * 2 >= vm->scan->hints->len) {
         /* Never emptied (hints come as fast as they go): the ranges
          * visited go, a few at a time. */
-        g_array_remove_range(vm->hints, 0, vm->hint_head);
-        vm->hint_head = 0;
+        g_array_remove_range(vm->scan->hints, 0, vm->scan->hint_head);
+        vm->scan->hint_head = 0;
     }
     return n;
 }
@@ -139,7 +139,7 @@ hints_visit(PfScanner *s, gsize max)
         vm = g_ptr_array_index(s->vms, s->hint_vm);
         /* A merging VM not before the cursor first counted its
          * mappings: no request for it goes before (max_vma_percent). */
-        if (vm->hint_pages == 0 || vm->unmerging || (pf_vm_merges(vm) && !vm->counted) ||
+        if (vm->scan->hint_pages == 0 || vm->scan->unmerging || (pf_vm_merges(vm) && !vm->scan->counted) ||
             (vm->kind == PF_VM_AGENT && outbox_visits(vm) == 0)) {
             idle++;
             continue;

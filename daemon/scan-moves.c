@@ -35,7 +35,7 @@ moves_chunk_is_for(const PfPoolChunk *chunk, const PfVm *vm)
     if (chunk->n_vms == 0) {
         return TRUE;
     }
-    return bsearch(&vm->serial, chunk->vms, chunk->n_vms, sizeof(guint32), cmp_u32) != NULL;
+    return bsearch(&vm->scan->serial, chunk->vms, chunk->n_vms, sizeof(guint32), cmp_u32) != NULL;
 }
 
 static guint32 move_node(PfScanner *s, guint32 node, PfVm *joiner);
@@ -45,7 +45,7 @@ moves_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 to)
 {
     guint32 from = p->state == PF_PAGE_SHARED ? p->node : 0, slot;
 
-    if (!pf_pool_readable(s->pool, node_at(s, to)->slot, r->vm->serial) &&
+    if (!pf_pool_readable(s->pool, node_at(s, to)->slot, r->vm->scan->serial) &&
         (to = move_node(s, to, r->vm)) == 0) {
         return;
     }
@@ -70,13 +70,13 @@ move_vms(PfScanner *s, const PfStableNode *n, PfVm *joiner)
     pf_pool_locate(s->pool, n->slot, &c, &index);
     chunk = pf_pool_chunk(s->pool, c);
     if (joiner != NULL) {
-        g_array_append_val(vms, joiner->serial);
+        g_array_append_val(vms, joiner->scan->serial);
     }
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
         if (pf_vm_merges(vm) && moves_chunk_is_for(chunk, vm)) {
-            g_array_append_val(vms, vm->serial);
+            g_array_append_val(vms, vm->scan->serial);
         }
     }
     g_array_sort(vms, cmp_u32);
@@ -232,7 +232,7 @@ void
 moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 node)
 {
     const PfStableNode *n = node_at(s, node);
-    Joining j = { 0, r->vm->serial, n->slot, id, node, n->born };
+    Joining j = { 0, r->vm->scan->serial, n->slot, id, node, n->born };
     Waiting *w = g_hash_table_lookup(s->waiting, GUINT_TO_POINTER(node));
     guint32 index;
 
@@ -264,7 +264,7 @@ moves_forget_joins(PfScanner *s, const PfVm *vm)
         return;
     }
     for (guint i = s->joins->len; i-- > 0;) {
-        if (g_array_index(s->joins, Joining, i).vm == vm->serial) {
+        if (g_array_index(s->joins, Joining, i).vm == vm->scan->serial) {
             waiting_done(s, &g_array_index(s->joins, Joining, i));
             g_array_remove_index_fast(s->joins, i);
         }
@@ -276,7 +276,7 @@ moves_forget_joins(PfScanner *s, const PfVm *vm)
         for (guint i = s->joining_at; i < s->joining->len; i++) {
             const Joining *j = &g_array_index(s->joining, Joining, i);
 
-            if (j->vm != vm->serial) {
+            if (j->vm != vm->scan->serial) {
                 g_array_index(s->joining, Joining, to++) = *j;
             } else {
                 waiting_done(s, j);
@@ -449,7 +449,7 @@ moves_make_vm_joins(PfScanner *s, const PfVm *vm)
     for (guint i = 0; i < s->joins->len; i++) {
         const Joining *j = &g_array_index(s->joins, Joining, i);
 
-        if (j->vm == vm->serial) {
+        if (j->vm == vm->scan->serial) {
             g_array_append_val(mine, *j);
         } else {
             g_array_index(s->joins, Joining, to++) = *j;
@@ -551,10 +551,10 @@ drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
             PfDropped d = { chunk->ino, pf_outbox_sent_seq(vm->outbox), g_get_monotonic_time() };
 
             scan_emit_chunk(s, vm, chunk, TRUE);
-            if (vm->dropped == NULL) {
-                vm->dropped = g_array_new(FALSE, FALSE, sizeof(PfDropped));
+            if (vm->scan->dropped == NULL) {
+                vm->scan->dropped = g_array_new(FALSE, FALSE, sizeof(PfDropped));
             }
-            g_array_append_val(vm->dropped, d);
+            g_array_append_val(vm->scan->dropped, d);
         }
     }
 }

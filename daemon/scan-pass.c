@@ -44,6 +44,14 @@ pf_scanner_agent_silent(PfVm *vm)
     return vm->kind == PF_VM_AGENT && pf_outbox_waiting_usec(vm->outbox) > STUCK_USEC;
 }
 
+gsize
+pf_scanner_vm_merged(const PfVm *vm)
+{
+    const gsize *count = vm->scan->count;
+
+    return count[PF_PAGE_SHARED] + count[PF_PAGE_ZERO] + count[PF_PAGE_PENDING];
+}
+
 gboolean
 pf_scanner_joining(PfScanner *s)
 {
@@ -56,7 +64,7 @@ pf_scanner_looking(PfScanner *s)
     for (guint i = 0; i < s->vms->len; i++) {
         const PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (vm->looking != NULL || vm->reading != NULL) {
+        if (vm->scan->looking != NULL || vm->scan->reading != NULL) {
             return TRUE;
         }
     }
@@ -126,10 +134,10 @@ next_vm(PfScanner *s)
 static void
 leave_vm(PfScanner *s, PfVm *vm, gboolean later)
 {
-    vm->resume = TRUE;
-    vm->resume_region = s->cur_region;
-    vm->resume_page = s->cur_page;
-    vm->deferred = later;
+    vm->scan->resume = TRUE;
+    vm->scan->resume_region = s->cur_region;
+    vm->scan->resume_page = s->cur_page;
+    vm->scan->deferred = later;
     next_vm(s);
 }
 
@@ -139,8 +147,8 @@ leave_vm(PfScanner *s, PfVm *vm, gboolean later)
 static gboolean
 window_pending(PfScanner *s, PfVm *vm)
 {
-    return vm->window_wait != 0 &&
-           (vm->reading != NULL ||
+    return vm->scan->window_wait != 0 &&
+           (vm->scan->reading != NULL ||
             g_hash_table_contains(s->reading_pids, GINT_TO_POINTER(vm->pid)));
 }
 
@@ -169,26 +177,26 @@ to_deferred(PfScanner *s)
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (!vm->deferred) {
+        if (!vm->scan->deferred) {
             continue;
         }
-        if ((!vm->entered && vm->look == NULL && now - vm->look_usec > LOOK_USEC) ||
-            (vm->window_wait != 0 && now - vm->window_wait > LOOK_USEC)) {
+        if ((!vm->scan->entered && vm->scan->look == NULL && now - vm->scan->look_usec > LOOK_USEC) ||
+            (vm->scan->window_wait != 0 && now - vm->scan->window_wait > LOOK_USEC)) {
             g_debug("VM %s: its process's mappings or its memfd took over %d s to read: "
                     "passed over", vm->name, (int)(LOOK_USEC / G_USEC_PER_SEC));
-            vm->deferred = FALSE;
-            vm->window_wait = 0;
+            vm->scan->deferred = FALSE;
+            vm->scan->window_wait = 0;
             scan_emit_passed_over(s, vm);
             continue;
         }
         /* vm_room() takes it now, or passes it over. */
-        if ((vm->entered || vm->look != NULL) && !window_pending(s, vm) &&
-            (outbox_visits(vm) > 0 || vm->unmerging || pf_scanner_agent_silent(vm))) {
+        if ((vm->scan->entered || vm->scan->look != NULL) && !window_pending(s, vm) &&
+            (outbox_visits(vm) > 0 || vm->scan->unmerging || pf_scanner_agent_silent(vm))) {
             if (s->wait_since != 0) {
                 s->deferred_wait += now - s->wait_since;
                 s->wait_since = 0;
             }
-            vm->deferred = FALSE;
+            vm->scan->deferred = FALSE;
             s->revisiting = TRUE;
             cursor_to_vm(s, i);
             return TRUE;
@@ -208,7 +216,7 @@ to_deferred(PfScanner *s)
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        if (vm->deferred) {
+        if (vm->scan->deferred) {
             g_debug("VM %s: its agent answers slowly: the pass ends without the rest of it",
                     vm->name);
         }
@@ -231,7 +239,7 @@ begin_pass(PfScanner *s)
          * its node unchanged (the node's first page changed), which is
          * rare, while counting every advise-mode sharer would cost a slot
          * each, more than its record. */
-        candidates += vm->count[PF_PAGE_VOLATILE] + vm->count[PF_PAGE_UNSHARED];
+        candidates += vm->scan->count[PF_PAGE_VOLATILE] + vm->scan->count[PF_PAGE_UNSHARED];
     }
     if (s->vms->len == 0) {
         return FALSE;
@@ -252,12 +260,12 @@ begin_pass(PfScanner *s)
         /* A look the last pass ended without is taken as it is: its count
          * of mappings is made up by what was asked since
          * (vmas_since_look). */
-        vm->entered = FALSE;
+        vm->scan->entered = FALSE;
         if (reads_look_due(s, vm, now)) {
             reads_look_start(s, vm);
         }
         if (s->whole_passes) {
-            vm->resume = FALSE; /* root asked for whole passes */
+            vm->scan->resume = FALSE; /* root asked for whole passes */
         }
     }
     s->in_pass = TRUE;
@@ -270,9 +278,9 @@ begin_pass(PfScanner *s)
     for (guint i = 0; i < s->vms->len; i++) {
         PfVm *vm = g_ptr_array_index(s->vms, i);
 
-        vm->window_wait = 0;
-        reads_window(s, vm, vm->resume ? vm->resume_region : 0,
-                     vm->resume ? vm->resume_page : 0);
+        vm->scan->window_wait = 0;
+        reads_window(s, vm, vm->scan->resume ? vm->scan->resume_region : 0,
+                     vm->scan->resume ? vm->scan->resume_page : 0);
     }
     cursor_to_vm(s, 0);
     return TRUE;
@@ -301,20 +309,20 @@ enter_vm(PfScanner *s, PfVm *vm)
     gboolean ok;
 
     /* A VM that came during the pass is due: its budget is unknown. */
-    if (vm->look == NULL && vm->looking == NULL &&
+    if (vm->scan->look == NULL && vm->scan->looking == NULL &&
         !reads_look_due(s, vm, g_get_monotonic_time())) {
         if (pf_vm_exited(vm)) {
             pf_scanner_detach(s, vm, "its process has exited");
             return ENTER_GONE;
         }
-        vm->entered = TRUE;
+        vm->scan->entered = TRUE;
         return ENTER_DONE;
     }
-    if (vm->look == NULL) {
+    if (vm->scan->look == NULL) {
         reads_look_start(s, vm);
         return ENTER_LATER;
     }
-    look = g_steal_pointer(&vm->look);
+    look = g_steal_pointer(&vm->scan->look);
     ok = pf_vm_refresh(vm, look, gone, added, &error) && reads_check_dropped(s, vm, look, &error);
     /* Regions it no longer maps leave the page space before they are
      * freed, whether or not the VM stays. */
@@ -328,7 +336,7 @@ enter_vm(PfScanner *s, PfVm *vm)
     if (gone->len > 0) {
         cursor_to_vm(s, s->cur_vm); /* where it was left may be another region now */
     }
-    vm->entered = TRUE;
+    vm->scan->entered = TRUE;
     for (guint k = 0; k < added->len; k++) {
         PfRegion *r = g_ptr_array_index(added, k);
 
@@ -338,10 +346,10 @@ enter_vm(PfScanner *s, PfVm *vm)
         }
     }
     if (pf_vm_merges(vm)) {
-        vm->vmas = pf_vm_look_vmas(look) + vm->vmas_since_look;
-        vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
+        vm->scan->vmas = pf_vm_look_vmas(look) + vm->scan->vmas_since_look;
+        vm->scan->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
     }
-    vm->counted = TRUE;
+    vm->scan->counted = TRUE;
     return ENTER_DONE;
 }
 
@@ -349,7 +357,7 @@ static void
 end_pass(PfScanner *s)
 {
     for (guint i = 0; i < s->vms->len; i++) {
-        ((PfVm *)g_ptr_array_index(s->vms, i))->deferred = FALSE;
+        ((PfVm *)g_ptr_array_index(s->vms, i))->scan->deferred = FALSE;
     }
     moves_make_joins(s);
     s->in_pass = FALSE;
@@ -369,7 +377,7 @@ vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
 {
     gsize room;
 
-    *skip = vm->unmerging;
+    *skip = vm->scan->unmerging;
     if (*skip) {
         return G_MAXSIZE;
     }
@@ -393,7 +401,7 @@ scan_step(PfScanner *s, PfVm *vm, gsize max, gboolean *moved)
 
     *moved = TRUE;
     if (s->cur_region >= vm->regions->len) {
-        vm->full_scans++;
+        vm->scan->full_scans++;
         moves_make_vm_joins(s, vm);
         next_vm(s);
         return 0;
@@ -472,7 +480,7 @@ pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
             break;
         }
         vm = g_ptr_array_index(s->vms, s->cur_vm);
-        if (!vm->entered) {
+        if (!vm->scan->entered) {
             Enter e = enter_vm(s, vm);
 
             if (e == ENTER_LATER) {

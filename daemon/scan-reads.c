@@ -86,13 +86,13 @@ window_read(GObject *source, GAsyncResult *res, gpointer user)
         pf_extents_free(x);
         return;
     }
-    g_clear_object(&vm->reading);
-    vm->read_failed = x == NULL;
-    if (vm->extents == NULL) {
-        vm->extents = x;
+    g_clear_object(&vm->scan->reading);
+    vm->scan->read_failed = x == NULL;
+    if (vm->scan->extents == NULL) {
+        vm->scan->extents = x;
     } else {
-        pf_extents_free(vm->extents_next);
-        vm->extents_next = x;
+        pf_extents_free(vm->scan->extents_next);
+        vm->scan->extents_next = x;
     }
 }
 
@@ -111,8 +111,8 @@ reads_window(PfScanner *s, PfVm *vm, guint k, gsize page)
             break;
         }
     }
-    if (k >= vm->regions->len || vm->reading != NULL ||
-        (call = thread_call_new(vm, s->reading_pids, &vm->reading)) == NULL) {
+    if (k >= vm->regions->len || vm->scan->reading != NULL ||
+        (call = thread_call_new(vm, s->reading_pids, &vm->scan->reading)) == NULL) {
         return;
     }
     pf_extents_read_async(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow, page, call->cancel,
@@ -153,14 +153,14 @@ static PfExtents *
 window_at(PfScanner *s, PfVm *vm, PfRegion *r, gsize at)
 {
     for (int k = 0; k < 2; k++) {
-        PfExtents *x = k == 0 ? vm->extents : vm->extents_next;
+        PfExtents *x = k == 0 ? vm->scan->extents : vm->scan->extents_next;
 
         if (window_of_pass(s, x) && x->region == r && x->from <= at && at < x->to) {
             if (k == 1) {
-                pf_extents_free(vm->extents);
-                vm->extents = g_steal_pointer(&vm->extents_next);
+                pf_extents_free(vm->scan->extents);
+                vm->scan->extents = g_steal_pointer(&vm->scan->extents_next);
             }
-            return vm->extents;
+            return vm->scan->extents;
         }
     }
     return NULL;
@@ -217,22 +217,22 @@ reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize at, gsize budget, gsi
     gsize first, stop;
     guint i;
 
-    if (x == NULL && vm->read_failed) {
-        vm->read_failed = FALSE;
-        pf_extents_free(vm->extents);
-        vm->extents = x = pf_extents_read(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow,
+    if (x == NULL && vm->scan->read_failed) {
+        vm->scan->read_failed = FALSE;
+        pf_extents_free(vm->scan->extents);
+        vm->scan->extents = x = pf_extents_read(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow,
                                           at);
     }
     *present = 0;
     if (x == NULL) {
         reads_window(s, vm, r->index, at);
-        if (vm->window_wait == 0) {
-            vm->window_wait = g_get_monotonic_time();
+        if (vm->scan->window_wait == 0) {
+            vm->scan->window_wait = g_get_monotonic_time();
         }
         return FALSE;
     }
-    vm->window_wait = 0;
-    if (!window_of_pass(s, vm->extents_next)) {
+    vm->scan->window_wait = 0;
+    if (!window_of_pass(s, vm->scan->extents_next)) {
         reads_window(s, vm, r->index, x->to); /* ahead */
     }
     i = first_at_least(x->data->data, x->data->len, sizeof(PfExtent),
@@ -271,22 +271,22 @@ reads_check_dropped(PfScanner *s, PfVm *vm, const PfVmLook *look, GError **error
     GHashTable *held = pf_vm_look_held_pool(look);
     guint kept = 0;
 
-    if (vm->dropped == NULL || vm->kind == PF_VM_BY_PID) {
+    if (vm->scan->dropped == NULL || vm->kind == PF_VM_BY_PID) {
         return TRUE;
     }
-    for (guint i = 0; i < vm->dropped->len;) {
-        const PfDropped *d = &g_array_index(vm->dropped, PfDropped, i);
+    for (guint i = 0; i < vm->scan->dropped->len;) {
+        const PfDropped *d = &g_array_index(vm->scan->dropped, PfDropped, i);
 
-        if (d->usec >= vm->look_usec) {
+        if (d->usec >= vm->scan->look_usec) {
             i++; /* dropped after the look began: for the next one */
             continue;
         }
         if (!g_hash_table_contains(held, &d->ino)) {
-            g_array_remove_index_fast(vm->dropped, i);
+            g_array_remove_index_fast(vm->scan->dropped, i);
             continue;
         }
-        kept += pf_outbox_seq_after(vm->look_answered, d->seq) ||
-                vm->look_usec - d->usec > DROP_GRACE_USEC;
+        kept += pf_outbox_seq_after(vm->scan->look_answered, d->seq) ||
+                vm->scan->look_usec - d->usec > DROP_GRACE_USEC;
         i++;
     }
     if (kept > 0) {
@@ -307,8 +307,8 @@ look_done(GObject *source, GAsyncResult *res, gpointer user)
         pf_vm_look_free(look);
         return;
     }
-    vm->look = look;
-    g_clear_object(&vm->looking);
+    vm->scan->look = look;
+    g_clear_object(&vm->scan->looking);
 }
 
 /* Starts the VM's look, unless one is under way or done, or a look at its
@@ -318,16 +318,16 @@ reads_look_start(PfScanner *s, PfVm *vm)
 {
     ThreadCall *call;
 
-    if (vm->looking != NULL || vm->look != NULL ||
-        (call = thread_call_new(vm, s->looking_pids, &vm->looking)) == NULL) {
+    if (vm->scan->looking != NULL || vm->scan->look != NULL ||
+        (call = thread_call_new(vm, s->looking_pids, &vm->scan->looking)) == NULL) {
         return;
     }
-    vm->look_usec = g_get_monotonic_time();
-    vm->vmas_since_look = 0;
-    vm->look_answered = vm->kind == PF_VM_AGENT ? pf_outbox_answered_seq(vm->outbox) : 0;
+    vm->scan->look_usec = g_get_monotonic_time();
+    vm->scan->vmas_since_look = 0;
+    vm->scan->look_answered = vm->kind == PF_VM_AGENT ? pf_outbox_answered_seq(vm->outbox) : 0;
     pf_vm_look_async(vm,
                      (vm->kind == PF_VM_BY_PID ? PF_VM_LOOK_RANGES : 0) |
-                         (vm->dropped != NULL && vm->dropped->len > 0 ? PF_VM_LOOK_HELD : 0),
+                         (vm->scan->dropped != NULL && vm->scan->dropped->len > 0 ? PF_VM_LOOK_HELD : 0),
                      call->cancel, look_done, call);
 }
 
@@ -347,8 +347,32 @@ gboolean
 reads_look_due(const PfScanner *s, const PfVm *vm, gint64 now)
 {
     return s->whole_passes || vm->kind == PF_VM_BY_PID ||
-           (vm->dropped != NULL && vm->dropped->len > 0) || vm->vma_budget == 0 ||
-           vm->vmas >= vm->vma_budget || vm->vmas_since_look >= vm->vma_budget / 8 ||
-           now - vm->look_usec >= LOOK_PERIOD_USEC;
+           (vm->scan->dropped != NULL && vm->scan->dropped->len > 0) || vm->scan->vma_budget == 0 ||
+           vm->scan->vmas >= vm->scan->vma_budget || vm->scan->vmas_since_look >= vm->scan->vma_budget / 8 ||
+           now - vm->scan->look_usec >= LOOK_PERIOD_USEC;
 }
 
+
+void
+reads_forget_windows(PfVm *vm)
+{
+    if (vm->scan->reading != NULL) {
+        /* Its callback sees it cancelled, and touches nothing of the VM. */
+        g_cancellable_cancel(vm->scan->reading);
+        g_clear_object(&vm->scan->reading);
+    }
+    g_clear_pointer(&vm->scan->extents, pf_extents_free);
+    g_clear_pointer(&vm->scan->extents_next, pf_extents_free);
+}
+
+void
+reads_forget(PfVm *vm)
+{
+    if (vm->scan->looking != NULL) {
+        /* Its callback sees it cancelled, and touches nothing of the VM. */
+        g_cancellable_cancel(vm->scan->looking);
+        g_clear_object(&vm->scan->looking);
+    }
+    g_clear_pointer(&vm->scan->look, pf_vm_look_free);
+    reads_forget_windows(vm);
+}

@@ -15,8 +15,8 @@
 static gboolean
 continues_run(const PfVm *vm, guint32 id, PfItemKind kind, guint32 slot)
 {
-    return id == vm->run_next_page && kind == vm->run_kind &&
-           (kind == PF_ITEM_ZERO || slot == vm->run_next_slot);
+    return id == vm->scan->run_next_page && kind == vm->scan->run_kind &&
+           (kind == PF_ITEM_ZERO || slot == vm->scan->run_next_slot);
 }
 
 void
@@ -41,12 +41,12 @@ request_page(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, PfItemKind kind, 
      * three at worst: count that until the next pass counts for real, so
      * a pass cannot overshoot the budget. */
     if (kind != PF_ITEM_UNMERGE && !continues_run(vm, id, kind, slot)) {
-        vm->vmas += 2;
-        vm->vmas_since_look += 2;
+        vm->scan->vmas += 2;
+        vm->scan->vmas_since_look += 2;
     }
-    vm->run_next_page = id + 1;
-    vm->run_next_slot = slot + 1;
-    vm->run_kind = (guint8)kind;
+    vm->scan->run_next_page = id + 1;
+    vm->scan->run_next_slot = slot + 1;
+    vm->scan->run_kind = (guint8)kind;
     pf_outbox_push(vm->outbox, &item, &pd);
 }
 

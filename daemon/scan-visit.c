@@ -167,9 +167,9 @@ visit_zero(PfScanner *s, PfRegion *r, PfPage *p, guint32 id)
     if (can_merge(r->vm)) {
         g_autoptr(GError) error = NULL;
         PfVm *vm = r->vm;
-        gboolean run = vm->run_kind == PF_ITEM_ZERO && id == vm->run_next_page;
+        gboolean run = vm->scan->run_kind == PF_ITEM_ZERO && id == vm->scan->run_next_page;
         guint32 zslot = pf_pool_zero_slot(pf_scanner_get_pool(s),
-                                          run ? vm->run_next_slot - 1 : PF_POOL_SLOT_NONE,
+                                          run ? vm->scan->run_next_slot - 1 : PF_POOL_SLOT_NONE,
                                           &error);
 
         if (zslot != PF_POOL_SLOT_NONE) {
@@ -219,7 +219,7 @@ stable_search(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *da
         }
         /* Listed are the nodes with room: about one a content and set of
          * VMs, so looking on past an unreadable one costs little. */
-        readable = !merging || pf_pool_readable(s->pool, n->slot, r->vm->serial);
+        readable = !merging || pf_pool_readable(s->pool, n->slot, r->vm->scan->serial);
         if ((!readable && (unreadable != 0 || !moves_room_to_wait(s, other))) ||
             !node_equal(s, data, n)) {
             continue;
@@ -268,7 +268,7 @@ pair_slot(PfScanner *s, PfRegion *r, const guint8 *data, guint32 other, gboolean
 {
     g_autoptr(GError) error = NULL;
     PfVm *ovm = region_of(s, other)->vm;
-    guint32 vms[2] = { MIN(r->vm->serial, ovm->serial), MAX(r->vm->serial, ovm->serial) };
+    guint32 vms[2] = { MIN(r->vm->scan->serial, ovm->scan->serial), MAX(r->vm->scan->serial, ovm->scan->serial) };
     guint32 slot = ledger_new_slot(s, vms, vms[0] == vms[1] ? 1 : 2, data, &error);
 
     if (slot == PF_POOL_SLOT_NONE) {
@@ -365,7 +365,7 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
          * in this pass. */
         p->age = 0;
         p->hinted = 1;
-        r->vm->pages_hinted++;
+        r->vm->scan->pages_hinted++;
     } else if (p->hinted) {
         p->hinted = 0;
         if (p->seen == (s->full_scans & 31)) {
@@ -373,11 +373,11 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
         }
     } else if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED &&
                p->state != PF_PAGE_ZERO && smart_skip(p, s->full_scans)) {
-        r->vm->pages_skipped++;
+        r->vm->scan->pages_skipped++;
         return;
     }
     p->seen = s->full_scans & 31;
-    r->vm->pages_scanned++;
+    r->vm->scan->pages_scanned++;
     if (advise_still_shares(s, r, p, id, data, &c)) {
         return;
     }

@@ -21,7 +21,7 @@ vms_place_region(PfScanner *s, PfRegion *r)
     if (!pf_page_space_place(&s->space, r)) {
         return FALSE;
     }
-    r->vm->count[PF_PAGE_ABSENT] += r->n_pages;
+    r->vm->scan->count[PF_PAGE_ABSENT] += r->n_pages;
     return TRUE;
 }
 
@@ -36,8 +36,8 @@ vms_release_region(PfScanner *s, PfRegion *r, GArray *keep)
             ledger_forget_page(s, r, i, keep);
         }
     }
-    r->vm->count[PF_PAGE_ABSENT] -= r->n_pages;
-    pf_vm_forget_extents(r->vm);
+    r->vm->scan->count[PF_PAGE_ABSENT] -= r->n_pages;
+    reads_forget_windows(r->vm);
     pf_table_clear(&s->unstable.table);
     moves_forget_joins(s, NULL);
     pf_page_space_remove(&s->space, r);
@@ -94,7 +94,7 @@ vm_exited_cb(gint fd, GIOCondition cond, gpointer user)
 {
     ExitWatch *w = user;
 
-    w->vm->watch_id = 0;
+    w->vm->scan->watch_id = 0;
     pf_scanner_detach(w->s, w->vm, "its process exited");
     return G_SOURCE_REMOVE;
 }
@@ -105,7 +105,9 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
     ExitWatch *w = g_new(ExitWatch, 1);
 
     *w = (ExitWatch){ s, vm };
-    vm->serial = ++s->next_serial;
+    g_return_if_fail(vm->scan == NULL);
+    vm->scan = g_new0(PfScanVm, 1);
+    vm->scan->serial = ++s->next_serial;
     for (guint k = 0; k < vm->regions->len;) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
 
@@ -122,8 +124,8 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
             pf_region_free(pf_vm_steal_region(vm, k));
         }
     }
-    vm->watch_id = g_unix_fd_add_full(G_PRIORITY_DEFAULT, vm->pidfd, G_IO_IN, vm_exited_cb, w,
-                                      g_free);
+    vm->scan->watch_id = g_unix_fd_add_full(G_PRIORITY_DEFAULT, vm->pidfd, G_IO_IN,
+                                            vm_exited_cb, w, g_free);
     if (pf_vm_merges(vm)) {
         const PfPoolChunk *zero = pf_pool_zero_chunk(pf_scanner_get_pool(s));
 
@@ -134,7 +136,7 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
         }
         /* Its mappings are counted as the cursor first comes to it,
          * before any request for it. */
-        vm->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
+        vm->scan->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
     }
     g_ptr_array_add(s->vms, vm);
 }
@@ -142,12 +144,12 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
 void
 pf_scanner_replace_vm(PfScanner *s, PfVm *old, PfVm *vm)
 {
-    gboolean unlabelled = old->unlabelled;
-    guint32 domain = old->domain;
+    gboolean unlabelled = old->scan->unlabelled;
+    guint32 domain = old->scan->domain;
 
     pf_scanner_remove_vm(s, old);
     pf_scanner_add_vm(s, vm);
-    vm->domain = domain;
+    vm->scan->domain = domain;
     if (unlabelled) {
         pf_scanner_set_unlabelled(s, vm);
     }
@@ -207,11 +209,28 @@ vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep)
  * where its live process may still map a slot, kept until it exits; and it
  * is freed.
  */
+void
+vms_free_vm(PfVm *vm)
+{
+    PfScanVm *sv = vm->scan;
+
+    if (sv != NULL) {
+        if (sv->watch_id != 0) {
+            g_source_remove(sv->watch_id);
+        }
+        reads_forget(vm);
+        g_clear_pointer(&sv->dropped, g_array_unref);
+        g_clear_pointer(&sv->hints, g_array_unref);
+        g_clear_pointer(&vm->scan, g_free);
+    }
+    pf_vm_free(vm);
+}
+
 static void
 vm_leave(PfScanner *s, PfVm *vm, const char *why)
 {
     g_autoptr(GArray) keep = NULL;
-    g_autoptr(PfVm) gone = NULL;
+    PfVm *gone;
     guint idx;
 
     if (!g_ptr_array_find(s->vms, vm, &idx)) {
@@ -234,10 +253,11 @@ vm_leave(PfScanner *s, PfVm *vm, const char *why)
     }
     /* Its pages left their nodes with its regions, and their parts with
      * them (tree.h): one left over would skew the others' pages_shared. */
-    g_warn_if_fail(vm->share == 0);
+    g_warn_if_fail(vm->scan->share == 0);
     if (keep != NULL && keep->len > 0) {
         vms_keep_leftovers(s, vm, keep);
     }
+    vms_free_vm(gone);
 }
 
 void
@@ -250,11 +270,11 @@ void
 pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
 {
     char uuid[37];
-    g_autofree char *gone = vm->gone_shared + vm->gone_zero == 0
+    g_autofree char *gone = vm->scan->gone_shared + vm->scan->gone_zero == 0
                                 ? g_strdup("")
                                 : g_strdup_printf("; in its RAM that left before: merged pages "
                                                   "%zu, zero pages %zu",
-                                                  vm->gone_shared, vm->gone_zero);
+                                                  vm->scan->gone_shared, vm->scan->gone_zero);
 
     /* Its last figures, for whoever asks how much it saved (a VM that
      * stops is dropped by pagefoldd before libvirt's hook could ask): its
@@ -264,7 +284,7 @@ pf_scanner_detach(PfScanner *s, PfVm *vm, const char *why)
               "cow %" G_GUINT64_FORMAT "%s",
               vm->name, vm->pid, pf_vm_uuid_string(vm, uuid) ? ", uuid " : "",
               pf_vm_uuid_string(vm, uuid) ? uuid : "", why, pf_vm_mode_name(vm),
-              vm->count[PF_PAGE_SHARED], vm->count[PF_PAGE_ZERO], vm->cow, gone);
+              vm->scan->count[PF_PAGE_SHARED], vm->scan->count[PF_PAGE_ZERO], vm->scan->cow, gone);
     vm_leave(s, vm, why);
 }
 
@@ -291,13 +311,13 @@ pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index)
 
     g_return_if_fail(r != NULL && pf_region_live(r));
     requests_settle_region(s, r);
-    shared = vm->count[PF_PAGE_SHARED];
-    zero = vm->count[PF_PAGE_ZERO];
+    shared = vm->scan->count[PF_PAGE_SHARED];
+    zero = vm->scan->count[PF_PAGE_ZERO];
     /* Its merged pages' references go with their records: none maps its
      * slot any more. */
     vms_release_region(s, r, NULL);
-    vm->gone_shared += shared - vm->count[PF_PAGE_SHARED];
-    vm->gone_zero += zero - vm->count[PF_PAGE_ZERO];
+    vm->scan->gone_shared += shared - vm->scan->count[PF_PAGE_SHARED];
+    vm->scan->gone_zero += zero - vm->scan->count[PF_PAGE_ZERO];
     pf_region_retire(r);
     cursor_region_changed(s, vm, index, FALSE);
     g_message("VM %s (pid %d): region %u (%s) left the VM", vm->name, vm->pid, index, r->name);
@@ -308,17 +328,17 @@ pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index)
 const char *
 pf_scanner_merge_domain(PfScanner *s, const PfVm *vm)
 {
-    if (vm->unlabelled) {
+    if (vm->scan->unlabelled) {
         return "unlabelled";
     }
-    return vm->domain == 0 ? "default" : g_ptr_array_index(s->domains, vm->domain - 1);
+    return vm->scan->domain == 0 ? "default" : g_ptr_array_index(s->domains, vm->scan->domain - 1);
 }
 
 void
 pf_scanner_set_unlabelled(PfScanner *s, PfVm *vm)
 {
-    if (!vm->unlabelled) {
-        vm->unlabelled = TRUE;
+    if (!vm->scan->unlabelled) {
+        vm->scan->unlabelled = TRUE;
         scan_emit_domain(s, vm);
     }
 }
@@ -361,17 +381,17 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
         }
         id++;
     }
-    if (!vm->unlabelled && id == vm->domain) {
+    if (!vm->scan->unlabelled && id == vm->scan->domain) {
         return TRUE;
     }
     /* A page it shares now would stay shared across the new boundary;
      * zero pages are every VM's, in any domain.  Unlabelled, it shares
      * pages only with itself: they may stay so. */
-    if (!vm->unlabelled && (vm->count[PF_PAGE_SHARED] > 0 || vm->count[PF_PAGE_PENDING] > 0)) {
+    if (!vm->scan->unlabelled && (vm->scan->count[PF_PAGE_SHARED] > 0 || vm->scan->count[PF_PAGE_PENDING] > 0)) {
         g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
                     "VM %s (pid %d) shares %zu page(s) in merge domain '%s' already: unmerge it "
                     "first (pagefoldctl unmerge %d)",
-                    vm->name, vm->pid, vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_PENDING],
+                    vm->name, vm->pid, vm->scan->count[PF_PAGE_SHARED] + vm->scan->count[PF_PAGE_PENDING],
                     pf_scanner_merge_domain(s, vm), vm->pid);
         return FALSE;
     }
@@ -382,8 +402,8 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
     g_message("VM %s (pid %d): merge domain '%s' (was '%s')", vm->name, vm->pid,
               id == 0 ? "default" : (const char *)g_ptr_array_index(s->domains, id - 1),
               pf_scanner_merge_domain(s, vm));
-    vm->unlabelled = FALSE;
-    vm->domain = id;
+    vm->scan->unlabelled = FALSE;
+    vm->scan->domain = id;
     scan_emit_domain(s, vm);
     return TRUE;
 }

@@ -66,7 +66,7 @@ pf_scanner_find_vm(PfScanner *s, const char *key)
 void
 pf_scanner_begin_unmerge(PfScanner *s, PfVm *vm)
 {
-    vm->unmerging++;
+    vm->scan->unmerging++;
     moves_forget_joins(s, NULL);
     hints_forget(vm);
 }
@@ -74,8 +74,8 @@ pf_scanner_begin_unmerge(PfScanner *s, PfVm *vm)
 void
 pf_scanner_end_unmerge(PfScanner *s, PfVm *vm)
 {
-    g_return_if_fail(vm->unmerging > 0);
-    vm->unmerging--;
+    g_return_if_fail(vm->scan->unmerging > 0);
+    vm->scan->unmerging--;
 }
 
 /* ---- pacing ---- */
@@ -95,7 +95,7 @@ thread_cpu_usec(void)
 static guint64
 present_pages(const PfVm *vm)
 {
-    guint64 n = pf_vm_merges(vm) ? vm->count[PF_PAGE_SHARED] + vm->count[PF_PAGE_ZERO] : 0;
+    guint64 n = pf_vm_merges(vm) ? vm->scan->count[PF_PAGE_SHARED] + vm->scan->count[PF_PAGE_ZERO] : 0;
 
     for (guint k = 0; k < vm->regions->len; k++) {
         const PfRegion *r = g_ptr_array_index(vm->regions, k);
@@ -236,7 +236,7 @@ share_untracked(PfScanner *s, double *share)
         const PfStableNode *n = pf_stable_tree_node(&s->stable, GPOINTER_TO_UINT(key));
 
         for (guint32 m = 0; m < n->n_members; m++) {
-            share[region_of(s, n->members[m])->vm->stats_index] +=
+            share[region_of(s, n->members[m])->vm->scan->stats_index] +=
                 (double)PF_SHARE_ONE / n->n_members;
         }
     }
@@ -248,21 +248,21 @@ vm_counters(const PfVm *vm, guint64 shared, guint64 meta, PfCounters *c)
 {
     memset(c, 0, sizeof(*c));
     /* Never more than its sharers, however the parts were rounded. */
-    c->pages_shared = MIN(shared, vm->count[PF_PAGE_SHARED]);
-    c->pages_sharing = vm->count[PF_PAGE_SHARED] - c->pages_shared;
-    c->pages_unshared = vm->count[PF_PAGE_UNSHARED];
-    c->pages_volatile = vm->count[PF_PAGE_VOLATILE];
-    c->zero_pages = vm->count[PF_PAGE_ZERO];
-    c->pages_pending = vm->count[PF_PAGE_PENDING];
-    c->cow = vm->cow;
-    c->vmas = vm->vmas;
-    c->pages_skipped = vm->pages_skipped;
-    c->pages_scanned = vm->pages_scanned;
-    c->pages_hinted = vm->pages_hinted;
-    c->hints_dropped = vm->hints_dropped;
-    c->full_scans = vm->full_scans;
-    c->pages_tracked = pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT];
-    c->metadata_bytes = meta + (vm->hints != NULL ? vm->hints->len * sizeof(PfHint) : 0);
+    c->pages_shared = MIN(shared, vm->scan->count[PF_PAGE_SHARED]);
+    c->pages_sharing = vm->scan->count[PF_PAGE_SHARED] - c->pages_shared;
+    c->pages_unshared = vm->scan->count[PF_PAGE_UNSHARED];
+    c->pages_volatile = vm->scan->count[PF_PAGE_VOLATILE];
+    c->zero_pages = vm->scan->count[PF_PAGE_ZERO];
+    c->pages_pending = vm->scan->count[PF_PAGE_PENDING];
+    c->cow = vm->scan->cow;
+    c->vmas = vm->scan->vmas;
+    c->pages_skipped = vm->scan->pages_skipped;
+    c->pages_scanned = vm->scan->pages_scanned;
+    c->pages_hinted = vm->scan->pages_hinted;
+    c->hints_dropped = vm->scan->hints_dropped;
+    c->full_scans = vm->scan->full_scans;
+    c->pages_tracked = pf_vm_n_pages(vm) - vm->scan->count[PF_PAGE_ABSENT];
+    c->metadata_bytes = meta + (vm->scan->hints != NULL ? vm->scan->hints->len * sizeof(PfHint) : 0);
     for (guint k = 0; k < vm->regions->len; k++) {
         const PfRegion *r = g_ptr_array_index(vm->regions, k);
 
@@ -290,9 +290,9 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
         /* Each canonical page counts 1/n to the VM of each of its n
          * sharers (a node whose pages are all still on their way in
          * shares nothing); the trees hold the pages that are present. */
-        share[i] = (double)vm->share;
-        vm->stats_index = i;
-        size_share[i] = (double)(pf_vm_n_pages(vm) - vm->count[PF_PAGE_ABSENT]);
+        share[i] = (double)vm->scan->share;
+        vm->scan->stats_index = i;
+        size_share[i] = (double)(pf_vm_n_pages(vm) - vm->scan->count[PF_PAGE_ABSENT]);
     }
     share_untracked(s, share);
     pf_apportion(s->stable.n_in_use, share, n_vms, shared);
@@ -336,7 +336,7 @@ page_share(guint32 id, gint64 delta, gpointer user)
 {
     PfScanner *s = user;
 
-    region_of(s, id)->vm->share += (guint64)delta;
+    region_of(s, id)->vm->scan->share += (guint64)delta;
 }
 
 static guint64
@@ -360,7 +360,7 @@ pf_scanner_new(const PfHashAlgo *hash)
     s->listed_sharing = s->knobs.max_page_sharing;
     s->adopt_max_sharers = ADOPT_MAX_SHARERS;
     s->algo = hash ? hash : pf_hash_default();
-    s->vms = g_ptr_array_new_with_free_func((GDestroyNotify)pf_vm_free);
+    s->vms = g_ptr_array_new_with_free_func((GDestroyNotify)vms_free_vm);
     pf_page_space_init(&s->space);
     s->leftovers = g_ptr_array_new_with_free_func(vms_leftover_free);
     s->listeners = g_array_new(FALSE, FALSE, sizeof(Listener));

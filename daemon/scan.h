@@ -154,6 +154,9 @@ gboolean pf_scanner_in_pass(PfScanner *s);
 /* Whether the VM's agent has had requests to answer and answered none of
  * them for a while (half a second): passed over, not waited for. */
 gboolean pf_scanner_agent_silent(PfVm *vm);
+/* The VM's pages merged, or with a request in flight (to merge or to
+ * unmerge them). */
+gsize pf_scanner_vm_merged(const PfVm *vm);
 
 /* Scans in the background on the default main context, paced by knobs. */
 void pf_scanner_start(PfScanner *s);

@@ -585,9 +585,8 @@ pf_vm_free(PfVm *vm)
     if (vm == NULL) {
         return;
     }
-    if (vm->watch_id != 0) {
-        g_source_remove(vm->watch_id);
-    }
+    /* The scanner's record of it went first (scan-vms.c). */
+    g_warn_if_fail(vm->scan == NULL);
     g_clear_pointer(&vm->regions, g_ptr_array_unref);
     if (vm->pidfd >= 0) {
         close(vm->pidfd);
@@ -595,31 +594,10 @@ pf_vm_free(PfVm *vm)
     if (vm->pagemap_fd >= 0) {
         close(vm->pagemap_fd);
     }
-    g_clear_pointer(&vm->dropped, g_array_unref);
-    g_clear_pointer(&vm->hints, g_array_unref);
-    if (vm->looking != NULL) {
-        /* Its callback sees it cancelled, and touches nothing of the VM. */
-        g_cancellable_cancel(vm->looking);
-        g_clear_object(&vm->looking);
-    }
-    pf_vm_look_free(vm->look);
-    pf_vm_forget_extents(vm);
     pf_outbox_free(vm->outbox);
     g_free(vm->mode_reason);
     g_free(vm->name);
     g_free(vm);
-}
-
-void
-pf_vm_forget_extents(PfVm *vm)
-{
-    if (vm->reading != NULL) {
-        /* Its callback sees it cancelled, and touches nothing of the VM. */
-        g_cancellable_cancel(vm->reading);
-        g_clear_object(&vm->reading);
-    }
-    g_clear_pointer(&vm->extents, pf_extents_free);
-    g_clear_pointer(&vm->extents_next, pf_extents_free);
 }
 
 gboolean

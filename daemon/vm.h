@@ -20,6 +20,7 @@
 #include "region.h"
 
 typedef struct _PfVm PfVm;
+typedef struct _PfScanVm PfScanVm; /* scan-core.h */
 typedef struct _PfVmLook PfVmLook; /* pf_vm_look_async() */
 typedef struct _PfExtents PfExtents; /* extents.h */
 
@@ -47,10 +48,9 @@ typedef struct {
 typedef enum { PF_VM_BY_PID, PF_VM_AGENT } PfVmKind;
 
 /*
- * A VM: first what every layer reads of it (its identity, mode, regions
- * and outbox), then what only the scanner core keeps of it, grouped by
- * the file that writes it (the page-state and cursor helpers of
- * scan-core.h count as the file that calls them).
+ * A VM as every layer knows it: its identity, mode, regions and outbox.
+ * What the scanner core keeps of it is a record of the core's own
+ * (PfScanVm, scan-core.h).
  */
 struct _PfVm {
     /* vm.c, as it is made; never written after but as said. */
@@ -74,97 +74,13 @@ struct _PfVm {
     char *mode_reason;   /* why advise, when it is; an agent's escaped;
                           * both set again by scan-cow.c on a step back */
 
-    /* scan-vms.c: its place among the scanner's VMs. */
-    guint32 serial;      /* its name in the pool, never reused */
-    guint watch_id;      /* pidfd watch */
-    /* Its merge domain: it shares pages only with VMs of the same one
-     * (pf_scanner_set_merge_domain()). */
-    gboolean unlabelled; /* one of its own */
-    guint32 domain;      /* else: 0 the host's default, i the named
-                          * domain i */
-    /* pages of this VM in each PfPageState (the page-state helpers) */
-    gsize count[PF_PAGE_N_STATES];
-    /* Merged and zero pages its regions had as they left (QEMU frees
-     * guest RAM, telling its agent, as it exits): told with its last
-     * figures. */
-    gsize gone_shared;
-    gsize gone_zero;
-
-    /* scan-visit.c: its visits. */
-    guint64 pages_scanned;
-    guint64 pages_skipped;
-    guint64 pages_hinted;
-
-    /* scan-hints.c: ranges of its pages its agent says a device just
-     * wrote, visited before the cursor's: PfHint, hint_pages pages. */
-    GArray *hints;
-    guint hint_head;     /* its first range not visited yet */
-    gsize hint_pages;
-    guint64 hints_dropped;
-
-    /* scan-pass.c: the cursor's dealings with it.  It left it before its
-     * end (its outbox was full, or its agent silent): it comes back to it
-     * later in the pass if deferred, and starts at resume_region,
-     * resume_page when it next comes. */
-    guint64 full_scans;
-    gboolean resume;
-    gboolean deferred;
-    guint resume_region;
-    gsize resume_page;
-    gboolean entered;    /* looked at in this pass (enter_vm()) */
-    gboolean counted;    /* its mappings were counted once: requests may go */
-    /* Mappings of its process (invariant 5): counted at its last look
-     * (scan-pass.c), plus the most the requests since can add
-     * (scan-requests.c), or its budget after an ENOMEM (scan-answers.c). */
-    guint64 vmas;
-    guint64 vma_budget;  /* no merges once vmas reaches it (scan-pass.c,
-                          * first set by scan-vms.c) */
-
-    /* scan-reads.c: what is read of it on threads (its look is taken by
-     * scan-pass.c as the cursor enters it, its window wait reset there
-     * as a pass begins). */
-    GCancellable *looking; /* its look under way, or NULL */
-    PfVmLook *look;      /* its look, done, not yet taken */
-    guint32 look_answered; /* its outbox's last answered batch, and the time, */
-    gint64 look_usec;    /* when its look began */
-    guint64 vmas_since_look; /* mappings its requests may have added since
-                              * (scan-requests.c adds) */
-    /* Its memfds ahead of the cursor (extents.h): the window the cursor is
-     * in or comes to next, the one after, and the read under way. */
-    PfExtents *extents;
-    PfExtents *extents_next;
-    GCancellable *reading;
-    gboolean read_failed; /* the last read on a thread failed */
-    gint64 window_wait;  /* since when the cursor waits for its window, or 0 */
-
-    /* scan-requests.c: the run its last request continues. */
-    guint32 run_next_page; /* the request that would continue the last run */
-    guint32 run_next_slot;
-    guint8 run_kind;
-
-    /* scan-cow.c and scan-answers.c: merged pages written since
-     * (copy-on-write). */
-    guint64 cow;
-
-    /* scan-moves.c: chunks it was told to let go of (PfDropped), until
-     * its look (scan-reads.c) sees it did. */
-    GArray *dropped;
-
-    /* scan.c: counting and unmerging. */
-    guint64 share;       /* its pages' parts of the stable nodes they
-                          * share (PF_SHARE_ONE a node, tree.h): its part
-                          * of pages_shared, nodes too big to track aside */
-    guint stats_index;   /* scratch for the scanner's attribution */
-    guint unmerging;     /* unmerges of it running: no merges meanwhile */
+    /* The scanner core's record of it (scan-core.h), from
+     * pf_scanner_add_vm() until it goes: NULL before, and opaque to every
+     * other layer. */
+    PfScanVm *scan;
 };
 
 
-/* The merge domain's key, as stable nodes keep it (PF_DOMAIN_UNLABELLED). */
-static inline guint32
-pf_vm_domain_key(const PfVm *vm)
-{
-    return vm->unlabelled ? PF_DOMAIN_UNLABELLED | vm->serial : vm->domain;
-}
 
 PfVm *pf_vm_attach(int pid, const char *name, GError **error);
 /* A VM announced by its agent: regions as the agent described them (each
@@ -232,9 +148,6 @@ void pf_vm_free(PfVm *vm);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfVm, pf_vm_free)
 
 gboolean pf_vm_exited(const PfVm *vm);
-/* Its windows of memfd read ahead, and any read under way, go: a region
- * of it went, or it did. */
-void pf_vm_forget_extents(PfVm *vm);
 gsize pf_vm_n_pages(const PfVm *vm);
 
 /*

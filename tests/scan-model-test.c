@@ -417,7 +417,7 @@ agent_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop, gpo
         return;
     }
     for (guint i = 0; i < chunk->n_vms; i++) {
-        for_it |= chunk->vms[i] == vm->serial;
+        for_it |= chunk->vms[i] == vm->scan->serial;
     }
     g_assert_true(for_it);
     g_assert_false(g_hash_table_contains(l->held, GUINT_TO_POINTER(chunk->id)));
@@ -503,7 +503,7 @@ account_requests(PfScanner *s, PfVm *vm, GHashTable *want)
         g_assert_cmpuint(pf_region_page_state(r, pd->page - r->base), ==, PF_PAGE_PENDING);
         g_assert_true(g_hash_table_add(pages, GUINT_TO_POINTER(pd->page)));
     }
-    g_assert_cmpuint(vm->count[PF_PAGE_PENDING], ==, g_hash_table_size(pages));
+    g_assert_cmpuint(vm->scan->count[PF_PAGE_PENDING], ==, g_hash_table_size(pages));
 }
 
 /* Whether the stable tree's lookups find node id. */
@@ -609,13 +609,13 @@ check_model(Model *m, const char *when)
         /* Every page of the VM's live regions is in one state, and a
          * region that went is a placeholder that holds none. */
         for (guint k = 0; k < PF_PAGE_N_STATES; k++) {
-            counted += vm->count[k];
+            counted += vm->scan->count[k];
         }
         g_assert_cmpuint(counted, ==, pf_vm_n_pages(vm));
         {
             const guint64 *part = g_hash_table_lookup(parts, vm);
 
-            g_assert_cmpuint(vm->share, ==, part != NULL ? *part : 0);
+            g_assert_cmpuint(vm->scan->share, ==, part != NULL ? *part : 0);
         }
         g_assert_cmpuint(vm->regions->len, ==, mv->regions->len);
         for (guint k = 0; k < vm->regions->len; k++) {
@@ -628,11 +628,11 @@ check_model(Model *m, const char *when)
                 assert_merged_counted(mv, k, r, when);
             }
         }
-        shared += vm->count[PF_PAGE_SHARED];
+        shared += vm->scan->count[PF_PAGE_SHARED];
         if (vm->kind == PF_VM_AGENT) {
             account_requests(s, vm, want);
         } else {
-            g_assert_cmpuint(vm->count[PF_PAGE_PENDING], ==, 0);
+            g_assert_cmpuint(vm->scan->count[PF_PAGE_PENDING], ==, 0);
         }
     }
     g_assert_cmpuint(shared, ==, s->stable.n_members);
@@ -1159,8 +1159,8 @@ test_adopt_refused(void)
     wait_adopted(m);
     check_model(m, "taken back");
     /* a took every node but that of page 3, which b took. */
-    g_assert_cmpuint(a->vm->count[PF_PAGE_SHARED], ==, N_IDENTICAL - 1);
-    g_assert_cmpuint(b->vm->count[PF_PAGE_SHARED], ==, 1);
+    g_assert_cmpuint(a->vm->scan->count[PF_PAGE_SHARED], ==, N_IDENTICAL - 1);
+    g_assert_cmpuint(b->vm->scan->count[PF_PAGE_SHARED], ==, 1);
     for (guint i = 0; i < N_IDENTICAL; i++) {
         g_assert_cmpint(model_region(b, 0)->merged[i], ==, i == 3);
     }
@@ -1195,7 +1195,7 @@ test_merge_domain_mid_pass(void)
     g_assert_cmpuint(m->s->joins->len, ==, N_IDENTICAL);
     g_assert_true(pf_scanner_set_merge_domain(m->s, c->vm, "tenant", NULL));
     run_passes(m, 3, "c in a domain of its own");
-    g_assert_cmpuint(c->vm->count[PF_PAGE_SHARED] + c->vm->count[PF_PAGE_PENDING], ==, 0);
+    g_assert_cmpuint(c->vm->scan->count[PF_PAGE_SHARED] + c->vm->scan->count[PF_PAGE_PENDING], ==, 0);
     t = totals(m);
     g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
     g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL);
@@ -1229,7 +1229,7 @@ test_joins_within_pass(void)
     g_assert_true(pf_scanner_in_pass(m->s));
     g_assert_true(m->s->cur_vm < m->s->vms->len &&
                   g_ptr_array_index(m->s->vms, m->s->cur_vm) == d->vm);
-    g_assert_cmpuint(c->vm->count[PF_PAGE_PENDING] + c->vm->count[PF_PAGE_SHARED], ==,
+    g_assert_cmpuint(c->vm->scan->count[PF_PAGE_PENDING] + c->vm->scan->count[PF_PAGE_SHARED], ==,
                      N_IDENTICAL);
     run_passes(m, 2, "c joined");
     t = totals(m);
@@ -1960,7 +1960,7 @@ test_region_gone_frees_chunk(void)
      * their agent answers nothing meanwhile (no main loop). */
     pf_test_scan(m->s, G_MAXSIZE);
     pf_test_scan(m->s, G_MAXSIZE);
-    g_assert_cmpuint(a->vm->count[PF_PAGE_PENDING], ==, N_IDENTICAL);
+    g_assert_cmpuint(a->vm->scan->count[PF_PAGE_PENDING], ==, N_IDENTICAL);
     g_assert_cmpuint(a->agent->n_in_flight, ==, N_IDENTICAL);
     b = g_queue_peek_head(&a->agent->in_flight);
     g_assert_nonnull(b);
@@ -1976,7 +1976,7 @@ test_region_gone_frees_chunk(void)
     g_assert_null(pf_pool_chunk(m->s->pool, chunk));
     g_assert_false(g_hash_table_contains(a->agent->held, GUINT_TO_POINTER(chunk)));
     g_assert_cmpuint(pf_pool_slots_in_use(m->s->pool), ==, 0);
-    g_assert_cmpuint(a->vm->count[PF_PAGE_PENDING], ==, 0);
+    g_assert_cmpuint(a->vm->scan->count[PF_PAGE_PENDING], ==, 0);
 
     /* The answers come (refused: the agent forgot the region), and change
      * nothing. */

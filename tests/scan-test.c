@@ -12,6 +12,7 @@
 #include "extents.h"
 #include "guestmem.h"
 #include "jobs.h"
+#include "scan-core.h" /* white-box: a VM's hints and counts (PfScanVm) */
 #include "scan-helpers.h"
 #include "scan.h"
 #include "util.h"
@@ -335,8 +336,8 @@ test_merge_domains(Fixture *f, gconstpointer data)
         g_assert_no_error(error);
         pf_scanner_add_vm(f->scanner, c);
         pf_scan_job_run_passes_wait(f->scanner, 3);
-        g_assert_cmpuint(c->count[PF_PAGE_SHARED], ==, 0);
-        g_assert_cmpuint(c->count[PF_PAGE_UNSHARED], ==, 64 + 64 + 8);
+        g_assert_cmpuint(c->scan->count[PF_PAGE_SHARED], ==, 0);
+        g_assert_cmpuint(c->scan->count[PF_PAGE_UNSHARED], ==, 64 + 64 + 8);
         pf_scanner_detach(f->scanner, c, "test over");
         pf_guest_release(pid);
         pf_guest_free(g);
@@ -716,7 +717,7 @@ test_hinted_first(Fixture *f, gconstpointer data)
     /* Reads one after another make one range. */
     pf_scanner_hinted(f->scanner, a, 0, 4096 - 128, 128);
     pf_scanner_hinted(f->scanner, b, 0, 4096 - 256, 256);
-    g_assert_cmpuint(a->hints->len, ==, 1);
+    g_assert_cmpuint(a->scan->hints->len, ==, 1);
     /* Up to half of each call's budget for hints, a VM's range at a
      * time: the cursor, at the other half, is still in the first guest. */
     for (int i = 0; i < 32 && f->total.pages_hinted < 512; i++) {
@@ -731,11 +732,11 @@ test_hinted_first(Fixture *f, gconstpointer data)
 
     /* Hinted again (a device wrote it again): visited again. */
     pf_scanner_hinted(f->scanner, a, 0, 4096 - 256, 1);
-    for (int i = 0; i < 4 && a->hint_pages > 0; i++) {
+    for (int i = 0; i < 4 && a->scan->hint_pages > 0; i++) {
         pf_test_scan(f->scanner, 128);
     }
     collect(f);
-    g_assert_cmpuint(a->hint_pages, ==, 0);
+    g_assert_cmpuint(a->scan->hint_pages, ==, 0);
     g_assert_cmpuint(f->total.pages_hinted, ==, 513);
     g_assert_cmpuint(f->total.pages_sharing, ==, 256);
 
@@ -761,7 +762,7 @@ test_hinted_first(Fixture *f, gconstpointer data)
     }
     collect(f);
     g_assert_cmpuint(f->vm[0].hints_dropped, ==, 300 * 256 - 65536);
-    g_assert_cmpuint(a->hint_pages, ==, 65536);
+    g_assert_cmpuint(a->scan->hint_pages, ==, 65536);
     /* Visited at up to half of each scan's pages (more while the cursor
      * waits for a look at a VM), while the cursor goes on. */
     for (int i = 0; i < 8; i++) {
@@ -770,7 +771,7 @@ test_hinted_first(Fixture *f, gconstpointer data)
     collect(f);
     g_assert_cmpuint(f->total.pages_hinted - 513, >, 0);
     g_assert_cmpuint(f->total.pages_scanned - 4 * 4096 - 1, >, f->total.pages_hinted - 513);
-    g_assert_cmpuint(a->hint_pages, <, 65536);
+    g_assert_cmpuint(a->scan->hint_pages, <, 65536);
     /* A budget of 1 is the cursor's. */
     {
         guint64 hinted = f->total.pages_hinted, scanned = f->total.pages_scanned;
@@ -784,16 +785,16 @@ test_hinted_first(Fixture *f, gconstpointer data)
     }
     /* A range is taken as far as it fits, the rest counted. */
     pf_scanner_hinted(f->scanner, b, 0, 0, 65536 + 10);
-    g_assert_cmpuint(b->hint_pages, ==, 65536);
+    g_assert_cmpuint(b->scan->hint_pages, ==, 65536);
     collect(f);
     g_assert_cmpuint(f->vm[1].hints_dropped, ==, 10);
     /* An unmerge forgets them; so does io_hints=0, at the next scan. */
     pf_scanner_begin_unmerge(f->scanner, a);
     pf_scanner_end_unmerge(f->scanner, a);
-    g_assert_cmpuint(a->hint_pages, ==, 0);
+    g_assert_cmpuint(a->scan->hint_pages, ==, 0);
     k->io_hints = FALSE;
     pf_test_scan(f->scanner, 128);
-    g_assert_cmpuint(b->hint_pages, ==, 0);
+    g_assert_cmpuint(b->scan->hint_pages, ==, 0);
 }
 
 /* The pages a VM's queue of hints holds, counted range by range. */
@@ -802,8 +803,8 @@ queued_pages(const PfVm *vm)
 {
     gsize n = 0;
 
-    for (guint i = vm->hint_head; i < vm->hints->len; i++) {
-        n += g_array_index(vm->hints, PfHint, i).n_pages;
+    for (guint i = vm->scan->hint_head; i < vm->scan->hints->len; i++) {
+        n += g_array_index(vm->scan->hints, PfHint, i).n_pages;
     }
     return n;
 }
@@ -824,10 +825,10 @@ test_hint_queue_kept(Fixture *f, gconstpointer data)
     same_tail(f);
     k->smart_scan = FALSE;
     for (int round = 0; round < 100; round++) {
-        guint head = a->hint_head;
+        guint head = a->scan->hint_head;
         /* Kept at 2000 or more (a scan takes at most its 256), so never
          * emptied nor over PF_HINT_RANGES. */
-        gsize add = 32 + (a->hint_pages < 2000 ? 2000 - a->hint_pages : 0);
+        gsize add = 32 + (a->scan->hint_pages < 2000 ? 2000 - a->scan->hint_pages : 0);
 
         /* Pages two apart, before the guests' common tail: unique
          * ranges of one page that never join, each visited as hinted. */
@@ -835,20 +836,20 @@ test_hint_queue_kept(Fixture *f, gconstpointer data)
             pf_scanner_hinted(f->scanner, a, 0, page, 1);
         }
         pf_test_scan(f->scanner, 256);
-        g_assert_cmpuint(a->hint_pages, >, 0);
-        g_assert_cmpuint(queued_pages(a), ==, a->hint_pages);
+        g_assert_cmpuint(a->scan->hint_pages, >, 0);
+        g_assert_cmpuint(queued_pages(a), ==, a->scan->hint_pages);
         /* What visit_hinted() keeps after every range it visits. */
-        g_assert_cmpuint(a->hint_head, <, MAX(1024u, a->hints->len - a->hint_head));
-        compacted |= a->hint_head < head;
+        g_assert_cmpuint(a->scan->hint_head, <, MAX(1024u, a->scan->hints->len - a->scan->hint_head));
+        compacted |= a->scan->hint_head < head;
     }
     g_assert_true(compacted);
-    while (a->hint_pages > 0) {
+    while (a->scan->hint_pages > 0) {
         pf_test_scan(f->scanner, 256);
     }
     collect(f);
     g_assert_cmpuint(f->vm[0].hints_dropped, ==, 0);
     g_assert_cmpuint(f->vm[0].pages_hinted, ==, sent);
-    g_assert_cmpuint(a->hints->len, ==, 0);
+    g_assert_cmpuint(a->scan->hints->len, ==, 0);
 }
 
 int
