@@ -429,7 +429,7 @@ pfa_dispatch(PfAgent *a, PfMsg *msg, GError **error)
     case PF_MSG_REQUEST:
         return pfa_handle_request(a, msg, error);
     case PF_MSG_ERROR:
-        /* TRY_AGAIN: READY refused, before pagefoldd took the VM. */
+        /* TRY_AGAIN: evicted, or out of time, while READY was checked. */
         g_warning("pagefold agent: pagefoldd says: %.*s",
                   (int)msg->header.length, (const char *)msg->payload);
         a->parted = msg->header.seq != PF_ERROR_TRY_AGAIN;

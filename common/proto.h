@@ -86,11 +86,12 @@ typedef enum {
 } PfMsgType;
 
 /*
- * An ERROR's seq from pagefoldd.  TRY_AGAIN: a handshake refused (too many
- * at once, a check that may pass later); the agent connects again after
- * a while, as when pagefoldd went.  FOR_GOOD (what an older pagefoldd
- * always sends): it let the VM go (root detached it, it answered too
- * slowly), and the VM stays unattached.
+ * An ERROR's seq from pagefoldd.  TRY_AGAIN: a handshake refused for want
+ * of room or time (too many at once, not finished in time); the agent
+ * connects again after a while, as when pagefoldd went.  FOR_GOOD (what
+ * an older pagefoldd always sends): it refused the peer for what it is or
+ * sent, or let the VM go (root detached it, it answered too slowly), and
+ * the VM stays unattached.
  */
 #define PF_ERROR_FOR_GOOD 0u
 #define PF_ERROR_TRY_AGAIN 1u

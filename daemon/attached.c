@@ -22,19 +22,27 @@
 /* Far more than the VMs one host runs take. */
 #define MAX_FILE_BYTES (16u << 20)
 
-/* The merge domain of an agent's VM, as the file said. */
+/* The merge domain of an agent's VM: "default", "unlabelled" or a name. */
 typedef struct {
     guint64 start_time;
     char *domain;
 } Kept;
+
+/* What the file read at start said of agents' VMs' domains. */
+typedef enum {
+    KEPT_NONE, /* nothing: a pagefoldd that kept none wrote it */
+    KEPT_LIST, /* every agent's VM it knew: one it does not name is unknown */
+    KEPT_LOST, /* no file, or one that cannot be read: every VM is unknown */
+} KeptState;
 
 struct _PfAttached {
     PfScanner *scanner;
     char *path;
     char *written;    /* what the file holds */
     guint timer;
-    GHashTable *kept; /* pid -> Kept: agents' VMs the file named, not back yet */
-    gboolean unknown; /* the file was there, and could not be read */
+    GHashTable *kept; /* pid -> Kept: agents' VMs' domains, as the file said
+                       * and as they changed since */
+    KeptState state;
 };
 
 static void
@@ -44,27 +52,6 @@ kept_free(gpointer p)
 
     g_free(k->domain);
     g_free(k);
-}
-
-/* When process pid started (field 22 of /proc/PID/stat), or 0. */
-static guint64
-start_time(int pid)
-{
-    g_autofree char *path = g_strdup_printf("/proc/%d/stat", pid);
-    g_autofree char *text = NULL;
-    const char *after;
-    g_auto(GStrv) fields = NULL;
-    guint64 t = 0;
-
-    if (!g_file_get_contents(path, &text, NULL, NULL) || (after = strrchr(text, ')')) == NULL) {
-        return 0;
-    }
-    /* After the name (which may hold anything): state is field 3. */
-    fields = g_strsplit(after + 2, " ", 0);
-    if (g_strv_length(fields) > 19) {
-        (void)pf_parse_u64(fields[19], 1, G_MAXUINT64, &t, NULL);
-    }
-    return t;
 }
 
 /* This boot's id: a pid and start time name a process of one boot only
@@ -120,7 +107,7 @@ snapshot(PfAttached *a)
         json_builder_set_member_name(b, "pid");
         json_builder_add_int_value(b, vm->pid);
         json_builder_set_member_name(b, "start_time");
-        json_builder_add_int_value(b, (gint64)start_time(vm->pid));
+        json_builder_add_int_value(b, (gint64)vm->start_time);
         json_builder_set_member_name(b, "name");
         json_builder_add_string_value(b, vm->name);
         if (pf_vm_uuid_string(vm, uuid) != NULL) {
@@ -132,31 +119,33 @@ snapshot(PfAttached *a)
         json_builder_end_object(b);
     }
     json_builder_end_array(b);
-    /* Agents' VMs: their handshake gives their name, not their domain.
-     * Unlabelled is what a handshake gives anyway where it is not told. */
+    /* Every agent's VM's domain, default and unlabelled too: a VM that
+     * merged before and is not named is one whose domain is unknown. */
     json_builder_set_member_name(b, "domains");
     json_builder_begin_array(b);
     for (guint i = 0; i < vms->len; i++) {
         PfVm *vm = g_ptr_array_index(vms, i);
-        guint64 started;
 
-        const char *domain = pf_scanner_merge_domain(s, vm);
-
-        if (vm->kind == PF_VM_AGENT && !g_str_equal(domain, "unlabelled") &&
-            (started = start_time(vm->pid)) != 0) {
-            add_domain(b, vm->pid, started, domain);
+        if (vm->kind == PF_VM_AGENT && vm->start_time != 0) {
+            add_domain(b, vm->pid, vm->start_time, pf_scanner_merge_domain(s, vm));
         }
     }
-    /* Those not back yet, while their processes run: another restart
-     * before they come back must not lose them. */
+    /* Those the file named that are not back yet, while their processes
+     * run: another restart before they come back must not lose them. */
     g_hash_table_iter_init(&it, a->kept);
     while (g_hash_table_iter_next(&it, &key, &value)) {
         Kept *k = value;
         int pid = GPOINTER_TO_INT(key);
+        PfVm *vm = pf_scanner_find_vm_by_pid(s, pid);
 
-        if (pf_scanner_find_vm_by_pid(s, pid) == NULL && start_time(pid) == k->start_time) {
-            add_domain(b, pid, k->start_time, k->domain);
+        if (vm != NULL && vm->kind == PF_VM_AGENT && vm->start_time == k->start_time) {
+            continue; /* said above */
         }
+        if (pf_process_start_time(pid) != k->start_time) {
+            g_hash_table_iter_remove(&it); /* it exited */
+            continue;
+        }
+        add_domain(b, pid, k->start_time, k->domain);
     }
     json_builder_end_array(b);
     json_builder_end_object(b);
@@ -175,9 +164,15 @@ write_now(PfAttached *a)
     }
     if (!g_file_set_contents_full(a->path, now, -1, G_FILE_SET_CONTENTS_CONSISTENT, 0600,
                                   &error)) {
-        g_warning("cannot keep the VMs attached by pid and the merge domains in %s: %s (a "
-                  "pagefoldd started again would not attach them, and would keep agents' "
-                  "VMs apart)", a->path, error->message);
+        /* An older file would give VMs domains root has changed since:
+         * none at all keeps those that merged apart. */
+        g_warning("cannot keep the VMs attached by pid and the merge domains in %s: %s; it "
+                  "is removed (a pagefoldd started again would not attach those VMs, and "
+                  "would keep agents' VMs that merged apart)", a->path, error->message);
+        if (unlink(a->path) < 0 && errno != ENOENT) {
+            g_warning("cannot remove %s: %s", a->path, g_strerror(errno));
+        }
+        g_clear_pointer(&a->written, g_free);
         return;
     }
     g_free(a->written);
@@ -191,12 +186,29 @@ write_cb(gpointer user)
     return G_SOURCE_CONTINUE;
 }
 
+void
+pf_attached_keep_domain(PfAttached *a, PfVm *vm)
+{
+    if (a->scanner == NULL) {
+        return;
+    }
+    if (vm->kind == PF_VM_AGENT && vm->start_time != 0) {
+        Kept *k = g_new0(Kept, 1);
+
+        k->start_time = vm->start_time;
+        k->domain = g_strdup(pf_scanner_merge_domain(a->scanner, vm));
+        g_hash_table_replace(a->kept, GINT_TO_POINTER(vm->pid), k);
+    }
+    write_now(a);
+}
+
 /* Before the change is answered: a pagefoldd killed right after it must
- * not wake up with the VM back in its old domain. */
+ * not wake up with the VM back in its old domain; nor one whose agent
+ * connects again to this pagefoldd (its link broke). */
 static void
 domain_changed(PfScanner *s, PfVm *vm, gpointer user)
 {
-    write_now(user);
+    pf_attached_keep_domain(user, vm);
 }
 
 static const PfScanEvents attached_events = {
@@ -251,12 +263,16 @@ pf_attached_free(PfAttached *a)
 }
 
 const char *
-pf_attached_agent_domain(PfAttached *a, int pid, gboolean *unknown)
+pf_attached_agent_domain(PfAttached *a, const PfVm *vm, gboolean *unknown)
 {
-    Kept *k = g_hash_table_lookup(a->kept, GINT_TO_POINTER(pid));
+    Kept *k = g_hash_table_lookup(a->kept, GINT_TO_POINTER(vm->pid));
 
-    *unknown = a->unknown;
-    return k != NULL && start_time(pid) == k->start_time ? k->domain : NULL;
+    if (k != NULL && vm->start_time != 0 && k->start_time == vm->start_time) {
+        *unknown = FALSE;
+        return k->domain;
+    }
+    *unknown = a->state != KEPT_NONE;
+    return NULL;
 }
 
 /* A member of the file's, of the type it must have, or 0 / NULL. */
@@ -292,14 +308,15 @@ restore_one(PfScanner *s, JsonObject *o)
     g_autoptr(GError) error = NULL;
     PfVm *vm;
 
-    if (pid <= 0 || pid > G_MAXINT || started <= 0 || start_time((int)pid) != (guint64)started ||
+    if (pid <= 0 || pid > G_MAXINT || started <= 0 ||
+        pf_process_start_time((int)pid) != (guint64)started ||
         pf_scanner_find_vm_by_pid(s, (int)pid) != NULL ||
         (name != NULL && !pf_label_is_valid("a VM name", name, NULL))) {
         return FALSE;
     }
     vm = pf_vm_attach((int)pid, name, &error);
     /* The pidfd pins it now: the same process, if it still started then. */
-    if (vm == NULL || start_time((int)pid) != (guint64)started) {
+    if (vm == NULL || vm->start_time != (guint64)started) {
         if (vm != NULL) {
             pf_vm_free(vm);
         }
@@ -365,8 +382,8 @@ keep_domain(PfAttached *a, JsonObject *o)
     Kept *k;
 
     if (pid <= 0 || pid > G_MAXINT || started <= 0 || domain == NULL ||
-        g_str_equal(domain, "unlabelled") ||
-        !pf_label_is_valid("a merge domain", domain, NULL)) {
+        (!g_str_equal(domain, "unlabelled") &&
+         !pf_label_is_valid("a merge domain", domain, NULL))) {
         return;
     }
     k = g_new0(Kept, 1);
@@ -388,11 +405,12 @@ restore(PfAttached *a)
     JsonArray *vms;
     guint n = 0;
 
+    /* Until it is read, every domain is unknown. */
+    a->state = KEPT_LOST;
     if (text == NULL || !json_parser_load_from_data(parser, text, -1, &error)) {
         if (!g_error_matches(error, G_FILE_ERROR, G_FILE_ERROR_NOENT)) {
             g_warning("%s: %s: no VM attached by pid is attached again, and agents' VMs "
                       "that merged before come back apart", a->path, error->message);
-            a->unknown = TRUE;
         }
         return 0;
     }
@@ -403,10 +421,10 @@ restore(PfAttached *a)
     if (list == NULL || !JSON_NODE_HOLDS_ARRAY(list)) {
         g_warning("%s is not pagefoldd's list of VMs: no VM attached by pid is attached again, "
                   "and agents' VMs that merged before come back apart", a->path);
-        a->unknown = TRUE;
         return 0;
     }
     if (g_strcmp0(member_str(json_node_get_object(root), "boot_id"), boot) != 0) {
+        a->state = KEPT_NONE;
         return 0; /* of another boot: none of its processes runs */
     }
     vms = json_node_get_array(list);
@@ -415,9 +433,12 @@ restore(PfAttached *a)
 
         n += JSON_NODE_HOLDS_OBJECT(e) && restore_one(a->scanner, json_node_get_object(e));
     }
-    /* A file of a pagefoldd that kept no domains has none to give. */
+    /* A file of a pagefoldd that kept no domains has none to give, and
+     * says nothing of any. */
     domains = json_object_get_member(json_node_get_object(root), "domains");
+    a->state = KEPT_NONE;
     if (domains != NULL && JSON_NODE_HOLDS_ARRAY(domains)) {
+        a->state = KEPT_LIST;
         JsonArray *list_of = json_node_get_array(domains);
 
         for (guint i = 0; i < json_array_get_length(list_of); i++) {

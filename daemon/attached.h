@@ -35,10 +35,16 @@ void pf_attached_free(PfAttached *a);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfAttached, pf_attached_free)
 
 /*
- * An agent's VM of process pid comes back after a restart: the merge
- * domain root gave it under the pagefoldd before, if the file said one
- * for this very process (its start time), or NULL.  *unknown: the file
- * was there but could not be read, so no domain is known of any VM (its
- * caller keeps a VM that merged before apart rather than guess).
+ * An agent's VM is made: the merge domain root gave this very process (its
+ * start time), under the pagefoldd before or this one, if it is known
+ * ("default", "unlabelled" or a name), or NULL.  *unknown: then whether its
+ * domain is unknown, because the file could not be read (or was not
+ * there), or did not name it where it names every agent's VM: its caller
+ * keeps a VM that merged before apart rather than guess.
  */
-const char *pf_attached_agent_domain(PfAttached *a, int pid, gboolean *unknown);
+const char *pf_attached_agent_domain(PfAttached *a, const PfVm *vm, gboolean *unknown);
+
+/* An agent's VM was made and its domain decided: kept at once (the file
+ * written), before it can merge anything.  Changes after come as the
+ * scanner's domain event. */
+void pf_attached_keep_domain(PfAttached *a, PfVm *vm);

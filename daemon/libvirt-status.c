@@ -141,16 +141,29 @@ pf_libvirt_domain_status(const char *run_dir, const char *name, Domain *dom, GEr
 /*
  * A folder's mtime is the kernel's coarse clock (a tick of some ms): a
  * file renamed in within the tick of a read could leave the same mtime.
- * So the pids read are believed only while the folder's mtime is older
- * than the read's start by more than any tick.
+ * So the folder is listed again while its mtime is not older than the
+ * last listing's start by more than any tick, but at most every
+ * RELIST_USEC (a flood of connections must not make each one list a
+ * folder libvirt is busy rewriting); a file whose inode and mtime did not
+ * change is not read again (libvirt writes one by renaming a new one into
+ * place).
  */
 #define MTIME_SETTLED_USEC 100000
+#define RELIST_USEC 10000
+
+typedef struct {
+    guint64 ino;
+    gint64 mtime_nsec;
+    int pid;
+} StatusSeen;
 
 struct _PfLibvirtPids {
-    char *run_dir;      /* of the last read; NULL: none yet */
-    GHashTable *pids;   /* pid -> itself, as the last read found them */
-    gint64 mtime_usec;  /* the folder's, as that read began */
-    gint64 read_usec;   /* when it began (real time, as mtime is) */
+    char *run_dir;      /* of the last listing; NULL: none yet */
+    GHashTable *files;  /* file name -> StatusSeen, as the last listing saw */
+    GHashTable *pids;   /* pid -> itself, of those files */
+    gint64 mtime_usec;  /* the folder's, as that listing began */
+    gint64 listed_usec; /* when it began (real time, as mtime is) */
+    gint64 listed_mono; /* ... and on the monotonic clock */
 };
 
 PfLibvirtPids *
@@ -158,6 +171,7 @@ pf_libvirt_pids_new(void)
 {
     PfLibvirtPids *p = g_new0(PfLibvirtPids, 1);
 
+    p->files = g_hash_table_new_full(g_str_hash, g_str_equal, g_free, g_free);
     p->pids = g_hash_table_new(NULL, NULL);
     return p;
 }
@@ -166,6 +180,7 @@ void
 pf_libvirt_pids_free(PfLibvirtPids *p)
 {
     if (p != NULL) {
+        g_hash_table_unref(p->files);
         g_hash_table_unref(p->pids);
         g_free(p->run_dir);
         g_free(p);
@@ -173,37 +188,54 @@ pf_libvirt_pids_free(PfLibvirtPids *p)
 }
 
 static void
-pids_read(PfLibvirtPids *p, const char *run_dir, gint64 mtime_usec)
+pids_list(PfLibvirtPids *p, const char *run_dir, gint64 mtime_usec)
 {
+    g_autoptr(GHashTable) files = g_hash_table_new_full(g_str_hash, g_str_equal, g_free, g_free);
     DIR *dir;
     struct dirent *e;
     guint n = 0;
 
-    g_hash_table_remove_all(p->pids);
-    g_free(p->run_dir);
-    p->run_dir = g_strdup(run_dir);
-    p->mtime_usec = mtime_usec;
-    p->read_usec = g_get_real_time();
-    dir = opendir(run_dir);
-    if (dir == NULL) {
-        return; /* no libvirt: nobody is vouched for this way */
+    if (g_strcmp0(p->run_dir, run_dir) != 0) {
+        g_hash_table_remove_all(p->files);
+        g_free(p->run_dir);
+        p->run_dir = g_strdup(run_dir);
     }
-    while ((e = readdir(dir)) != NULL && n < PF_LIBVIRT_MAX_DOMAINS) {
+    g_hash_table_remove_all(p->pids);
+    p->mtime_usec = mtime_usec;
+    p->listed_usec = g_get_real_time();
+    p->listed_mono = g_get_monotonic_time();
+    dir = opendir(run_dir);
+    while (dir != NULL && (e = readdir(dir)) != NULL && n < PF_LIBVIRT_MAX_DOMAINS) {
         gsize len = strlen(e->d_name);
-        g_autofree char *name = NULL;
-        int pid;
+        StatusSeen *was, *seen;
+        struct stat st;
 
-        if (len <= 4 || !g_str_has_suffix(e->d_name, ".xml")) {
+        if (len <= 4 || !g_str_has_suffix(e->d_name, ".xml") ||
+            fstatat(dirfd(dir), e->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
             continue;
         }
         n++;
-        name = g_strndup(e->d_name, len - 4);
-        pid = pf_libvirt_domain_pid(run_dir, name, NULL);
-        if (pid > 0) {
-            g_hash_table_add(p->pids, GINT_TO_POINTER(pid));
+        seen = g_new0(StatusSeen, 1);
+        seen->ino = st.st_ino;
+        seen->mtime_nsec = (gint64)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+        was = g_hash_table_lookup(p->files, e->d_name);
+        if (was != NULL && was->ino == seen->ino && was->mtime_nsec == seen->mtime_nsec) {
+            seen->pid = was->pid;
+        } else {
+            g_autofree char *name = g_strndup(e->d_name, len - 4);
+
+            seen->pid = pf_libvirt_domain_pid(run_dir, name, NULL);
         }
+        if (seen->pid > 0) {
+            g_hash_table_add(p->pids, GINT_TO_POINTER(seen->pid));
+        }
+        g_hash_table_insert(files, g_strdup(e->d_name), seen);
     }
-    closedir(dir);
+    if (dir != NULL) {
+        closedir(dir); /* none: no libvirt, nobody is vouched for so */
+    }
+    g_hash_table_unref(p->files);
+    p->files = g_steal_pointer(&files);
 }
 
 gboolean
@@ -215,9 +247,10 @@ pf_libvirt_pids_has(PfLibvirtPids *p, const char *run_dir, int pid)
     if (stat(run_dir, &st) == 0) {
         mtime = (gint64)st.st_mtim.tv_sec * G_USEC_PER_SEC + st.st_mtim.tv_nsec / 1000;
     }
-    if (p->run_dir == NULL || !g_str_equal(p->run_dir, run_dir) || mtime != p->mtime_usec ||
-        mtime > p->read_usec - MTIME_SETTLED_USEC) {
-        pids_read(p, run_dir, mtime);
+    if (p->run_dir == NULL || !g_str_equal(p->run_dir, run_dir) ||
+        ((mtime != p->mtime_usec || mtime > p->listed_usec - MTIME_SETTLED_USEC) &&
+         g_get_monotonic_time() - p->listed_mono >= RELIST_USEC)) {
+        pids_list(p, run_dir, mtime);
     }
     return g_hash_table_contains(p->pids, GINT_TO_POINTER(pid));
 }

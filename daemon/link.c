@@ -105,18 +105,24 @@ drain_socket(int sock)
 }
 
 /* Best effort, never waiting: the link is closed right after.  Once: the
- * first says why.  An agent refused before its VM was taken tries again
- * later (an eviction, a check that may pass then); one whose VM is let go
- * does not. */
+ * first says why.  seq: whether its agent may connect again
+ * (PF_ERROR_TRY_AGAIN: pagefoldd had no room or no time for it) or not
+ * (PF_ERROR_FOR_GOOD: it broke the protocol, may not be an agent, or its
+ * VM was let go). */
 static void
-link_send_error(PfLink *l, const char *text)
+link_send_error_seq(PfLink *l, guint32 seq, const char *text)
 {
     if (!l->error_sent) {
         l->error_sent = TRUE;
-        pf_proto_send(l->sock, PF_MSG_ERROR,
-                      l->vm == NULL ? PF_ERROR_TRY_AGAIN : PF_ERROR_FOR_GOOD, text,
-                      MIN(strlen(text), 1024), NULL, 0, NULL);
+        pf_proto_send(l->sock, PF_MSG_ERROR, seq, text, MIN(strlen(text), 1024), NULL, 0,
+                      NULL);
     }
+}
+
+static void
+link_send_error(PfLink *l, const char *text)
+{
+    link_send_error_seq(l, PF_ERROR_FOR_GOOD, text);
 }
 
 static void
@@ -195,19 +201,45 @@ link_close(PfLink *l, const char *why)
 }
 
 static gboolean
+link_refuse_seq(PfLink *l, guint32 seq, const char *fmt, va_list ap) G_GNUC_PRINTF(3, 0);
+
+static gboolean
+link_refuse_seq(PfLink *l, guint32 seq, const char *fmt, va_list ap)
+{
+    g_autofree char *text = g_strdup_vprintf(fmt, ap);
+
+    link_send_error_seq(l, seq, text);
+    link_close(l, text);
+    return FALSE;
+}
+
+/* Refused for good: what it sent is not what an agent sends. */
+static gboolean
 link_refuse(PfLink *l, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
 
 static gboolean
 link_refuse(PfLink *l, const char *fmt, ...)
 {
     va_list ap;
-    g_autofree char *text = NULL;
 
     va_start(ap, fmt);
-    text = g_strdup_vprintf(fmt, ap);
+    link_refuse_seq(l, PF_ERROR_FOR_GOOD, fmt, ap);
     va_end(ap);
-    link_send_error(l, text);
-    link_close(l, text);
+    return FALSE;
+}
+
+/* Refused for now, for want of room or time: its agent connects again. */
+static gboolean
+link_refuse_for_now(PfLink *l, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+
+static gboolean
+link_refuse_for_now(PfLink *l, const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    link_refuse_seq(l, PF_ERROR_TRY_AGAIN, fmt, ap);
+    va_end(ap);
     return FALSE;
 }
 
@@ -294,17 +326,18 @@ merged_before(const PfVm *vm)
 }
 
 /*
- * A new VM's merge domain.  One root gave this very process under the
- * pagefoldd before (kept beside the socket: attached.h) is root's latest
- * word.  Otherwise, libvirt's status file of the domain, where it names
- * this process as its QEMU, is root's word on which domain it is and what
- * its XML says: its merge domain then, however long libvirt's hook takes
- * to say the same (or if it never runs, as after a restart of
- * pagefoldd).  Otherwise any process of the socket's group may have
+ * A new VM's merge domain.  One this very process had before its agent
+ * connected again (under the pagefoldd before, or this one: kept beside
+ * the socket, attached.h) is root's latest word.  Otherwise, libvirt's
+ * status file of the domain, where it names this process as its QEMU, is
+ * root's word on which domain it is and what its XML says: its merge
+ * domain then, however long libvirt's hook takes to say the same (or if
+ * it never runs, as after a restart of pagefoldd).  A VM that merged
+ * under an earlier pagefoldd whose domain that pagefoldd's file does not
+ * say (lost, unreadable) is kept apart: default could join tenants root
+ * had kept apart.  Otherwise any process of the socket's group may have
  * connected: a VM no root process vouched for shares with nobody until
- * one does.  And a VM that merged under an earlier pagefoldd whose kept
- * domains could not be read is kept apart too: its domain is not known,
- * and default could join tenants root had kept apart.
+ * one does.
  */
 static void
 on_ready_domain(PfLink *l, PfVm *vm)
@@ -313,23 +346,26 @@ on_ready_domain(PfLink *l, PfVm *vm)
     g_autoptr(GError) error = NULL;
     gboolean unknown = FALSE;
     const char *kept =
-        l->srv->kept != NULL ? pf_attached_agent_domain(l->srv->kept, vm->pid, &unknown) : NULL;
+        l->srv->kept != NULL ? pf_attached_agent_domain(l->srv->kept, vm, &unknown) : NULL;
 
-    if (kept != NULL) {
+    if (kept != NULL && !g_str_equal(kept, "unlabelled")) {
         if (pf_scanner_set_merge_domain(s, vm, kept, &error)) {
-            g_message("VM %s (pid %d): merge domain '%s', as root set it before pagefoldd "
-                      "started", vm->name, vm->pid, kept);
+            g_message("VM %s (pid %d): merge domain '%s', as it was before its agent "
+                      "connected again", vm->name, vm->pid, kept);
             return;
         }
         g_warning("VM %s (pid %d): %s", vm->name, vm->pid, error->message);
-    } else if (unknown && merged_before(vm)) {
-        g_message("VM %s (pid %d): its merge domain before pagefoldd started is not known; it "
-                  "shares with no other VM until root says it", vm->name, vm->pid);
+    } else if (kept != NULL) {
+        /* It shared with no other VM before, nor does it now. */
     } else if (l->libvirt != NULL && l->libvirt->merge_domain != NULL) {
         if (pf_scanner_set_merge_domain(s, vm, l->libvirt->merge_domain, &error)) {
             return;
         }
         g_warning("VM %s (pid %d): %s", vm->name, vm->pid, error->message);
+    } else if (unknown && merged_before(vm)) {
+        pf_peer_log(l->srv->peer_log, l->peer_uid,
+                    "VM %s (pid %d): its merge domain before pagefoldd started is not known; "
+                    "it shares with no other VM until root says it", vm->name, vm->pid);
     } else if (l->libvirt != NULL) {
         g_message("VM %s (pid %d): libvirt's domain: %s; it shares with no other VM", vm->name,
                   vm->pid, l->libvirt->why_unlabelled);
@@ -338,6 +374,7 @@ on_ready_domain(PfLink *l, PfVm *vm)
     }
     pf_scanner_set_unlabelled(s, vm);
 }
+
 
 /* READY: the VM is made (handshake_ready()) and given to the scanner; the
  * link sends its requests from now on. */
@@ -381,6 +418,11 @@ on_ready(PfLink *l, const PfMsg *msg)
     } else {
         pf_scanner_add_vm(s, vm);
         on_ready_domain(l, vm);
+    }
+    /* Kept before it can merge anything: a pagefoldd that dies right
+     * after must find it. */
+    if (l->srv->kept != NULL) {
+        pf_attached_keep_domain(l->srv->kept, vm);
     }
     /* In its merge domain first: pages it shared across it stop. */
     pf_scanner_adopt(s, vm);
@@ -730,7 +772,8 @@ handshake_timeout_cb(gpointer user)
     l->handshake_timer = 0;
     if (l->check != NULL) {
         /* Its process's mappings are what took so long. */
-        link_refuse(l, "agent handshake not finished in %d ms: its process's mappings took "
+        link_refuse_for_now(l, "agent handshake not finished in %d ms: its process's "
+                            "mappings took "
                     "longer to read", HANDSHAKE_TIMEOUT_MS);
         return G_SOURCE_REMOVE;
     }
@@ -741,17 +784,18 @@ handshake_timeout_cb(gpointer user)
         l->handshake_timer = g_timeout_add(HANDSHAKE_TIMEOUT_MS / 5, handshake_timeout_cb, l);
         return G_SOURCE_REMOVE;
     }
-    link_refuse(l, "agent handshake not finished in %d ms", HANDSHAKE_TIMEOUT_MS);
+    link_refuse_for_now(l, "agent handshake not finished in %d ms", HANDSHAKE_TIMEOUT_MS);
     return G_SOURCE_REMOVE;
 }
 
 /* Refuses a connection that never became a link; uid: its peer's, or
- * (uid_t)-1 when unknown. */
+ * (uid_t)-1 when unknown; seq: as link_send_error_seq() says. */
 static void
-refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...) G_GNUC_PRINTF(4, 5);
+refuse_socket(PfLinkServer *srv, int sock, uid_t uid, guint32 seq, const char *fmt, ...)
+    G_GNUC_PRINTF(5, 6);
 
 static void
-refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...)
+refuse_socket(PfLinkServer *srv, int sock, uid_t uid, guint32 seq, const char *fmt, ...)
 {
     va_list ap;
     g_autofree char *text = NULL;
@@ -760,7 +804,7 @@ refuse_socket(PfLinkServer *srv, int sock, uid_t uid, const char *fmt, ...)
     text = g_strdup_vprintf(fmt, ap);
     va_end(ap);
     pf_peer_log(srv->peer_log, uid, "agent connection refused: %s", text);
-    pf_proto_send(sock, PF_MSG_ERROR, PF_ERROR_TRY_AGAIN, text, MIN(strlen(text), 1024), NULL, 0, NULL);
+    pf_proto_send(sock, PF_MSG_ERROR, seq, text, MIN(strlen(text), 1024), NULL, 0, NULL);
     drain_socket(sock);
     close(sock);
 }
@@ -807,7 +851,7 @@ static PfLink *
 handshake_to_evict(PfLinkServer *srv, guint newcomer, gboolean vouched)
 {
     g_autoptr(GHashTable) held = g_hash_table_new(NULL, NULL);
-    guint most = 1;
+    guint most;
     guint top = newcomer;
     PfLink *oldest = NULL;
 
@@ -815,13 +859,20 @@ handshake_to_evict(PfLinkServer *srv, guint newcomer, gboolean vouched)
     for (guint i = 0; i < srv->handshakes->len; i++) {
         PfLink *l = g_ptr_array_index(srv->handshakes, i);
         gpointer who = GUINT_TO_POINTER(place_holder(l));
-        guint n = GPOINTER_TO_UINT(g_hash_table_lookup(held, who)) + 1;
 
-        if (l->vouched_place != vouched) {
-            continue;
+        if (l->vouched_place == vouched) {
+            g_hash_table_insert(held, who,
+                                GUINT_TO_POINTER(GPOINTER_TO_UINT(g_hash_table_lookup(held, who)) +
+                                                 1));
         }
-        g_hash_table_insert(held, who, GUINT_TO_POINTER(n));
-        if (n > most) {
+    }
+    /* A tie goes against the newcomer's own. */
+    most = GPOINTER_TO_UINT(g_hash_table_lookup(held, GUINT_TO_POINTER(newcomer)));
+    for (guint i = 0; i < srv->handshakes->len; i++) {
+        PfLink *l = g_ptr_array_index(srv->handshakes, i);
+        guint n = GPOINTER_TO_UINT(g_hash_table_lookup(held, GUINT_TO_POINTER(place_holder(l))));
+
+        if (l->vouched_place == vouched && n > most) {
             most = n;
             top = place_holder(l);
         }
@@ -874,11 +925,12 @@ accept_one(PfLinkServer *srv, int sock)
 
     /* pid 0: a process outside pagefoldd's pid namespace. */
     if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.pid <= 0) {
-        refuse_socket(srv, sock, (uid_t)-1, "no process id for this connection");
+        refuse_socket(srv, sock, (uid_t)-1, PF_ERROR_FOR_GOOD,
+                      "no process id for this connection");
         return;
     }
     if (!handshake_peer_permitted(srv, sock, &cred)) {
-        refuse_socket(srv, sock, cred.uid,
+        refuse_socket(srv, sock, cred.uid, PF_ERROR_FOR_GOOD,
                       "process %d (uid %u, gid %u) may not be an agent: only root%s%s",
                       cred.pid, (guint)cred.uid, (guint)cred.gid,
                       srv->group_allowed ? " and the members of the agent socket's group" : "",
@@ -887,13 +939,13 @@ accept_one(PfLinkServer *srv, int sock)
     }
     /* A process that holds its places idle only loses its own time. */
     if (handshakes_of(srv, cred.pid) >= MAX_HANDSHAKES_PER_PROCESS) {
-        refuse_socket(srv, sock, cred.uid,
+        refuse_socket(srv, sock, cred.uid, PF_ERROR_TRY_AGAIN,
                       "process %d already has %u agent handshakes in progress", cred.pid,
                       MAX_HANDSHAKES_PER_PROCESS);
         return;
     }
     if (!handshake_pin_peer(sock, cred.pid, &pidfd, &proc_dir, &error)) {
-        refuse_socket(srv, sock, cred.uid, "%s", error->message);
+        refuse_socket(srv, sock, cred.uid, PF_ERROR_FOR_GOOD, "%s", error->message);
         return;
     }
     /* Many processes holding places idle: one gives way (an agent sends
@@ -904,7 +956,8 @@ accept_one(PfLinkServer *srv, int sock)
         PfLink *evicted = handshake_to_evict(srv, vouched ? (guint)cred.pid : (guint)cred.uid,
                                              vouched);
 
-        link_refuse(evicted, "too many agent handshakes in progress (%u%s): the oldest of the "
+        link_refuse_for_now(evicted, "too many agent handshakes in progress (%u%s): the oldest "
+                            "of the "
                     "%s holding the most gives way",
                     vouched ? MAX_VOUCHED_HANDSHAKES : MAX_HANDSHAKES,
                     vouched ? " of processes root vouched for" : "",

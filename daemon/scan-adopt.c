@@ -62,16 +62,25 @@ run_chunk(PfScanner *s, PfVm *vm, const PfPoolMapped *pooled, const PfPoolRun *r
  * a reference on the slot until answered, as any unmerge's does.
  */
 static void
-fold_back_refused(PfScanner *s, PfRegion *r, gsize idx, PfPage *p, guint32 slot)
+fold_back_refused(PfScanner *s, PfRegion *r, gsize idx, PfPage *p, guint32 slot, guint32 node)
 {
-    ledger_take(s, slot, 0);
-    request_page(s, r, p, r->base + (guint32)idx, PF_ITEM_UNMERGE, slot, 0, 0);
+    /* The node, where there is one on the slot: its answer puts the
+     * reference through it (a node whose last sharer this was goes), and
+     * a fold-back that fails leaves the page one of its members, counted
+     * (a node full at ADOPT_MAX_SHARERS sharers still has room for that
+     * one in a 16-bit member index). */
+    ledger_take(s, slot, node);
+    request_page(s, r, p, r->base + (guint32)idx, PF_ITEM_UNMERGE, slot, node, 0);
 }
 
-/* Page idx maps slot index of chunk: a member of the slot's node.  FALSE
+/*
+ * Page idx maps slot index of chunk: a member of the slot's node.  FALSE
  * when it cannot be: folded back (its node is full, or its slot held by
- * another), or left (no memory for its record; a request in flight for it
- * decides). */
+ * another), or left as this pagefoldd knows it (no memory for its
+ * record; a record already: what the region check saw is stale, the page
+ * folded back since and maybe merged again by this pagefoldd, or a
+ * request in flight for it decides).
+ */
 static gboolean
 adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
 {
@@ -81,20 +90,16 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
     const PfStableNode *n = node != 0 ? node_at(s, node) : NULL;
     PfPage *p = pf_region_page_make(r, idx);
 
-    if (p == NULL || p->state == PF_PAGE_PENDING) {
+    if (p == NULL || p->state != PF_PAGE_ABSENT) {
         return FALSE;
-    }
-    /* Whatever was thought of it read the memfd, not what the guest sees. */
-    if (p->state != PF_PAGE_ABSENT) {
-        ledger_forget_page(s, r, idx, NULL);
     }
     if (n != NULL && n->live && n->slot == slot) {
         if (ledger_sharers(s, n) >= s->adopt_max_sharers) {
-            fold_back_refused(s, r, idx, p, slot);
+            fold_back_refused(s, r, idx, p, slot, node);
             return FALSE;
         }
     } else if (!ledger_adopt_slot(s, slot)) {
-        fold_back_refused(s, r, idx, p, slot);
+        fold_back_refused(s, r, idx, p, slot, 0);
         return FALSE;
     } else {
         /* A slot with no node had no reference either: the node's own is
@@ -122,11 +127,8 @@ adopt_zero(PfScanner *s, PfRegion *r, gsize idx)
 {
     PfPage *p = pf_region_page_make(r, idx);
 
-    if (p == NULL || p->state == PF_PAGE_PENDING) {
+    if (p == NULL || p->state != PF_PAGE_ABSENT) {
         return FALSE;
-    }
-    if (p->state != PF_PAGE_ABSENT) {
-        ledger_forget_page(s, r, idx, NULL);
     }
     p->checksum = pf_page_sum(s->zero_checksum);
     mark_merged(r, p, PF_PAGE_ZERO);

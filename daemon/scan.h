@@ -55,8 +55,8 @@ typedef struct _PfScanner PfScanner;
 
 /*
  * What the scanner tells those above it, each call made from inside a
- * scanner call: a listener must not call back into the scanner, only take
- * note (or send).  Any member may be NULL.
+ * scanner call: a listener must not change the scanner (it may read it),
+ * only take note (or send).  Any member may be NULL.
  */
 typedef struct {
     /* A VM leaves the scanner, which frees it when this returns: detached

@@ -442,6 +442,46 @@ default_name(int pid)
 }
 
 /* pidfd: the process's, to duplicate, or -1 to open one by pid. */
+/* When the process of proc_dir (its /proc/PID, or AT_FDCWD with path
+ * "/proc/PID/stat") started: field 22 of its stat, or 0. */
+static guint64
+read_start_time(int proc_dir, const char *path)
+{
+    char buf[1024];
+    const char *after;
+    g_auto(GStrv) fields = NULL;
+    guint64 t = 0;
+    ssize_t n;
+    int fd = openat(proc_dir, path, O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0) {
+        return 0;
+    }
+    n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) {
+        return 0;
+    }
+    buf[n] = '\0';
+    /* After the name (which may hold anything): state is field 3. */
+    if ((after = strrchr(buf, ')')) == NULL || after[1] == '\0') {
+        return 0;
+    }
+    fields = g_strsplit(after + 2, " ", 0);
+    if (g_strv_length(fields) > 19) {
+        (void)pf_parse_u64(fields[19], 1, G_MAXUINT64, &t, NULL);
+    }
+    return t;
+}
+
+guint64
+pf_process_start_time(int pid)
+{
+    g_autofree char *stat = g_strdup_printf("/proc/%d/stat", pid);
+
+    return read_start_time(AT_FDCWD, stat);
+}
+
 static PfVm *
 vm_new(int pid, int pidfd, GError **error)
 {
@@ -469,6 +509,12 @@ vm_new(int pid, int pidfd, GError **error)
                     "no process %d: %s", pid, g_strerror(e));
         return NULL;
     }
+    /* Read by pid: the process's own if its pidfd says it lives after
+     * (an agent's VM reads it again through its pinned directory). */
+    vm->start_time = pf_process_start_time(pid);
+    if (pf_vm_exited(vm)) {
+        vm->start_time = 0;
+    }
     return g_steal_pointer(&vm);
 }
 
@@ -488,6 +534,7 @@ pf_vm_new_from_agent(int pid, int pidfd, int proc_dir, const char *name, const g
     }
     /* They are the VM's now, freed with it. */
     g_ptr_array_set_free_func(regions, NULL);
+    vm->start_time = read_start_time(proc_dir, "stat");
     vm->pagemap_fd = openat(proc_dir, "pagemap", O_RDONLY | O_CLOEXEC);
     if (vm->pagemap_fd < 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot open %s: %s", pagemap,

@@ -62,6 +62,8 @@ struct _PfVm {
                           * QEMU's -uuid says; all zero: none.  A label too:
                           * a peer may claim any */
     int pidfd;           /* scan-vms.c takes it for a leftover as it goes */
+    guint64 start_time;  /* when its process started (field 22 of its
+                          * /proc/PID/stat), read while pinned; 0: unknown */
     PfVmKind kind;
     int pagemap_fd;      /* /proc/PID/pagemap, to see copy-on-write */
     PfOutbox *outbox;    /* an agent's VM: its requests, owned; NULL if
@@ -148,6 +150,9 @@ void pf_vm_free(PfVm *vm);
 G_DEFINE_AUTOPTR_CLEANUP_FUNC(PfVm, pf_vm_free)
 
 gboolean pf_vm_exited(const PfVm *vm);
+/* When process pid started (field 22 of /proc/PID/stat), or 0: with the
+ * pid, a name for a process that a reused pid does not take. */
+guint64 pf_process_start_time(int pid);
 gsize pf_vm_n_pages(const PfVm *vm);
 
 /*

@@ -1560,7 +1560,7 @@ test_domains_restart(void)
     g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
     g_autoptr(JsonObject) before = NULL;
     g_autoptr(JsonObject) after = NULL;
-    Vmm *v[4];
+    Vmm *v[4], *late;
 
     for (int i = 0; i < 4; i++) {
         v[i] = vmm_start(d, names[i], i + 1, 0, FALSE);
@@ -1568,11 +1568,16 @@ test_domains_restart(void)
     }
     before = scan_until_settled(d);
     g_assert_cmpint(total(before, "pages_sharing"), >=, IDENTICAL * 2);
+    /* One more, put in t3 right before the kill: kept before the answer,
+     * not a second later. */
+    late = vmm_start(d, "d4", 5, 0, FALSE);
+    json_node_unref(pf_test_ctl_json(d, "merge-domain", "d4", "t3", NULL));
     g_subprocess_send_signal(d->proc, SIGKILL);
     g_subprocess_wait(d->proc, NULL, NULL);
     for (int i = 0; i < 4; i++) {
         wait_disconnected(v[i]);
     }
+    wait_disconnected(late);
     pf_test_daemon_restart(d, "--set", "run=0", NULL);
     for (int i = 0; i < 4; i++) {
         g_autofree char *domain = NULL;
@@ -1581,6 +1586,13 @@ test_domains_restart(void)
         domain = listed_domain(d, names[i]);
         g_test_message("%s: merge domain %s", names[i], domain);
         g_assert_cmpstr(domain, ==, domains[i]);
+    }
+    {
+        g_autofree char *domain = NULL;
+
+        wait_merging(d, "d4");
+        domain = listed_domain(d, "d4");
+        g_assert_cmpstr(domain, ==, "t3");
     }
     /* t2's pages merge again: with each other only. */
     json_node_unref(pf_test_ctl_json(d, "unmerge", names[2], NULL));
@@ -1599,6 +1611,7 @@ test_domains_restart(void)
     for (int i = 0; i < 4; i++) {
         wait_disconnected(v[i]);
     }
+    wait_disconnected(late);
     {
         g_autofree char *kept = g_strconcat(d->sock, ".attached", NULL);
 
@@ -1617,6 +1630,8 @@ test_domains_restart(void)
         pf_test_vmm_verify(v[i]);
         pf_test_vmm_quit(v[i]);
     }
+    pf_test_vmm_verify(late);
+    pf_test_vmm_quit(late);
 }
 
 /* A VM that root detaches stays detached: its agent hears why, and

@@ -55,6 +55,10 @@ typedef struct {
     PfGuest *guest;
     guint8 *content;  /* what the guest sees in each page */
     gboolean *merged; /* pages its agent punched out of the memfd */
+    gboolean *kept;   /* ... of them, those merged under an earlier agent
+                       * of an attach before the last: the pagefoldd that
+                       * let it go keeps their slots, uncounted (DESIGN
+                       * 2.9), until they are merged, unmerged or written */
     gboolean gone;    /* it left the VM (GONE): the agent does nothing with
                        * it any more, and refuses items that name it */
 } ModelRegion;
@@ -68,9 +72,6 @@ typedef struct {
     GPtrArray *regions; /* ModelRegion*, by the agent's index: [0] the RAM its
                          * process holds, then RAM plugged in since */
     GPtrArray *old;   /* ModelRegion* plugged in under an earlier agent */
-    gboolean kept_merged; /* attached again with pages merged under its
-                           * earlier agent: the pagefoldd that let it go
-                           * keeps their slots, uncounted (DESIGN 2.9) */
 } ModelVm;
 
 /* A VM's agent: what it received and has not answered, the chunks it
@@ -152,6 +153,7 @@ fold_back(ModelRegion *mr, gsize idx)
                PF_PAGE_SIZE);
         mr->merged[idx] = FALSE;
     }
+    mr->kept[idx] = FALSE;
 }
 
 /* The agent's own compare, against the slot the item names in the chunk
@@ -245,6 +247,7 @@ agent_does(ModelAgent *l, const ModelBatch *b, const PfWireResult *res)
         }
         end = item->page + 1;
         mr->merged[item->page] = TRUE;
+        mr->kept[item->page] = FALSE;
     }
     if (run != NULL) {
         punch(run, first, end);
@@ -540,7 +543,7 @@ assert_merged_counted(ModelVm *mv, guint k, const PfRegion *r, const char *when)
     for (gsize i = 0; i < r->n_pages; i++) {
         PfPageState st = pf_region_page_state(r, i);
 
-        if (!mr->merged[i] || st == PF_PAGE_SHARED || st == PF_PAGE_ZERO ||
+        if (!mr->merged[i] || mr->kept[i] || st == PF_PAGE_SHARED || st == PF_PAGE_ZERO ||
             st == PF_PAGE_PENDING) {
             continue;
         }
@@ -624,7 +627,7 @@ check_model(Model *m, const char *when)
             g_assert_cmpint(pf_region_live(r), ==, !model_region(mv, k)->gone);
             g_assert_true(pf_region_live(r) || (r->n_pages == 0 && r->map == NULL &&
                                                 r->fd < 0 && r->extents == NULL));
-            if (pf_region_live(r) && !m->lying && !mv->kept_merged) {
+            if (pf_region_live(r) && !m->lying) {
                 assert_merged_counted(mv, k, r, when);
             }
         }
@@ -789,7 +792,7 @@ model_attach_pooled(Model *m, ModelVm *mv, PfPoolMapped *pooled)
     }
     model_region(mv, 0)->gone = FALSE;
     for (gsize i = 0; i < model_region(mv, 0)->guest->n_pages && pooled == NULL; i++) {
-        mv->kept_merged |= model_region(mv, 0)->merged[i];
+        model_region(mv, 0)->kept[i] = model_region(mv, 0)->merged[i];
     }
     g_ptr_array_add(regions, announced_region(model_region(mv, 0)));
     ((PfRegion *)g_ptr_array_index(regions, 0))->pooled = pooled;
@@ -849,6 +852,7 @@ model_region_new(const PfLayout *layout, guint32 seed)
     mr->content = g_malloc0(mr->guest->n_pages * PF_PAGE_SIZE);
     memcpy(mr->content, mr->guest->mem, written * PF_PAGE_SIZE);
     mr->merged = g_new0(gboolean, mr->guest->n_pages);
+    mr->kept = g_new0(gboolean, mr->guest->n_pages);
     return mr;
 }
 
@@ -860,6 +864,7 @@ model_region_free(gpointer data)
     pf_guest_free(mr->guest);
     g_free(mr->content);
     g_free(mr->merged);
+    g_free(mr->kept);
     g_free(mr);
 }
 
@@ -952,6 +957,7 @@ guest_writes(Model *m, ModelVm *mv, guint region, gsize idx, const guint8 *data)
     memcpy(mr->content + idx * PF_PAGE_SIZE, data, PF_PAGE_SIZE);
     memcpy(mr->guest->mem + idx * PF_PAGE_SIZE, data, PF_PAGE_SIZE);
     mr->merged[idx] = FALSE;
+    mr->kept[idx] = FALSE;
     if (mv->vm != NULL && pf_vm_merges(mv->vm)) {
         /* Asked of its agent as a scan's findings are: sent as the next
          * scan slice ends. */
@@ -970,6 +976,7 @@ guest_discards(Model *m, ModelVm *mv, guint region, gsize first, gsize n)
                               (off_t)(first * PF_PAGE_SIZE), (off_t)(n * PF_PAGE_SIZE)), ==, 0);
     memset(mr->content + first * PF_PAGE_SIZE, 0, n * PF_PAGE_SIZE);
     memset(mr->merged + first, 0, n * sizeof(gboolean));
+    memset(mr->kept + first, 0, n * sizeof(gboolean));
     pf_scanner_discarded(m->s, mv->vm, region, first, n);
 }
 
