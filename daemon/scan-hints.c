@@ -139,7 +139,8 @@ hints_visit(PfScanner *s, gsize max)
         vm = g_ptr_array_index(s->vms, s->hint_vm);
         /* A merging VM not before the cursor first counted its
          * mappings: no request for it goes before (max_vma_percent). */
-        if (vm->scan->hint_pages == 0 || vm->scan->unmerging || (pf_vm_merges(vm) && !vm->scan->counted) ||
+        if (vm->scan->hint_pages == 0 || vm->scan->unmerging ||
+            (pf_vm_merges(vm) && !vm->scan->counted) ||
             (vm->kind == PF_VM_AGENT && outbox_visits(vm) == 0)) {
             idle++;
             continue;

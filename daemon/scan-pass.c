@@ -180,7 +180,8 @@ to_deferred(PfScanner *s)
         if (!vm->scan->deferred) {
             continue;
         }
-        if ((!vm->scan->entered && vm->scan->look == NULL && now - vm->scan->look_usec > LOOK_USEC) ||
+        if ((!vm->scan->entered && vm->scan->look == NULL &&
+             now - vm->scan->look_usec > LOOK_USEC) ||
             (vm->scan->window_wait != 0 && now - vm->scan->window_wait > LOOK_USEC)) {
             g_debug("VM %s: its process's mappings or its memfd took over %d s to read: "
                     "passed over", vm->name, (int)(LOOK_USEC / G_USEC_PER_SEC));

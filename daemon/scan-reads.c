@@ -316,6 +316,7 @@ look_done(GObject *source, GAsyncResult *res, gpointer user)
 void
 reads_look_start(PfScanner *s, PfVm *vm)
 {
+    PfScanVm *sv = vm->scan;
     ThreadCall *call;
 
     if (vm->scan->looking != NULL || vm->scan->look != NULL ||
@@ -327,7 +328,7 @@ reads_look_start(PfScanner *s, PfVm *vm)
     vm->scan->look_answered = vm->kind == PF_VM_AGENT ? pf_outbox_answered_seq(vm->outbox) : 0;
     pf_vm_look_async(vm,
                      (vm->kind == PF_VM_BY_PID ? PF_VM_LOOK_RANGES : 0) |
-                         (vm->scan->dropped != NULL && vm->scan->dropped->len > 0 ? PF_VM_LOOK_HELD : 0),
+                         (sv->dropped != NULL && sv->dropped->len > 0 ? PF_VM_LOOK_HELD : 0),
                      call->cancel, look_done, call);
 }
 
@@ -346,10 +347,12 @@ reads_look_start(PfScanner *s, PfVm *vm)
 gboolean
 reads_look_due(const PfScanner *s, const PfVm *vm, gint64 now)
 {
+    const PfScanVm *sv = vm->scan;
+
     return s->whole_passes || vm->kind == PF_VM_BY_PID ||
-           (vm->scan->dropped != NULL && vm->scan->dropped->len > 0) || vm->scan->vma_budget == 0 ||
-           vm->scan->vmas >= vm->scan->vma_budget || vm->scan->vmas_since_look >= vm->scan->vma_budget / 8 ||
-           now - vm->scan->look_usec >= LOOK_PERIOD_USEC;
+           (sv->dropped != NULL && sv->dropped->len > 0) || sv->vma_budget == 0 ||
+           sv->vmas >= sv->vma_budget || sv->vmas_since_look >= sv->vma_budget / 8 ||
+           now - sv->look_usec >= LOOK_PERIOD_USEC;
 }
 
 

@@ -268,7 +268,8 @@ pair_slot(PfScanner *s, PfRegion *r, const guint8 *data, guint32 other, gboolean
 {
     g_autoptr(GError) error = NULL;
     PfVm *ovm = region_of(s, other)->vm;
-    guint32 vms[2] = { MIN(r->vm->scan->serial, ovm->scan->serial), MAX(r->vm->scan->serial, ovm->scan->serial) };
+    guint32 a = r->vm->scan->serial, b = ovm->scan->serial;
+    guint32 vms[2] = { MIN(a, b), MAX(a, b) };
     guint32 slot = ledger_new_slot(s, vms, vms[0] == vms[1] ? 1 : 2, data, &error);
 
     if (slot == PF_POOL_SLOT_NONE) {

@@ -366,6 +366,7 @@ smart_scan_over(PfVm *vm)
 gboolean
 pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError **error)
 {
+    gsize sharing = vm->scan->count[PF_PAGE_SHARED] + vm->scan->count[PF_PAGE_PENDING];
     guint id = 0;
 
     /* What VMs of no domain are listed as: no domain's name. */
@@ -387,12 +388,11 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
     /* A page it shares now would stay shared across the new boundary;
      * zero pages are every VM's, in any domain.  Unlabelled, it shares
      * pages only with itself: they may stay so. */
-    if (!vm->scan->unlabelled && (vm->scan->count[PF_PAGE_SHARED] > 0 || vm->scan->count[PF_PAGE_PENDING] > 0)) {
+    if (!vm->scan->unlabelled && sharing > 0) {
         g_set_error(error, PF_ERROR, PF_ERROR_EXISTS,
                     "VM %s (pid %d) shares %zu page(s) in merge domain '%s' already: unmerge it "
                     "first (pagefoldctl unmerge %d)",
-                    vm->name, vm->pid, vm->scan->count[PF_PAGE_SHARED] + vm->scan->count[PF_PAGE_PENDING],
-                    pf_scanner_merge_domain(s, vm), vm->pid);
+                    vm->name, vm->pid, sharing, pf_scanner_merge_domain(s, vm), vm->pid);
         return FALSE;
     }
     /* Pages found equal to content of the old domain, waiting to join

@@ -95,7 +95,8 @@ thread_cpu_usec(void)
 static guint64
 present_pages(const PfVm *vm)
 {
-    guint64 n = pf_vm_merges(vm) ? vm->scan->count[PF_PAGE_SHARED] + vm->scan->count[PF_PAGE_ZERO] : 0;
+    const gsize *count = vm->scan->count;
+    guint64 n = pf_vm_merges(vm) ? count[PF_PAGE_SHARED] + count[PF_PAGE_ZERO] : 0;
 
     for (guint k = 0; k < vm->regions->len; k++) {
         const PfRegion *r = g_ptr_array_index(vm->regions, k);
@@ -262,7 +263,8 @@ vm_counters(const PfVm *vm, guint64 shared, guint64 meta, PfCounters *c)
     c->hints_dropped = vm->scan->hints_dropped;
     c->full_scans = vm->scan->full_scans;
     c->pages_tracked = pf_vm_n_pages(vm) - vm->scan->count[PF_PAGE_ABSENT];
-    c->metadata_bytes = meta + (vm->scan->hints != NULL ? vm->scan->hints->len * sizeof(PfHint) : 0);
+    c->metadata_bytes =
+        meta + (vm->scan->hints != NULL ? vm->scan->hints->len * sizeof(PfHint) : 0);
     for (guint k = 0; k < vm->regions->len; k++) {
         const PfRegion *r = g_ptr_array_index(vm->regions, k);
 

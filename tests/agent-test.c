@@ -1523,6 +1523,18 @@ listed_domain(PfTestDaemon *d, const char *name)
     return g_strdup(json_object_get_string_member(vm, "merge_domain"));
 }
 
+/* Waits until the VM is back merging, and says it is in merge domain want. */
+static void
+assert_back_in(PfTestDaemon *d, const char *name, const char *want)
+{
+    g_autofree char *domain = NULL;
+
+    wait_merging(d, name);
+    domain = listed_domain(d, name);
+    g_test_message("%s: merge domain %s", name, domain);
+    g_assert_cmpstr(domain, ==, want);
+}
+
 /* Passes until pages_sharing stops changing (at most 40); the stats. */
 static JsonObject *
 scan_until_settled(PfTestDaemon *d)
@@ -1580,20 +1592,9 @@ test_domains_restart(void)
     wait_disconnected(late);
     pf_test_daemon_restart(d, "--set", "run=0", NULL);
     for (int i = 0; i < 4; i++) {
-        g_autofree char *domain = NULL;
-
-        wait_merging(d, names[i]);
-        domain = listed_domain(d, names[i]);
-        g_test_message("%s: merge domain %s", names[i], domain);
-        g_assert_cmpstr(domain, ==, domains[i]);
+        assert_back_in(d, names[i], domains[i]);
     }
-    {
-        g_autofree char *domain = NULL;
-
-        wait_merging(d, "d4");
-        domain = listed_domain(d, "d4");
-        g_assert_cmpstr(domain, ==, "t3");
-    }
+    assert_back_in(d, "d4", "t3");
     /* t2's pages merge again: with each other only. */
     json_node_unref(pf_test_ctl_json(d, "unmerge", names[2], NULL));
     json_node_unref(pf_test_ctl_json(d, "unmerge", names[3], NULL));
@@ -1620,11 +1621,7 @@ test_domains_restart(void)
     }
     pf_test_daemon_restart(d, "--set", "run=0", NULL);
     for (int i = 0; i < 4; i++) {
-        g_autofree char *domain = NULL;
-
-        wait_merging(d, names[i]);
-        domain = listed_domain(d, names[i]);
-        g_assert_cmpstr(domain, ==, "unlabelled");
+        assert_back_in(d, names[i], "unlabelled");
     }
     for (int i = 0; i < 4; i++) {
         pf_test_vmm_verify(v[i]);
@@ -1863,11 +1860,7 @@ test_libvirt_domain(void)
     pf_test_daemon_restart(d, args[0], args[1], args[2], args[3], args[4], args[5], NULL);
     g_chmod(d->dir, 0755);
     for (int i = 0; i < 2; i++) {
-        g_autofree char *domain = NULL;
-
-        wait_merging(d, names[i]);
-        domain = listed_domain(d, names[i]);
-        g_assert_cmpstr(domain, ==, "blue");
+        assert_back_in(d, names[i], "blue");
     }
     /* Taken back, a slice at a time, not merged again (it does not scan):
      * the writers copied a few on write. */

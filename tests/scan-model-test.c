@@ -1202,7 +1202,8 @@ test_merge_domain_mid_pass(void)
     g_assert_cmpuint(m->s->joins->len, ==, N_IDENTICAL);
     g_assert_true(pf_scanner_set_merge_domain(m->s, c->vm, "tenant", NULL));
     run_passes(m, 3, "c in a domain of its own");
-    g_assert_cmpuint(c->vm->scan->count[PF_PAGE_SHARED] + c->vm->scan->count[PF_PAGE_PENDING], ==, 0);
+    g_assert_cmpuint(c->vm->scan->count[PF_PAGE_SHARED] + c->vm->scan->count[PF_PAGE_PENDING], ==,
+                     0);
     t = totals(m);
     g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
     g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL);

@@ -839,7 +839,8 @@ test_hint_queue_kept(Fixture *f, gconstpointer data)
         g_assert_cmpuint(a->scan->hint_pages, >, 0);
         g_assert_cmpuint(queued_pages(a), ==, a->scan->hint_pages);
         /* What visit_hinted() keeps after every range it visits. */
-        g_assert_cmpuint(a->scan->hint_head, <, MAX(1024u, a->scan->hints->len - a->scan->hint_head));
+        g_assert_cmpuint(a->scan->hint_head, <,
+                         MAX(1024u, a->scan->hints->len - a->scan->hint_head));
         compacted |= a->scan->hint_head < head;
     }
     g_assert_true(compacted);
