@@ -22,10 +22,10 @@
 #include "extents.h"
 
 /* How long an agent that was sent no request since may take to drop a
- * chunk (check_dropped()). */
+ * chunk (reads_check_dropped()). */
 #define DROP_GRACE_USEC (60 * G_USEC_PER_SEC)
 /* How often an agent's VM is looked at when nothing calls for it sooner
- * (look_due()). */
+ * (reads_look_due()). */
 #define LOOK_PERIOD_USEC (10 * G_USEC_PER_SEC)
 
 /*

@@ -1725,13 +1725,6 @@ vmm_start_vouched_in(PfTestDaemon *d, const char *run_dir, const char *name, int
     return v;
 }
 
-/* Launched, its agent settled, not waited for in pagefoldd's list. */
-static Vmm *
-vmm_launch_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int seed)
-{
-    return vmm_launch_vouched_in(d, run_dir, name, seed, "--writes-per-sec=200", NULL);
-}
-
 static Vmm *
 vmm_start_vouched(PfTestDaemon *d, const char *run_dir, const char *name, int seed,
                   const char *extra)
@@ -1937,17 +1930,25 @@ test_flood_same_uid(void)
     int flooders[32];
     gint64 t0;
 
+    if (g_getenv("PAGEFOLD_TEST_TCG_GUEST") != NULL) {
+        g_test_skip("32 flooding processes outpace pagefoldd on two emulated vCPUs: the "
+                    "flood tests its handshake places, no kernel mechanism (host only)");
+        g_rmdir(run_dir);
+        return;
+    }
     g_chmod(d->dir, 0755);
     for (guint i = 0; i < G_N_ELEMENTS(flooders); i++) {
         flooders[i] = pf_test_flooder(d, 0);
     }
     g_usleep(G_USEC_PER_SEC); /* the flood under way */
+    /* Their first try may find the kernel's listen queue full, or a busy
+     * machine may keep their handshake over its 5 s: they try again, as
+     * QEMU does, and attach while the flood goes on. */
     for (guint i = 0; i < G_N_ELEMENTS(vouched); i++) {
         g_autofree char *name = g_strdup_printf("v%u", i);
 
-        vouched[i] = vmm_launch_vouched(d, run_dir, name, (int)i + 1);
-        g_test_message("%s: mode %s", name, vouched[i]->mode);
-        g_assert_cmpstr(vouched[i]->mode, ==, "merge");
+        vouched[i] = vmm_launch_vouched_in(d, run_dir, name, (int)i + 1,
+                                           "--run-unattached", NULL);
     }
     for (guint i = 0; i < G_N_ELEMENTS(others); i++) {
         g_autofree char *name = g_strdup_printf("o%u", i);
@@ -1961,9 +1962,17 @@ test_flood_same_uid(void)
         others[i] = pf_test_vmm_spawn(argv);
         g_assert_nonnull(others[i]);
     }
-    /* Still flooding: every vouched VM is pagefoldd's. */
+    /* Still flooding: every vouched VM is pagefoldd's, merging. */
     for (guint i = 0; i < G_N_ELEMENTS(vouched); i++) {
-        g_assert_true(wait_listed_pid(d, vouched[i]->pid, 0));
+        g_autoptr(JsonNode) list = NULL;
+        JsonObject *vm;
+
+        g_assert_true(wait_listed_pid(d, vouched[i]->pid, 120));
+        list = pf_test_ctl_json(d, "list", NULL);
+        vm = pf_test_find_vm_pid(json_node_get_array(list), vouched[i]->pid);
+        g_test_message("v%u: mode %s (its agent's first try: %s)", i,
+                       json_object_get_string_member(vm, "mode"), vouched[i]->mode);
+        g_assert_cmpstr(json_object_get_string_member(vm, "mode"), ==, "merge");
     }
     for (guint i = 0; i < G_N_ELEMENTS(flooders); i++) {
         pf_guest_release(flooders[i]);
