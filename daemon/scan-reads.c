@@ -356,14 +356,21 @@ reads_look_due(const PfScanner *s, const PfVm *vm, gint64 now)
 }
 
 
+/* A read under way is let go: its callback sees it cancelled, and
+ * touches nothing of the VM. */
+static void
+cancel_read(GCancellable **read)
+{
+    if (*read != NULL) {
+        g_cancellable_cancel(*read);
+        g_clear_object(read);
+    }
+}
+
 void
 reads_forget_windows(PfVm *vm)
 {
-    if (vm->scan->reading != NULL) {
-        /* Its callback sees it cancelled, and touches nothing of the VM. */
-        g_cancellable_cancel(vm->scan->reading);
-        g_clear_object(&vm->scan->reading);
-    }
+    cancel_read(&vm->scan->reading);
     g_clear_pointer(&vm->scan->extents, pf_extents_free);
     g_clear_pointer(&vm->scan->extents_next, pf_extents_free);
 }
@@ -371,11 +378,7 @@ reads_forget_windows(PfVm *vm)
 void
 reads_forget(PfVm *vm)
 {
-    if (vm->scan->looking != NULL) {
-        /* Its callback sees it cancelled, and touches nothing of the VM. */
-        g_cancellable_cancel(vm->scan->looking);
-        g_clear_object(&vm->scan->looking);
-    }
+    cancel_read(&vm->scan->looking);
     g_clear_pointer(&vm->scan->look, pf_vm_look_free);
     reads_forget_windows(vm);
 }
