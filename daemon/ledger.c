@@ -24,7 +24,7 @@ ledger_relist(PfScanner *s, guint32 id)
 
     if (n->live) {
         pf_stable_tree_set_full(&s->stable, id,
-                                ledger_sharers(s, n) >= s->knobs.max_page_sharing);
+                                ledger_sharers(s, n) >= setup_of(s)->knobs.max_page_sharing);
     }
 }
 

@@ -94,7 +94,7 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
         return FALSE;
     }
     if (n != NULL && n->live && n->slot == slot) {
-        if (ledger_sharers(s, n) >= s->adopt_max_sharers) {
+        if (ledger_sharers(s, n) >= setup_of(s)->adopt_max_sharers) {
             fold_back_refused(s, r, idx, p, slot, node);
             return FALSE;
         }
@@ -104,7 +104,7 @@ adopt_page(PfScanner *s, PfRegion *r, gsize idx, guint32 chunk, guint32 index)
     } else {
         /* A slot with no node had no reference either: the node's own is
          * its first. */
-        node = pf_stable_tree_create(&s->stable, s->hash(pf_pool_data(pool, slot)), slot,
+        node = pf_stable_tree_create(&s->stable, setup_of(s)->hash(pf_pool_data(pool, slot)), slot,
                                      pf_vm_domain_key(r->vm));
         pf_pool_set_adopted_tag(pool, slot, node);
         n = node_at(s, node);
@@ -130,7 +130,7 @@ adopt_zero(PfScanner *s, PfRegion *r, gsize idx)
     if (p == NULL || p->state != PF_PAGE_ABSENT) {
         return FALSE;
     }
-    p->checksum = pf_page_sum(s->zero_checksum);
+    p->checksum = pf_page_sum(setup_of(s)->zero_checksum);
     mark_merged(r, p, PF_PAGE_ZERO);
     return TRUE;
 }
@@ -201,8 +201,8 @@ adopt_cb(gpointer user)
     PfScanner *s = user;
     guint budget = ADOPT_PAGES;
 
-    for (guint i = 0; i < s->vms->len && budget > 0; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s) && budget > 0; i++) {
+        PfVm *vm = vm_at(s, i);
 
         for (guint k = 0; k < vm->regions->len && budget > 0; k++) {
             PfRegion *r = g_ptr_array_index(vm->regions, k);
@@ -223,7 +223,7 @@ adopt_cb(gpointer user)
     /* What it asked (pages folded back) goes now, not with the next scan. */
     pf_scanner_flush(s);
     if (budget > 0) {
-        s->adopt_source = 0;
+        s->adopt.source = 0;
         return G_SOURCE_REMOVE;
     }
     return G_SOURCE_CONTINUE;
@@ -237,7 +237,13 @@ pf_scanner_adopt(PfScanner *s, PfVm *vm)
     for (guint k = 0; k < vm->regions->len && !any; k++) {
         any = ((PfRegion *)g_ptr_array_index(vm->regions, k))->pooled != NULL;
     }
-    if (any && s->adopt_source == 0) {
-        s->adopt_source = g_idle_add(adopt_cb, s);
+    if (any && s->adopt.source == 0) {
+        s->adopt.source = g_idle_add(adopt_cb, s);
     }
+}
+
+void
+adopt_clear(PfScanner *s)
+{
+    g_clear_handle_id(&s->adopt.source, g_source_remove);
 }

@@ -8,6 +8,7 @@
  *                   VMs left for later
  *   scan-hints.c    pages a device just wrote, visited before the cursor's
  *   scan-vms.c      VMs and regions coming and going, merge domains
+ *   scan-cursor.c   where the pass is, kept right as VMs and regions go
  *   scan-reads.c    a VM's look and its memfds' windows, read on threads;
  *                   the holes the cursor steps over with them
  *   scan-adopt.c    merged pages of an earlier pagefoldd, taken back
@@ -81,8 +82,8 @@ typedef struct {
 /*
  * What the scanner core keeps of a VM (PfVm.scan): made as the VM is added
  * (pf_scanner_add_vm()), freed as it goes (scan-vms.c), grouped by the
- * file that writes it (the page-state and cursor helpers below count as
- * the file that calls them).  No layer above reads it: they have the
+ * file that writes it (the page-state helpers below count as the file
+ * that calls them).  No layer above reads it: they have the
  * counters (pf_scanner_collect()) and scan.h's questions.
  */
 struct _PfScanVm {
@@ -114,15 +115,16 @@ struct _PfScanVm {
     gsize hint_pages;
     guint64 hints_dropped;
 
-    /* scan-pass.c: the cursor's dealings with it.  It left it before its
-     * end (its outbox was full, or its agent silent): it comes back to it
-     * later in the pass if deferred, and starts at resume_region,
-     * resume_page when it next comes. */
-    guint64 full_scans;
+    /* scan-cursor.c: where the cursor left it before its end (its outbox
+     * was full, or its agent silent): it starts there when it next comes. */
     gboolean resume;
-    gboolean deferred;
     guint resume_region;
     gsize resume_page;
+
+    /* scan-pass.c: the pass's dealings with it.  Left before its end, it
+     * comes back to it later in the pass if deferred. */
+    guint64 full_scans;
+    gboolean deferred;
     gboolean entered;    /* looked at in this pass (enter_vm()) */
     gboolean counted;    /* its mappings were counted once: requests may go */
     /* Mappings of its process (invariant 5): counted at its last look
@@ -178,14 +180,16 @@ pf_vm_domain_key(const PfVm *vm)
 }
 
 /*
- * The scanner's state.  scan.c makes and frees every member; in between,
- * each is written only where its group's heading says (this header's
- * inline helpers count as the file that calls them), and read by the
- * core's other files.
+ * The scanner's state: one record per file that writes it.  Only the
+ * record's file names it (s->pass in scan-pass.c); the other files of the
+ * core read it through its *_of() function below, which gives it const,
+ * and change it by calling its file.  Each file makes and frees its own
+ * record (its *_init() and *_clear(), called by scan.c).
+ * scripts/record-writers checks it.
  */
-struct _PfScanner {
-    /* Set as it is made (scan.c), read after; knobs, by the layers above
-     * (pf_scanner_get_knobs()). */
+
+/* scan.c: set as the scanner is made; knobs by pf_scanner_set_knobs(). */
+typedef struct {
     PfKnobs knobs;
     const PfHashAlgo *algo;
     PfHashFunc hash;
@@ -195,26 +199,65 @@ struct _PfScanner {
     int kpageflags_fd;     /* /proc/kpageflags: is a page part of a THP */
     guint32 adopt_max_sharers; /* a node takes adopted pages up to this
                                 * (ADOPT_MAX_SHARERS; a model case lowers it) */
+} PfScanSetup;
 
-    /* scan-vms.c: VMs and regions coming and going, merge domains. */
-    GPtrArray *vms;     /* PfVm*, owned */
-    GPtrArray *domains; /* char*: merge domain i + 1's name (0: default) */
-    PfPageSpace space;  /* page ids of every VM's live regions */
-    guint32 next_serial; /* the last PfVm.serial given */
+/* scan.c: the pacing of the background batches. */
+typedef struct {
+    guint timer_id;
+    guint batches_paused; /* pf_scanner_pause_batches() calls not resumed */
+    gsize batch_left;   /* of the wake-up's batch, scanned in slices */
+    gint64 batch_start;
+    gint64 batch_cpu;   /* thread CPU time when it began */
+    gint64 last_batch_usec;
+} PfScanPacing;
+
+/* scan-vms.c: VMs and regions coming and going, merge domains. */
+typedef struct {
+    GPtrArray *list;     /* PfVm*, owned */
+    GPtrArray *domains;  /* char*: merge domain i + 1's name (0: default) */
+    guint32 next_serial; /* the last PfScanVm.serial given */
     GPtrArray *leftovers; /* Leftover* */
+} PfScanVms;
 
-    /* The trees (tree.h): a page joins or leaves a stable node in the
-     * file that decides it (scan-visit.c, scan-answers.c, scan-cow.c,
-     * scan-moves.c, scan-adopt.c), a node lives and dies in ledger.c;
-     * the unstable tree is reset by scan-pass.c as a pass begins, filled
-     * by scan-visit.c, and emptied by scan-vms.c when a region leaves
-     * mid-pass (its candidates would name pages gone). */
-    PfStableTree stable;
-    PfUnstableTree unstable;
+/* scan-pass.c: the pass. */
+typedef struct {
+    gboolean in_pass;
+    gboolean blocked;     /* the last scan stopped at an agent's full outbox */
+    gboolean whole_passes; /* a pass waits for every agent that answers */
+    gint64 deferred_wait; /* usec the pass waited for deferred VMs */
+    gint64 wait_since;    /* monotonic: it waits for them since (or 0) */
+    gint64 slice_end;     /* monotonic: a scan stops here (0: at max_pages) */
+    guint64 full_scans;
+    guint listed_sharing; /* the max_page_sharing that decided which nodes
+                           * are full (ledger_relist()) */
+    gint64 pass_start_usec;
+    guint64 last_pass_usec;
+} PfScanPass;
 
-    /* scan-moves.c: who may read a slot; the pool, made with the first
-     * merging VM. */
-    PfPool *pool;
+/* scan-cursor.c: the next page the pass visits, kept right as VMs and
+ * regions go (and where it left each VM: PfScanVm.resume). */
+typedef struct {
+    guint vm;
+    guint region;
+    gsize page;
+    gsize data_end;       /* end of the memfd data extent holding page */
+    gboolean revisiting;  /* every VM had its turn: the cursor goes back to
+                           * those it deferred (PfScanVm.deferred) */
+} PfScanCursor;
+
+/* scan-hints.c */
+typedef struct {
+    guint vm;             /* the VM whose hints were visited last */
+} PfScanHints;
+
+/* scan-visit.c: its work, counted. */
+typedef struct {
+    guint64 memcmp_calls;
+    guint64 stable_nodes_examined;
+} PfScanVisits;
+
+/* scan-moves.c: who may read a slot; joins. */
+typedef struct {
     GArray *joining;     /* Joining: the joins being made, sorted, a slice
                           * at a time, from joining_at on */
     guint joining_at;
@@ -223,59 +266,135 @@ struct _PfScanner {
                           * not read, joined once the cursor is done with
                           * their VM (moves_make_vm_joins()) */
     GHashTable *waiting; /* node id -> the pages waiting to join it, of
-                          * joins and joining (scan-moves.c) */
+                          * joins and joining */
     GHashTable *partial; /* chunk << 32 | VM serial -> the pass in which the
                           * VM's pages matched part of the chunk */
+    guint64 memcmp_calls; /* the compares of joins */
+} PfScanMoves;
 
-    /* scan-reads.c: reads on threads, one of each kind per process. */
+/* scan-reads.c: reads on threads, one of each kind per process. */
+typedef struct {
     GHashTable *looking_pids; /* pids whose look's thread has not returned */
     GHashTable *reading_pids; /* pids whose memfd window read has not */
+} PfScanReads;
 
-    /* scan-adopt.c */
-    guint adopt_source;  /* takes back pages merged under an earlier
+/* scan-adopt.c */
+typedef struct {
+    guint source;        /* takes back pages merged under an earlier
                           * pagefoldd, a slice at a time */
+} PfScanAdopt;
 
-    /* scan-events.c */
-    GArray *listeners;     /* Listener */
+/* scan-events.c */
+typedef struct {
+    GArray *listeners;   /* Listener */
+} PfScanListeners;
 
-    /* scan-pass.c: the pass, and the cursor (the next page to visit; the
-     * cursor_*() helpers below keep it right as scan-vms.c removes VMs
-     * and regions). */
-    gboolean in_pass;
-    guint cur_vm;
-    guint cur_region;
-    gsize cur_page;
-    gsize data_end; /* end of the memfd data extent holding cur_page */
-    gboolean blocked; /* the last scan stopped at an agent's full outbox */
-    gboolean revisiting; /* every VM had its turn: the cursor goes back to
-                          * those it deferred (PfVm.deferred) */
-    gboolean whole_passes; /* a pass waits for every agent that answers */
-    gint64 deferred_wait; /* usec the pass waited for deferred VMs */
-    gint64 wait_since;    /* monotonic: it waits for them since (or 0) */
-    gint64 slice_end; /* monotonic: a scan stops here (0: at max_pages) */
-    guint64 full_scans;
-    guint listed_sharing; /* the max_page_sharing that decided which nodes
-                           * are full (ledger_relist()) */
-    gint64 pass_start_usec;
-    guint64 last_pass_usec;
+struct _PfScanner {
+    PfScanSetup setup;
+    PfScanPacing pacing;
+    PfScanVms vms;
+    PfScanPass pass;
+    PfScanCursor cursor;
+    PfScanHints hints;
+    PfScanVisits visits;
+    PfScanMoves moves;
+    PfScanReads reads;
+    PfScanAdopt adopt;
+    PfScanListeners events;
 
-    /* scan-hints.c */
-    guint hint_vm;    /* the VM whose hints were visited last */
-
-    /* Counted where the work is done: scan-visit.c, and scan-moves.c's
-     * compares of a join. */
-    guint64 memcmp_calls;
-    guint64 stable_nodes_examined;
-
-    /* scan.c: the pacing of the background batches. */
-    guint timer_id;
-    guint batches_paused; /* pf_scanner_pause_batches() calls not resumed */
-    gsize batch_left;  /* of the wake-up's batch, scanned in slices */
-    gint64 batch_start;
-    gint64 batch_cpu;  /* thread CPU time when it began */
-    gint64 last_batch_usec;
+    /* Leaves' records, changed only through their own functions, called
+     * where the decision is made.  The trees (tree.c): a page joins or
+     * leaves a stable node in the file that decides it (scan-visit.c,
+     * scan-answers.c, scan-cow.c, scan-moves.c, scan-adopt.c), a node lives
+     * and dies in ledger.c; the unstable tree is reset by scan-pass.c as a
+     * pass begins, filled by scan-visit.c, and emptied by scan-vms.c when a
+     * region leaves mid-pass (its candidates would name pages gone). */
+    PfStableTree stable;
+    PfUnstableTree unstable;
+    /* The page ids of every VM's live regions (pagespace.c): regions
+     * placed and removed by scan-vms.c, looked up by all. */
+    PfPageSpace space;
+    /* The pool (pool.c), made by scan-moves.c with the first merging VM:
+     * its slots' references change in ledger.c alone, its chunks and who
+     * is sent them in scan-moves.c. */
+    PfPool *pool;
 };
 
+/* The records, for the files that read them and do not write them. */
+static inline const PfScanSetup *
+setup_of(const PfScanner *s)
+{
+    return &s->setup;
+}
+
+static inline const PfScanVms *
+vms_of(const PfScanner *s)
+{
+    return &s->vms;
+}
+
+static inline const PfScanPass *
+pass_of(const PfScanner *s)
+{
+    return &s->pass;
+}
+
+static inline const PfScanCursor *
+cursor_of(const PfScanner *s)
+{
+    return &s->cursor;
+}
+
+static inline const PfScanVisits *
+visits_of(const PfScanner *s)
+{
+    return &s->visits;
+}
+
+static inline const PfScanMoves *
+moves_of(const PfScanner *s)
+{
+    return &s->moves;
+}
+
+static inline const PfScanReads *
+reads_of(const PfScanner *s)
+{
+    return &s->reads;
+}
+
+static inline const PfScanAdopt *
+adopt_of(const PfScanner *s)
+{
+    return &s->adopt;
+}
+
+
+/* The VMs the scanner has, in the pass's order. */
+static inline guint
+vm_count(const PfScanner *s)
+{
+    return s->vms.list->len;
+}
+
+static inline PfVm *
+vm_at(const PfScanner *s, guint i)
+{
+    return g_ptr_array_index(s->vms.list, i);
+}
+
+/* Each file makes and frees its record (scan.c calls them as it makes and
+ * frees the scanner). */
+void pass_init(PfScanner *s);
+void vms_init(PfScanner *s);
+void vms_clear(PfScanner *s);
+void moves_init(PfScanner *s);
+void moves_clear(PfScanner *s);
+void reads_init(PfScanner *s);
+void reads_clear(PfScanner *s);
+void adopt_clear(PfScanner *s);
+void events_init(PfScanner *s);
+void events_clear(PfScanner *s);
 
 /* ---- small reads of the state ---- */
 
@@ -289,60 +408,9 @@ struct _PfScanner {
 static inline gboolean
 past_slice(PfScanner *s)
 {
-    return s->slice_end != 0 && g_get_monotonic_time() >= s->slice_end;
-}
+    const PfScanPass *pass = pass_of(s);
 
-/* The cursor goes to the VM at index i: where it left it, if it did. */
-static inline void
-cursor_to_vm(PfScanner *s, guint i)
-{
-    s->cur_vm = i;
-    s->cur_region = 0;
-    s->cur_page = 0;
-    s->data_end = 0;
-    if (i < s->vms->len) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
-
-        if (vm->scan->resume) {
-            vm->scan->resume = FALSE;
-            s->cur_region = vm->scan->resume_region;
-            s->cur_page = vm->scan->resume_page;
-        }
-    }
-}
-
-/* The VM at index idx left the scanner's list: the cursor stays right (if
- * it was at that VM, on to the next one, or back to those deferred once
- * every VM had its turn). */
-static inline void
-cursor_vm_removed(PfScanner *s, guint idx)
-{
-    if (idx < s->cur_vm) {
-        s->cur_vm--;
-    } else if (idx == s->cur_vm) {
-        cursor_to_vm(s, s->revisiting ? s->vms->len : idx);
-    }
-}
-
-/* Region k of vm left it (removed) or changed: the cursor, if there, and
- * where it left the VM stay right. */
-static inline void
-cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
-{
-    if (vm->scan->resume && removed && k < vm->scan->resume_region) {
-        vm->scan->resume_region--;
-    } else if (vm->scan->resume && k == vm->scan->resume_region) {
-        vm->scan->resume_page = 0;
-    }
-    if (s->cur_vm >= s->vms->len || g_ptr_array_index(s->vms, s->cur_vm) != vm) {
-        return;
-    }
-    if (removed && k < s->cur_region) {
-        s->cur_region--;
-    } else if (k == s->cur_region) {
-        s->cur_page = 0;
-        s->data_end = 0;
-    }
+    return pass->slice_end != 0 && g_get_monotonic_time() >= pass->slice_end;
 }
 
 static inline PfRegion *
@@ -383,6 +451,13 @@ static inline gsize
 outbox_visits(PfVm *vm)
 {
     return vm->kind == PF_VM_BY_PID ? G_MAXSIZE : pf_outbox_room(vm->outbox) / 2;
+}
+
+/* Mappings a VM may have before its merges stop (invariant 5). */
+static inline guint64
+vma_budget(const PfScanner *s)
+{
+    return setup_of(s)->max_map_count * setup_of(s)->knobs.max_vma_percent / 100;
 }
 
 /* May this VM's pages be merged for real now?  Merging VMs group only with
@@ -451,7 +526,32 @@ void ledger_hold_or_put(PfScanner *s, GArray *keep, guint32 slot, guint32 node);
  * keep (or is put), and it is absent from now on. */
 void ledger_forget_page(PfScanner *s, PfRegion *r, gsize idx, GArray *keep);
 
+/* ---- scan-cursor.c ---- */
+
+/* The cursor goes to the VM at index i: where it left it, if it did. */
+void cursor_to_vm(PfScanner *s, guint i);
+/* On from the VM it is done with (or left): to the next, or, once every
+ * VM had its turn (cursor_revisit()), back to those deferred. */
+void cursor_next_vm(PfScanner *s);
+void cursor_revisit(PfScanner *s, gboolean revisiting);
+/* It leaves vm before its end, and starts where it left it next time;
+ * on to the next VM. */
+void cursor_leave_vm(PfScanner *s, PfVm *vm);
+/* vm starts from its first page next time. */
+void cursor_forget_vm(PfVm *vm);
+void cursor_next_region(PfScanner *s);
+/* It is at page of its region, in a data extent that ends at data_end. */
+void cursor_at_page(PfScanner *s, gsize page, gsize data_end);
+/* The VM at index idx left the scanner's list: the cursor stays right (if
+ * it was at that VM, on to the next one, or back to those deferred once
+ * every VM had its turn). */
+void cursor_vm_removed(PfScanner *s, guint idx);
+/* Region k of vm left it (removed) or changed: the cursor, if there, and
+ * where it left the VM stay right. */
+void cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed);
+
 /* ---- scan-hints.c ---- */
+
 
 /* Visits hinted pages, up to max, VMs in turn; returns the pages taken
  * off their queues. */

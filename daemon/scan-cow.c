@@ -98,8 +98,8 @@ cow_check_merged(PfScanner *s, PfRegion *r, gsize from, gsize to)
         gsize n = MIN(to - from, 32768u);
 
         if (any_merged(r, from, from + n) &&
-            !pf_cow_find(s->cow, r->vm->pagemap_fd, r->host_addr, from, from + n, cow_seen,
-                         &ctx)) {
+            !pf_cow_find(setup_of(s)->cow, r->vm->pagemap_fd, r->host_addr, from, from + n,
+                         cow_seen, &ctx)) {
             return; /* the process is going: its pidfd will say so */
         }
         from += n;
@@ -131,7 +131,7 @@ cow_leave_hole(PfScanner *s, PfRegion *r, gsize from, gsize to, gboolean look)
                    /* Not one a device wrote since the window was read
                     * (which saw a hole): a hinted visit found it in
                     * memory in this pass. */
-                   !(p->hinted && p->seen == (s->full_scans & 31))) {
+                   !(p->hinted && p->seen == (pass_of(s)->full_scans & 31))) {
             ledger_forget_page(s, r, i, NULL);
         }
     }

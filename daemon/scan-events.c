@@ -11,17 +11,17 @@ pf_scanner_add_listener(PfScanner *s, const PfScanEvents *events, gpointer user,
 {
     Listener l = { events, user, destroy };
 
-    g_array_append_val(s->listeners, l);
+    g_array_append_val(s->events.listeners, l);
 }
 
 void
 pf_scanner_remove_listener(PfScanner *s, const PfScanEvents *events, gpointer user)
 {
-    for (guint i = 0; i < s->listeners->len; i++) {
-        Listener *l = &g_array_index(s->listeners, Listener, i);
+    for (guint i = 0; i < s->events.listeners->len; i++) {
+        Listener *l = &g_array_index(s->events.listeners, Listener, i);
 
         if (l->events == events && l->user == user) {
-            g_array_remove_index(s->listeners, i);
+            g_array_remove_index(s->events.listeners, i);
             return;
         }
     }
@@ -30,8 +30,8 @@ pf_scanner_remove_listener(PfScanner *s, const PfScanEvents *events, gpointer us
 gpointer
 pf_scanner_find_listener(PfScanner *s, const PfScanEvents *events)
 {
-    for (guint i = 0; i < s->listeners->len; i++) {
-        Listener *l = &g_array_index(s->listeners, Listener, i);
+    for (guint i = 0; i < s->events.listeners->len; i++) {
+        Listener *l = &g_array_index(s->events.listeners, Listener, i);
 
         if (l->events == events) {
             return l->user;
@@ -43,8 +43,8 @@ pf_scanner_find_listener(PfScanner *s, const PfScanEvents *events)
 void
 scan_emit_vm_gone(PfScanner *s, PfVm *vm, const char *why)
 {
-    for (guint i = 0; i < s->listeners->len; i++) {
-        Listener *l = &g_array_index(s->listeners, Listener, i);
+    for (guint i = 0; i < s->events.listeners->len; i++) {
+        Listener *l = &g_array_index(s->events.listeners, Listener, i);
 
         if (l->events->vm_gone != NULL) {
             l->events->vm_gone(s, vm, why, l->user);
@@ -55,8 +55,8 @@ scan_emit_vm_gone(PfScanner *s, PfVm *vm, const char *why)
 void
 scan_emit_passed_over(PfScanner *s, PfVm *vm)
 {
-    for (guint i = 0; i < s->listeners->len; i++) {
-        Listener *l = &g_array_index(s->listeners, Listener, i);
+    for (guint i = 0; i < s->events.listeners->len; i++) {
+        Listener *l = &g_array_index(s->events.listeners, Listener, i);
 
         if (l->events->passed_over != NULL) {
             l->events->passed_over(s, vm, l->user);
@@ -67,8 +67,8 @@ scan_emit_passed_over(PfScanner *s, PfVm *vm)
 void
 scan_emit_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop)
 {
-    for (guint i = 0; i < s->listeners->len; i++) {
-        Listener *l = &g_array_index(s->listeners, Listener, i);
+    for (guint i = 0; i < s->events.listeners->len; i++) {
+        Listener *l = &g_array_index(s->events.listeners, Listener, i);
 
         if (l->events->chunk != NULL) {
             l->events->chunk(s, vm, chunk, drop, l->user);
@@ -79,11 +79,33 @@ scan_emit_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop)
 void
 scan_emit_domain(PfScanner *s, PfVm *vm)
 {
-    for (guint i = 0; i < s->listeners->len; i++) {
-        Listener *l = &g_array_index(s->listeners, Listener, i);
+    for (guint i = 0; i < s->events.listeners->len; i++) {
+        Listener *l = &g_array_index(s->events.listeners, Listener, i);
 
         if (l->events->domain != NULL) {
             l->events->domain(s, vm, l->user);
         }
     }
+}
+
+void
+events_init(PfScanner *s)
+{
+    s->events.listeners = g_array_new(FALSE, FALSE, sizeof(Listener));
+}
+
+/* A listener's user data goes last: a job still running is told that
+ * pagefoldd stops. */
+void
+events_clear(PfScanner *s)
+{
+    while (s->events.listeners->len > 0) {
+        Listener l = g_array_index(s->events.listeners, Listener, s->events.listeners->len - 1);
+
+        g_array_remove_index(s->events.listeners, s->events.listeners->len - 1);
+        if (l.destroy != NULL) {
+            l.destroy(l.user);
+        }
+    }
+    g_array_unref(s->events.listeners);
 }

@@ -35,7 +35,7 @@ pf_scanner_hinted(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n
 {
     guint64 take = MIN(n, PF_HINT_PAGES - vm->scan->hint_pages);
 
-    if (!s->knobs.io_hints) {
+    if (!setup_of(s)->knobs.io_hints) {
         return;
     }
     if (vm->scan->hints == NULL) {
@@ -123,20 +123,20 @@ hints_visit(PfScanner *s, gsize max)
     gsize done = 0;
     guint idle = 0;
 
-    if (!s->knobs.io_hints) {
+    if (!setup_of(s)->knobs.io_hints) {
         /* Turned off: what was hinted is not visited when it comes on. */
-        for (guint i = 0; i < s->vms->len; i++) {
-            hints_forget(g_ptr_array_index(s->vms, i));
+        for (guint i = 0; i < vm_count(s); i++) {
+            hints_forget(vm_at(s, i));
         }
         return 0;
     }
     /* A VM at a time, a range's turn each, until the budget is spent or
      * no VM that may take requests has hints. */
-    while (done < max && s->vms->len > 0 && idle < s->vms->len && !past_slice(s)) {
+    while (done < max && vm_count(s) > 0 && idle < vm_count(s) && !past_slice(s)) {
         PfVm *vm;
 
-        s->hint_vm = (s->hint_vm + 1) % s->vms->len;
-        vm = g_ptr_array_index(s->vms, s->hint_vm);
+        s->hints.vm = (s->hints.vm + 1) % vm_count(s);
+        vm = vm_at(s, s->hints.vm);
         /* A merging VM not before the cursor first counted its
          * mappings: no request for it goes before (max_vma_percent). */
         if (vm->scan->hint_pages == 0 || vm->scan->unmerging ||

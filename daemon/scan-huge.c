@@ -44,14 +44,14 @@ huge_note(PfScanner *s, PfRegion *r, gsize idx)
     off_t at;
 
     if (!extent_of(r, idx, &e) || (r->huge_seen[e / 8] & (1u << (e % 8))) ||
-        s->kpageflags_fd < 0 || r->vm->pagemap_fd < 0) {
+        setup_of(s)->kpageflags_fd < 0 || r->vm->pagemap_fd < 0) {
         return;
     }
     r->huge_seen[e / 8] |= 1u << (e % 8);
     at = (off_t)((r->host_addr / PF_PAGE_SIZE + e * HUGE_PAGES) * sizeof(guint64));
     if (pread(r->vm->pagemap_fd, &entry, sizeof(entry), at) == sizeof(entry) &&
         (entry & PAGEMAP_PRESENT) &&
-        pread(s->kpageflags_fd, &flags, sizeof(flags),
+        pread(setup_of(s)->kpageflags_fd, &flags, sizeof(flags),
               (off_t)((entry & PAGEMAP_PFN_MASK) * sizeof(guint64))) == sizeof(flags) &&
         (flags & KPF_THP)) {
         r->huge_was[e / 8] |= 1u << (e % 8);

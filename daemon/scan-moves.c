@@ -72,8 +72,8 @@ move_vms(PfScanner *s, const PfStableNode *n, PfVm *joiner)
     if (joiner != NULL) {
         g_array_append_val(vms, joiner->scan->serial);
     }
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         if (pf_vm_merges(vm) && moves_chunk_is_for(chunk, vm)) {
             g_array_append_val(vms, vm->scan->serial);
@@ -138,7 +138,7 @@ moves_follow(PfScanner *s, PfRegion *r, gsize idx)
     guint32 node = pf_region_page(r, idx)->node, to = node_at(s, node)->next;
     const PfStableNode *n = node_at(s, node);
 
-    if (to == 0 || !can_merge(r->vm) || s->knobs.run == 2) {
+    if (to == 0 || !can_merge(r->vm) || setup_of(s)->knobs.run == 2) {
         return;
     }
     for (guint hops = 0; to != 0 && hops < 8; hops++) {
@@ -150,7 +150,7 @@ moves_follow(PfScanner *s, PfRegion *r, gsize idx)
             break;
         }
         if (t->next == 0) {
-            if (ledger_sharers(s, t) < s->knobs.max_page_sharing) {
+            if (ledger_sharers(s, t) < setup_of(s)->knobs.max_page_sharing) {
                 moves_join(s, r, pf_region_page(r, idx), r->base + (guint32)idx, to);
                 return;
             }
@@ -191,7 +191,7 @@ moves_evacuate(PfScanner *s)
     }
 }
 
-/* The pages waiting to join one node (s->waiting, by node id): joins found
+/* The pages waiting to join one node (s->moves.waiting, by node id): joins found
  * and not yet made or given up.  born tells them from the joins of an
  * earlier node under the same id, which the reused id does not count. */
 typedef struct {
@@ -202,7 +202,7 @@ typedef struct {
 static guint32
 waiting_for(PfScanner *s, guint32 node)
 {
-    const Waiting *w = g_hash_table_lookup(s->waiting, GUINT_TO_POINTER(node));
+    const Waiting *w = g_hash_table_lookup(s->moves.waiting, GUINT_TO_POINTER(node));
 
     return w != NULL && w->born == node_at(s, node)->born ? w->n : 0;
 }
@@ -214,10 +214,10 @@ waiting_for(PfScanner *s, guint32 node)
 static void
 waiting_done(PfScanner *s, const Joining *j)
 {
-    Waiting *w = g_hash_table_lookup(s->waiting, GUINT_TO_POINTER(j->node));
+    Waiting *w = g_hash_table_lookup(s->moves.waiting, GUINT_TO_POINTER(j->node));
 
     if (w != NULL && w->born == j->born && --w->n == 0) {
-        g_hash_table_remove(s->waiting, GUINT_TO_POINTER(j->node));
+        g_hash_table_remove(s->moves.waiting, GUINT_TO_POINTER(j->node));
     }
 }
 
@@ -225,7 +225,7 @@ gboolean
 moves_room_to_wait(PfScanner *s, guint32 node)
 {
     return ledger_sharers(s, node_at(s, node)) + waiting_for(s, node) <
-           s->knobs.max_page_sharing;
+           setup_of(s)->knobs.max_page_sharing;
 }
 
 void
@@ -233,12 +233,12 @@ moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 nod
 {
     const PfStableNode *n = node_at(s, node);
     Joining j = { 0, r->vm->scan->serial, n->slot, id, node, n->born };
-    Waiting *w = g_hash_table_lookup(s->waiting, GUINT_TO_POINTER(node));
+    Waiting *w = g_hash_table_lookup(s->moves.waiting, GUINT_TO_POINTER(node));
     guint32 index;
 
     if (w == NULL) {
         w = g_new0(Waiting, 1);
-        g_hash_table_insert(s->waiting, GUINT_TO_POINTER(node), w);
+        g_hash_table_insert(s->moves.waiting, GUINT_TO_POINTER(node), w);
     }
     if (w->born != n->born) {
         *w = (Waiting){ n->born, 0 };
@@ -246,9 +246,9 @@ moves_wait_to_join(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, guint32 nod
     w->n++;
 
     pf_pool_locate(s->pool, n->slot, &j.chunk, &index);
-    g_array_append_val(s->joins, j);
+    g_array_append_val(s->moves.joins, j);
     set_state(r, p, PF_PAGE_UNSHARED);
-    if (s->joins->len >= MAX_JOINING) {
+    if (s->moves.joins->len >= MAX_JOINING) {
         moves_make_joins(s);
     }
 }
@@ -257,32 +257,32 @@ void
 moves_forget_joins(PfScanner *s, const PfVm *vm)
 {
     if (vm == NULL) {
-        g_array_set_size(s->joins, 0);
-        g_array_set_size(s->joining, 0);
-        s->joining_at = 0;
-        g_hash_table_remove_all(s->waiting);
+        g_array_set_size(s->moves.joins, 0);
+        g_array_set_size(s->moves.joining, 0);
+        s->moves.joining_at = 0;
+        g_hash_table_remove_all(s->moves.waiting);
         return;
     }
-    for (guint i = s->joins->len; i-- > 0;) {
-        if (g_array_index(s->joins, Joining, i).vm == vm->scan->serial) {
-            waiting_done(s, &g_array_index(s->joins, Joining, i));
-            g_array_remove_index_fast(s->joins, i);
+    for (guint i = s->moves.joins->len; i-- > 0;) {
+        if (g_array_index(s->moves.joins, Joining, i).vm == vm->scan->serial) {
+            waiting_done(s, &g_array_index(s->moves.joins, Joining, i));
+            g_array_remove_index_fast(s->moves.joins, i);
         }
     }
     /* The batch being made stays sorted: one sweep. */
     {
-        guint to = s->joining_at;
+        guint to = s->moves.joining_at;
 
-        for (guint i = s->joining_at; i < s->joining->len; i++) {
-            const Joining *j = &g_array_index(s->joining, Joining, i);
+        for (guint i = s->moves.joining_at; i < s->moves.joining->len; i++) {
+            const Joining *j = &g_array_index(s->moves.joining, Joining, i);
 
             if (j->vm != vm->scan->serial) {
-                g_array_index(s->joining, Joining, to++) = *j;
+                g_array_index(s->moves.joining, Joining, to++) = *j;
             } else {
                 waiting_done(s, j);
             }
         }
-        g_array_set_size(s->joining, to);
+        g_array_set_size(s->moves.joining, to);
     }
 }
 
@@ -342,14 +342,14 @@ join_still(PfScanner *s, Joining *j, Resident *res)
     if (pf_region_page_state(r, j->page - r->base) != PF_PAGE_UNSHARED || !can_merge(r->vm) ||
         !n->live || n->born != j->born || n->next != 0 || n->slot != j->slot ||
         n->domain != pf_vm_domain_key(r->vm) ||
-        ledger_sharers(s, n) >= s->knobs.max_page_sharing) {
+        ledger_sharers(s, n) >= setup_of(s)->knobs.max_page_sharing) {
         return FALSE;
     }
     if (res != NULL) {
         const guint8 *page = page_data(s, j->page);
 
         j->equal = resident(res, r, page) &&
-                   (s->memcmp_calls++, memcmp(page, pf_pool_data(s->pool, n->slot),
+                   (s->moves.memcmp_calls++, memcmp(page, pf_pool_data(s->pool, n->slot),
                                               PF_PAGE_SIZE) == 0);
     }
     return j->equal;
@@ -365,7 +365,7 @@ distinct_joining(PfScanner *s, guint i, guint e)
     Resident res = { NULL, 0, { 0 } };
 
     for (; i < e; i++) {
-        Joining *j = &g_array_index(s->joining, Joining, i);
+        Joining *j = &g_array_index(s->moves.joining, Joining, i);
 
         if (join_still(s, j, &res) && j->slot != last_slot) {
             distinct++;
@@ -385,13 +385,13 @@ partial_waits(PfScanner *s, const Joining *first)
     guint64 key = (guint64)first->chunk << 32 | first->vm;
     gpointer seen;
 
-    if (!g_hash_table_lookup_extended(s->partial, &key, NULL, &seen) ||
-        GPOINTER_TO_SIZE(seen) >= s->joining_pass) {
-        g_hash_table_insert(s->partial, g_memdup2(&key, sizeof(key)),
-                            GSIZE_TO_POINTER(s->joining_pass));
+    if (!g_hash_table_lookup_extended(s->moves.partial, &key, NULL, &seen) ||
+        GPOINTER_TO_SIZE(seen) >= s->moves.joining_pass) {
+        g_hash_table_insert(s->moves.partial, g_memdup2(&key, sizeof(key)),
+                            GSIZE_TO_POINTER(s->moves.joining_pass));
         return TRUE;
     }
-    g_hash_table_remove(s->partial, &key);
+    g_hash_table_remove(s->moves.partial, &key);
     return FALSE;
 }
 
@@ -401,9 +401,9 @@ partial_expire(PfScanner *s)
     GHashTableIter it;
     gpointer seen;
 
-    g_hash_table_iter_init(&it, s->partial);
+    g_hash_table_iter_init(&it, s->moves.partial);
     while (g_hash_table_iter_next(&it, NULL, &seen)) {
-        if (GPOINTER_TO_SIZE(seen) + 1 < s->joining_pass) {
+        if (GPOINTER_TO_SIZE(seen) + 1 < s->moves.joining_pass) {
             g_hash_table_iter_remove(&it);
         }
     }
@@ -423,19 +423,19 @@ partial_expire(PfScanner *s)
 static void
 queue_joins(PfScanner *s, const Joining *joins, guint n)
 {
-    g_array_remove_range(s->joining, 0, s->joining_at);
-    s->joining_at = 0;
-    g_array_append_vals(s->joining, joins, n);
-    s->joining_pass = s->full_scans;
-    g_array_sort(s->joining, cmp_joining);
+    g_array_remove_range(s->moves.joining, 0, s->moves.joining_at);
+    s->moves.joining_at = 0;
+    g_array_append_vals(s->moves.joining, joins, n);
+    s->moves.joining_pass = pass_of(s)->full_scans;
+    g_array_sort(s->moves.joining, cmp_joining);
 }
 
 void
 moves_make_joins(PfScanner *s)
 {
-    if (s->joins->len > 0) {
-        queue_joins(s, (const Joining *)(gpointer)s->joins->data, s->joins->len);
-        g_array_set_size(s->joins, 0);
+    if (s->moves.joins->len > 0) {
+        queue_joins(s, (const Joining *)(gpointer)s->moves.joins->data, s->moves.joins->len);
+        g_array_set_size(s->moves.joins, 0);
     }
     moves_continue_joins(s);
 }
@@ -446,16 +446,16 @@ moves_make_vm_joins(PfScanner *s, const PfVm *vm)
     g_autoptr(GArray) mine = g_array_new(FALSE, FALSE, sizeof(Joining));
     guint to = 0;
 
-    for (guint i = 0; i < s->joins->len; i++) {
-        const Joining *j = &g_array_index(s->joins, Joining, i);
+    for (guint i = 0; i < s->moves.joins->len; i++) {
+        const Joining *j = &g_array_index(s->moves.joins, Joining, i);
 
         if (j->vm == vm->scan->serial) {
             g_array_append_val(mine, *j);
         } else {
-            g_array_index(s->joins, Joining, to++) = *j;
+            g_array_index(s->moves.joins, Joining, to++) = *j;
         }
     }
-    g_array_set_size(s->joins, to);
+    g_array_set_size(s->moves.joins, to);
     if (mine->len > 0) {
         queue_joins(s, (const Joining *)(gpointer)mine->data, mine->len);
         moves_continue_joins(s);
@@ -465,19 +465,19 @@ moves_make_vm_joins(PfScanner *s, const PfVm *vm)
 gboolean
 moves_continue_joins(PfScanner *s)
 {
-    guint start = s->joining_at, i = start;
+    guint start = s->moves.joining_at, i = start;
 
-    while (i < s->joining->len && !(i > start && past_slice(s))) {
+    while (i < s->moves.joining->len && !(i > start && past_slice(s))) {
         const Joining *first;
         guint e = i, distinct;
 
         /* A VM that goes meanwhile takes its joins from here on out. */
-        s->joining_at = i;
-        first = &g_array_index(s->joining, Joining, i);
+        s->moves.joining_at = i;
+        first = &g_array_index(s->moves.joining, Joining, i);
 
-        while (e < s->joining->len &&
-               g_array_index(s->joining, Joining, e).chunk == first->chunk &&
-               g_array_index(s->joining, Joining, e).vm == first->vm) {
+        while (e < s->moves.joining->len &&
+               g_array_index(s->moves.joining, Joining, e).chunk == first->chunk &&
+               g_array_index(s->moves.joining, Joining, e).vm == first->vm) {
             e++;
         }
         distinct = distinct_joining(s, i, e);
@@ -493,14 +493,14 @@ moves_continue_joins(PfScanner *s)
             scan_emit_chunk(s, r->vm, pf_pool_chunk(s->pool, first->chunk), FALSE);
         } else if (distinct > 0 && partial_waits(s, first)) {
             for (; i < e; i++) {
-                waiting_done(s, &g_array_index(s->joining, Joining, i));
+                waiting_done(s, &g_array_index(s->moves.joining, Joining, i));
             }
             continue;
         }
-        for (; i < e && i < s->joining->len; i++) {
+        for (; i < e && i < s->moves.joining->len; i++) {
             /* A copy, read again after moves_join(): waiting_done() must
              * not depend on a join leaving joining as it was. */
-            Joining j = g_array_index(s->joining, Joining, i);
+            Joining j = g_array_index(s->moves.joining, Joining, i);
 
             if (join_still(s, &j, NULL)) {
                 PfRegion *r = region_of(s, j.page);
@@ -510,12 +510,12 @@ moves_continue_joins(PfScanner *s)
             waiting_done(s, &j);
         }
     }
-    s->joining_at = i;
-    if (i < s->joining->len) {
+    s->moves.joining_at = i;
+    if (i < s->moves.joining->len) {
         return FALSE;
     }
-    g_array_set_size(s->joining, 0);
-    s->joining_at = 0;
+    g_array_set_size(s->moves.joining, 0);
+    s->moves.joining_at = 0;
     partial_expire(s);
     return TRUE;
 }
@@ -527,8 +527,8 @@ new_chunk_cb(const PfPoolChunk *chunk, gpointer user)
 {
     PfScanner *s = user;
 
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         if (pf_vm_merges(vm) && moves_chunk_is_for(chunk, vm)) {
             scan_emit_chunk(s, vm, chunk, FALSE);
@@ -544,8 +544,8 @@ drop_chunk_cb(const PfPoolChunk *chunk, gpointer user)
 {
     PfScanner *s = user;
 
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         if (moves_chunk_is_for(chunk, vm)) {
             PfDropped d = { chunk->ino, pf_outbox_sent_seq(vm->outbox), g_get_monotonic_time() };
@@ -566,4 +566,22 @@ pf_scanner_get_pool(PfScanner *s)
         s->pool = pf_pool_new(new_chunk_cb, drop_chunk_cb, s);
     }
     return s->pool;
+}
+
+void
+moves_init(PfScanner *s)
+{
+    s->moves.joins = g_array_new(FALSE, FALSE, sizeof(Joining));
+    s->moves.joining = g_array_new(FALSE, FALSE, sizeof(Joining));
+    s->moves.partial = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
+    s->moves.waiting = g_hash_table_new_full(NULL, NULL, NULL, g_free);
+}
+
+void
+moves_clear(PfScanner *s)
+{
+    g_array_unref(s->moves.joins);
+    g_array_unref(s->moves.joining);
+    g_hash_table_unref(s->moves.partial);
+    g_hash_table_unref(s->moves.waiting);
 }

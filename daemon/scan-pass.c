@@ -1,13 +1,13 @@
 /*
- * scan-pass.c - the pass loop: the cursor over every VM's regions, pages
- * read in slices under the SIGBUS guard, each VM taken up again as the
- * cursor comes to it (its look, where one was due: scan-reads.c), and
+ * scan-pass.c - the pass loop: the cursor (scan-cursor.c) over every VM's
+ * regions, pages read in slices under the SIGBUS guard, each VM taken up
+ * again as the cursor comes to it (its look, where one was due: scan-reads.c), and
  * the VMs whose agent has as much to answer as its outbox takes, or whose
  * look or window is not read yet: left for later in the pass, and waited
  * for a bounded while at its end.
  *
- * Owns the cursor and the pass (in_pass, full_scans, the deferral's
- * clocks); a visit's decision is scan-visit.c's, what is read of a VM off
+ * Owns the pass (in_pass, full_scans, the deferral's clocks), and moves
+ * the cursor; a visit's decision is scan-visit.c's, what is read of a VM off
  * the main loop scan-reads.c's.  Never blocks: a scan stops at the end of
  * its slice, of its pages, of the pass, or at a full outbox, and never
  * waits for an agent.
@@ -55,14 +55,14 @@ pf_scanner_vm_merged(const PfVm *vm)
 gboolean
 pf_scanner_joining(PfScanner *s)
 {
-    return s->joining->len > 0;
+    return moves_of(s)->joining->len > 0;
 }
 
 gboolean
 pf_scanner_looking(PfScanner *s)
 {
-    for (guint i = 0; i < s->vms->len; i++) {
-        const PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        const PfVm *vm = vm_at(s, i);
 
         if (vm->scan->looking != NULL || vm->scan->reading != NULL) {
             return TRUE;
@@ -74,13 +74,13 @@ pf_scanner_looking(PfScanner *s)
 guint64
 pf_scanner_full_scans(PfScanner *s)
 {
-    return s->full_scans;
+    return s->pass.full_scans;
 }
 
 gboolean
 pf_scanner_in_pass(PfScanner *s)
 {
-    return s->in_pass;
+    return s->pass.in_pass;
 }
 
 /* Visits up to n pages of r from the cursor on, within the slice. */
@@ -88,12 +88,12 @@ static gsize
 scan_range(PfScanner *s, PfRegion *r, gsize n)
 {
     sigjmp_buf env;
-    volatile gsize i = s->cur_page;
-    gsize start = s->cur_page;
+    volatile gsize i = cursor_of(s)->page;
+    gsize start = cursor_of(s)->page;
 
     if (sigsetjmp(env, 0) != 0) {
         pf_guard_env = NULL;
-        s->cur_page = i;
+        cursor_at_page(s, i, cursor_of(s)->data_end);
         vms_faulted(s);
         return i - start;
     }
@@ -117,16 +117,8 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         }
     }
     pf_guard_env = NULL;
-    s->cur_page = i;
+    cursor_at_page(s, i, cursor_of(s)->data_end);
     return i - start;
-}
-
-/* On from the VM the cursor is done with (or left): to the next, or, once
- * every VM had its turn, back to those it deferred (to_deferred()). */
-static void
-next_vm(PfScanner *s)
-{
-    cursor_to_vm(s, s->revisiting ? s->vms->len : s->cur_vm + 1);
 }
 
 /* The cursor leaves the VM it is at before its end: to come back to it in
@@ -134,11 +126,8 @@ next_vm(PfScanner *s)
 static void
 leave_vm(PfScanner *s, PfVm *vm, gboolean later)
 {
-    vm->scan->resume = TRUE;
-    vm->scan->resume_region = s->cur_region;
-    vm->scan->resume_page = s->cur_page;
     vm->scan->deferred = later;
-    next_vm(s);
+    cursor_leave_vm(s, vm);
 }
 
 /* Whether vm waits for a window of its memfd that is not read yet: one
@@ -149,16 +138,17 @@ window_pending(PfScanner *s, PfVm *vm)
 {
     return vm->scan->window_wait != 0 &&
            (vm->scan->reading != NULL ||
-            g_hash_table_contains(s->reading_pids, GINT_TO_POINTER(vm->pid)));
+            g_hash_table_contains(reads_of(s)->reading_pids, GINT_TO_POINTER(vm->pid)));
 }
 
 static gboolean
 waited_enough(PfScanner *s, gint64 now)
 {
-    gint64 waited = s->deferred_wait + (s->wait_since != 0 ? now - s->wait_since : 0);
-    gint64 scanning = now - s->pass_start_usec - waited;
+    const PfScanPass *pass = &s->pass;
+    gint64 waited = pass->deferred_wait + (pass->wait_since != 0 ? now - pass->wait_since : 0);
+    gint64 scanning = now - pass->pass_start_usec - waited;
 
-    return !s->whole_passes && waited > MAX(DEFERRED_WAIT_USEC, scanning / 4);
+    return !pass->whole_passes && waited > MAX(DEFERRED_WAIT_USEC, scanning / 4);
 }
 
 /*
@@ -174,8 +164,8 @@ to_deferred(PfScanner *s)
     gint64 now = g_get_monotonic_time();
     gboolean waiting = FALSE;
 
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         if (!vm->scan->deferred) {
             continue;
@@ -193,12 +183,12 @@ to_deferred(PfScanner *s)
         /* vm_room() takes it now, or passes it over. */
         if ((vm->scan->entered || vm->scan->look != NULL) && !window_pending(s, vm) &&
             (outbox_visits(vm) > 0 || vm->scan->unmerging || pf_scanner_agent_silent(vm))) {
-            if (s->wait_since != 0) {
-                s->deferred_wait += now - s->wait_since;
-                s->wait_since = 0;
+            if (s->pass.wait_since != 0) {
+                s->pass.deferred_wait += now - s->pass.wait_since;
+                s->pass.wait_since = 0;
             }
             vm->scan->deferred = FALSE;
-            s->revisiting = TRUE;
+            cursor_revisit(s, TRUE);
             cursor_to_vm(s, i);
             return TRUE;
         }
@@ -207,15 +197,15 @@ to_deferred(PfScanner *s)
     if (!waiting) {
         return FALSE;
     }
-    if (s->wait_since == 0) {
-        s->wait_since = now;
+    if (s->pass.wait_since == 0) {
+        s->pass.wait_since = now;
     }
     if (!waited_enough(s, now)) {
-        s->blocked = TRUE;
+        s->pass.blocked = TRUE;
         return FALSE;
     }
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         if (vm->scan->deferred) {
             g_debug("VM %s: its agent answers slowly: the pass ends without the rest of it",
@@ -231,8 +221,8 @@ begin_pass(PfScanner *s)
     gint64 now = g_get_monotonic_time();
     gsize candidates = 0;
 
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         /* Only a page that kept its checksum since its last visit enters
          * the unstable tree: one volatile or unshared now.  Not counted,
@@ -242,21 +232,21 @@ begin_pass(PfScanner *s)
          * each, more than its record. */
         candidates += vm->scan->count[PF_PAGE_VOLATILE] + vm->scan->count[PF_PAGE_UNSHARED];
     }
-    if (s->vms->len == 0) {
+    if (vm_count(s) == 0) {
         return FALSE;
     }
     pf_table_reset(&s->unstable.table, candidates);
-    if (s->listed_sharing != s->knobs.max_page_sharing) {
+    if (s->pass.listed_sharing != setup_of(s)->knobs.max_page_sharing) {
         /* The knob changed: nodes full by the old value may have room
          * now, others none.  (KSM refuses the change while pages share.) */
-        s->listed_sharing = s->knobs.max_page_sharing;
+        s->pass.listed_sharing = setup_of(s)->knobs.max_page_sharing;
         for (guint32 id = 1; id < s->stable.nodes->len; id++) {
             ledger_relist(s, id);
         }
     }
     moves_evacuate(s);
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         /* A look the last pass ended without is taken as it is: its count
          * of mappings is made up by what was asked since
@@ -265,19 +255,19 @@ begin_pass(PfScanner *s)
         if (reads_look_due(s, vm, now)) {
             reads_look_start(s, vm);
         }
-        if (s->whole_passes) {
-            vm->scan->resume = FALSE; /* root asked for whole passes */
+        if (s->pass.whole_passes) {
+            cursor_forget_vm(vm); /* root asked for whole passes */
         }
     }
-    s->in_pass = TRUE;
-    s->revisiting = FALSE;
-    s->deferred_wait = 0;
-    s->wait_since = 0;
-    s->pass_start_usec = g_get_monotonic_time();
+    s->pass.in_pass = TRUE;
+    cursor_revisit(s, FALSE);
+    s->pass.deferred_wait = 0;
+    s->pass.wait_since = 0;
+    s->pass.pass_start_usec = g_get_monotonic_time();
     /* Each VM's first window of memfd, read while the cursor is at the
      * VMs before it (before the cursor takes the first VM's resume). */
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         vm->scan->window_wait = 0;
         reads_window(s, vm, vm->scan->resume ? vm->scan->resume_region : 0,
@@ -335,7 +325,7 @@ enter_vm(PfScanner *s, PfVm *vm)
         return ENTER_GONE;
     }
     if (gone->len > 0) {
-        cursor_to_vm(s, s->cur_vm); /* where it was left may be another region now */
+        cursor_to_vm(s, cursor_of(s)->vm); /* where it was left may be another region now */
     }
     vm->scan->entered = TRUE;
     for (guint k = 0; k < added->len; k++) {
@@ -348,7 +338,7 @@ enter_vm(PfScanner *s, PfVm *vm)
     }
     if (pf_vm_merges(vm)) {
         vm->scan->vmas = pf_vm_look_vmas(look) + vm->scan->vmas_since_look;
-        vm->scan->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
+        vm->scan->vma_budget = vma_budget(s);
     }
     vm->scan->counted = TRUE;
     return ENTER_DONE;
@@ -357,13 +347,13 @@ enter_vm(PfScanner *s, PfVm *vm)
 static void
 end_pass(PfScanner *s)
 {
-    for (guint i = 0; i < s->vms->len; i++) {
-        ((PfVm *)g_ptr_array_index(s->vms, i))->scan->deferred = FALSE;
+    for (guint i = 0; i < vm_count(s); i++) {
+        ((PfVm *)vm_at(s, i))->scan->deferred = FALSE;
     }
     moves_make_joins(s);
-    s->in_pass = FALSE;
-    s->full_scans++;
-    s->last_pass_usec = (guint64)(g_get_monotonic_time() - s->pass_start_usec);
+    s->pass.in_pass = FALSE;
+    s->pass.full_scans++;
+    s->pass.last_pass_usec = (guint64)(g_get_monotonic_time() - s->pass.pass_start_usec);
 }
 
 /*
@@ -398,34 +388,33 @@ vm_room(PfScanner *s, PfVm *vm, gboolean *skip)
 static gsize
 scan_step(PfScanner *s, PfVm *vm, gsize max, gboolean *moved)
 {
+    const PfScanCursor *c = cursor_of(s);
     PfRegion *r;
 
     *moved = TRUE;
-    if (s->cur_region >= vm->regions->len) {
+    if (c->region >= vm->regions->len) {
         vm->scan->full_scans++;
         moves_make_vm_joins(s, vm);
-        next_vm(s);
+        cursor_next_vm(s);
         return 0;
     }
-    r = g_ptr_array_index(vm->regions, s->cur_region);
-    if (s->cur_page >= r->n_pages) {
-        s->cur_region++;
-        s->cur_page = 0;
-        s->data_end = 0;
+    r = g_ptr_array_index(vm->regions, c->region);
+    if (c->page >= r->n_pages) {
+        cursor_next_region(s);
         return 0;
     }
-    if (s->cur_page >= s->data_end) {
-        gsize present;
+    if (c->page >= c->data_end) {
+        gsize present, stop, data_end;
 
-        if (!reads_find_data(s, vm, r, s->cur_page, max, &s->cur_page, &s->data_end,
-                             &present)) {
+        if (!reads_find_data(s, vm, r, c->page, max, &stop, &data_end, &present)) {
             leave_vm(s, vm, TRUE); /* the cursor is at another VM now */
             *moved = FALSE;
             return 0;
         }
+        cursor_at_page(s, stop, data_end);
         return present;
     }
-    return scan_range(s, r, MIN(max, s->data_end - s->cur_page));
+    return scan_range(s, r, MIN(max, c->data_end - c->page));
 }
 
 gsize
@@ -434,8 +423,8 @@ pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
     gboolean moved = FALSE, step_moved, hints_due = TRUE;
     gsize done = 0;
 
-    s->blocked = FALSE;
-    if (s->joining->len > 0) {
+    s->pass.blocked = FALSE;
+    if (moves_of(s)->joining->len > 0) {
         /* The joins of a pass come before the next (or the rest of this
          * one): this call makes as many as its slice allows. */
         moves_continue_joins(s);
@@ -449,38 +438,38 @@ pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
         gsize room;
         gboolean skip;
 
-        if (!s->in_pass && !begin_pass(s)) {
+        if (!s->pass.in_pass && !begin_pass(s)) {
             break;
         }
         if (hints_due) {
             /* First, in this pass's unstable tree: up to half the budget
              * (none of a budget of 1), so that the cursor goes on however
              * many hints come. */
-            gint64 end = s->slice_end, now = g_get_monotonic_time();
+            gint64 end = s->pass.slice_end, now = g_get_monotonic_time();
             gsize hinted;
 
             /* And half the slice: the time is the cursor's too. */
             if (end != 0) {
-                s->slice_end = now + MAX(end - now, 0) / 2;
+                s->pass.slice_end = now + MAX(end - now, 0) / 2;
             }
             hinted = hints_visit(s, (max_pages - done) / 2);
-            s->slice_end = end;
+            s->pass.slice_end = end;
             hints_due = FALSE;
             done += hinted;
             moved = moved || hinted > 0;
             continue;
         }
-        if (s->cur_vm >= s->vms->len) {
+        if (cursor_of(s)->vm >= vm_count(s)) {
             if (to_deferred(s)) {
                 continue;
             }
-            if (!s->blocked) {
+            if (!s->pass.blocked) {
                 end_pass(s);
                 moved = TRUE;
             }
             break;
         }
-        vm = g_ptr_array_index(s->vms, s->cur_vm);
+        vm = vm_at(s, cursor_of(s)->vm);
         if (!vm->scan->entered) {
             Enter e = enter_vm(s, vm);
 
@@ -508,11 +497,11 @@ gsize
 pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes,
                       gboolean *progress)
 {
-    guint64 scans = s->full_scans;
+    guint64 scans = s->pass.full_scans;
     gsize done = 0;
 
-    s->whole_passes = whole_passes;
-    s->slice_end = g_get_monotonic_time() + usec;
+    s->pass.whole_passes = whole_passes;
+    s->pass.slice_end = g_get_monotonic_time() + usec;
     *progress = FALSE;
     while (done < max_pages) {
         gboolean moved;
@@ -520,11 +509,17 @@ pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole
 
         done += n;
         *progress = *progress || moved;
-        if (!moved || s->blocked || s->full_scans != scans || past_slice(s)) {
+        if (!moved || s->pass.blocked || s->pass.full_scans != scans || past_slice(s)) {
             break;
         }
     }
-    s->slice_end = 0;
-    s->whole_passes = FALSE;
+    s->pass.slice_end = 0;
+    s->pass.whole_passes = FALSE;
     return done;
+}
+
+void
+pass_init(PfScanner *s)
+{
+    s->pass.listed_sharing = setup_of(s)->knobs.max_page_sharing;
 }

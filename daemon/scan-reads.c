@@ -112,11 +112,11 @@ reads_window(PfScanner *s, PfVm *vm, guint k, gsize page)
         }
     }
     if (k >= vm->regions->len || vm->scan->reading != NULL ||
-        (call = thread_call_new(vm, s->reading_pids, &vm->scan->reading)) == NULL) {
+        (call = thread_call_new(vm, s->reads.reading_pids, &vm->scan->reading)) == NULL) {
         return;
     }
-    pf_extents_read_async(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow, page, call->cancel,
-                          window_read, call);
+    pf_extents_read_async(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, setup_of(s)->cow, page,
+                          call->cancel, window_read, call);
 }
 
 /* The index of the first of n records (of size bytes, in order of the
@@ -145,7 +145,7 @@ first_at_least(const void *records, guint n, gsize size, gsize offset, gsize pag
 static gboolean
 window_of_pass(PfScanner *s, const PfExtents *x)
 {
-    return x != NULL && x->usec >= s->pass_start_usec;
+    return x != NULL && x->usec >= pass_of(s)->pass_start_usec;
 }
 
 /* The window of this pass that holds the cursor, if there is one. */
@@ -220,8 +220,8 @@ reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize at, gsize budget, gsi
     if (x == NULL && vm->scan->read_failed) {
         vm->scan->read_failed = FALSE;
         pf_extents_free(vm->scan->extents);
-        vm->scan->extents = x = pf_extents_read(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1, s->cow,
-                                          at);
+        vm->scan->extents = x = pf_extents_read(r, pf_vm_merges(vm) ? vm->pagemap_fd : -1,
+                                                setup_of(s)->cow, at);
     }
     *present = 0;
     if (x == NULL) {
@@ -320,7 +320,7 @@ reads_look_start(PfScanner *s, PfVm *vm)
     ThreadCall *call;
 
     if (vm->scan->looking != NULL || vm->scan->look != NULL ||
-        (call = thread_call_new(vm, s->looking_pids, &vm->scan->looking)) == NULL) {
+        (call = thread_call_new(vm, s->reads.looking_pids, &vm->scan->looking)) == NULL) {
         return;
     }
     vm->scan->look_usec = g_get_monotonic_time();
@@ -349,7 +349,7 @@ reads_look_due(const PfScanner *s, const PfVm *vm, gint64 now)
 {
     const PfScanVm *sv = vm->scan;
 
-    return s->whole_passes || vm->kind == PF_VM_BY_PID ||
+    return pass_of(s)->whole_passes || vm->kind == PF_VM_BY_PID ||
            (sv->dropped != NULL && sv->dropped->len > 0) || sv->vma_budget == 0 ||
            sv->vmas >= sv->vma_budget || sv->vmas_since_look >= sv->vma_budget / 8 ||
            now - sv->look_usec >= LOOK_PERIOD_USEC;
@@ -381,4 +381,18 @@ reads_forget(PfVm *vm)
     cancel_read(&vm->scan->looking);
     g_clear_pointer(&vm->scan->look, pf_vm_look_free);
     reads_forget_windows(vm);
+}
+
+void
+reads_init(PfScanner *s)
+{
+    s->reads.looking_pids = g_hash_table_new(NULL, NULL);
+    s->reads.reading_pids = g_hash_table_new(NULL, NULL);
+}
+
+void
+reads_clear(PfScanner *s)
+{
+    g_hash_table_unref(s->reads.looking_pids);
+    g_hash_table_unref(s->reads.reading_pids);
 }

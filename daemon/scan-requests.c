@@ -151,8 +151,8 @@ requests_abandon(PfScanner *s, PfVm *vm, GArray *keep)
 void
 pf_scanner_flush(PfScanner *s)
 {
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         if (vm->kind == PF_VM_AGENT) {
             pf_outbox_flush(vm->outbox);

@@ -22,7 +22,7 @@ page_equal(PfScanner *s, const guint8 *data, guint32 other)
     if (!page_in_memory(o)) {
         return FALSE;
     }
-    s->memcmp_calls++;
+    s->visits.memcmp_calls++;
     return memcmp(data, o, PF_PAGE_SIZE) == 0;
 }
 
@@ -34,7 +34,7 @@ node_equal(PfScanner *s, const guint8 *data, const PfStableNode *n)
     if (n->slot == PF_POOL_SLOT_NONE) {
         return page_equal(s, data, n->members[0]);
     }
-    s->memcmp_calls++;
+    s->visits.memcmp_calls++;
     return memcmp(data, pf_pool_data(s->pool, n->slot), PF_PAGE_SIZE) == 0;
 }
 
@@ -94,7 +94,7 @@ advise_drop_changed_first(PfScanner *s, guint32 node, guint64 c)
     PfRegion *fr;
     PfPage *fp;
 
-    if (c != n->checksum || !page_in_memory(fdata) || s->hash(fdata) == n->checksum) {
+    if (c != n->checksum || !page_in_memory(fdata) || setup_of(s)->hash(fdata) == n->checksum) {
         return FALSE;
     }
     fr = region_of(s, first);
@@ -128,7 +128,7 @@ advise_still_shares(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guin
                 return TRUE;
             }
             if (!hashed) {
-                *c = s->hash(data);
+                *c = setup_of(s)->hash(data);
                 hashed = TRUE;
             }
             if (!advise_drop_changed_first(s, node, *c)) {
@@ -136,7 +136,7 @@ advise_still_shares(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guin
             }
         }
         if (!hashed) {
-            *c = s->hash(data);
+            *c = setup_of(s)->hash(data);
         }
         if (n->members[0] == id && *c == n->checksum) {
             return TRUE;
@@ -150,10 +150,10 @@ advise_still_shares(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guin
         if (pf_page_is_zero(data)) {
             return TRUE;
         }
-        *c = s->hash(data);
+        *c = setup_of(s)->hash(data);
         set_state(r, p, PF_PAGE_VOLATILE);
     } else {
-        *c = s->hash(data);
+        *c = setup_of(s)->hash(data);
     }
     return FALSE;
 }
@@ -208,13 +208,13 @@ stable_search(PfScanner *s, PfRegion *r, PfPage *p, guint32 id, const guint8 *da
         if ((other = pf_table_iter_next(&it)) == 0) {
             break;
         }
-        s->stable_nodes_examined++;
+        s->visits.stable_nodes_examined++;
         n = node_at(s, other);
         /* Full nodes are not listed, unless max_page_sharing was lowered
          * this pass (begin_pass()). */
         if ((n->slot != PF_POOL_SLOT_NONE) != merge_domain ||
             n->domain != pf_vm_domain_key(r->vm) ||
-            ledger_sharers(s, n) >= s->knobs.max_page_sharing) {
+            ledger_sharers(s, n) >= setup_of(s)->knobs.max_page_sharing) {
             continue;
         }
         /* Listed are the nodes with room: about one a content and set of
@@ -360,7 +360,7 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
         cow_check_merged(s, r, idx, idx + 1);
         return;
     }
-    again = p->state != PF_PAGE_ABSENT && p->seen == (s->full_scans & 31);
+    again = p->state != PF_PAGE_ABSENT && p->seen == (pass_of(s)->full_scans & 31);
     if (hinted) {
         /* New content: smart scan starts over; the cursor passes it by
          * in this pass. */
@@ -369,15 +369,15 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
         r->vm->scan->pages_hinted++;
     } else if (p->hinted) {
         p->hinted = 0;
-        if (p->seen == (s->full_scans & 31)) {
+        if (p->seen == (pass_of(s)->full_scans & 31)) {
             return;
         }
-    } else if (s->knobs.smart_scan && p->state != PF_PAGE_SHARED &&
-               p->state != PF_PAGE_ZERO && smart_skip(p, s->full_scans)) {
+    } else if (setup_of(s)->knobs.smart_scan && p->state != PF_PAGE_SHARED &&
+               p->state != PF_PAGE_ZERO && smart_skip(p, pass_of(s)->full_scans)) {
         r->vm->scan->pages_skipped++;
         return;
     }
-    p->seen = s->full_scans & 31;
+    p->seen = pass_of(s)->full_scans & 31;
     r->vm->scan->pages_scanned++;
     if (advise_still_shares(s, r, p, id, data, &c)) {
         return;
@@ -413,8 +413,8 @@ visit_page(PfScanner *s, PfRegion *r, gsize idx, gboolean hinted)
         set_state(r, p, PF_PAGE_VOLATILE);
         return;
     }
-    if (s->knobs.use_zero_pages && c == s->zero_checksum && pf_page_is_zero(data) &&
-        visit_zero(s, r, p, id)) {
+    if (setup_of(s)->knobs.use_zero_pages && c == setup_of(s)->zero_checksum &&
+        pf_page_is_zero(data) && visit_zero(s, r, p, id)) {
         return;
     }
     unstable_search_insert(s, r, p, id, data, c);

@@ -107,7 +107,7 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
     *w = (ExitWatch){ s, vm };
     g_return_if_fail(vm->scan == NULL);
     vm->scan = g_new0(PfScanVm, 1);
-    vm->scan->serial = ++s->next_serial;
+    vm->scan->serial = ++s->vms.next_serial;
     for (guint k = 0; k < vm->regions->len;) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
 
@@ -136,9 +136,9 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
         }
         /* Its mappings are counted as the cursor first comes to it,
          * before any request for it. */
-        vm->scan->vma_budget = s->max_map_count * s->knobs.max_vma_percent / 100;
+        vm->scan->vma_budget = vma_budget(s);
     }
-    g_ptr_array_add(s->vms, vm);
+    g_ptr_array_add(s->vms.list, vm);
 }
 
 void
@@ -166,7 +166,7 @@ leftover_cb(gint fd, GIOCondition cond, gpointer user)
         ledger_put(l->s, h->slot, h->node);
     }
     l->watch = 0;
-    g_ptr_array_remove(l->s->leftovers, l);
+    g_ptr_array_remove(l->s->vms.leftovers, l);
     return G_SOURCE_REMOVE;
 }
 
@@ -196,7 +196,7 @@ vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep)
     vm->pidfd = -1;
     l->refs = g_array_ref(keep);
     l->watch = g_unix_fd_add(l->pidfd, G_IO_IN, leftover_cb, l);
-    g_ptr_array_add(s->leftovers, l);
+    g_ptr_array_add(s->vms.leftovers, l);
     g_message("VM %s: %u pool slot reference(s) kept until process %d exits", vm->name,
               l->refs->len, vm->pid);
 }
@@ -233,7 +233,7 @@ vm_leave(PfScanner *s, PfVm *vm, const char *why)
     PfVm *gone;
     guint idx;
 
-    if (!g_ptr_array_find(s->vms, vm, &idx)) {
+    if (!g_ptr_array_find(s->vms.list, vm, &idx)) {
         return;
     }
     if (pf_vm_merges(vm) && !pf_vm_exited(vm)) {
@@ -241,8 +241,8 @@ vm_leave(PfScanner *s, PfVm *vm, const char *why)
     }
     requests_abandon(s, vm, keep);
     scan_emit_vm_gone(s, vm, why);
-    g_ptr_array_find(s->vms, vm, &idx);
-    gone = g_ptr_array_steal_index(s->vms, idx);
+    g_ptr_array_find(s->vms.list, vm, &idx);
+    gone = g_ptr_array_steal_index(s->vms.list, idx);
     cursor_vm_removed(s, idx);
     for (guint k = 0; k < vm->regions->len; k++) {
         PfRegion *r = g_ptr_array_index(vm->regions, k);
@@ -331,7 +331,8 @@ pf_scanner_merge_domain(PfScanner *s, const PfVm *vm)
     if (vm->scan->unlabelled) {
         return "unlabelled";
     }
-    return vm->scan->domain == 0 ? "default" : g_ptr_array_index(s->domains, vm->scan->domain - 1);
+    return vm->scan->domain == 0 ? "default"
+                                 : g_ptr_array_index(s->vms.domains, vm->scan->domain - 1);
 }
 
 void
@@ -376,9 +377,9 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
         return FALSE;
     }
     if (domain != NULL && *domain != '\0' && !g_str_equal(domain, "default")) {
-        if (!g_ptr_array_find_with_equal_func(s->domains, domain, g_str_equal, &id)) {
-            g_ptr_array_add(s->domains, g_strdup(domain));
-            id = s->domains->len - 1;
+        if (!g_ptr_array_find_with_equal_func(s->vms.domains, domain, g_str_equal, &id)) {
+            g_ptr_array_add(s->vms.domains, g_strdup(domain));
+            id = s->vms.domains->len - 1;
         }
         id++;
     }
@@ -400,10 +401,26 @@ pf_scanner_set_merge_domain(PfScanner *s, PfVm *vm, const char *domain, GError *
     moves_forget_joins(s, vm);
     smart_scan_over(vm);
     g_message("VM %s (pid %d): merge domain '%s' (was '%s')", vm->name, vm->pid,
-              id == 0 ? "default" : (const char *)g_ptr_array_index(s->domains, id - 1),
+              id == 0 ? "default" : (const char *)g_ptr_array_index(s->vms.domains, id - 1),
               pf_scanner_merge_domain(s, vm));
     vm->scan->unlabelled = FALSE;
     vm->scan->domain = id;
     scan_emit_domain(s, vm);
     return TRUE;
+}
+
+void
+vms_init(PfScanner *s)
+{
+    s->vms.list = g_ptr_array_new_with_free_func((GDestroyNotify)vms_free_vm);
+    s->vms.leftovers = g_ptr_array_new_with_free_func(vms_leftover_free);
+    s->vms.domains = g_ptr_array_new_with_free_func(g_free);
+}
+
+void
+vms_clear(PfScanner *s)
+{
+    g_ptr_array_unref(s->vms.list);
+    g_ptr_array_unref(s->vms.domains);
+    g_ptr_array_unref(s->vms.leftovers);
 }

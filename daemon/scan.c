@@ -5,9 +5,10 @@
  * a VM's share of pages_shared apportioned).  The pass itself is
  * scan-pass.c's, the listeners scan-events.c's; scan-core.h maps the rest.
  *
- * Writes of the scanner's state only its pacing (timer_id, batch_*) and
- * what it makes and frees; never frees a VM (scan-vms.c does, after the
- * listeners heard that it goes).
+ * Writes of the scanner's state only its own records (setup, pacing) and
+ * the leaves' it makes and frees; the other records are made and freed by
+ * their files.  Never frees a VM (scan-vms.c does, after the listeners
+ * heard that it goes).
  */
 #include "scan.h"
 
@@ -26,14 +27,14 @@
 GPtrArray *
 pf_scanner_get_vms(PfScanner *s)
 {
-    return s->vms;
+    return vms_of(s)->list;
 }
 
 PfVm *
 pf_scanner_find_vm_by_pid(PfScanner *s, int pid)
 {
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *vm = vm_at(s, i);
 
         if (vm->pid == pid) {
             return vm;
@@ -45,16 +46,16 @@ pf_scanner_find_vm_by_pid(PfScanner *s, int pid)
 PfVm *
 pf_scanner_lookup_vm(PfScanner *s, const char *key, GError **error)
 {
-    g_autofree PfVmKey *keys = g_new(PfVmKey, MAX(s->vms->len, 1));
+    g_autofree PfVmKey *keys = g_new(PfVmKey, MAX(vm_count(s), 1));
     gssize i;
 
-    for (guint k = 0; k < s->vms->len; k++) {
-        PfVm *vm = g_ptr_array_index(s->vms, k);
+    for (guint k = 0; k < vm_count(s); k++) {
+        PfVm *vm = vm_at(s, k);
 
         keys[k] = (PfVmKey){ vm->name, vm->pid, vm->uuid };
     }
-    i = pf_vm_key_find(keys, s->vms->len, key, error);
-    return i < 0 ? NULL : g_ptr_array_index(s->vms, i);
+    i = pf_vm_key_find(keys, vm_count(s), key, error);
+    return i < 0 ? NULL : vm_at(s, i);
 }
 
 PfVm *
@@ -112,17 +113,18 @@ present_pages(const PfVm *vm)
 static gsize
 batch_size(PfScanner *s)
 {
+    const PfKnobs *k = &s->setup.knobs;
     guint64 pages = 0, period_usec;
 
-    if (s->knobs.target_pass_millisecs == 0) {
-        return s->knobs.pages_to_scan;
+    if (k->target_pass_millisecs == 0) {
+        return k->pages_to_scan;
     }
-    for (guint i = 0; i < s->vms->len; i++) {
-        pages += present_pages(g_ptr_array_index(s->vms, i));
+    for (guint i = 0; i < vm_count(s); i++) {
+        pages += present_pages(vm_at(s, i));
     }
-    period_usec = (guint64)s->knobs.sleep_millisecs * 1000 + (guint64)s->last_batch_usec;
-    return (gsize)MAX(1, (pages * period_usec + s->knobs.target_pass_millisecs * 1000ull - 1) /
-                             (s->knobs.target_pass_millisecs * 1000ull));
+    period_usec = (guint64)k->sleep_millisecs * 1000 + (guint64)s->pacing.last_batch_usec;
+    return (gsize)MAX(1, (pages * period_usec + k->target_pass_millisecs * 1000ull - 1) /
+                             (k->target_pass_millisecs * 1000ull));
 }
 
 /* One slice of a wake-up's batch: a big pages_to_scan (or a big VM under
@@ -136,14 +138,14 @@ batch_size(PfScanner *s)
 static guint64
 batch_done(PfScanner *s)
 {
-    guint64 sleep_ms = s->knobs.sleep_millisecs;
-    gint64 cpu = thread_cpu_usec() - s->batch_cpu;
+    guint64 sleep_ms = s->setup.knobs.sleep_millisecs;
+    gint64 cpu = thread_cpu_usec() - s->pacing.batch_cpu;
 
-    s->batch_left = 0;
-    s->last_batch_usec = g_get_monotonic_time() - s->batch_start;
-    if (s->knobs.cpu_percent < 100) {
-        guint64 cap_ms = (guint64)cpu * (100 - s->knobs.cpu_percent) / s->knobs.cpu_percent /
-                         1000;
+    s->pacing.batch_left = 0;
+    s->pacing.last_batch_usec = g_get_monotonic_time() - s->pacing.batch_start;
+    if (s->setup.knobs.cpu_percent < 100) {
+        guint64 cap_ms = (guint64)cpu * (100 - s->setup.knobs.cpu_percent) /
+                         s->setup.knobs.cpu_percent / 1000;
 
         sleep_ms = MAX(sleep_ms, cap_ms);
     }
@@ -154,56 +156,56 @@ static gboolean
 scanner_tick(gpointer user)
 {
     PfScanner *s = user;
-    guint64 sleep_ms = s->knobs.sleep_millisecs;
+    guint64 sleep_ms = s->setup.knobs.sleep_millisecs;
 
-    s->timer_id = 0;
-    if (s->knobs.run && s->vms->len > 0 && s->batches_paused == 0) {
-        if (s->batch_left == 0) {
-            s->batch_left = batch_size(s);
-            s->batch_start = g_get_monotonic_time();
-            s->batch_cpu = thread_cpu_usec();
+    s->pacing.timer_id = 0;
+    if (s->setup.knobs.run && vm_count(s) > 0 && s->pacing.batches_paused == 0) {
+        if (s->pacing.batch_left == 0) {
+            s->pacing.batch_left = batch_size(s);
+            s->pacing.batch_start = g_get_monotonic_time();
+            s->pacing.batch_cpu = thread_cpu_usec();
         }
-        guint64 scans = s->full_scans;
+        guint64 scans = pass_of(s)->full_scans;
         gboolean progress;
+        gsize done = pf_scanner_scan_slice(s, s->pacing.batch_left, SLICE_USEC, FALSE, &progress);
 
-        s->batch_left -= MIN(s->batch_left, pf_scanner_scan_slice(s, s->batch_left, SLICE_USEC,
-                                                                   FALSE, &progress));
+        s->pacing.batch_left -= MIN(s->pacing.batch_left, done);
         /* A wake-up ends with its pass, as KSM's does: with fewer pages
          * present than pages_to_scan, passes would follow each other
          * without a sleep (and with none present, spin). */
-        if (s->full_scans != scans) {
-            s->batch_left = 0;
+        if (pass_of(s)->full_scans != scans) {
+            s->pacing.batch_left = 0;
         }
-        if (s->batch_left > 0 && !s->blocked) {
-            s->timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
+        if (s->pacing.batch_left > 0 && !pass_of(s)->blocked) {
+            s->pacing.timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
             return G_SOURCE_REMOVE;
         }
         sleep_ms = batch_done(s);
     } else {
-        s->batch_left = 0;
+        s->pacing.batch_left = 0;
     }
-    s->timer_id = g_timeout_add((guint)sleep_ms, scanner_tick, s);
+    s->pacing.timer_id = g_timeout_add((guint)sleep_ms, scanner_tick, s);
     return G_SOURCE_REMOVE;
 }
 
 void
 pf_scanner_start(PfScanner *s)
 {
-    if (s->timer_id == 0) {
-        s->timer_id = g_timeout_add(s->knobs.sleep_millisecs, scanner_tick, s);
+    if (s->pacing.timer_id == 0) {
+        s->pacing.timer_id = g_timeout_add(s->setup.knobs.sleep_millisecs, scanner_tick, s);
     }
 }
 
 void
 pf_scanner_stop(PfScanner *s)
 {
-    g_clear_handle_id(&s->timer_id, g_source_remove);
+    g_clear_handle_id(&s->pacing.timer_id, g_source_remove);
 }
 
 void
 pf_scanner_kick(PfScanner *s)
 {
-    if (s->timer_id != 0) {
+    if (s->pacing.timer_id != 0) {
         pf_scanner_stop(s);
         pf_scanner_start(s);
     }
@@ -212,14 +214,14 @@ pf_scanner_kick(PfScanner *s)
 void
 pf_scanner_pause_batches(PfScanner *s)
 {
-    s->batches_paused++;
+    s->pacing.batches_paused++;
 }
 
 void
 pf_scanner_resume_batches(PfScanner *s)
 {
-    g_return_if_fail(s->batches_paused > 0);
-    s->batches_paused--;
+    g_return_if_fail(s->pacing.batches_paused > 0);
+    s->pacing.batches_paused--;
 }
 
 /* ---- counters ---- */
@@ -278,7 +280,7 @@ vm_counters(const PfVm *vm, guint64 shared, guint64 meta, PfCounters *c)
 void
 pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
 {
-    guint n_vms = s->vms->len;
+    guint n_vms = vm_count(s);
     g_autofree double *share = g_new0(double, MAX(n_vms, 1));
     g_autofree double *size_share = g_new0(double, MAX(n_vms, 1));
     g_autofree guint64 *shared = g_new0(guint64, MAX(n_vms, 1));
@@ -287,7 +289,7 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
                            pf_table_bytes(&s->unstable.table);
 
     for (guint i = 0; i < n_vms; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+        PfVm *vm = vm_at(s, i);
 
         /* Each canonical page counts 1/n to the VM of each of its n
          * sharers (a node whose pages are all still on their way in
@@ -302,21 +304,21 @@ pf_scanner_collect(PfScanner *s, PfCounters *total, PfCounters *per_vm)
 
     memset(total, 0, sizeof(*total));
     for (guint i = 0; i < n_vms; i++) {
-        vm_counters(g_ptr_array_index(s->vms, i), shared[i], meta[i], &per_vm[i]);
+        vm_counters(vm_at(s, i), shared[i], meta[i], &per_vm[i]);
         pf_counters_add(total, &per_vm[i]);
     }
     /* A pass covers all VMs: the total counts passes, not their sum. */
-    total->full_scans = s->full_scans;
+    total->full_scans = pass_of(s)->full_scans;
 }
 
 void
 pf_scanner_get_info(PfScanner *s, PfScanInfo *info)
 {
-    info->memcmp_calls = s->memcmp_calls;
-    info->stable_nodes_examined = s->stable_nodes_examined;
-    info->last_pass_usec = s->last_pass_usec;
+    info->memcmp_calls = visits_of(s)->memcmp_calls + moves_of(s)->memcmp_calls;
+    info->stable_nodes_examined = visits_of(s)->stable_nodes_examined;
+    info->last_pass_usec = pass_of(s)->last_pass_usec;
     info->stable_nodes = s->stable.n_nodes;
-    info->cow_detection = pf_cow_method(s->cow);
+    info->cow_detection = pf_cow_method(s->setup.cow);
     info->pool_slots = s->pool ? pf_pool_slots_in_use(s->pool) : 0;
     info->pool_bytes = s->pool ? pf_pool_bytes(s->pool) : 0;
     info->pool_chunks = s->pool ? pf_pool_n_chunks(s->pool) : 0;
@@ -358,27 +360,21 @@ pf_scanner_new(const PfHashAlgo *hash)
     PfScanner *s = g_new0(PfScanner, 1);
 
     pf_guard_install();
-    pf_knobs_init_default(&s->knobs);
-    s->listed_sharing = s->knobs.max_page_sharing;
-    s->adopt_max_sharers = ADOPT_MAX_SHARERS;
-    s->algo = hash ? hash : pf_hash_default();
-    s->vms = g_ptr_array_new_with_free_func((GDestroyNotify)vms_free_vm);
+    pf_knobs_init_default(&s->setup.knobs);
+    pass_init(s);
+    s->setup.adopt_max_sharers = ADOPT_MAX_SHARERS;
+    s->setup.algo = hash ? hash : pf_hash_default();
+    vms_init(s);
     pf_page_space_init(&s->space);
-    s->leftovers = g_ptr_array_new_with_free_func(vms_leftover_free);
-    s->listeners = g_array_new(FALSE, FALSE, sizeof(Listener));
-    s->domains = g_ptr_array_new_with_free_func(g_free);
-    s->max_map_count = read_max_map_count();
-    s->kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
-    s->cow = pf_cow_new();
+    events_init(s);
+    s->setup.max_map_count = read_max_map_count();
+    s->setup.kpageflags_fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
+    s->setup.cow = pf_cow_new();
     pf_stable_tree_init(&s->stable, member_record, page_share, s);
     pf_unstable_tree_init(&s->unstable);
-    s->joins = g_array_new(FALSE, FALSE, sizeof(Joining));
-    s->joining = g_array_new(FALSE, FALSE, sizeof(Joining));
-    s->looking_pids = g_hash_table_new(NULL, NULL);
-    s->reading_pids = g_hash_table_new(NULL, NULL);
-    s->partial = g_hash_table_new_full(g_int64_hash, g_int64_equal, g_free, NULL);
-    s->waiting = g_hash_table_new_full(NULL, NULL, NULL, g_free);
-    pf_scanner_set_hash_func(s, s->algo->func);
+    moves_init(s);
+    reads_init(s);
+    pf_scanner_set_hash_func(s, s->setup.algo->func);
     return s;
 }
 
@@ -387,20 +383,20 @@ pf_scanner_set_hash_func(PfScanner *s, PfHashFunc func)
 {
     static const guint8 zero[PF_PAGE_SIZE];
 
-    s->hash = func;
-    s->zero_checksum = func(zero);
+    s->setup.hash = func;
+    s->setup.zero_checksum = func(zero);
 }
 
 const PfHashAlgo *
 pf_scanner_get_hash(PfScanner *s)
 {
-    return s->algo;
+    return s->setup.algo;
 }
 
 PfKnobs *
 pf_scanner_get_knobs(PfScanner *s)
 {
-    return &s->knobs;
+    return &s->setup.knobs;
 }
 
 /* The VMs go first, each heard of by the listeners (an agent's link
@@ -413,35 +409,21 @@ pf_scanner_free(PfScanner *s)
         return;
     }
     pf_scanner_stop(s);
-    while (s->vms->len > 0) {
-        pf_scanner_remove_vm(s, g_ptr_array_index(s->vms, s->vms->len - 1));
+    while (vm_count(s) > 0) {
+        pf_scanner_remove_vm(s, vm_at(s, vm_count(s) - 1));
     }
-    while (s->listeners->len > 0) {
-        Listener l = g_array_index(s->listeners, Listener, s->listeners->len - 1);
-
-        g_array_remove_index(s->listeners, s->listeners->len - 1);
-        if (l.destroy != NULL) {
-            l.destroy(l.user);
-        }
-    }
-    g_array_unref(s->listeners);
-    g_ptr_array_unref(s->vms);
-    g_ptr_array_unref(s->domains);
+    events_clear(s);
+    vms_clear(s);
     pf_page_space_destroy(&s->space);
-    g_ptr_array_unref(s->leftovers);
     g_clear_pointer(&s->pool, pf_pool_free);
-    if (s->kpageflags_fd >= 0) {
-        close(s->kpageflags_fd);
+    if (s->setup.kpageflags_fd >= 0) {
+        close(s->setup.kpageflags_fd);
     }
-    pf_cow_free(s->cow);
+    pf_cow_free(s->setup.cow);
     pf_stable_tree_destroy(&s->stable);
     pf_unstable_tree_destroy(&s->unstable);
-    g_array_unref(s->joins);
-    g_array_unref(s->joining);
-    g_hash_table_unref(s->looking_pids);
-    g_hash_table_unref(s->reading_pids);
-    g_hash_table_unref(s->partial);
-    g_hash_table_unref(s->waiting);
-    g_clear_handle_id(&s->adopt_source, g_source_remove);
+    moves_clear(s);
+    reads_clear(s);
+    adopt_clear(s);
     g_free(s);
 }

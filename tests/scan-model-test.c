@@ -574,7 +574,7 @@ check_model(Model *m, const char *when)
         /* Lookups find exactly the nodes that can take one more sharer:
          * the full ones of a content cost them nothing. */
         g_assert_cmpint(node_listed(s, id), ==,
-                        n->next == 0 && ledger_sharers(s, n) < s->knobs.max_page_sharing);
+                        n->next == 0 && ledger_sharers(s, n) < s->setup.knobs.max_page_sharing);
         want_ref(want, n->slot);
         nodes_in_use += n->n_members > 0;
         g_assert_cmpint(g_hash_table_contains(s->stable.untracked, GUINT_TO_POINTER(id)), ==,
@@ -604,8 +604,8 @@ check_model(Model *m, const char *when)
             want_ref(want, n->slot);
         }
     }
-    for (guint i = 0; i < s->vms->len; i++) {
-        PfVm *vm = g_ptr_array_index(s->vms, i);
+    for (guint i = 0; i < s->vms.list->len; i++) {
+        PfVm *vm = g_ptr_array_index(s->vms.list, i);
         ModelVm *mv = model_vm_of(vm);
         gsize counted = 0;
 
@@ -640,8 +640,8 @@ check_model(Model *m, const char *when)
     }
     g_assert_cmpuint(shared, ==, s->stable.n_members);
     g_assert_cmpuint(nodes_in_use, ==, s->stable.n_in_use);
-    for (guint i = 0; i < s->leftovers->len; i++) {
-        Leftover *lo = g_ptr_array_index(s->leftovers, i);
+    for (guint i = 0; i < s->vms.leftovers->len; i++) {
+        Leftover *lo = g_ptr_array_index(s->vms.leftovers, i);
 
         for (guint k = 0; k < lo->refs->len; k++) {
             const HeldRef *h = &g_array_index(lo->refs, HeldRef, k);
@@ -996,7 +996,7 @@ wait_for_leftovers(Model *m)
 {
     gint64 deadline = g_get_monotonic_time() + 10 * G_USEC_PER_SEC;
 
-    while (m->s->leftovers->len > 0) {
+    while (m->s->vms.leftovers->len > 0) {
         g_assert_cmpint(g_get_monotonic_time(), <, deadline);
         if (!g_main_context_iteration(NULL, FALSE)) {
             g_usleep(1000);
@@ -1059,7 +1059,7 @@ static PfCounters
 totals(Model *m)
 {
     PfCounters total;
-    g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(1, m->s->vms->len));
+    g_autofree PfCounters *per_vm = g_new0(PfCounters, MAX(1, m->s->vms.list->len));
 
     pf_scanner_collect(m->s, &total, per_vm);
     return total;
@@ -1120,7 +1120,7 @@ wait_adopted(Model *m)
 {
     gint64 deadline = g_get_monotonic_time() + 10 * G_USEC_PER_SEC;
 
-    while (m->s->adopt_source != 0 || g_main_context_pending(NULL)) {
+    while (m->s->adopt.source != 0 || g_main_context_pending(NULL)) {
         g_assert_cmpint(g_get_monotonic_time(), <, deadline);
         g_main_context_iteration(NULL, FALSE);
     }
@@ -1158,7 +1158,7 @@ test_adopt_refused(void)
             slots[i] = pf_pool_alloc(old, &one, 1, g->mem + i * PF_PAGE_SIZE, NULL);
         }
     }
-    m->s->adopt_max_sharers = 1;
+    m->s->setup.adopt_max_sharers = 1;
     a = model_add_vm_merged(m, old, slots, 1);
     b = model_add_vm_merged(m, old, slots, 2);
     /* a's page 3 was ballooned away before its turn. */
@@ -1171,7 +1171,7 @@ test_adopt_refused(void)
     for (guint i = 0; i < N_IDENTICAL; i++) {
         g_assert_cmpint(model_region(b, 0)->merged[i], ==, i == 3);
     }
-    m->s->adopt_max_sharers = ADOPT_MAX_SHARERS;
+    m->s->setup.adopt_max_sharers = ADOPT_MAX_SHARERS;
     run_passes(m, 4, "merging again");
     t = totals(m);
     g_assert_cmpuint(t.pages_sharing, >=, N_IDENTICAL - 1);
@@ -1199,7 +1199,7 @@ test_merge_domain_mid_pass(void)
     /* a's and b's pages, then c's, at their first visit: all found equal,
      * waiting. */
     pf_test_scan(m->s, 3 * N_IDENTICAL);
-    g_assert_cmpuint(m->s->joins->len, ==, N_IDENTICAL);
+    g_assert_cmpuint(m->s->moves.joins->len, ==, N_IDENTICAL);
     g_assert_true(pf_scanner_set_merge_domain(m->s, c->vm, "tenant", NULL));
     run_passes(m, 3, "c in a domain of its own");
     g_assert_cmpuint(c->vm->scan->count[PF_PAGE_SHARED] + c->vm->scan->count[PF_PAGE_PENDING], ==,
@@ -1235,8 +1235,8 @@ test_joins_within_pass(void)
      * visit. */
     pf_test_scan(m->s, 4 * N_IDENTICAL);
     g_assert_true(pf_scanner_in_pass(m->s));
-    g_assert_true(m->s->cur_vm < m->s->vms->len &&
-                  g_ptr_array_index(m->s->vms, m->s->cur_vm) == d->vm);
+    g_assert_true(m->s->cursor.vm < m->s->vms.list->len &&
+                  g_ptr_array_index(m->s->vms.list, m->s->cursor.vm) == d->vm);
     g_assert_cmpuint(c->vm->scan->count[PF_PAGE_PENDING] + c->vm->scan->count[PF_PAGE_SHARED], ==,
                      N_IDENTICAL);
     run_passes(m, 2, "c joined");
@@ -1337,9 +1337,9 @@ test_ids_reused(void)
     /* x's pages come first in a pass: its page 0, at its first visit
      * since, waits to join N. */
     pf_test_scan(m->s, N_IDENTICAL);
-    g_assert_cmpuint(m->s->joins->len, ==, 1);
-    n = g_array_index(m->s->joins, Joining, 0).node;
-    born = g_array_index(m->s->joins, Joining, 0).born;
+    g_assert_cmpuint(m->s->moves.joins->len, ==, 1);
+    n = g_array_index(m->s->moves.joins, Joining, 0).node;
+    born = g_array_index(m->s->moves.joins, Joining, 0).born;
     for (guint i = 0; i < 2; i++) {
         memset(junk, 'a' + i, sizeof(junk));
         guest_writes(m, i == 0 ? a : b, 0, 0, junk);
@@ -1473,15 +1473,15 @@ test_agent_gone_during_move(gconstpointer data)
     if (a->pid != 0) {
         Leftover *lo;
 
-        g_assert_cmpuint(m->s->leftovers->len, ==, 1);
-        lo = g_ptr_array_index(m->s->leftovers, 0);
+        g_assert_cmpuint(m->s->vms.leftovers->len, ==, 1);
+        lo = g_ptr_array_index(m->s->vms.leftovers, 0);
         /* Two for each page moving, one for each merged page staying. */
         g_assert_cmpuint(lo->refs->len, ==, 3 * N_IDENTICAL / 2);
         model_exit(a);
         wait_for_leftovers(m);
         check_model(m, "a's process exited");
     }
-    g_assert_cmpuint(m->s->leftovers->len, ==, 0);
+    g_assert_cmpuint(m->s->vms.leftovers->len, ==, 0);
     t = totals(m);
     g_assert_cmpuint(t.pages_shared, ==, N_IDENTICAL);
     g_assert_cmpuint(t.pages_sharing, ==, N_IDENTICAL / 2);
@@ -1583,7 +1583,7 @@ test_detached_pins_chunk(void)
     run_passes(m, 3, "a wrote its pages");
     model_detach(m, a, "test: its agent hung up");
     check_model(m, "a detached, alive");
-    g_assert_cmpuint(m->s->leftovers->len, ==, 1);
+    g_assert_cmpuint(m->s->vms.leftovers->len, ==, 1);
     for (gsize i = 0; i < PF_POOL_CHUNK_SLOTS; i++) {
         pf_fill_page(page, pf_page_seed(7, 2, i, 1));
         guest_writes(m, b, 0, i, page);
@@ -1746,8 +1746,8 @@ test_crowded_content(void)
                        t.pages_unshared);
         g_assert_cmpuint(t.pages_unshared, <=, 3 * 2);
         /* A pass makes its joins before it ends: nothing waits. */
-        g_assert_cmpuint(m->s->joining->len + m->s->joins->len, ==, 0);
-        g_assert_cmpuint(g_hash_table_size(m->s->waiting), ==, 0);
+        g_assert_cmpuint(m->s->moves.joining->len + m->s->moves.joins->len, ==, 0);
+        g_assert_cmpuint(g_hash_table_size(m->s->moves.waiting), ==, 0);
     }
     g_assert_cmpuint(t.pages_unshared, ==, 0);
     g_assert_cmpuint(t.pages_shared + t.pages_sharing, ==, copies);
@@ -2043,7 +2043,7 @@ fuzz_answer(ModelAgent *l, const PfWireItem *item, const PfPending *pd,
 static gboolean
 fuzz_before_answer(ModelAgent *l, const ModelBatch *b)
 {
-    GPtrArray *vms = model->s->vms;
+    GPtrArray *vms = model->s->vms.list;
     guint x = g_rand_int_range(model->rand, 0, 100);
 
     /* The agent goes with this batch unanswered (moves, often).  Never
@@ -2077,7 +2077,7 @@ pick_vm(Model *m, gboolean attached, gboolean alive)
 static guint
 n_attached(Model *m)
 {
-    return m->s->vms->len;
+    return m->s->vms.list->len;
 }
 
 /* A region of the VM that has not gone, at random, or -1 if none. */
@@ -2217,7 +2217,7 @@ fuzz_one(const FuzzMode *mode, guint32 seed)
     if (g_rand_boolean(m->rand)) {
         /* A mapping budget of 200 (half of max_map_count): a VM reaches
          * it within a pass, and its pages cannot follow a move at once. */
-        m->s->max_map_count = 400;
+        m->s->setup.max_map_count = 400;
     }
     for (guint32 i = 0; i < 3; i++) {
         model_add_vm(m, &layout, 1 + i / 2);
