@@ -1,8 +1,9 @@
 /*
- * link-records.h - the agent link's records, shared by link.c (the
- * server, the links' lives and messages) and handshake.c (the checks a
- * peer must pass before it is believed), which link.c calls and which
- * calls nothing of link.c's.  Nothing else includes it.
+ * link-records.h - the agent link's records, shared by link-server.c (the
+ * agent socket and its places, the scanner's listener), link.c (each
+ * link's life and messages) and handshake.c (the checks a peer must pass
+ * before it is believed), each calling only those after it.  Nothing else
+ * includes it.
  */
 #pragma once
 
@@ -80,6 +81,26 @@ struct _PfLink {
     gboolean ended;
     gboolean error_sent; /* ERROR went: the peer knows why it ends */
 };
+
+/* ---- link.c ---- */
+
+/* A connection accepted, its process pinned (pidfd, proc_dir, which it
+ * takes): a link in its handshake, in one of the places of peers root
+ * vouched for if vouched_place.  The caller puts it among srv->handshakes. */
+PfLink *link_new(PfLinkServer *srv, int sock, const struct ucred *cred, int pidfd, int proc_dir,
+                 gboolean vouched_place);
+/* Best effort, never waiting, once: the first says why.  For good: its
+ * agent does not connect again (PF_ERROR_FOR_GOOD). */
+void link_send_error(PfLink *l, const char *text);
+/* Refused for now, for want of room or time: its agent connects again. */
+gboolean link_refuse_for_now(PfLink *l, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
+void link_send(PfLink *l, PfMsgType type, guint32 seq, gconstpointer data, gsize len, int fd);
+/* The link is over; its record is freed from the main loop (link_free()). */
+void link_end(PfLink *l);
+void link_free(PfLink *l);
+/* Drops what a peer sent that will never be read, before its socket is
+ * closed. */
+void link_drain_socket(int sock);
 
 /* ---- handshake.c ---- */
 
