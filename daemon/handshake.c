@@ -527,7 +527,7 @@ handshake_vouched(PfLink *l, char **why)
  * connecting process by what costs no message of the peer's and no read
  * of its memory: its uid is root's or pagefoldd's, or one of libvirt's
  * status files names its pid as a domain's QEMU.  It decides only which
- * places it may take (link.c); HELLO decides again what it may have.
+ * places it may take (link-server.c); HELLO decides again what it may have.
  */
 gboolean
 handshake_vouched_at_accept(PfLinkServer *srv, const struct ucred *cred)

@@ -9,14 +9,22 @@
 
 #include <sys/socket.h>
 
+#include "attached.h"
 #include "channel.h"
 #include "libvirt-status.h"
-#include "link.h"
 #include "peer-log.h"
+#include "scan.h"
+
+/* link-server.h's, named here too: link.c and handshake.c use the server's
+ * record, not its functions. */
+typedef struct _PfLinkServer PfLinkServer;
 
 /* Where a link is in the protocol: HELLO, REGIONs, READY, then running. */
 typedef enum { LINK_HELLO, LINK_REGIONS, LINK_READY, LINK_RUNNING } LinkState;
 
+/* Made, set and freed by link-server.c; the lists of links (handshakes,
+ * running, ended, reap) are changed by link.c alone, as links are made,
+ * become READY and end. */
 struct _PfLinkServer {
     PfScanner *scanner; /* NULL once freed: it went first */
     char *path;
@@ -85,8 +93,8 @@ struct _PfLink {
 /* ---- link.c ---- */
 
 /* A connection accepted, its process pinned (pidfd, proc_dir, which it
- * takes): a link in its handshake, in one of the places of peers root
- * vouched for if vouched_place.  The caller puts it among srv->handshakes. */
+ * takes): a link in its handshake (among srv->handshakes), in one of the
+ * places of peers root vouched for if vouched_place. */
 PfLink *link_new(PfLinkServer *srv, int sock, const struct ucred *cred, int pidfd, int proc_dir,
                  gboolean vouched_place);
 /* Best effort, never waiting, once: the first says why.  For good: its

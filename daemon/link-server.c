@@ -1,15 +1,16 @@
 /*
- * link-server.c - the agent socket (link.h): taking connections in, the
- * handshake places they wait in, the scanner's listener that ends links
- * and sends chunks, and the server's life.  A connection that passes the
- * checks of accept (a process id, a peer that may be an agent, pinned)
- * becomes a link (link.c), which runs the protocol from there.
+ * link-server.c - the agent socket (link-server.h): taking connections
+ * in, the handshake places they wait in, the scanner's listener that ends
+ * links and sends chunks, and the server's life.  A connection that
+ * passes the checks of accept (a process id, a peer that may be an agent,
+ * pinned) becomes a link (link.c), which runs the protocol from there.
  *
- * Owns the server and its places; must never let one uid's connections
- * take the places of another's, nor any peer's the places of a VM root
- * vouched for, and never waits for a peer.
+ * Owns the server (its socket, settings and listener) and decides which
+ * handshake gives way; the lists of links are link.c's.  Must never let
+ * one uid's connections take the places of another's, nor any peer's the
+ * places of a VM root vouched for, and never waits for a peer.
  */
-#include "link.h"
+#include "link-server.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -40,7 +41,8 @@
 #define DEFAULT_ANSWER_TIMEOUT_MS 30000
 
 /* Refuses a connection that never became a link; uid: its peer's, or
- * (uid_t)-1 when unknown; seq: as link_send_error_seq() says. */
+ * (uid_t)-1 when unknown; seq: PF_ERROR_TRY_AGAIN where its agent may
+ * connect again (no room for it now), else PF_ERROR_FOR_GOOD. */
 static void
 refuse_socket(PfLinkServer *srv, int sock, uid_t uid, guint32 seq, const char *fmt, ...)
     G_GNUC_PRINTF(5, 6);
@@ -206,19 +208,19 @@ accept_one(PfLinkServer *srv, int sock)
         PfLink *evicted = handshake_to_evict(srv, vouched ? (guint)cred.pid : (guint)cred.uid,
                                              vouched);
 
-        link_refuse_for_now(evicted, "too many agent handshakes in progress (%u%s): the oldest "
-                            "of the "
-                    "%s holding the most gives way",
-                    vouched ? MAX_VOUCHED_HANDSHAKES : MAX_HANDSHAKES,
-                    vouched ? " of processes root vouched for" : "",
-                    vouched ? "process" : "uid");
+        link_refuse_for_now(evicted,
+                            "too many agent handshakes in progress (%u%s): the oldest of the "
+                            "%s holding the most gives way",
+                            vouched ? MAX_VOUCHED_HANDSHAKES : MAX_HANDSHAKES,
+                            vouched ? " of processes root vouched for" : "",
+                            vouched ? "process" : "uid");
     }
     /* Enough for a few batches; more waits in the link's queue.  Without
      * it, the kernel's default: the link's queue holds more. */
     if (setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf)) < 0) {
         g_debug("agent socket of process %d: SO_SNDBUF: %s", cred.pid, g_strerror(errno));
     }
-    g_ptr_array_add(srv->handshakes, link_new(srv, sock, &cred, pidfd, proc_dir, vouched));
+    link_new(srv, sock, &cred, pidfd, proc_dir, vouched);
 }
 
 /* ---- the scanner's listener ---- */

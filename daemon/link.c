@@ -1,11 +1,13 @@
 /*
- * link.c - pagefoldd's end of the agent protocol (link.h): each link's
- * life, its messages in protocol order, its timers.  The agent socket, its
- * handshake places and the scanner's listener are link-server.c's, the
- * checks a peer must pass handshake.c's, the sending channel.c's, the log
- * limit peer-log.c's.  Owns every PfLink and every descriptor a peer
- * passed; must never decide a merge, believe what
- * a peer has not shown, or wait for one on the main loop.
+ * link.c - one agent link (link-records.h): its life from link_new() to
+ * its record freed from the main loop, its messages in protocol order, its
+ * timers.  The agent socket, its handshake places and the scanner's
+ * listener are link-server.c's, which decides when a link is made or
+ * ended; the checks a peer must pass are handshake.c's, the sending
+ * channel.c's, the log limit peer-log.c's.  Owns every PfLink, every
+ * descriptor a peer passed, and the server's lists of links (handshakes,
+ * running, ended); must never decide a merge, believe what a peer has not
+ * shown, or wait for one on the main loop.
  *
  * A connection goes HELLO -> REGION x n -> WELCOME -> READY, then carries
  * REQUESTs and RESULTs, and REGION (RAM plugged in) and GONE (RAM that
@@ -42,7 +44,7 @@
  * requests the scanner decides at once.  A refused peer leaves nothing
  * behind: its link owns every descriptor it passed or was given.
  */
-#include "link.h"
+#include "link-records.h"
 
 #include <errno.h>
 #include <glib-unix.h>
@@ -53,7 +55,6 @@
 
 #include "channel.h"
 #include "libvirt-status.h"
-#include "link-records.h"
 #include "peer-log.h"
 #include "escape.h"
 #include "util.h"
@@ -735,7 +736,7 @@ answer_timeout_cb(gpointer user)
     }
     why = g_strdup_printf("its agent answered none of %zu request item(s) in %u s",
                           pf_outbox_n_sent(l->vm->outbox), l->srv->answer_timeout_ms / 1000);
-    /* The agent hears why (srv_vm_gone()). */
+    /* The agent hears why (the listener's vm_gone, link-server.c). */
     link_close(l, why);
     return G_SOURCE_REMOVE;
 }
@@ -782,5 +783,6 @@ link_new(PfLinkServer *srv, int sock, const struct ucred *cred, int pidfd, int p
     l->ch = pf_channel_new(sock, link_broken_cb, l);
     l->watch = g_unix_fd_add(sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
     l->handshake_timer = g_timeout_add(HANDSHAKE_TIMEOUT_MS, handshake_timeout_cb, l);
+    g_ptr_array_add(srv->handshakes, l);
     return l;
 }

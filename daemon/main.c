@@ -18,7 +18,7 @@
 #include "escape.h"
 #include "libvirt-metadata.h"
 #include "libvirt-status.h"
-#include "link.h"
+#include "link-server.h"
 #include "pf-config.h"
 #include "scan.h"
 #include "util.h"

@@ -5,7 +5,8 @@
  * fast as it connects.  Per uid, the one thing a peer cannot choose (under
  * libvirt every QEMU shares one: a window's lines are enough for many VMs
  * starting at once); the rest is counted and said in one line as the
- * window ends.  Used by link.c and handshake.c; owns its windows' timers,
+ * window ends.  Used by link-server.c, link.c and
+ * handshake.c; owns its windows' timers,
  * and never says a line past a uid's share.
  */
 #pragma once

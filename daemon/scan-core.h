@@ -4,7 +4,7 @@
  * files below it:
  *
  *   scan.c          the scanner's life, pacing, VM lookups, counters
- *   scan-pass.c     the pass loop: the cursor, slices, entering a VM,
+ *   scan-pass.c     the pass loop: moving the cursor, slices, entering a VM,
  *                   VMs left for later
  *   scan-hints.c    pages a device just wrote, visited before the cursor's
  *   scan-vms.c      VMs and regions coming and going, merge domains
@@ -65,12 +65,6 @@ typedef struct {
     guint watch;
     GArray *refs; /* HeldRef */
 } Leftover;
-
-typedef struct {
-    const PfScanEvents *events;
-    gpointer user;
-    GDestroyNotify destroy;
-} Listener;
 
 /* Sharers a node may have as pages are adopted into it (tree.c keeps
  * 16-bit member indexes).  Counted as the ledger counts them, its requests
@@ -182,13 +176,21 @@ pf_vm_domain_key(const PfVm *vm)
 /*
  * The scanner's state: one record per file that writes it.  Only the
  * record's file names it (s->pass in scan-pass.c); the other files of the
- * core read it through its *_of() function below, which gives it const,
- * and change it by calling its file.  Each file makes and frees its own
- * record (its *_init() and *_clear(), called by scan.c).
- * scripts/record-writers checks it.
+ * core read it through its *_of() function below, and change it by
+ * calling its file.  The view is const one level deep: a member of the
+ * record cannot be assigned through it, but what a pointer member points
+ * at (an array, a table) could be changed, and only the rule stops that.
+ * scripts/record-writers (unit suite) checks the rule by name: no other
+ * file names a record, nor hands a view's pointer member to GLib's
+ * changing calls, nor casts a view back.  A record with something to
+ * make or free is made and freed by its file (its *_init() and *_clear(),
+ * called by scan.c in pf_scanner_new() and pf_scanner_free()); the others
+ * start zeroed.
  */
 
-/* scan.c: set as the scanner is made; knobs by pf_scanner_set_knobs(). */
+/* scan.c: set as the scanner is made.  The knobs are changed by the layers
+ * above through pf_scanner_get_knobs() (main.c, control-commands.c) at any
+ * time between batches; the core reads them as they are at each use. */
 typedef struct {
     PfKnobs knobs;
     const PfHashAlgo *algo;
@@ -363,13 +365,6 @@ reads_of(const PfScanner *s)
     return &s->reads;
 }
 
-static inline const PfScanAdopt *
-adopt_of(const PfScanner *s)
-{
-    return &s->adopt;
-}
-
-
 /* The VMs the scanner has, in the pass's order. */
 static inline guint
 vm_count(const PfScanner *s)
@@ -384,7 +379,7 @@ vm_at(const PfScanner *s, guint i)
 }
 
 /* Each file makes and frees its record (scan.c calls them as it makes and
- * frees the scanner). */
+ * frees the scanner).  pass_init() reads the knobs: after they are set. */
 void pass_init(PfScanner *s);
 void vms_init(PfScanner *s);
 void vms_clear(PfScanner *s);
@@ -455,7 +450,7 @@ outbox_visits(PfVm *vm)
 
 /* Mappings a VM may have before its merges stop (invariant 5). */
 static inline guint64
-vma_budget(const PfScanner *s)
+vmas_allowed(const PfScanner *s)
 {
     return setup_of(s)->max_map_count * setup_of(s)->knobs.max_vma_percent / 100;
 }
@@ -542,6 +537,8 @@ void cursor_forget_vm(PfVm *vm);
 void cursor_next_region(PfScanner *s);
 /* It is at page of its region, in a data extent that ends at data_end. */
 void cursor_at_page(PfScanner *s, gsize page, gsize data_end);
+/* It is at page, in the same data extent. */
+void cursor_to_page(PfScanner *s, gsize page);
 /* The VM at index idx left the scanner's list: the cursor stays right (if
  * it was at that VM, on to the next one, or back to those deferred once
  * every VM had its turn). */
@@ -551,7 +548,6 @@ void cursor_vm_removed(PfScanner *s, guint idx);
 void cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed);
 
 /* ---- scan-hints.c ---- */
-
 
 /* Visits hinted pages, up to max, VMs in turn; returns the pages taken
  * off their queues. */
@@ -665,12 +661,8 @@ void huge_collapse_by_pid(PfRegion *r, gsize first);
 
 /* ---- scan-vms.c ---- */
 
-/* Frees a VM the scanner had, its record first. */
-void vms_free_vm(PfVm *vm);
-
 /* Gives r page ids (FALSE: none left); its pages are absent. */
 gboolean vms_place_region(PfScanner *s, PfRegion *r);
-void vms_leftover_free(gpointer leftover);
 
 /* Takes the region out of the page space and the trees; the caller frees
  * it or keeps it as a placeholder. */

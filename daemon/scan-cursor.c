@@ -71,6 +71,12 @@ cursor_at_page(PfScanner *s, gsize page, gsize data_end)
 }
 
 void
+cursor_to_page(PfScanner *s, gsize page)
+{
+    s->cursor.page = page;
+}
+
+void
 cursor_vm_removed(PfScanner *s, guint idx)
 {
     if (idx < s->cursor.vm) {

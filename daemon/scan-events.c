@@ -5,6 +5,12 @@
  */
 #include "scan-core.h"
 
+typedef struct {
+    const PfScanEvents *events;
+    gpointer user;
+    GDestroyNotify destroy;
+} Listener;
+
 void
 pf_scanner_add_listener(PfScanner *s, const PfScanEvents *events, gpointer user,
                         GDestroyNotify destroy)

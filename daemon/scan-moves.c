@@ -349,8 +349,8 @@ join_still(PfScanner *s, Joining *j, Resident *res)
         const guint8 *page = page_data(s, j->page);
 
         j->equal = resident(res, r, page) &&
-                   (s->moves.memcmp_calls++, memcmp(page, pf_pool_data(s->pool, n->slot),
-                                              PF_PAGE_SIZE) == 0);
+                   (s->moves.memcmp_calls++,
+                    memcmp(page, pf_pool_data(s->pool, n->slot), PF_PAGE_SIZE) == 0);
     }
     return j->equal;
 }

@@ -93,7 +93,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
 
     if (sigsetjmp(env, 0) != 0) {
         pf_guard_env = NULL;
-        cursor_at_page(s, i, cursor_of(s)->data_end);
+        cursor_to_page(s, i);
         vms_faulted(s);
         return i - start;
     }
@@ -117,7 +117,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         }
     }
     pf_guard_env = NULL;
-    cursor_at_page(s, i, cursor_of(s)->data_end);
+    cursor_to_page(s, i);
     return i - start;
 }
 
@@ -338,7 +338,7 @@ enter_vm(PfScanner *s, PfVm *vm)
     }
     if (pf_vm_merges(vm)) {
         vm->scan->vmas = pf_vm_look_vmas(look) + vm->scan->vmas_since_look;
-        vm->scan->vma_budget = vma_budget(s);
+        vm->scan->vma_budget = vmas_allowed(s);
     }
     vm->scan->counted = TRUE;
     return ENTER_DONE;

@@ -206,7 +206,7 @@ hole_stop(const PfRegion *r, gsize from, gsize end, gsize budget, gsize *present
  * here.  *stop: where the cursor goes on from; *data_end: where the data
  * it stops at ends (a hint: pages discarded since are found before they
  * are read); *present: how many pages present it passed.  The cursor is
- * scan-pass.c's to move.
+ * moved by its caller (scan-cursor.c's functions).
  */
 gboolean
 reads_find_data(PfScanner *s, PfVm *vm, PfRegion *r, gsize at, gsize budget, gsize *stop_out,

@@ -136,7 +136,7 @@ pf_scanner_add_vm(PfScanner *s, PfVm *vm)
         }
         /* Its mappings are counted as the cursor first comes to it,
          * before any request for it. */
-        vm->scan->vma_budget = vma_budget(s);
+        vm->scan->vma_budget = vmas_allowed(s);
     }
     g_ptr_array_add(s->vms.list, vm);
 }
@@ -170,7 +170,7 @@ leftover_cb(gint fd, GIOCondition cond, gpointer user)
     return G_SOURCE_REMOVE;
 }
 
-void
+static void
 vms_leftover_free(gpointer data)
 {
     Leftover *l = data;
@@ -209,7 +209,7 @@ vms_keep_leftovers(PfScanner *s, PfVm *vm, GArray *keep)
  * where its live process may still map a slot, kept until it exits; and it
  * is freed.
  */
-void
+static void
 vms_free_vm(PfVm *vm)
 {
     PfScanVm *sv = vm->scan;

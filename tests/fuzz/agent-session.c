@@ -36,7 +36,7 @@
 #include <linux/userfaultfd.h>
 
 #include "fuzz-common.h"
-#include "link.h"
+#include "link-server.h"
 #include "pool.h"
 #include "proto.h"
 #include "scan-helpers.h"

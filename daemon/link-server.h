@@ -1,6 +1,7 @@
 /*
- * link.h - pagefoldd's end of the agent protocol: the agent socket, and
- * one PfLink per agent connected, from its handshake to its end (its
+ * link-server.h - pagefoldd's end of the agent protocol (link-server.c,
+ * link.c, handshake.c): the agent socket, and one PfLink per agent
+ * connected, from its handshake to its end (its
  * requests wait in its VM's outbox, outbox.h).
  *
  * Owns the agent connections.  A peer is believed only as far as its
