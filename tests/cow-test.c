@@ -3,8 +3,8 @@
  * mapped MAP_PRIVATE as the agent maps pool slots, its pages untouched,
  * read, written, and write-protected by userfaultfd as the agent does
  * around a merge.  Only a page written is reported, by either method.
- * (Swapped-out copies and host KSM's merges are in agent-test: they need
- * the host's swap and KSM.)
+ * (Swapped-out copies and host KSM's merges are in agent-cow-test: they
+ * need the host's swap and KSM.)
  */
 #include <errno.h>
 #include <fcntl.h>

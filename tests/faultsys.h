@@ -2,7 +2,7 @@
  * faultsys.h - the agent's system calls, made to fail when a test says so
  * (PfAgentSyscalls, see agent.h): which call, after how many good ones,
  * how often, with which errno.  Used by the tests that link the agent
- * (agent-proto-test) and by the stand-in VMM (its "fault" command).
+ * (the agent-proto programs) and by the stand-in VMM (its "fault" command).
  * Never fails a call no test asked to fail.
  */
 #pragma once

@@ -1,5 +1,5 @@
 /*
- * kernel-test.c - the agent suite (agent-test, agent-proto-test, link-test)
+ * kernel-test.c - the agent suite (the agent-*-test programs and link-test)
  * on another kernel than the host's: Debian 12's own 6.1 (GUEST_KERNEL),
  * booted once under QEMU from an initramfs of this build's programs
  * (scripts/build-test-initrd).  Inside, each test path runs on its own
