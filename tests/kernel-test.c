@@ -1,9 +1,9 @@
 /*
- * kernel-test.c - the agent suite (the agent-*-test programs and link-test)
- * on another kernel than the host's: Debian 12's own 6.1 (GUEST_KERNEL),
- * booted once under QEMU from an initramfs of this build's programs
- * (scripts/build-test-initrd).  Inside, each test path runs on its own
- * under a watchdog; here each becomes one case, /kernel/6.1/agent/...,
+ * kernel-test.c - the agent suite (the agent-*-test programs, link-test and
+ * link-peers-test) on another kernel than the host's: Debian 12's own 6.1
+ * (GUEST_KERNEL), booted once under QEMU from an initramfs of this build's
+ * programs (scripts/build-test-initrd).  Inside, each test path runs on its
+ * own under a watchdog; here each becomes one case, /kernel/6.1/agent/...,
  * that passes, skips or fails as it did in the guest, with its output's
  * tail and the kernel's messages meanwhile.
  *

@@ -2,9 +2,10 @@
  * libvirt-test.c - pagefold under a real libvirtd (Debian 12's 9.0): the
  * patched QEMU as the domains' <emulator>, run by libvirt as libvirt-qemu
  * under TCG, the hook in /etc/libvirt/hooks/qemu.d, pagefoldd started by
- * that hook on the default sockets.  Domains are defined from the XML a
- * user would write (memfd shared RAM, nothing else), and every guest checks
- * every byte it wrote while pages merge.
+ * that hook on the default sockets (libvirt-host.c sets all that up and
+ * takes it down).  Domains are defined from the XML a user would write
+ * (memfd shared RAM, nothing else), and every guest checks every byte it
+ * wrote while pages merge.
  *
  * It needs root, libvirt's daemons installed (not running: it starts its
  * own libvirtd, which reads hooks only when it starts) and no pagefoldd on
@@ -17,413 +18,21 @@
  * answer ACPI, so `virsh shutdown` and `virsh reboot` are played by the
  * guest powering itself off and rebooting itself (which is what those
  * commands ask a guest to do); `virsh destroy` is the real thing.
+ *
+ * Owns the paths and the program's main.  Must never end, by a failed
+ * assertion or a signal, without libvirt-host.c's teardown.
  */
-#include <errno.h>
 #include <gio/gio.h>
 #include <glib.h>
 #include <glib/gstdio.h>
 #include <pwd.h>
 #include <signal.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
+#include "libvirt-host.h"
 #include "testproc.h"
 #include "util.h"
-
-#define HOOK_DIR "/etc/libvirt/hooks/qemu.d"
-#define HOOK_FILE HOOK_DIR "/zz-pagefold-test"
-#define LIBVIRTD_PID "/run/libvirtd.pid"
-#define STOCK_QEMU "/usr/bin/qemu-system-x86_64"
-#define DOMAIN_LOG_DIR "/var/log/libvirt/qemu"
-#define PAGEFOLDD_LOG_DIR "/var/log/pagefold"
-#define PAGEFOLDD_LOG PAGEFOLDD_LOG_DIR "/pagefoldd.log"
-#define VIRTLOGD_PID "/run/virtlogd.pid"
-/* TCG boots and fills are slow on two loaded cores. */
-#define BOOT_S 180
-
-static struct {
-    char *dir;          /* 0755: libvirt-qemu reads the kernel there */
-    char *kernel, *initrd;
-    PfTestDaemon ctl;   /* only its sock: pagefoldd is the hook's */
-    gboolean libvirtd_was_running;
-    gboolean virtlogd_was_running;
-    /* made by the test (the hook's fallback makes the log's): removed */
-    gboolean made_hooks_dir, made_hook_dir, made_log_dir;
-    GPtrArray *domains; /* names defined, undefined at the end */
-} lv;
-
-typedef struct {
-    const char *name;
-    const char *emulator;   /* NULL: the patched QEMU */
-    gboolean memfd;         /* shared memfd RAM */
-    gboolean nosharepages;
-    int seconds, reboot;    /* pfguest.seconds, pfguest.reboot */
-    int seed;
-    const char *merge_domain; /* from <metadata>, or NULL */
-} DomSpec;
-
-typedef struct {
-    char *name;
-    char *uuid;
-    char *console;
-    gsize console_seen; /* bytes of the console already looked at */
-} Dom;
-
-static void
-dom_free(Dom *d)
-{
-    g_free(d->name);
-    g_free(d->uuid);
-    g_free(d->console);
-    g_free(d);
-}
-G_DEFINE_AUTOPTR_CLEANUP_FUNC(Dom, dom_free)
-
-/* Runs argv; its stdout, or NULL with *err filled if it failed. */
-static char *
-run(char **err, const char *const *argv)
-{
-    g_autofree char *out = NULL, *e = NULL;
-    g_autoptr(GError) error = NULL;
-    gint status = 0;
-
-    if (!g_spawn_sync(NULL, (char **)argv, NULL, G_SPAWN_SEARCH_PATH, NULL, NULL, &out, &e,
-                      &status, &error)) {
-        if (err) {
-            *err = g_strdup(error->message);
-        }
-        return NULL;
-    }
-    if (!g_spawn_check_wait_status(status, NULL)) {
-        if (err) {
-            *err = g_steal_pointer(&e);
-        }
-        return NULL;
-    }
-    return g_steal_pointer(&out);
-}
-
-static char *
-virsh_try(char **err, const char *a1, const char *a2, const char *a3, const char *a4)
-{
-    const char *argv[] = { "virsh", "-q", "-c", "qemu:///system", a1, a2, a3, a4, NULL };
-
-    return run(err, argv);
-}
-
-/* virsh with up to three arguments, which must succeed. */
-static char *
-virsh(const char *a1, const char *a2, const char *a3)
-{
-    g_autofree char *err = NULL;
-    char *out = virsh_try(&err, a1, a2, a3, NULL);
-
-    if (out == NULL) {
-        g_error("virsh %s %s %s: %s", a1, a2 ? a2 : "", a3 ? a3 : "", err);
-    }
-    return out;
-}
-
-static int
-pid_from_file(const char *path)
-{
-    g_autofree char *text = NULL;
-
-    if (!g_file_get_contents(path, &text, NULL, NULL)) {
-        return 0;
-    }
-    return atoi(text);
-}
-
-static gboolean
-alive(int pid)
-{
-    return pid > 0 && kill(pid, 0) == 0;
-}
-
-static void
-wait_gone(int pid)
-{
-    for (int i = 0; i < 300 && alive(pid); i++) {
-        g_usleep(100000);
-    }
-    g_assert_false(alive(pid));
-}
-
-static void
-libvirtd_start(void)
-{
-    const char *virtlogd[] = { "/usr/sbin/virtlogd", "-d", NULL };
-    const char *libvirtd[] = { "/usr/sbin/libvirtd", "-d", NULL };
-    g_autofree char *err = NULL;
-    g_autofree char *out = NULL;
-
-    if (!alive(pid_from_file(VIRTLOGD_PID))) {
-        g_free(run(NULL, virtlogd));
-    }
-    g_assert_nonnull(run(NULL, libvirtd));
-    for (int i = 0; i < 300 && out == NULL; i++) {
-        g_clear_pointer(&err, g_free);
-        out = virsh_try(&err, "list", "--all", NULL, NULL);
-        if (out == NULL) {
-            g_usleep(100000);
-        }
-    }
-    if (out == NULL) {
-        g_error("libvirtd does not answer: %s", err);
-    }
-}
-
-static void
-libvirtd_stop(int sig)
-{
-    int pid = pid_from_file(LIBVIRTD_PID);
-
-    if (alive(pid)) {
-        kill(pid, sig);
-        wait_gone(pid);
-    }
-    if (sig == SIGKILL) {
-        g_unlink(LIBVIRTD_PID);
-    }
-}
-
-/* pagefoldd's process, found by its control socket's peer. */
-static int
-pagefoldd_pid(void)
-{
-    return pf_test_listener_pid(PF_DEFAULT_SOCKET);
-}
-
-static void
-pagefoldd_stop(void)
-{
-    int pid = pagefoldd_pid();
-
-    if (pid > 0) {
-        kill(pid, SIGTERM);
-        wait_gone(pid);
-    }
-}
-
-/* The hook libvirt runs: the one built here, with pagefoldd built here.
- * pagefoldd_path NULL: one that is not there. */
-static void
-install_hook(const char *pagefoldd_path)
-{
-    /* Not the host's configuration file: an empty one of the test's. */
-    g_autofree char *config = g_build_filename(lv.dir, "pagefoldd.conf", NULL);
-    g_autofree char *script = g_strdup_printf(
-        "#!/bin/sh\n# Installed by pagefold's libvirt-test; removed when it ends.\n"
-        "exec '%s' --pagefoldd '%s' --pagefoldd-arg=--config --pagefoldd-arg='%s' "
-        "--pagefoldd-arg=--set --pagefoldd-arg=pages_to_scan=4000 "
-        "--pagefoldd-arg=--set --pagefoldd-arg=sleep_millisecs=10 "
-        "--pagefoldd-arg=--set --pagefoldd-arg=libvirt_metadata_millisecs=1000 \"$@\"\n",
-        pf_test_bin("PAGEFOLD_HOOK"),
-        pagefoldd_path ? pagefoldd_path : "/nonexistent/pagefoldd", config);
-    g_autoptr(GError) error = NULL;
-
-    g_assert_true(g_file_set_contents(config, "", 0, NULL));
-
-    g_assert_cmpint(g_mkdir_with_parents(HOOK_DIR, 0755), ==, 0);
-    g_file_set_contents(HOOK_FILE, script, -1, &error);
-    g_assert_no_error(error);
-    g_assert_cmpint(g_chmod(HOOK_FILE, 0755), ==, 0);
-}
-
-static char *
-domain_xml(const DomSpec *s, const char *uuid, const char *console)
-{
-    g_autoptr(GString) x = g_string_new(NULL);
-
-    g_string_append_printf(x, "<domain type='qemu'>\n  <name>%s</name>\n  <uuid>%s</uuid>\n",
-                           s->name, uuid);
-    g_string_append(x, "  <memory unit='MiB'>192</memory>\n  <vcpu>1</vcpu>\n");
-    if (s->merge_domain != NULL) {
-        g_string_append_printf(x,
-                               "  <metadata><pagefold:config xmlns:pagefold='urn:pagefold:domain:1' "
-                               "merge-domain='%s'/></metadata>\n",
-                               s->merge_domain);
-    }
-    if (s->memfd || s->nosharepages) {
-        g_string_append_printf(x, "  <memoryBacking>%s%s</memoryBacking>\n",
-                               s->nosharepages ? "<nosharepages/>" : "",
-                               s->memfd ? "<source type='memfd'/><access mode='shared'/>" : "");
-    }
-    g_string_append_printf(
-        x,
-        "  <os><type arch='x86_64' machine='pc'>hvm</type>\n"
-        "    <kernel>%s</kernel><initrd>%s</initrd>\n"
-        "    <cmdline>console=ttyS0 no_timer_check quiet pfguest.mib=64 pfguest.seed=%d pfguest.seconds=%d "
-        "pfguest.check_s=3 pfguest.reboot=%d</cmdline>\n  </os>\n"
-        /* Without ACPI (libvirt's default) a guest's power-off only halts. */
-        "  <features><acpi/></features>\n"
-        "  <on_poweroff>destroy</on_poweroff><on_reboot>restart</on_reboot>\n"
-        "  <devices>\n    <emulator>%s</emulator>\n"
-        "    <serial type='file'><source path='%s'/></serial>\n"
-        "    <memballoon model='none'/>\n  </devices>\n</domain>\n",
-        lv.kernel, lv.initrd, s->seed, s->seconds, s->reboot,
-        s->emulator ? s->emulator : pf_test_bin("QEMU_BINARY"), console);
-    return g_string_free(g_steal_pointer(&x), FALSE);
-}
-
-static Dom *
-dom_start(const DomSpec *s)
-{
-    Dom *d = g_new0(Dom, 1);
-    g_autofree char *xml_path = g_strdup_printf("%s/%s.xml", lv.dir, s->name);
-    g_autofree char *xml = NULL;
-    g_autoptr(GError) error = NULL;
-
-    d->name = g_strdup(s->name);
-    d->uuid = g_uuid_string_random();
-    d->console = g_strdup_printf("%s/%s.console", lv.dir, s->name);
-    g_unlink(d->console);
-    xml = domain_xml(s, d->uuid, d->console);
-    g_file_set_contents(xml_path, xml, -1, &error);
-    g_assert_no_error(error);
-    g_free(virsh("define", xml_path, NULL));
-    if (!g_ptr_array_find_with_equal_func(lv.domains, s->name, g_str_equal, NULL)) {
-        g_ptr_array_add(lv.domains, g_strdup(s->name));
-    }
-    g_free(virsh("start", s->name, NULL));
-    return d;
-}
-
-static int
-dom_pid(const Dom *d)
-{
-    g_autofree char *path = g_strdup_printf("/run/libvirt/qemu/%s.pid", d->name);
-
-    return pid_from_file(path);
-}
-
-static void
-dom_destroy(const Dom *d)
-{
-    int pid = dom_pid(d);
-
-    g_free(virsh("destroy", d->name, NULL));
-    wait_gone(pid);
-}
-
-/* The domain's console from where the last call stopped, until a line that
- * starts with want; a FAIL line fails the test. */
-static void
-dom_expect(Dom *d, const char *want)
-{
-    gint64 end = g_get_monotonic_time() + BOOT_S * G_USEC_PER_SEC;
-
-    while (g_get_monotonic_time() < end) {
-        g_autofree char *text = NULL;
-        gsize len = 0;
-        char *line, *nl;
-
-        if (g_file_get_contents(d->console, &text, &len, NULL)) {
-            for (line = text + d->console_seen; (nl = strchr(line, '\n')) != NULL;
-                 line = nl + 1) {
-                *nl = '\0';
-                d->console_seen = (gsize)(nl + 1 - text);
-                if (strstr(line, "FAIL") != NULL) {
-                    g_error("%s: %s", d->name, line);
-                }
-                if (g_str_has_prefix(line, want)) {
-                    g_test_message("%s: %s", d->name, line);
-                    return;
-                }
-            }
-        }
-        g_usleep(200000);
-    }
-    g_error("%s: no '%s' on its console within %d s", d->name, want, BOOT_S);
-}
-
-/* The domain's own log: libvirt's, with the hook's lines in it. */
-static char *
-dom_log(const Dom *d)
-{
-    g_autofree char *path = g_strdup_printf("%s/%s.log", DOMAIN_LOG_DIR, d->name);
-    char *text = NULL;
-
-    g_file_get_contents(path, &text, NULL, NULL);
-    return text ? text : g_strdup("");
-}
-
-/* Waits until the domain's log holds want: libvirtd runs its hooks as it
- * reconnects to running domains, after it answers its clients. */
-static void
-wait_log(const Dom *d, const char *want)
-{
-    for (int i = 0; i < BOOT_S * 5; i++) {
-        g_autofree char *log = dom_log(d);
-
-        if (strstr(log, want) != NULL) {
-            return;
-        }
-        g_usleep(200000);
-    }
-    g_error("%s: no '%s' in its log within %d s", d->name, want, BOOT_S);
-}
-
-/* Waits for the VM to be listed with mode; returns its entry. */
-static JsonObject *
-wait_listed(const Dom *d, const char *mode)
-{
-    for (int i = 0; i < BOOT_S * 5; i++) {
-        g_autoptr(JsonObject) vm =
-            pagefoldd_pid() > 0 ? pf_test_listed_vm(&lv.ctl, d->name) : NULL;
-
-        if (vm != NULL && g_str_equal(json_object_get_string_member(vm, "mode"), mode)) {
-            return g_steal_pointer(&vm);
-        }
-        g_usleep(200000);
-    }
-    g_error("%s: not listed by pagefoldd in mode %s", d->name, mode);
-}
-
-static void
-wait_unlisted(const Dom *d)
-{
-    for (int i = 0; i < 300; i++) {
-        g_autoptr(JsonObject) vm = pf_test_listed_vm(&lv.ctl, d->name);
-
-        if (vm == NULL) {
-            return;
-        }
-        g_usleep(100000);
-    }
-    g_error("%s: still listed by pagefoldd", d->name);
-}
-
-static gint64
-stat_of(const char *vm_name, const char *counter)
-{
-    g_autoptr(JsonNode) st = NULL;
-    JsonObject *o;
-
-    if (vm_name != NULL) {
-        return pf_test_vm_counter(&lv.ctl, vm_name, counter);
-    }
-    st = pf_test_ctl_json(&lv.ctl, "stats", NULL);
-    o = json_node_get_object(st);
-    return json_object_has_member(o, counter)
-               ? json_object_get_int_member(o, counter)
-               : json_object_get_int_member(json_object_get_object_member(o, "total"), counter);
-}
-
-static void
-wait_sharing(const char *vm_name, gint64 at_least)
-{
-    for (int i = 0; i < BOOT_S * 2; i++) {
-        if (stat_of(vm_name, "pages_sharing") >= at_least) {
-            return;
-        }
-        g_usleep(500000);
-    }
-    g_error("%s: pages_sharing stayed below %" G_GINT64_FORMAT, vm_name ? vm_name : "total",
-            at_least);
-}
 
 static guint
 uid_of(int pid)
@@ -499,7 +108,7 @@ test_merge_domains(void)
                                                 specs[i]->merge_domain); t++) {
             g_usleep(100000);
             json_object_unref(vm);
-            vm = pf_test_listed_vm(&lv.ctl, all[i]->name);
+            vm = pf_test_listed_vm(pagefoldd_ctl(), all[i]->name);
         }
         g_assert_cmpstr(json_object_get_string_member(vm, "merge_domain"), ==,
                         specs[i]->merge_domain);
@@ -732,7 +341,7 @@ test_hook_bad_input(void)
         g_assert_cmpint(run_hook(argv, xml, NULL, NULL), ==, 0);
         g_assert_cmpint(pagefoldd_pid(), >, 0);
     }
-    before = pf_test_ctl_json(&lv.ctl, "list", NULL);
+    before = pf_test_ctl_json(pagefoldd_ctl(), "list", NULL);
     for (gsize i = 0; i < G_N_ELEMENTS(bad); i++) {
         for (gsize j = 0; j < G_N_ELEMENTS(xmls); j++) {
             g_autofree char *out = NULL, *err = NULL;
@@ -752,7 +361,7 @@ test_hook_bad_input(void)
         g_test_message("%s", err);
         g_assert_nonnull(strstr(err, "pf-y"));
     }
-    after = pf_test_ctl_json(&lv.ctl, "list", NULL);
+    after = pf_test_ctl_json(pagefoldd_ctl(), "list", NULL);
     b = json_to_string(before, FALSE);
     a = json_to_string(after, FALSE);
     g_assert_cmpstr(a, ==, b);
@@ -821,17 +430,6 @@ test_pagefoldd_restart(void)
     }
 }
 
-/* Whether pid runs the pagefoldd built here: one a crashed run left. */
-static gboolean
-ours(int pid)
-{
-    g_autofree char *link = g_strdup_printf("/proc/%d/exe", pid);
-    g_autofree char *exe = g_file_read_link(link, NULL);
-    g_autofree char *want = g_canonicalize_filename(pf_test_bin("PAGEFOLDD"), NULL);
-
-    return exe != NULL && g_str_equal(exe, want);
-}
-
 /* The number in <name>N</name> of libvirt's metadata element, or -1. */
 static gint64
 element_number(const char *xml, const char *name)
@@ -860,7 +458,7 @@ test_metadata(void)
     dom_expect(d1, "PFGUEST READY");
     dom_expect(d2, "PFGUEST READY");
     wait_sharing(NULL, 4096);
-    json_node_unref(pf_test_ctl_json(&lv.ctl, "set", "run", "0", NULL));
+    json_node_unref(pf_test_ctl_json(pagefoldd_ctl(), "set", "run", "0", NULL));
     /* The publisher's next round, and the one after, see run=0's figures. */
     g_usleep(3 * G_USEC_PER_SEC);
     xml = virsh("metadata", d1->name, "urn:pagefold:stats:1");
@@ -873,7 +471,7 @@ test_metadata(void)
     g_assert_cmpint(element_number(xml, "saved_bytes"), ==,
                     (stat_of(d1->name, "pages_sharing") + stat_of(d1->name, "zero_pages")) *
                         PF_PAGE_SIZE);
-    json_node_unref(pf_test_ctl_json(&lv.ctl, "set", "run", "1", NULL));
+    json_node_unref(pf_test_ctl_json(pagefoldd_ctl(), "set", "run", "1", NULL));
     dom_expect(d1, "PFGUEST CHECK ok");
     dom_destroy(d1);
     dom_destroy(d2);
@@ -881,142 +479,10 @@ test_metadata(void)
     wait_unlisted(d2);
 }
 
-/* Why the suite cannot run here, or NULL. */
-static const char *
-cannot_run(void)
-{
-    if (geteuid() != 0) {
-        return "needs root (libvirtd, its hooks, pagefoldd)";
-    }
-    if (!g_file_test("/usr/sbin/libvirtd", G_FILE_TEST_IS_EXECUTABLE) ||
-        !g_file_test("/usr/bin/virsh", G_FILE_TEST_IS_EXECUTABLE)) {
-        return "libvirt is not installed (libvirt-daemon-system, libvirt-clients)";
-    }
-    if (!g_getenv("QEMU_BINARY") || !g_getenv("GUEST_KERNEL") || !g_getenv("GUEST_INITRD")) {
-        return "needs QEMU_BINARY, GUEST_KERNEL, GUEST_INITRD (scripts/build-qemu, "
-               "scripts/build-guest)";
-    }
-    if (pagefoldd_pid() > 0 && !ours(pagefoldd_pid())) {
-        return "a pagefoldd already listens on " PF_DEFAULT_SOCKET
-               ": this suite runs its own there";
-    }
-    return NULL;
-}
-
 static void
 skip_all(gconstpointer why)
 {
     g_test_skip(why);
-}
-
-static void
-setup(void)
-{
-    g_autoptr(GError) error = NULL;
-    const char *bins[] = { "GUEST_KERNEL", "GUEST_INITRD" };
-    char **paths[] = { &lv.kernel, &lv.initrd };
-
-    lv.dir = g_dir_make_tmp("pagefold-libvirt-XXXXXX", &error);
-    g_assert_no_error(error);
-    g_assert_cmpint(g_chmod(lv.dir, 0755), ==, 0);
-    for (gsize i = 0; i < G_N_ELEMENTS(bins); i++) {
-        g_autofree char *text = NULL;
-        gsize len;
-
-        g_assert_true(g_file_get_contents(pf_test_bin(bins[i]), &text, &len, NULL));
-        *paths[i] = g_build_filename(lv.dir, i == 0 ? "vmlinuz" : "initrd", NULL);
-        g_file_set_contents(*paths[i], text, (gssize)len, &error);
-        g_assert_no_error(error);
-        g_assert_cmpint(g_chmod(*paths[i], 0644), ==, 0);
-    }
-    lv.ctl.sock = g_strdup(PF_DEFAULT_SOCKET);
-    lv.domains = g_ptr_array_new_with_free_func(g_free);
-    lv.virtlogd_was_running = alive(pid_from_file(VIRTLOGD_PID));
-    lv.made_hooks_dir = !g_file_test("/etc/libvirt/hooks", G_FILE_TEST_IS_DIR);
-    lv.made_hook_dir = !g_file_test(HOOK_DIR, G_FILE_TEST_IS_DIR);
-    lv.made_log_dir = !g_file_test(PAGEFOLDD_LOG_DIR, G_FILE_TEST_IS_DIR);
-    /* What a run that crashed may have left. */
-    pagefoldd_stop();
-    install_hook(pf_test_bin("PAGEFOLDD"));
-    lv.libvirtd_was_running = alive(pid_from_file(LIBVIRTD_PID));
-    /* Hooks are read when libvirtd starts. */
-    libvirtd_stop(SIGTERM);
-    libvirtd_start();
-    {
-        g_autofree char *names = virsh("list", "--all", "--name");
-        g_auto(GStrv) v = g_strsplit(names, "\n", -1);
-
-        for (char **n = v; *n != NULL; n++) {
-            if (g_str_has_prefix(*n, "pf-test-")) {
-                g_free(virsh_try(NULL, "destroy", *n, NULL, NULL));
-                g_free(virsh_try(NULL, "undefine", *n, NULL, NULL));
-            }
-        }
-    }
-}
-
-static void
-teardown(void)
-{
-    static gboolean done;
-
-    if (done) {
-        return;
-    }
-    done = TRUE;
-    for (guint i = 0; i < lv.domains->len; i++) {
-        const char *name = g_ptr_array_index(lv.domains, i);
-
-        g_free(virsh_try(NULL, "destroy", name, NULL, NULL));
-        g_free(virsh_try(NULL, "undefine", name, NULL, NULL));
-    }
-    g_unlink(HOOK_FILE);
-    if (lv.made_hook_dir) {
-        g_rmdir(HOOK_DIR);
-    }
-    if (lv.made_hooks_dir) {
-        g_rmdir("/etc/libvirt/hooks");
-    }
-    libvirtd_stop(SIGTERM);
-    if (lv.libvirtd_was_running) {
-        libvirtd_start();
-    } else if (!lv.virtlogd_was_running) {
-        /* libvirtd_start() started it for the test's libvirtd. */
-        int pid = pid_from_file(VIRTLOGD_PID);
-
-        if (pid > 0 && alive(pid)) {
-            kill(pid, SIGTERM);
-            wait_gone(pid);
-        }
-    }
-    pagefoldd_stop();
-    /* What it kept of VMs attached by pid, for a pagefoldd to come. */
-    g_unlink(PF_DEFAULT_SOCKET ".attached");
-    if (g_file_test(PAGEFOLDD_LOG, G_FILE_TEST_EXISTS)) {
-        g_autofree char *text = NULL;
-
-        g_file_get_contents(PAGEFOLDD_LOG, &text, NULL, NULL);
-        g_test_message("pagefoldd's log (%s), last part:\n%s", PAGEFOLDD_LOG,
-                       text && strlen(text) > 4000 ? text + strlen(text) - 4000 : text);
-        if (lv.made_log_dir) {
-            g_unlink(PAGEFOLDD_LOG);
-            g_rmdir(PAGEFOLDD_LOG_DIR);
-        }
-    }
-    for (gsize i = 0; i < 2; i++) {
-        g_unlink(i == 0 ? lv.kernel : lv.initrd);
-    }
-    {
-        g_autoptr(GDir) dir = g_dir_open(lv.dir, 0, NULL);
-        const char *f;
-
-        while (dir != NULL && (f = g_dir_read_name(dir)) != NULL) {
-            g_autofree char *p = g_build_filename(lv.dir, f, NULL);
-
-            g_unlink(p);
-        }
-    }
-    g_rmdir(lv.dir);
 }
 
 /* A failed assertion aborts, and meson's timeout terminates: the domains,
