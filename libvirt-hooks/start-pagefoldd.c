@@ -115,19 +115,24 @@ typedef struct {
 } SpawnNote;
 
 /* Marks every descriptor from 3 on close-on-exec: pagefoldd takes nothing
- * of the hook's, libvirt's pipes least of all. */
-static void
+ * of the hook's, libvirt's pipes least of all.  0, or the errno of one
+ * that stays open across exec. */
+static int
 cloexec_from_3(void)
 {
     long max;
 
     if (syscall(SYS_close_range, 3u, ~0u, CLOSE_RANGE_CLOEXEC) == 0) {
-        return;
+        return 0;
     }
     max = sysconf(_SC_OPEN_MAX);
+    /* Most are not open: EBADF is the answer for those, and no harm. */
     for (long fd = 3; fd < MIN(max < 0 ? 65536 : max, 1 << 20); fd++) {
-        fcntl((int)fd, F_SETFD, FD_CLOEXEC);
+        if (fcntl((int)fd, F_SETFD, FD_CLOEXEC) < 0 && errno != EBADF) {
+            return errno;
+        }
     }
+    return 0;
 }
 
 /* Tells the hook, on the note pipe, how the spawning went, and exits: a
@@ -187,8 +192,12 @@ in_middle(char **argv, int null_fd, int out_fd, int note_fd)
 {
     pid_t grand;
     sigset_t none;
+    int err;
 
-    setsid();
+    /* A new session, so that pagefoldd never gets the hook's terminal. */
+    if (setsid() < 0) {
+        note_and_exit(note_fd, 1, errno, 127);
+    }
     grand = fork();
     if (grand != 0) {
         note_and_exit(note_fd, grand < 0 ? 1 : 0, grand < 0 ? errno : grand, 0);
@@ -197,11 +206,15 @@ in_middle(char **argv, int null_fd, int out_fd, int note_fd)
         dup2(out_fd, STDOUT_FILENO) < 0 || dup2(out_fd, STDERR_FILENO) < 0) {
         note_and_exit(note_fd, 1, errno, 127);
     }
-    /* dup2() onto itself would have kept close-on-exec. */
-    fcntl(STDIN_FILENO, F_SETFD, 0);
-    fcntl(STDOUT_FILENO, F_SETFD, 0);
-    fcntl(STDERR_FILENO, F_SETFD, 0);
-    cloexec_from_3();
+    /* dup2() onto itself would have kept close-on-exec; pagefoldd without
+     * its stderr would say nothing of why it stops. */
+    if (fcntl(STDIN_FILENO, F_SETFD, 0) < 0 || fcntl(STDOUT_FILENO, F_SETFD, 0) < 0 ||
+        fcntl(STDERR_FILENO, F_SETFD, 0) < 0) {
+        note_and_exit(note_fd, 1, errno, 127);
+    }
+    if ((err = cloexec_from_3()) != 0) {
+        note_and_exit(note_fd, 1, err, 127); /* pagefoldd would inherit it */
+    }
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL); /* the hook ignores it; exec keeps that */
