@@ -8,8 +8,9 @@
  * and says why; where it is made safe, it merges: a balloon's discards,
  * ivshmem's shared memory left alone, O_DIRECT reads into merged pages.
  *
- * Owns those paths and the stand-ins they need (a vhost-user backend, an
- * O_DIRECT disk image).  Must never take advise mode for a pass without
+ * Owns those paths, the stand-ins they need (a vhost-user backend that
+ * offers no feature, an O_DIRECT disk image) and Debian's virtiofsd where
+ * they run it.  Must never take advise mode for a pass without
  * its reason: each step back is matched to the words pagefoldd and the
  * agent give for it, and no page of it may stay remapped.
  */
@@ -191,6 +192,172 @@ test_advise_vhost_user(void)
     pf_test_guest_free(g);
     fake_vhost_user_free(f);
     g_rmdir(dir);
+}
+
+/* Debian's virtiofsd (qemu-system-common), from the QEMU 7.2 tree this
+ * project patches: the real backend a virtiofs guest has. */
+#define VIRTIOFSD "/usr/lib/qemu/virtiofsd"
+/* Pages of each file the guest writes and reads through the share. */
+#define VIRTIOFS_BUFS 64
+
+typedef struct {
+    GSubprocess *proc;
+    char *dir;    /* its socket, and share/ */
+    char *share;
+    char *sock;
+} Virtiofsd;
+
+/* virtiofsd serving a new empty folder, once its socket is there (NULL,
+ * the path skipped, where Debian's virtiofsd is not installed). */
+static Virtiofsd *
+virtiofsd_start(void)
+{
+    Virtiofsd *v;
+    g_autoptr(GError) error = NULL;
+    g_autofree char *source = NULL;
+    g_autofree char *socket_path = NULL;
+
+    if (!g_file_test(VIRTIOFSD, G_FILE_TEST_IS_EXECUTABLE)) {
+        g_test_skip(VIRTIOFSD " is not installed (qemu-system-common)");
+        return NULL;
+    }
+    v = g_new0(Virtiofsd, 1);
+    v->dir = g_dir_make_tmp("pagefold-virtiofs-XXXXXX", NULL);
+    g_assert_nonnull(v->dir);
+    v->share = g_build_filename(v->dir, "share", NULL);
+    v->sock = g_build_filename(v->dir, "vfs.sock", NULL);
+    g_assert_cmpint(g_mkdir(v->share, 0755), ==, 0);
+    source = g_strdup_printf("source=%s", v->share);
+    socket_path = g_strdup_printf("--socket-path=%s", v->sock);
+    /* cache=none: the guest's reads and writes go to and from its own
+     * buffers, which virtiofsd reads and writes in guest RAM.  chroot: no
+     * namespaces needed where the tests run. */
+    v->proc = g_subprocess_new(G_SUBPROCESS_FLAGS_NONE, &error, VIRTIOFSD, socket_path, "-o",
+                               source, "-o", "cache=none", "-o", "sandbox=chroot", NULL);
+    g_assert_no_error(error);
+    for (int i = 0; i < 100 && !g_file_test(v->sock, G_FILE_TEST_EXISTS); i++) {
+        g_usleep(100000);
+    }
+    g_assert_true(g_file_test(v->sock, G_FILE_TEST_EXISTS));
+    return v;
+}
+
+/* It ends with its VMM's connection; killed if it has not. */
+static void
+virtiofsd_free(Virtiofsd *v)
+{
+    g_autoptr(GDir) d = NULL;
+    const char *name;
+
+    g_subprocess_force_exit(v->proc);
+    g_assert_true(g_subprocess_wait(v->proc, NULL, NULL));
+    g_object_unref(v->proc);
+    d = g_dir_open(v->share, 0, NULL);
+    while (d != NULL && (name = g_dir_read_name(d)) != NULL) {
+        g_autofree char *path = g_build_filename(v->share, name, NULL);
+
+        g_unlink(path);
+    }
+    g_rmdir(v->share);
+    g_unlink(v->sock);
+    g_rmdir(v->dir);
+    g_free(v->share);
+    g_free(v->sock);
+    g_free(v->dir);
+    g_free(v);
+}
+
+/* Every file the guest wrote through the share holds, byte for byte, its
+ * last write (tests/guest/pfguest.c: write w fills file w % 8 with
+ * pfguest's pages of kind 7); returns the pages checked. */
+static gsize
+virtiofs_files_check(const Virtiofsd *v, gulong writes)
+{
+    guint8 want[PF_PAGE_SIZE];
+    gsize pages = 0;
+
+    for (gulong k = 0; k < MIN(writes, 8); k++) {
+        gulong w = (writes - 1 - k) / 8 * 8 + k; /* the last w < writes of file k */
+        g_autofree char *path = NULL;
+        g_autofree char *data = NULL;
+        gsize len = 0;
+
+        path = g_strdup_printf("%s/f%lu", v->share, k);
+        g_assert_true(g_file_get_contents(path, &data, &len, NULL));
+        g_assert_cmpuint(len, ==, VIRTIOFS_BUFS * PF_PAGE_SIZE);
+        for (gsize j = 0; j < VIRTIOFS_BUFS; j++) {
+            pf_fill_page(want, pf_page_seed(7, 0, j, w));
+            if (memcmp(data + j * PF_PAGE_SIZE, want, PF_PAGE_SIZE) != 0) {
+                g_error("%s: page %zu is not that of write %lu", path, j, w);
+            }
+            pages++;
+        }
+    }
+    return pages;
+}
+
+/*
+ * A virtiofs guest with Debian's own virtiofsd: the backend maps guest
+ * RAM from the memfd, so the VM is in advise mode from the start and says
+ * why.  Its guest writes files through the share from its buffers and
+ * reads them back, through the page cache and with O_DIRECT (virtiofsd
+ * reads and writes guest RAM for both), and checks every page; the host
+ * then checks the files byte for byte.
+ */
+static void
+test_advise_virtiofs(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    g_autofree char *chardev = NULL;
+    g_autofree char *counts = NULL;
+    Virtiofsd *v;
+    Guest *g;
+    JsonNode *s;
+    gulong writes = 0, reads = 0, pages = 0, bad = 0;
+
+    if (!have_qemu() || (v = virtiofsd_start()) == NULL) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", NULL);
+    chardev = g_strdup_printf("socket,id=c0,path=%s", v->sock);
+    {
+        const char *extra[] = { "-chardev", chardev, "-device",
+                                "vhost-user-fs-pci,chardev=c0,tag=pf", NULL };
+        PfGuestSpec spec = { "virtiofs0", d->agent_sock, 256, FILL_MIB, 1, 20, 4, FALSE,
+                             FALSE, extra, "pfguest.virtiofs=" G_STRINGIFY(VIRTIOFS_BUFS) };
+
+        g = pf_test_guest_start(&spec);
+    }
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    /* Advise mode still says what merging would save. */
+    g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
+    json_node_unref(s);
+    assert_advise(d, g, "vhost-user");
+    pf_test_guest_tell_stop(g);
+    for (;;) {
+        char *line = pf_test_guest_expect(g, "PFGUEST ", 120);
+
+        if (g_str_has_prefix(line, "PFGUEST VIRTIOFS")) {
+            g_free(counts);
+            counts = line;
+        } else if (g_str_has_prefix(line, "PFGUEST PASS")) {
+            g_free(line);
+            break;
+        } else {
+            g_free(line);
+        }
+    }
+    g_assert_nonnull(counts);
+    g_assert_cmpint(sscanf(counts, "PFGUEST VIRTIOFS writes=%lu reads=%lu pages=%lu bad=%lu",
+                           &writes, &reads, &pages, &bad), ==, 4);
+    g_assert_cmpuint(bad, ==, 0);
+    g_assert_cmpuint(writes, >=, 16);
+    g_test_message("%s: %lu writes and reads of %u pages through virtiofs, %zu pages of the "
+                   "files checked on the host", g->name, writes, VIRTIOFS_BUFS,
+                   virtiofs_files_check(v, writes));
+    pf_test_guest_free(g);
+    virtiofsd_free(v);
 }
 
 /* Waits for the migration to reach status want ("completed"). */
@@ -736,6 +903,7 @@ void
 qemu_devices_add_tests(void)
 {
     add_func("/qemu/advise/vhost-user", test_advise_vhost_user, FALSE);
+    add_func("/qemu/advise/virtiofs", test_advise_virtiofs, FALSE);
     add_func("/qemu/advise/migration", test_advise_migration, FALSE);
     add_func("/qemu/advise/private-ram", test_advise_private_ram, FALSE);
     add_func("/qemu/balloon", test_balloon, FALSE);

@@ -34,10 +34,20 @@
  * (0) sleeps between reads.  The host pins a page for such a read and the
  * device writes it behind the page tables: a page the host remaps
  * meanwhile shows up here as stale data.
+ * pfguest.virtiofs= (0) buffer pages: instead of sleeping, write files
+ * through the virtiofs share tagged "pf" (mounted on /mnt) from buffers of
+ * that many pages, read each back into other buffers, and check every
+ * page: write w fills file w % VFS_FILES with pages fill(mix(7, 0, j, w))
+ * (identical in every guest, for the host to merge), alternately through
+ * the page cache and with O_DIRECT; the backend reads and writes guest
+ * RAM for them, behind the page tables.  The last line says writes=W: the
+ * host then finds in file k the pages of the last w < W with w % VFS_FILES
+ * == k.
  * It prints on the console, one line each: "PFGUEST READY", "PFGUEST
  * SCRATCH filled|freed", "PFGUEST LATE filled", "PFGUEST CHECK
- * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=..." with each
- * check (a bad page also prints "PFGUEST ODIRECT FAIL ..." at once), and
+ * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=...", "PFGUEST
+ * VIRTIOFS writes=... reads=... pages=... bad=..." with each
+ * check (a bad page also prints "PFGUEST ODIRECT|VIRTIOFS FAIL ..." at once), and
  * at the end "PFGUEST PASS" or "PFGUEST FAIL", then powers the guest off.
  * It never trusts the host: everything is recomputed.
  */
@@ -54,6 +64,7 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
+#include <sys/stat.h>
 #include <sys/sysinfo.h>
 #include <time.h>
 #include <unistd.h>
@@ -265,6 +276,129 @@ odirect_check(Odirect *o)
     return bad;
 }
 
+/* ---- files written and read through virtiofs ---- */
+
+#define VFS_FILES 8
+
+typedef struct {
+    size_t n_bufs;       /* pages of a file, and of each buffer */
+    uint8_t *wbuf, *rbuf;
+    unsigned long writes, reads, pages, bad;
+} Vfs;
+
+/* 0 if page j of buf is page j of write w; else 1, and the console says so. */
+static int
+vfs_page_bad(const uint8_t *buf, size_t j, unsigned long w, const char *when)
+{
+    uint8_t want[PAGE];
+    const uint8_t *page = buf + j * PAGE;
+
+    fill(want, mix(7, 0, j, w));
+    if (memcmp(page, want, PAGE) == 0) {
+        return 0;
+    }
+    for (unsigned k = 0; k < PAGE; k++) {
+        if (page[k] != want[k]) {
+            printf("PFGUEST VIRTIOFS FAIL %s: write %lu, page %zu: byte %u is %02x, not %02x\n",
+                   when, w, j, k, page[k], want[k]);
+            break;
+        }
+    }
+    fflush(stdout);
+    return 1;
+}
+
+static int
+vfs_open(Vfs *v, unsigned long n_bufs)
+{
+    int rc = -1;
+
+    if (mkdir("/mnt", 0755) < 0 && errno != EEXIST) {
+        printf("PFGUEST FAIL cannot make /mnt: %s\n", strerror(errno));
+        return -1;
+    }
+    /* The device appears when virtio's probe is done: wait a little. */
+    for (int i = 0; i < 100 && (rc = mount("pf", "/mnt", "virtiofs", 0, NULL)) < 0; i++) {
+        usleep(100000);
+    }
+    if (rc < 0) {
+        printf("PFGUEST FAIL cannot mount the virtiofs share \"pf\": %s\n", strerror(errno));
+        return -1;
+    }
+    v->n_bufs = n_bufs;
+    v->wbuf = mmap(NULL, 2 * n_bufs * PAGE, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (v->wbuf == MAP_FAILED) {
+        printf("PFGUEST FAIL cannot allocate %lu virtiofs buffer pages\n", 2 * n_bufs);
+        return -1;
+    }
+    v->rbuf = v->wbuf + n_bufs * PAGE;
+    return 0;
+}
+
+/* Write w: its file written whole from wbuf, then read back into rbuf;
+ * both checked. */
+static void
+vfs_write_read(Vfs *v)
+{
+    unsigned long w = v->writes;
+    int direct = w % 2 ? O_DIRECT : 0;
+    char path[32];
+    size_t len = v->n_bufs * PAGE;
+    ssize_t n = -1;
+    int fd;
+
+    snprintf(path, sizeof(path), "/mnt/f%lu", w % VFS_FILES);
+    for (size_t j = 0; j < v->n_bufs; j++) {
+        fill(v->wbuf + j * PAGE, mix(7, 0, j, w));
+    }
+    fd = open(path, O_RDWR | O_CREAT | direct, 0644);
+    if (fd < 0 || (n = pwrite(fd, v->wbuf, len, 0)) != (ssize_t)len || fsync(fd) < 0) {
+        printf("PFGUEST VIRTIOFS FAIL write %lu of %s%s: %zd, %s\n", w, path,
+               direct ? " (O_DIRECT)" : "", n, strerror(errno));
+        fflush(stdout);
+        v->bad++;
+        if (fd >= 0) {
+            close(fd);
+        }
+        return;
+    }
+    v->writes++;
+    n = pread(fd, v->rbuf, len, 0);
+    close(fd);
+    if (n != (ssize_t)len) {
+        printf("PFGUEST VIRTIOFS FAIL read of %s: %zd, %s\n", path, n, strerror(errno));
+        fflush(stdout);
+        v->bad++;
+        return;
+    }
+    v->reads++;
+    for (size_t j = 0; j < v->n_bufs; j++) {
+        v->pages++;
+        v->bad += vfs_page_bad(v->wbuf, j, w, "written from");
+        v->bad += vfs_page_bad(v->rbuf, j, w, "read back");
+    }
+}
+
+/* Writes and reads for ms milliseconds. */
+static void
+vfs_for(Vfs *v, unsigned long ms)
+{
+    double end = now() + ms * 1e-3;
+
+    do {
+        vfs_write_read(v);
+    } while (now() < end);
+}
+
+static void
+vfs_report(Vfs *v)
+{
+    printf("PFGUEST VIRTIOFS writes=%lu reads=%lu pages=%lu bad=%lu\n", v->writes, v->reads,
+           v->pages, v->bad);
+    fflush(stdout);
+}
+
 /* RAM the guest kernel has now, in bytes. */
 static unsigned long long
 total_ram(void)
@@ -291,11 +425,12 @@ main(void)
     char cmdline[4096] = "";
     FILE *f;
     unsigned long mib, seed, vol_pct, period_ms, check_s, seconds, reboot_after;
-    unsigned long scratch_mib, scratch_s, odirect_bufs, late_mib, until_told;
+    unsigned long scratch_mib, scratch_s, odirect_bufs, late_mib, until_told, vfs_bufs;
     int told = 0;
     uint8_t *scratch = NULL, *late = NULL;
     unsigned long long ram_at_start = 0;
     Odirect od = { .fd = -1 };
+    Vfs vfs = { 0 };
     size_t pages, identical, zero, vol, unique;
     uint8_t *mem, want[PAGE];
     uint32_t *gen;
@@ -321,6 +456,7 @@ main(void)
     odirect_bufs = param(cmdline, "pfguest.odirect=", 0);
     late_mib = param(cmdline, "pfguest.late_mib=", 0);
     until_told = param(cmdline, "pfguest.until_told=", 0);
+    vfs_bufs = param(cmdline, "pfguest.virtiofs=", 0);
     ram_at_start = total_ram();
 
     pages = mib * 256;
@@ -350,6 +486,9 @@ main(void)
     if (odirect_bufs > 0 &&
         odirect_open(&od, odirect_bufs, param(cmdline, "pfguest.odirect_pause_us=", 0),
                      seed) < 0) {
+        return 1;
+    }
+    if (vfs_bufs > 0 && vfs_open(&vfs, vfs_bufs) < 0) {
         return 1;
     }
     printf("PFGUEST READY pages=%zu identical=%zu zero=%zu unique=%zu volatile=%zu\n", pages,
@@ -411,6 +550,8 @@ main(void)
         }
         if (od.fd >= 0) {
             odirect_for(&od, period_ms);
+        } else if (vfs.n_bufs > 0) {
+            vfs_for(&vfs, period_ms);
         } else {
             usleep(period_ms * 1000);
         }
@@ -442,12 +583,21 @@ main(void)
         if (od.fd >= 0) {
             odirect_check(&od);
         }
+        if (vfs.n_bufs > 0) {
+            vfs_report(&vfs);
+        }
     }
     if (od.fd >= 0) {
         /* The counts, and the buffers checked once more; any bad page
          * read or kept fails the run. */
         odirect_check(&od);
         ok &= od.bad == 0;
+    }
+    if (vfs.n_bufs > 0) {
+        /* The count the host checks the files by: nothing is written
+         * after it. */
+        vfs_report(&vfs);
+        ok &= vfs.bad == 0 && vfs.writes > 0;
     }
     printf("PFGUEST %s\n", ok ? "PASS" : "FAIL");
     fflush(stdout);
