@@ -1,0 +1,390 @@
+/*
+ * uffd-backend-test.c - the kernel mechanisms a vhost-user backend's part
+ * in the merge would rest on, on the kernel the tests run on (the host's;
+ * Debian 12's 6.1 in the kernel suite).  A "backend" process maps a memfd
+ * MAP_SHARED, as virtiofsd maps guest RAM, makes a userfaultfd over that
+ * mapping for missing pages and write protection, and hands it over; the
+ * other process (the agent's part, in QEMU) then:
+ *  - write-protects a page in the backend's mapping: the backend's write
+ *    waits, the memfd page stays as it was, and goes on once lifted;
+ *  - punches the page out of the memfd (a merge), and resolves the
+ *    backend's next touch with UFFDIO_COPY (a fold-back), which fills the
+ *    memfd's page cache for every mapping of it;
+ *  - sees the backend's system calls into a punched page (a pread() into a
+ *    guest buffer, as virtiofsd does): a userfaultfd made with
+ *    UFFD_USER_MODE_ONLY does not catch them and the call fails with
+ *    EFAULT, while a whole one (as /dev/userfaultfd gives an unprivileged
+ *    process) catches them as faults to resolve.
+ * No pagefold code is under test here: what is, is the kernel.
+ *
+ * Owns its memfd, its backend child and the descriptors it took from it;
+ * must never leave the child blocked in a fault (every fault it causes is
+ * resolved or the child is killed).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <glib.h>
+#include <glib/gstdio.h>
+#include <linux/userfaultfd.h>
+#include <poll.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define PAGE 4096u
+#define PAGES 8u
+
+#ifndef UFFD_USER_MODE_ONLY
+#define UFFD_USER_MODE_ONLY 1
+#endif
+
+/* One request to the backend, and its answer. */
+typedef struct {
+    char op;      /* 'w' write the page (fill), 'r' read it, 'p' pread() into it, 'q' */
+    guint32 page;
+    guint8 fill;
+} Req;
+
+typedef struct {
+    int err;      /* 0, or the errno of the access */
+    guint8 first; /* 'r', 'p': the page's first byte as the backend saw it */
+} Ans;
+
+typedef struct {
+    pid_t pid;
+    int sock;      /* requests and answers */
+    int uffd;      /* the backend's userfaultfd, taken from it */
+    guint8 *base;  /* the memfd in the backend's address space */
+    int memfd;
+    guint8 *view;  /* the memfd in this process: a third mapping */
+    gboolean user_mode_only;
+} Backend;
+
+typedef struct {
+    int uffd_fd;   /* its number in the backend */
+    guint64 base;
+    int err;       /* making it failed: errno */
+} Hello;
+
+/* The backend: maps the memfd, registers it, says where, then serves. */
+static G_NORETURN void
+backend_main(int sock, int memfd, int file_fd, gboolean user_mode_only)
+{
+    struct uffdio_api api = { .api = UFFD_API, .features = UFFD_FEATURE_WP_HUGETLBFS_SHMEM };
+    Hello hello = { -1, 0, 0 };
+    guint8 *base = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+    int uffd = (int)syscall(SYS_userfaultfd,
+                            O_CLOEXEC | (user_mode_only ? UFFD_USER_MODE_ONLY : 0));
+    struct uffdio_register reg;
+    Req q;
+
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (base == MAP_FAILED || uffd < 0 || ioctl(uffd, UFFDIO_API, &api) < 0) {
+        hello.err = errno;
+    } else {
+        reg = (struct uffdio_register){ { (guint64)(guintptr)base, PAGES * PAGE },
+                                        UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP,
+                                        0 };
+        if (ioctl(uffd, UFFDIO_REGISTER, &reg) < 0) {
+            hello.err = errno;
+        }
+    }
+    hello.uffd_fd = uffd;
+    hello.base = (guint64)(guintptr)base;
+    if (write(sock, &hello, sizeof(hello)) != sizeof(hello) || hello.err != 0) {
+        _exit(1);
+    }
+    while (read(sock, &q, sizeof(q)) == sizeof(q) && q.op != 'q') {
+        guint8 *page = base + (gsize)q.page * PAGE;
+        Ans a = { 0, 0 };
+
+        if (q.op == 'w') {
+            memset(page, q.fill, PAGE);
+        } else if (q.op == 'r') {
+            a.first = *(volatile guint8 *)page;
+        } else if (q.op == 'p') {
+            /* The kernel writes the page, not this process. */
+            if (pread(file_fd, page, PAGE, 0) != PAGE) {
+                a.err = errno;
+            } else {
+                a.first = page[0];
+            }
+        }
+        if (write(sock, &a, sizeof(a)) != sizeof(a)) {
+            _exit(1);
+        }
+    }
+    _exit(0);
+}
+
+/* A backend over a new memfd of PAGES pages, each filled with its index;
+ * NULL (the path skipped) where the kernel cannot write-protect shmem. */
+static Backend *
+backend_start(gboolean user_mode_only)
+{
+    Backend *b = g_new0(Backend, 1);
+    g_autofree char *file = NULL;
+    int sv[2], file_fd, pidfd;
+    Hello hello;
+    guint8 data[PAGE];
+
+    b->user_mode_only = user_mode_only;
+    b->memfd = memfd_create("uffd-backend", MFD_CLOEXEC);
+    g_assert_cmpint(b->memfd, >=, 0);
+    g_assert_cmpint(ftruncate(b->memfd, PAGES * PAGE), ==, 0);
+    b->view = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, b->memfd, 0);
+    g_assert_true(b->view != MAP_FAILED);
+    for (guint i = 0; i < PAGES; i++) {
+        memset(b->view + i * PAGE, (int)i, PAGE);
+    }
+    /* What the backend's pread() reads: a page of 0xf5. */
+    file_fd = g_file_open_tmp("uffd-backend-XXXXXX", &file, NULL);
+    g_assert_cmpint(file_fd, >=, 0);
+    memset(data, 0xf5, PAGE);
+    g_assert_cmpint(write(file_fd, data, PAGE), ==, PAGE);
+    g_unlink(file);
+    g_assert_cmpint(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), ==, 0);
+    b->pid = fork();
+    g_assert_cmpint(b->pid, >=, 0);
+    if (b->pid == 0) {
+        close(sv[0]);
+        backend_main(sv[1], b->memfd, file_fd, user_mode_only);
+    }
+    close(sv[1]);
+    close(file_fd);
+    b->sock = sv[0];
+    g_assert_cmpint(read(b->sock, &hello, sizeof(hello)), ==, sizeof(hello));
+    if (hello.err != 0) {
+        g_autofree char *why = g_strdup_printf("the backend's userfaultfd over shmem for "
+                                               "write protection: %s", g_strerror(hello.err));
+
+        g_test_skip(why);
+        waitpid(b->pid, NULL, 0);
+        close(b->sock);
+        munmap(b->view, PAGES * PAGE);
+        close(b->memfd);
+        g_free(b);
+        return NULL;
+    }
+    b->base = (guint8 *)(guintptr)hello.base;
+    /* Handed over (vhost-user would pass it by SCM_RIGHTS; the file is the
+     * same either way). */
+    pidfd = (int)syscall(SYS_pidfd_open, b->pid, 0);
+    g_assert_cmpint(pidfd, >=, 0);
+    b->uffd = (int)syscall(SYS_pidfd_getfd, pidfd, hello.uffd_fd, 0);
+    g_assert_cmpint(b->uffd, >=, 0);
+    close(pidfd);
+    return b;
+}
+
+static void
+backend_free(Backend *b)
+{
+    Req q = { 'q', 0, 0 };
+    int status;
+
+    if (write(b->sock, &q, sizeof(q)) != sizeof(q)) {
+        kill(b->pid, SIGKILL);
+    }
+    g_assert_cmpint(waitpid(b->pid, &status, 0), ==, b->pid);
+    g_assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    close(b->sock);
+    close(b->uffd);
+    munmap(b->view, PAGES * PAGE);
+    close(b->memfd);
+    g_free(b);
+}
+
+static void
+backend_ask(Backend *b, char op, guint32 page, guint8 fill)
+{
+    Req q = { op, page, fill };
+
+    g_assert_cmpint(write(b->sock, &q, sizeof(q)), ==, sizeof(q));
+}
+
+/* The answer, if it comes within ms (FALSE: the backend is blocked). */
+static gboolean
+backend_answer(Backend *b, int ms, Ans *a)
+{
+    struct pollfd p = { b->sock, POLLIN, 0 };
+
+    if (poll(&p, 1, ms) != 1) {
+        return FALSE;
+    }
+    g_assert_cmpint(read(b->sock, a, sizeof(*a)), ==, sizeof(*a));
+    return TRUE;
+}
+
+/* The next fault of the backend, within 10 s; fails if none. */
+static struct uffd_msg
+next_fault(Backend *b)
+{
+    struct pollfd p = { b->uffd, POLLIN, 0 };
+    struct uffd_msg m;
+
+    g_assert_cmpint(poll(&p, 1, 10000), ==, 1);
+    g_assert_cmpint(read(b->uffd, &m, sizeof(m)), ==, sizeof(m));
+    g_assert_cmpint(m.event, ==, UFFD_EVENT_PAGEFAULT);
+    return m;
+}
+
+static void
+protect(Backend *b, guint32 page, gboolean on)
+{
+    struct uffdio_writeprotect wp = {
+        { (guint64)(guintptr)(b->base + (gsize)page * PAGE), PAGE },
+        on ? UFFDIO_WRITEPROTECT_MODE_WP : 0,
+    };
+
+    g_assert_cmpint(ioctl(b->uffd, UFFDIO_WRITEPROTECT, &wp), ==, 0);
+}
+
+/* A merge's punch: the page leaves the memfd. */
+static void
+punch(Backend *b, guint32 page)
+{
+    g_assert_cmpint(fallocate(b->memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                              (off_t)page * PAGE, PAGE), ==, 0);
+}
+
+/* A fold-back: the page back in the memfd, filled, from the backend's
+ * side; its fault (if any) goes on. */
+static void
+copy_in(Backend *b, guint32 page, guint8 fill)
+{
+    static guint8 src[PAGE];
+    struct uffdio_copy c = { (guint64)(guintptr)(b->base + (gsize)page * PAGE),
+                             (guint64)(guintptr)src, PAGE, 0, 0 };
+
+    memset(src, fill, PAGE);
+    g_assert_cmpint(ioctl(b->uffd, UFFDIO_COPY, &c), ==, 0);
+    g_assert_cmpint(c.copy, ==, PAGE);
+}
+
+/* A page the backend maps, write-protected from here: its write waits
+ * (and faults here), the memfd page is unchanged meanwhile, and the write
+ * lands once protection is lifted. */
+static void
+test_write_protect(void)
+{
+    Backend *b = backend_start(TRUE);
+    Ans a;
+    struct uffd_msg m;
+
+    if (b == NULL) {
+        return;
+    }
+    backend_ask(b, 'r', 2, 0); /* mapped in the backend: protection needs a pte */
+    g_assert_true(backend_answer(b, 10000, &a));
+    g_assert_cmpint(a.first, ==, 2);
+    protect(b, 2, TRUE);
+    backend_ask(b, 'w', 2, 0xaa);
+    m = next_fault(b);
+    g_assert_true(m.arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WP);
+    g_assert_cmpuint(m.arg.pagefault.address & ~(guint64)(PAGE - 1), ==,
+                     (guint64)(guintptr)(b->base + 2 * PAGE));
+    g_assert_false(backend_answer(b, 200, &a));
+    g_assert_cmpint(b->view[2 * PAGE], ==, 2);
+    protect(b, 2, FALSE); /* wakes it */
+    g_assert_true(backend_answer(b, 10000, &a));
+    g_assert_cmpint(b->view[2 * PAGE], ==, 0xaa);
+    g_assert_cmpint(b->view[3 * PAGE - 1], ==, 0xaa);
+    backend_free(b);
+}
+
+/* A page punched from the memfd while the backend maps it: its next read
+ * faults as missing (never a page of zeros), and UFFDIO_COPY from here
+ * puts the page back where every mapping of the memfd sees it. */
+static void
+test_missing_after_punch(void)
+{
+    Backend *b = backend_start(TRUE);
+    Ans a;
+    struct uffd_msg m;
+
+    if (b == NULL) {
+        return;
+    }
+    backend_ask(b, 'r', 4, 0);
+    g_assert_true(backend_answer(b, 10000, &a));
+    g_assert_cmpint(a.first, ==, 4);
+    punch(b, 4);
+    backend_ask(b, 'r', 4, 0);
+    m = next_fault(b);
+    g_assert_false(m.arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WP);
+    g_assert_cmpuint(m.arg.pagefault.address & ~(guint64)(PAGE - 1), ==,
+                     (guint64)(guintptr)(b->base + 4 * PAGE));
+    g_assert_false(backend_answer(b, 200, &a));
+    copy_in(b, 4, 0x44);
+    g_assert_true(backend_answer(b, 10000, &a));
+    g_assert_cmpint(a.first, ==, 0x44);
+    g_assert_cmpint(b->view[4 * PAGE + 100], ==, 0x44);
+    /* A write to it now is the memfd's, as before the merge. */
+    backend_ask(b, 'w', 4, 0x45);
+    g_assert_true(backend_answer(b, 10000, &a));
+    g_assert_cmpint(b->view[4 * PAGE], ==, 0x45);
+    backend_free(b);
+}
+
+/*
+ * The backend's pread() into a punched page: the kernel writes it, not the
+ * backend.  With a user-mode-only userfaultfd (all an unprivileged process
+ * can make with vm.unprivileged_userfaultfd=0) the fault is not the
+ * handler's and the call fails with EFAULT: the guest's read would fail.
+ * With a whole one, the kernel's fault waits to be resolved like any
+ * other, and the read lands in the page folded back.
+ */
+static void
+test_kernel_access(gconstpointer data)
+{
+    gboolean user_mode_only = GPOINTER_TO_INT(data);
+    Backend *b;
+    Ans a;
+    struct uffd_msg m;
+
+    if (!user_mode_only && geteuid() != 0) {
+        g_test_skip("a userfaultfd that sees the kernel's faults needs root here");
+        return;
+    }
+    if ((b = backend_start(user_mode_only)) == NULL) {
+        return;
+    }
+    punch(b, 6);
+    backend_ask(b, 'p', 6, 0);
+    if (user_mode_only) {
+        g_assert_true(backend_answer(b, 10000, &a));
+        g_assert_cmpint(a.err, ==, EFAULT);
+        g_assert_cmpint(b->view[6 * PAGE], ==, 0); /* nothing landed */
+    } else {
+        m = next_fault(b);
+        g_assert_cmpuint(m.arg.pagefault.address & ~(guint64)(PAGE - 1), ==,
+                         (guint64)(guintptr)(b->base + 6 * PAGE));
+        g_assert_false(backend_answer(b, 200, &a));
+        copy_in(b, 6, 0x66);
+        g_assert_true(backend_answer(b, 10000, &a));
+        g_assert_cmpint(a.err, ==, 0);
+        g_assert_cmpint(a.first, ==, 0xf5);
+        g_assert_cmpint(b->view[6 * PAGE + PAGE - 1], ==, 0xf5);
+    }
+    backend_free(b);
+}
+
+int
+main(int argc, char **argv)
+{
+    g_test_init(&argc, &argv, NULL);
+    g_test_add_func("/uffd-backend/write-protect", test_write_protect);
+    g_test_add_func("/uffd-backend/missing-after-punch", test_missing_after_punch);
+    g_test_add_data_func("/uffd-backend/kernel-access/user-mode-only", GINT_TO_POINTER(TRUE),
+                         test_kernel_access);
+    g_test_add_data_func("/uffd-backend/kernel-access/whole", GINT_TO_POINTER(FALSE),
+                         test_kernel_access);
+    return g_test_run();
+}
