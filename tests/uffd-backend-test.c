@@ -10,11 +10,11 @@
  *  - punches the page out of the memfd (a merge), and resolves the
  *    backend's next touch with UFFDIO_COPY (a fold-back), which fills the
  *    memfd's page cache for every mapping of it;
- *  - sees the backend's system calls into a punched page (a pread() into a
- *    guest buffer, as virtiofsd does): a userfaultfd made with
- *    UFFD_USER_MODE_ONLY does not catch them and the call fails with
- *    EFAULT, while a whole one (as /dev/userfaultfd gives an unprivileged
- *    process) catches them as faults to resolve.
+ *  - sees the backend's system calls into a punched or write-protected
+ *    page (a pread() into a guest buffer, as virtiofsd does): a userfaultfd
+ *    made with UFFD_USER_MODE_ONLY does not take the kernel's faults and
+ *    the call fails with EFAULT, while a whole one (as /dev/userfaultfd
+ *    gives an unprivileged process; root's here) takes them to resolve.
  * No pagefold code is under test here: what is, is the kernel.
  *
  * Owns its memfd, its backend child and the descriptors it took from it;
@@ -66,39 +66,111 @@ typedef struct {
     gboolean user_mode_only;
 } Backend;
 
+/* What the backend says as it starts, with its userfaultfd (SCM_RIGHTS,
+ * as vhost-user would pass it). */
 typedef struct {
-    int uffd_fd;   /* its number in the backend */
     guint64 base;
-    int err;       /* making it failed: errno */
+    int err;          /* making it failed: errno */
+    char step[24];    /* at which step */
+    gboolean no_wp;   /* the kernel offers no write protection of shmem */
 } Hello;
+
+static void
+send_hello(int sock, const Hello *hello, int fd)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = { (void *)hello, sizeof(*hello) };
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+
+    if (fd >= 0) {
+        struct cmsghdr *c;
+
+        mh.msg_control = control.buf;
+        mh.msg_controllen = sizeof(control.buf);
+        c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    }
+    if (sendmsg(sock, &mh, 0) != sizeof(*hello)) {
+        _exit(1);
+    }
+}
+
+/* The backend's hello, and its descriptor (or -1). */
+static int
+recv_hello(int sock, Hello *hello)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = { hello, sizeof(*hello) };
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof(control.buf) };
+    struct cmsghdr *c;
+    int fd = -1;
+
+    g_assert_cmpint(recvmsg(sock, &mh, MSG_CMSG_CLOEXEC), ==, sizeof(*hello));
+    c = CMSG_FIRSTHDR(&mh);
+    if (c != NULL && c->cmsg_type == SCM_RIGHTS) {
+        memcpy(&fd, CMSG_DATA(c), sizeof(int));
+    }
+    return fd;
+}
 
 /* The backend: maps the memfd, registers it, says where, then serves. */
 static G_NORETURN void
 backend_main(int sock, int memfd, int file_fd, gboolean user_mode_only)
 {
     struct uffdio_api api = { .api = UFFD_API, .features = UFFD_FEATURE_WP_HUGETLBFS_SHMEM };
-    Hello hello = { -1, 0, 0 };
-    guint8 *base = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-    int uffd = (int)syscall(SYS_userfaultfd,
-                            O_CLOEXEC | (user_mode_only ? UFFD_USER_MODE_ONLY : 0));
+    struct uffdio_api offered = { .api = UFFD_API, .features = 0 };
+    Hello hello = { 0 };
+    guint8 *base;
+    int uffd = -1, probe = -1;
+    int flags = O_CLOEXEC | O_NONBLOCK | (user_mode_only ? UFFD_USER_MODE_ONLY : 0);
     struct uffdio_register reg;
     Req q;
 
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (base == MAP_FAILED || uffd < 0 || ioctl(uffd, UFFDIO_API, &api) < 0) {
+    /* A child of a test that failed must not stay blocked in a fault. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() == 1) {
+        _exit(1);
+    }
+    base = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+    /* A huge folio the punch could not split would be zeroed, not punched. */
+    if (base == MAP_FAILED || madvise(base, PAGES * PAGE, MADV_NOHUGEPAGE) < 0) {
         hello.err = errno;
+        g_strlcpy(hello.step, "mmap", sizeof(hello.step));
+    } else if ((probe = (int)syscall(SYS_userfaultfd, O_CLOEXEC | UFFD_USER_MODE_ONLY)) >= 0 &&
+               ioctl(probe, UFFDIO_API, &offered) == 0 &&
+               !(offered.features & UFFD_FEATURE_WP_HUGETLBFS_SHMEM)) {
+        hello.no_wp = TRUE;
+    } else if ((uffd = (int)syscall(SYS_userfaultfd, flags)) < 0) {
+        hello.err = errno;
+        g_strlcpy(hello.step, "userfaultfd()", sizeof(hello.step));
+    } else if (ioctl(uffd, UFFDIO_API, &api) < 0) {
+        hello.err = errno;
+        g_strlcpy(hello.step, "UFFDIO_API", sizeof(hello.step));
     } else {
         reg = (struct uffdio_register){ { (guint64)(guintptr)base, PAGES * PAGE },
                                         UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP,
                                         0 };
         if (ioctl(uffd, UFFDIO_REGISTER, &reg) < 0) {
             hello.err = errno;
+            g_strlcpy(hello.step, "UFFDIO_REGISTER", sizeof(hello.step));
         }
     }
-    hello.uffd_fd = uffd;
+    if (probe >= 0) {
+        close(probe);
+    }
     hello.base = (guint64)(guintptr)base;
-    if (write(sock, &hello, sizeof(hello)) != sizeof(hello) || hello.err != 0) {
-        _exit(1);
+    send_hello(sock, &hello, hello.err == 0 && !hello.no_wp ? uffd : -1);
+    if (hello.err != 0 || hello.no_wp) {
+        _exit(0);
     }
     while (read(sock, &q, sizeof(q)) == sizeof(q) && q.op != 'q') {
         guint8 *page = base + (gsize)q.page * PAGE;
@@ -130,9 +202,15 @@ backend_start(gboolean user_mode_only)
 {
     Backend *b = g_new0(Backend, 1);
     g_autofree char *file = NULL;
-    int sv[2], file_fd, pidfd;
+    int sv[2], file_fd;
     Hello hello;
     guint8 data[PAGE];
+
+    if (getpagesize() != PAGE) {
+        g_test_skip("pages of 4 KiB only");
+        g_free(b);
+        return NULL;
+    }
 
     b->user_mode_only = user_mode_only;
     b->memfd = memfd_create("uffd-backend", MFD_CLOEXEC);
@@ -140,6 +218,7 @@ backend_start(gboolean user_mode_only)
     g_assert_cmpint(ftruncate(b->memfd, PAGES * PAGE), ==, 0);
     b->view = mmap(NULL, PAGES * PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, b->memfd, 0);
     g_assert_true(b->view != MAP_FAILED);
+    g_assert_cmpint(madvise(b->view, PAGES * PAGE, MADV_NOHUGEPAGE), ==, 0);
     for (guint i = 0; i < PAGES; i++) {
         memset(b->view + i * PAGE, (int)i, PAGE);
     }
@@ -159,27 +238,23 @@ backend_start(gboolean user_mode_only)
     close(sv[1]);
     close(file_fd);
     b->sock = sv[0];
-    g_assert_cmpint(read(b->sock, &hello, sizeof(hello)), ==, sizeof(hello));
-    if (hello.err != 0) {
-        g_autofree char *why = g_strdup_printf("the backend's userfaultfd over shmem for "
-                                               "write protection: %s", g_strerror(hello.err));
-
-        g_test_skip(why);
-        waitpid(b->pid, NULL, 0);
+    b->uffd = recv_hello(b->sock, &hello);
+    if (hello.no_wp || (hello.err == EPERM && g_str_equal(hello.step, "userfaultfd()"))) {
+        g_test_skip(hello.no_wp ? "this kernel cannot write-protect shmem with a userfaultfd"
+                                : "this process may not make a userfaultfd that sees the "
+                                  "kernel's faults (vm.unprivileged_userfaultfd=0)");
+        g_assert_cmpint(waitpid(b->pid, NULL, 0), ==, b->pid);
         close(b->sock);
         munmap(b->view, PAGES * PAGE);
         close(b->memfd);
         g_free(b);
         return NULL;
     }
-    b->base = (guint8 *)(guintptr)hello.base;
-    /* Handed over (vhost-user would pass it by SCM_RIGHTS; the file is the
-     * same either way). */
-    pidfd = (int)syscall(SYS_pidfd_open, b->pid, 0);
-    g_assert_cmpint(pidfd, >=, 0);
-    b->uffd = (int)syscall(SYS_pidfd_getfd, pidfd, hello.uffd_fd, 0);
+    if (hello.err != 0) {
+        g_error("the backend's %s: %s", hello.step, g_strerror(hello.err));
+    }
     g_assert_cmpint(b->uffd, >=, 0);
-    close(pidfd);
+    b->base = (guint8 *)(guintptr)hello.base;
     return b;
 }
 
@@ -222,7 +297,9 @@ backend_answer(Backend *b, int ms, Ans *a)
     return TRUE;
 }
 
-/* The next fault of the backend, within 60 s (a slow machine); fails if none. */
+/* The next fault of the backend, within 60 s (a slow machine); fails if
+ * none.  The userfaultfd is O_NONBLOCK: poll() says POLLERR, always, on
+ * one that is not. */
 static struct uffd_msg
 next_fault(Backend *b)
 {
@@ -230,6 +307,7 @@ next_fault(Backend *b)
     struct uffd_msg m;
 
     g_assert_cmpint(poll(&p, 1, 60000), ==, 1);
+    g_assert_cmpint(p.revents, ==, POLLIN);
     g_assert_cmpint(read(b->uffd, &m, sizeof(m)), ==, sizeof(m));
     g_assert_cmpint(m.event, ==, UFFD_EVENT_PAGEFAULT);
     return m;
@@ -281,7 +359,7 @@ test_write_protect(void)
     if (b == NULL) {
         return;
     }
-    backend_ask(b, 'r', 2, 0); /* mapped in the backend: protection needs a pte */
+    backend_ask(b, 'r', 2, 0); /* mapped in the backend, as guest RAM in use is */
     g_assert_true(backend_answer(b, 60000, &a));
     g_assert_cmpint(a.first, ==, 2);
     protect(b, 2, TRUE);
@@ -349,19 +427,19 @@ test_kernel_access(gconstpointer data)
     Ans a;
     struct uffd_msg m;
 
-    if (!user_mode_only && geteuid() != 0) {
-        g_test_skip("a userfaultfd that sees the kernel's faults needs root here");
-        return;
-    }
     if ((b = backend_start(user_mode_only)) == NULL) {
         return;
     }
     punch(b, 6);
     backend_ask(b, 'p', 6, 0);
     if (user_mode_only) {
+        struct pollfd p = { b->uffd, POLLIN, 0 };
+
         g_assert_true(backend_answer(b, 60000, &a));
         g_assert_cmpint(a.err, ==, EFAULT);
-        g_assert_cmpint(b->view[6 * PAGE], ==, 0); /* nothing landed */
+        /* Nothing landed, and nothing was asked of this side. */
+        g_assert_cmpint(lseek(b->memfd, 6 * PAGE, SEEK_DATA), ==, 7 * PAGE);
+        g_assert_cmpint(poll(&p, 1, 0), ==, 0);
     } else {
         m = next_fault(b);
         g_assert_cmpuint(m.arg.pagefault.address & ~(guint64)(PAGE - 1), ==,
@@ -376,6 +454,43 @@ test_kernel_access(gconstpointer data)
     backend_free(b);
 }
 
+/*
+ * The backend's pread() into a write-protected page: the kernel's write
+ * fault is refused by a user-mode-only userfaultfd (EFAULT, the page
+ * unchanged), and waits with a whole one until protection is lifted.
+ */
+static void
+test_kernel_write_protected(gconstpointer data)
+{
+    gboolean user_mode_only = GPOINTER_TO_INT(data);
+    Backend *b;
+    Ans a;
+    struct uffd_msg m;
+
+    if ((b = backend_start(user_mode_only)) == NULL) {
+        return;
+    }
+    backend_ask(b, 'r', 5, 0);
+    g_assert_true(backend_answer(b, 60000, &a));
+    protect(b, 5, TRUE);
+    backend_ask(b, 'p', 5, 0);
+    if (user_mode_only) {
+        g_assert_true(backend_answer(b, 60000, &a));
+        g_assert_cmpint(a.err, ==, EFAULT);
+        g_assert_cmpint(b->view[5 * PAGE], ==, 5);
+    } else {
+        m = next_fault(b);
+        g_assert_true(m.arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WP);
+        g_assert_false(backend_answer(b, 200, &a));
+        g_assert_cmpint(b->view[5 * PAGE], ==, 5);
+        protect(b, 5, FALSE);
+        g_assert_true(backend_answer(b, 60000, &a));
+        g_assert_cmpint(a.err, ==, 0);
+        g_assert_cmpint(b->view[5 * PAGE], ==, 0xf5);
+    }
+    backend_free(b);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -386,5 +501,9 @@ main(int argc, char **argv)
                          test_kernel_access);
     g_test_add_data_func("/uffd-backend/kernel-access/whole", GINT_TO_POINTER(FALSE),
                          test_kernel_access);
+    g_test_add_data_func("/uffd-backend/kernel-write-protected/user-mode-only",
+                         GINT_TO_POINTER(TRUE), test_kernel_write_protected);
+    g_test_add_data_func("/uffd-backend/kernel-write-protected/whole", GINT_TO_POINTER(FALSE),
+                         test_kernel_write_protected);
     return g_test_run();
 }

@@ -38,9 +38,10 @@
  * through the virtiofs share tagged "pf" (mounted on /mnt) from buffers of
  * that many pages, read each back into other buffers, and check every
  * page: write w fills file w % VFS_FILES with pages fill(mix(7, 0, j, w))
- * (identical in every guest, for the host to merge), alternately through
- * the page cache and with O_DIRECT; the backend reads and writes guest
- * RAM for them, behind the page tables.  The last line says writes=W: the
+ * (identical in every guest: pages a merge would take), alternately
+ * through the page cache and with O_DIRECT from the buffers (where the
+ * share's cache mode lets the page cache be used); the backend reads and
+ * writes guest RAM for them, behind the page tables.  The last line says writes=W: the
  * host then finds in file k the pages of the last w < W with w % VFS_FILES
  * == k.
  * It prints on the console, one line each: "PFGUEST READY", "PFGUEST
@@ -352,10 +353,11 @@ vfs_write_read(Vfs *v)
     for (size_t j = 0; j < v->n_bufs; j++) {
         fill(v->wbuf + j * PAGE, mix(7, 0, j, w));
     }
+    errno = 0; /* a short write sets none */
     fd = open(path, O_RDWR | O_CREAT | direct, 0644);
     if (fd < 0 || (n = pwrite(fd, v->wbuf, len, 0)) != (ssize_t)len || fsync(fd) < 0) {
         printf("PFGUEST VIRTIOFS FAIL write %lu of %s%s: %zd, %s\n", w, path,
-               direct ? " (O_DIRECT)" : "", n, strerror(errno));
+               direct ? " (O_DIRECT)" : "", n, errno ? strerror(errno) : "short");
         fflush(stdout);
         v->bad++;
         if (fd >= 0) {
@@ -364,10 +366,12 @@ vfs_write_read(Vfs *v)
         return;
     }
     v->writes++;
+    errno = 0;
     n = pread(fd, v->rbuf, len, 0);
     close(fd);
     if (n != (ssize_t)len) {
-        printf("PFGUEST VIRTIOFS FAIL read of %s: %zd, %s\n", path, n, strerror(errno));
+        printf("PFGUEST VIRTIOFS FAIL read of %s: %zd, %s\n", path, n,
+               errno ? strerror(errno) : "short");
         fflush(stdout);
         v->bad++;
         return;
@@ -486,6 +490,11 @@ main(void)
     if (odirect_bufs > 0 &&
         odirect_open(&od, odirect_bufs, param(cmdline, "pfguest.odirect_pause_us=", 0),
                      seed) < 0) {
+        return 1;
+    }
+    if (vfs_bufs > 0 && odirect_bufs > 0) {
+        printf("PFGUEST FAIL pfguest.virtiofs and pfguest.odirect take turns with the same "
+               "time: one at a time\n");
         return 1;
     }
     if (vfs_bufs > 0 && vfs_open(&vfs, vfs_bufs) < 0) {
