@@ -297,11 +297,11 @@ backend_answer(Backend *b, int ms, Ans *a)
     return TRUE;
 }
 
-/* The next fault of the backend, within 60 s (a slow machine); fails if
- * none.  The userfaultfd is O_NONBLOCK: poll() says POLLERR, always, on
- * one that is not. */
-static struct uffd_msg
-next_fault(Backend *b)
+/* The backend's next fault, within 60 s (a slow machine), is at page, and
+ * a write-protect fault or not (wp).  The userfaultfd is O_NONBLOCK:
+ * poll() says POLLERR, always, on one that is not. */
+static void
+expect_fault(Backend *b, guint32 page, gboolean wp)
 {
     struct pollfd p = { b->uffd, POLLIN, 0 };
     struct uffd_msg m;
@@ -310,7 +310,9 @@ next_fault(Backend *b)
     g_assert_cmpint(p.revents, ==, POLLIN);
     g_assert_cmpint(read(b->uffd, &m, sizeof(m)), ==, sizeof(m));
     g_assert_cmpint(m.event, ==, UFFD_EVENT_PAGEFAULT);
-    return m;
+    g_assert_cmpuint(m.arg.pagefault.address & ~(guint64)(PAGE - 1), ==,
+                     (guint64)(guintptr)(b->base + (gsize)page * PAGE));
+    g_assert_cmpint(!!(m.arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WP), ==, wp);
 }
 
 static void
@@ -354,7 +356,6 @@ test_write_protect(void)
 {
     Backend *b = backend_start(TRUE);
     Ans a;
-    struct uffd_msg m;
 
     if (b == NULL) {
         return;
@@ -364,10 +365,7 @@ test_write_protect(void)
     g_assert_cmpint(a.first, ==, 2);
     protect(b, 2, TRUE);
     backend_ask(b, 'w', 2, 0xaa);
-    m = next_fault(b);
-    g_assert_true(m.arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WP);
-    g_assert_cmpuint(m.arg.pagefault.address & ~(guint64)(PAGE - 1), ==,
-                     (guint64)(guintptr)(b->base + 2 * PAGE));
+    expect_fault(b, 2, TRUE);
     g_assert_false(backend_answer(b, 200, &a));
     g_assert_cmpint(b->view[2 * PAGE], ==, 2);
     protect(b, 2, FALSE); /* wakes it */
@@ -385,7 +383,6 @@ test_missing_after_punch(void)
 {
     Backend *b = backend_start(TRUE);
     Ans a;
-    struct uffd_msg m;
 
     if (b == NULL) {
         return;
@@ -395,10 +392,7 @@ test_missing_after_punch(void)
     g_assert_cmpint(a.first, ==, 4);
     punch(b, 4);
     backend_ask(b, 'r', 4, 0);
-    m = next_fault(b);
-    g_assert_false(m.arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WP);
-    g_assert_cmpuint(m.arg.pagefault.address & ~(guint64)(PAGE - 1), ==,
-                     (guint64)(guintptr)(b->base + 4 * PAGE));
+    expect_fault(b, 4, FALSE);
     g_assert_false(backend_answer(b, 200, &a));
     copy_in(b, 4, 0x44);
     g_assert_true(backend_answer(b, 60000, &a));
@@ -425,7 +419,6 @@ test_kernel_access(gconstpointer data)
     gboolean user_mode_only = GPOINTER_TO_INT(data);
     Backend *b;
     Ans a;
-    struct uffd_msg m;
 
     if ((b = backend_start(user_mode_only)) == NULL) {
         return;
@@ -441,9 +434,7 @@ test_kernel_access(gconstpointer data)
         g_assert_cmpint(lseek(b->memfd, 6 * PAGE, SEEK_DATA), ==, 7 * PAGE);
         g_assert_cmpint(poll(&p, 1, 0), ==, 0);
     } else {
-        m = next_fault(b);
-        g_assert_cmpuint(m.arg.pagefault.address & ~(guint64)(PAGE - 1), ==,
-                         (guint64)(guintptr)(b->base + 6 * PAGE));
+        expect_fault(b, 6, FALSE);
         g_assert_false(backend_answer(b, 200, &a));
         copy_in(b, 6, 0x66);
         g_assert_true(backend_answer(b, 60000, &a));
@@ -465,7 +456,6 @@ test_kernel_write_protected(gconstpointer data)
     gboolean user_mode_only = GPOINTER_TO_INT(data);
     Backend *b;
     Ans a;
-    struct uffd_msg m;
 
     if ((b = backend_start(user_mode_only)) == NULL) {
         return;
@@ -479,8 +469,7 @@ test_kernel_write_protected(gconstpointer data)
         g_assert_cmpint(a.err, ==, EFAULT);
         g_assert_cmpint(b->view[5 * PAGE], ==, 5);
     } else {
-        m = next_fault(b);
-        g_assert_true(m.arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WP);
+        expect_fault(b, 5, TRUE);
         g_assert_false(backend_answer(b, 200, &a));
         g_assert_cmpint(b->view[5 * PAGE], ==, 5);
         protect(b, 5, FALSE);
