@@ -194,6 +194,31 @@ test_advise_vhost_user(void)
     g_rmdir(dir);
 }
 
+/* Tells the guest to stop, and returns the last line starting with prefix
+ * (its counts) before its PASS; fails on a FAIL line or if there is none. */
+static char *
+last_counts(Guest *g, const char *prefix, guint seconds)
+{
+    char *counts = NULL;
+
+    pf_test_guest_tell_stop(g);
+    for (;;) {
+        char *line = pf_test_guest_expect(g, "PFGUEST", seconds);
+
+        if (g_str_has_prefix(line, prefix)) {
+            g_free(counts);
+            counts = line;
+        } else if (g_str_has_prefix(line, "PFGUEST PASS")) {
+            g_free(line);
+            break;
+        } else {
+            g_free(line);
+        }
+    }
+    g_assert_nonnull(counts);
+    return counts;
+}
+
 /* Debian 12's virtiofsd (qemu-system-common), from the QEMU 7.2 tree this
  * project patches: the real backend a virtiofs guest has. */
 #define VIRTIOFSD "/usr/lib/qemu/virtiofsd"
@@ -351,21 +376,7 @@ test_advise_virtiofs(void)
     g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
     json_node_unref(s);
     assert_advise(d, g, "vhost-user");
-    pf_test_guest_tell_stop(g);
-    for (;;) {
-        char *line = pf_test_guest_expect(g, "PFGUEST ", 120);
-
-        if (g_str_has_prefix(line, "PFGUEST VIRTIOFS")) {
-            g_free(counts);
-            counts = line;
-        } else if (g_str_has_prefix(line, "PFGUEST PASS")) {
-            g_free(line);
-            break;
-        } else {
-            g_free(line);
-        }
-    }
-    g_assert_nonnull(counts);
+    counts = last_counts(g, "PFGUEST VIRTIOFS", 120);
     g_assert_cmpint(sscanf(counts, "PFGUEST VIRTIOFS writes=%lu reads=%lu pages=%lu bad=%lu",
                            &writes, &reads, &pages, &bad), ==, 4);
     g_assert_cmpuint(bad, ==, 0);
@@ -894,21 +905,7 @@ test_odirect(gconstpointer data)
         g_autofree char *counts = NULL;
         unsigned long reads = 0, pages = 0, bad = 1;
 
-        pf_test_guest_tell_stop(g[i]);
-        for (;;) {
-            char *line = pf_test_guest_expect(g[i], "PFGUEST", ODIRECT_SECONDS + 60);
-
-            if (g_str_has_prefix(line, "PFGUEST ODIRECT")) {
-                g_free(counts);
-                counts = line;
-            } else if (g_str_has_prefix(line, "PFGUEST PASS")) {
-                g_free(line);
-                break;
-            } else {
-                g_free(line);
-            }
-        }
-        g_assert_nonnull(counts);
+        counts = last_counts(g[i], "PFGUEST ODIRECT", ODIRECT_SECONDS + 60);
         g_assert_cmpint(sscanf(counts, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu", &reads,
                                &pages, &bad), ==, 3);
         g_assert_cmpuint(bad, ==, 0);
