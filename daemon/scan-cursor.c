@@ -94,8 +94,7 @@ cursor_region_changed(PfScanner *s, PfVm *vm, guint k, gboolean removed)
     } else if (vm->scan->resume && k == vm->scan->resume_region) {
         vm->scan->resume_page = 0;
     }
-    if (s->cursor.vm >= vm_count(s) ||
-        vm_at(s, s->cursor.vm) != vm) {
+    if (s->cursor.vm >= vm_count(s) || vm_at(s, s->cursor.vm) != vm) {
         return;
     }
     if (removed && k < s->cursor.region) {

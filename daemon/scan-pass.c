@@ -1,15 +1,15 @@
 /*
  * scan-pass.c - the pass loop: the cursor (scan-cursor.c) over every VM's
  * regions, pages read in slices under the SIGBUS guard, each VM taken up
- * again as the cursor comes to it (its look, where one was due: scan-reads.c), and
- * the VMs whose agent has as much to answer as its outbox takes, or whose
- * look or window is not read yet: left for later in the pass, and waited
- * for a bounded while at its end.
+ * again as the cursor comes to it (its look, where one was due:
+ * scan-reads.c), and the VMs whose agent has as much to answer as its
+ * outbox takes, or whose look or window is not read yet: left for later in
+ * the pass, and waited for a bounded while at its end.
  *
  * Owns the pass (in_pass, full_scans, the deferral's clocks), and moves
- * the cursor; a visit's decision is scan-visit.c's, what is read of a VM off
- * the main loop scan-reads.c's.  Never blocks: a scan stops at the end of
- * its slice, of its pages, of the pass, or at a full outbox, and never
+ * the cursor; a visit's decision is scan-visit.c's, what is read of a VM
+ * off the main loop scan-reads.c's.  Never blocks: a scan stops at the end
+ * of its slice, of its pages, of the pass, or at a full outbox, and never
  * waits for an agent.
  */
 #include "scan-core.h"
