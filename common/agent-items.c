@@ -160,7 +160,8 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res,
 
 /*
  * Merge and zero items of one region within WINDOW_PAGES of each other
- * share their system calls: one write protection of the window, runs
+ * share their system calls: one write protection of the window (in the
+ * VMM, then in each back-end that maps it), runs
  * remapped, then the window registered again (the new mappings are not),
  * unprotected (which wakes every writer that blocked meanwhile; they retry
  * on whatever the page is now).  Each of those calls flushes TLBs or walks
@@ -178,6 +179,12 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
 
     g_mutex_lock(&a->dma);
     rc = pfa_uffd_hold(a, hva, len);
+    if (rc == 0) {
+        rc = pfa_backends_hold(a, hva, len);
+        if (rc < 0) {
+            pfa_uffd_release(a, hva, len);
+        }
+    }
     if (rc < 0) {
         for (guint32 t = 0; t < n; t++) {
             set_result(&res[t], PF_RESULT_ERROR, -rc);
@@ -196,6 +203,7 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
         i += k;
     }
     pfa_uffd_done(a, hva, len, TRUE);
+    pfa_backends_release(a, hva, len);
     g_mutex_unlock(&a->dma);
 }
 

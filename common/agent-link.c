@@ -89,6 +89,7 @@ settle_mode(PfAgent *a, const PfWireMode *welcome, int dev_fd)
         }
     }
     a->ready = TRUE;
+    a->linking = FALSE;
     if (mode != PF_MODE_MERGE) {
         g_message("pagefold agent: VM %s stays in advise mode: %s", a->name,
                   a->reason);
@@ -254,7 +255,7 @@ fold_back_untracked(PfAgent *a)
  * thread waits for pagefoldd meanwhile.
  */
 static gboolean
-handshake(PfAgent *a, GError **error)
+handshake_run(PfAgent *a, GError **error)
 {
     g_autofree PfMsg *msg = g_new0(PfMsg, 1);
     PfWireHello hello = { 0 };
@@ -268,6 +269,7 @@ handshake(PfAgent *a, GError **error)
     pf_wire_set_string(hello.name, sizeof(hello.name), a->name);
     hello.n_regions = a->regions->len;
     pfa_post(a, PF_MSG_HELLO, 0, &hello, sizeof(hello), -1);
+    a->linking = TRUE;
     for (guint i = 0; i < hello.n_regions; i++) {
         pfa_region_join(a, i, FALSE);
     }
@@ -288,15 +290,31 @@ handshake(PfAgent *a, GError **error)
     }
     g_mutex_lock(&a->work);
     settle_mode(a, pf_msg_mode(msg), dev_fd);
-    g_mutex_unlock(&a->work);
     if (dev_fd >= 0) {
-        close(dev_fd);
+        /* Kept for back-ends that need a userfaultfd of their own. */
+        if (a->uffd_dev >= 0) {
+            close(a->uffd_dev);
+        }
+        a->uffd_dev = dev_fd;
     }
+    g_mutex_unlock(&a->work);
     if (!pfa_flush(a, error)) {
         return FALSE;
     }
     pfa_set_connected(a, TRUE);
     return TRUE;
+}
+
+/* handshake_run(), and a back-end's fold-backs go on, whatever came of it. */
+static gboolean
+handshake(PfAgent *a, GError **error)
+{
+    gboolean ok = handshake_run(a, error);
+
+    g_mutex_lock(&a->work);
+    a->linking = FALSE;
+    g_mutex_unlock(&a->work);
+    return ok;
 }
 
 /*

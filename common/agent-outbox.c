@@ -184,3 +184,35 @@ pfa_flush(PfAgent *a, GError **error)
         }
     }
 }
+
+/*
+ * Pages back in their memfd: one DISCARD a span between pages still
+ * remapped (pagefoldd passes over the pages of a span that were never
+ * merged).
+ */
+void
+pfa_tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was)
+{
+    const Region *r = &g_array_index(a->regions, Region, i);
+    gsize k = 0;
+
+    while (k < n) {
+        PfWireRange wr = { i, 0, from + k, 0 };
+        gboolean back = FALSE;
+        gsize run = k;
+
+        while (run < n && !pfa_is_remapped(r, from + run)) {
+            back |= (was[run / 64] >> (run % 64)) & 1;
+            run++;
+        }
+        /*
+         * Before READY (a link after the first) pagefoldd reads the
+         * process's mappings as they are: no news.
+         */
+        if (back && a->ready) {
+            wr.n_pages = run - k;
+            pfa_post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);
+        }
+        k = run + 1;
+    }
+}

@@ -75,12 +75,19 @@ typedef struct {
     const guint8 *lo, *hi;
 } DmaRange;
 
+typedef struct _PfBackend PfBackend; /* agent-backend.c's */
+
 struct _PfAgent {
     char *name;
     guint8 uuid[16];
     GArray *regions; /* Region; grows under work, never shrinks */
     guint announced; /* regions pagefoldd has been told of */
     gboolean ready;  /* READY is queued: new regions are told at once */
+    /*
+     * HELLO is queued and READY not yet: pagefoldd reads the mappings of
+     * guest RAM, and they must hold still (no back-end's fold-back)
+     */
+    gboolean linking;
     char *advise_reason;
     gboolean advise_untold; /* stepped back: ADVISE once all is folded */
     PfAgentSyscalls sys;
@@ -97,7 +104,9 @@ struct _PfAgent {
     int relink_ms;     /* the last wait before connecting again */
     guint32 version;   /* of the link, as WELCOME said (under work) */
     int uffd;
-    gboolean uffd_lost; /* closed because protection could not be lifted */
+    gboolean uffd_lost;
+    /* /dev/userfaultfd as pagefoldd last passed it, for back-ends, or -1 */
+    int uffd_dev; /* closed because protection could not be lifted */
     GPtrArray *chunks;  /* Chunk*, indexed by chunk id, NULL where unknown */
 
     PfAgentThreads threads;
@@ -126,6 +135,16 @@ struct _PfAgent {
      */
     gboolean posting;
     gboolean hangup;    /* an ERROR is queued: shut the link after it */
+    /*
+     * agent-backend.c's, under work: the back-ends attached, those removed
+     * (closed by the fault thread, which may be polling them), and that
+     * thread
+     */
+    GPtrArray *backends;
+    GPtrArray *backends_gone;
+    void *fault_thread;
+    int fault_wake[2];
+    gboolean fault_stop;
     GMutex lock; /* stats, connected, settled, mode, reason */
     GCond settled_cond;
     gboolean settled;   /* the handshake ended, one way or the other */
@@ -152,11 +171,23 @@ void pfa_outgoing_free(gpointer p);
 void pfa_outbox_discard(PfAgent *a);
 /* Pages of HINTs sent (told) and not (dropped), into the stats. */
 void pfa_count_hints(PfAgent *a, guint64 told, guint64 dropped);
+/*
+ * Tells pagefoldd (DISCARD) which pages of region i in [from, from + n)
+ * are back in their memfd: those remapped in was (bit k: page from + k)
+ * and not any more.  With work held.
+ */
+void pfa_tell_folded(PfAgent *a, guint i, gsize from, gsize n,
+                     const guint64 *was);
 
 /* agent-uffd.c */
 int pfa_uffd_ioctl(PfAgent *a, unsigned long request, void *arg);
 int pfa_uffd_register(PfAgent *a, void *addr, gsize len);
 int pfa_uffd_hold(PfAgent *a, guint8 *addr, gsize len);
+/*
+ * Write-protects (on) or lifts [addr, addr + len) of the userfaultfd fd's
+ * process: a->uffd's, or a back-end's.
+ */
+int pfa_uffd_protect(PfAgent *a, int fd, guint64 addr, gsize len, gboolean on);
 void pfa_uffd_done(PfAgent *a, guint8 *addr, gsize len, gboolean lift);
 void pfa_uffd_release(PfAgent *a, guint8 *addr, gsize len);
 void pfa_region_protect(PfAgent *a, Region *r);
@@ -212,6 +243,21 @@ void pfa_chunk_free(gpointer p);
 
 /* agent-regions.c */
 void pfa_region_join(PfAgent *a, guint i, gboolean protect);
+
+/* agent-backend.c: with work held, but for init, clear and stop */
+void pfa_backends_init(PfAgent *a);
+void pfa_backends_clear(PfAgent *a);
+/* Joins the fault thread and drops every back-end.  Without work. */
+void pfa_backends_stop(PfAgent *a);
+/*
+ * Every back-end's mappings of [addr, addr + len) write-protected, after
+ * the VMM's: 0, or -errno with none protected (a back-end that does not
+ * say where it maps all of the range: -EBUSY).
+ */
+int pfa_backends_hold(PfAgent *a, const guint8 *addr, gsize len);
+void pfa_backends_release(PfAgent *a, const guint8 *addr, gsize len);
+/* Nothing is remapped any more, for good: the back-ends fault no more. */
+void pfa_backends_let_go(PfAgent *a);
 
 /* agent-stepback.c */
 int pfa_fold_back_region(PfAgent *a, guint i, gboolean copy);

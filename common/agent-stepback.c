@@ -21,40 +21,6 @@
 #define FOLD_CHUNK HUGE_PAGES /* pages folded back per hold of the locks */
 
 /*
- * Tells pagefoldd (DISCARD) which pages of region i in [from, from + n)
- * are back in their memfd: those remapped in was (bit k: page from + k)
- * and not any more.  One DISCARD a span between pages still remapped
- * (pagefoldd passes over the pages of a span that were never merged).
- * Called with work held.
- */
-static void
-tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was)
-{
-    const Region *r = &g_array_index(a->regions, Region, i);
-    gsize k = 0;
-
-    while (k < n) {
-        PfWireRange wr = { i, 0, from + k, 0 };
-        gboolean back = FALSE;
-        gsize run = k;
-
-        while (run < n && !pfa_is_remapped(r, from + run)) {
-            back |= (was[run / 64] >> (run % 64)) & 1;
-            run++;
-        }
-        /*
-         * Before READY (a link after the first) pagefoldd reads the
-         * process's mappings as they are: no news.
-         */
-        if (back && a->ready) {
-            wr.n_pages = run - k;
-            pfa_post(a, PF_MSG_DISCARD, 0, &wr, sizeof(wr), -1);
-        }
-        k = run + 1;
-    }
-}
-
-/*
  * Folds back the remapped pages of region i (with copy, their content
  * too) a chunk at a time, holding work and dma, and write-protecting, one
  * chunk only: the guest writes elsewhere, and the VMM's DMA and discards
@@ -104,7 +70,7 @@ pfa_fold_back_region(PfAgent *a, guint i, gboolean copy)
         } else {
             rc = pfa_fold_back(a, r, first, n, copy, &stop, NULL);
         }
-        tell_folded(a, i, first, n, was);
+        pfa_tell_folded(a, i, first, n, was);
         g_mutex_unlock(&a->work);
         if (rc == -EBUSY) {
             busy = TRUE;
@@ -183,6 +149,7 @@ step_back_end(PfAgent *a, int rc, gboolean final)
             close(a->uffd);
             a->uffd = -1;
         }
+        pfa_backends_let_go(a);
         if (a->advise_untold && !a->ready) {
             /* READY says so: the next link's, or this one's to come. */
             a->advise_untold = FALSE;

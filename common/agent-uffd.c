@@ -18,7 +18,9 @@
  *  - QEMU not running as root cannot create a userfaultfd that sees KVM's
  *    faults: pagefoldd may pass a /dev/userfaultfd fd to make one with;
  *  - write protection does not stop writes through another mapping of the
- *    memfd or pwrite() (vhost-user): such VMs stay in advise mode.
+ *    memfd or pwrite(): a vhost-user back-end's mappings are protected
+ *    through its own userfaultfd (agent-backend.c), and a VM whose
+ *    back-end offers none stays in advise mode.
  *
  * Copyright (c) 2026 The pagefold authors
  *
@@ -82,16 +84,20 @@ pfa_uffd_register(PfAgent *a, void *addr, gsize len)
  * free every writer it can; a single page that is not registered (mapped
  * since) has no protection to lift.
  */
-static int
-uffd_protect(PfAgent *a, guint8 *addr, gsize len, gboolean on)
+int
+pfa_uffd_protect(PfAgent *a, int fd, guint64 addr, gsize len, gboolean on)
 {
     struct uffdio_writeprotect wp = {
-        .range = { (guint64)(guintptr)addr, len },
+        .range = { addr, len },
         .mode = on ? UFFDIO_WRITEPROTECT_MODE_WP : 0,
     };
-    int rc = pfa_uffd_ioctl(a, UFFDIO_WRITEPROTECT, &wp);
+    int rc;
     gsize half;
 
+    if (fd < 0) {
+        return -EBADF;
+    }
+    rc = a->sys.ioctl(fd, UFFDIO_WRITEPROTECT, &wp) < 0 ? -errno : 0;
     if (rc != -ENOENT) {
         return rc;
     }
@@ -99,13 +105,19 @@ uffd_protect(PfAgent *a, guint8 *addr, gsize len, gboolean on)
         return on ? rc : 0;
     }
     half = len / PF_PAGE_SIZE / 2 * PF_PAGE_SIZE;
-    rc = uffd_protect(a, addr, half, on);
+    rc = pfa_uffd_protect(a, fd, addr, half, on);
     if (rc == 0 || !on) {
-        int rc2 = uffd_protect(a, addr + half, len - half, on);
+        int rc2 = pfa_uffd_protect(a, fd, addr + half, len - half, on);
 
         rc = rc < 0 ? rc : rc2;
     }
     return rc;
+}
+
+static int
+uffd_protect(PfAgent *a, guint8 *addr, gsize len, gboolean on)
+{
+    return pfa_uffd_protect(a, a->uffd, (guint64)(guintptr)addr, len, on);
 }
 
 /*

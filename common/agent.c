@@ -6,8 +6,9 @@
  * VMM thread asking must not wait behind a merge, nor behind pagefoldd.
  * The work itself is done by the other agent-*.c files (agent-records.h
  * lists what each offers), which call this file; it calls none of theirs
- * but to free what they made (agent-pool.c's chunks, agent-outbox.c's
- * messages), so the files call one way.  pf_agent_free() frees nothing
+ * but to make and free what they own (agent-pool.c's chunks,
+ * agent-outbox.c's messages, agent-backend.c's back-ends and thread), so
+ * the files call one way.  pf_agent_free() frees nothing
  * before the agent thread has been joined.
  *
  * Copyright (c) 2026 The pagefold authors
@@ -79,7 +80,8 @@ pf_agent_new(const char *vm_name, const guint8 *uuid)
     a->written = g_array_new(FALSE, FALSE, sizeof(DmaRange));
     a->sys = real_syscalls;
     a->threads = gthreads;
-    a->sock = a->uffd = -1;
+    a->sock = a->uffd = a->uffd_dev = -1;
+    pfa_backends_init(a);
     a->stop[0] = a->stop[1] = a->wake[0] = a->wake[1] = -1;
     a->mode = PF_MODE_ADVISE;
     g_mutex_init(&a->lock);
@@ -103,6 +105,7 @@ pf_agent_free(PfAgent *a)
         shutdown(a->sock, SHUT_RDWR);
         a->threads.join(a->thread, a->threads.opaque);
     }
+    pfa_backends_clear(a);
     for (int i = 0; i < 2; i++) {
         if (a->stop[i] >= 0) {
             close(a->stop[i]);
@@ -116,6 +119,9 @@ pf_agent_free(PfAgent *a)
     }
     if (a->uffd >= 0) {
         close(a->uffd);
+    }
+    if (a->uffd_dev >= 0) {
+        close(a->uffd_dev);
     }
     for (guint i = 0; i < a->regions->len; i++) {
         pfa_region_clear(&g_array_index(a->regions, Region, i));

@@ -81,6 +81,11 @@ typedef struct {
      * was sent yet
      */
     guint64 hints_dropped;
+    /*
+     * merged pages folded back because a back-end touched them (KSM has
+     * no such thing: its merges are invisible to other processes)
+     */
+    guint64 backend_fold_backs;
 } PfAgentStats;
 
 typedef struct _PfAgent PfAgent;
@@ -163,6 +168,45 @@ void pf_agent_dma_map(PfAgent *a, void *host, gsize len);
  * merged (a hint, which changes no page).
  */
 void pf_agent_dma_unmap(PfAgent *a, void *host, gsize len, gsize written);
+
+/*
+ * A process other than the VMM maps guest RAM from its memfds (a vhost-user
+ * back-end), and lets the agent handle its faults there: uffd is a
+ * userfaultfd made in that process (without UFFD_USER_MODE_ONLY: its
+ * system calls touch guest RAM too), enabled with
+ * UFFD_FEATURE_WP_HUGETLBFS_SHMEM and no events, and registered for
+ * missing pages and write protection over each of its mappings of guest
+ * RAM before it touched them; ranges say where those are.  The agent then
+ * write-protects the back-end's mappings of what it merges, and folds a
+ * merged page back when the back-end touches it.  Called again with the
+ * same name when the back-end's mappings change (a new memory table): it
+ * replaces what was said.  The agent takes uffd, on failure too.  FALSE,
+ * with why, when uffd is not a userfaultfd, or a range is not guest RAM of
+ * one region or not registered so in the back-end: the VMM steps back
+ * instead (pf_agent_step_back()), as for a back-end that offers nothing.
+ * Until the agent is told, it merges no page a back-end may map: a page
+ * merges only where every back-end attached said where it maps it.
+ */
+typedef struct {
+    void *host;      /* the VMM's address of the range, in one region */
+    gsize size;
+    guint64 backend; /* the back-end's address of host */
+} PfAgentBackendRange;
+
+gboolean pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
+                              const PfAgentBackendRange *ranges, guint n,
+                              GError **error);
+/*
+ * The back-end name is gone (disconnected; its process exits, or unmapped
+ * guest RAM): the agent closes its userfaultfd.  Pages stay as they are.
+ */
+void pf_agent_remove_backend(PfAgent *a, const char *name);
+/*
+ * A descriptor of /dev/userfaultfd, as pagefoldd passed it to the agent,
+ * for a back-end that cannot make a userfaultfd that takes the kernel's
+ * faults itself (not root); -1 if the agent holds none.
+ */
+int pf_agent_dup_userfaultfd_dev(PfAgent *a);
 
 /*
  * The system calls through which the agent changes guest RAM.  Tests

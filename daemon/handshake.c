@@ -28,6 +28,10 @@
 #define SO_PEERPIDFD 77 /* Linux 6.5 */
 #endif
 
+/* How often a check that failed is made again, and how long apart. */
+#define CHECK_TRIES 5
+#define CHECK_RETRY_USEC 20000
+
 /*
  * The peer's process, pinned: a pidfd, and its /proc/PID opened while the
  * pidfd showed it alive (so that directory is that process's for good).
@@ -210,14 +214,10 @@ check_libvirt(HandshakeCheck *c, GCancellable *cancel)
     }
 }
 
-/* What it found is in c (c->error, c->why): the task itself only says
- * that it is done. */
+/* The peer's mappings as REGION or READY says they are. */
 static void
-check_run(HandshakeCheck *c, GCancellable *cancel)
+check_mappings(HandshakeCheck *c, GCancellable *cancel)
 {
-    if (c->msg->header.type == PF_MSG_READY && c->domain_name != NULL) {
-        check_libvirt(c, cancel);
-    }
     if (c->msg->header.type == PF_MSG_REGION) {
         const PfWireRegion *wr = pf_msg_region(c->msg);
 
@@ -235,6 +235,51 @@ check_run(HandshakeCheck *c, GCancellable *cancel)
     }
     if (c->n_spans == 1 && c->why[0] != NULL && c->msg->header.type == PF_MSG_REGION) {
         g_set_error_literal(&c->error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT, c->why[0]);
+    }
+}
+
+/* Did check_mappings() find anything wrong?  Clears it with clear. */
+static gboolean
+check_failed(HandshakeCheck *c, gboolean clear)
+{
+    gboolean failed = c->error != NULL;
+
+    for (guint i = 0; i < c->n_spans; i++) {
+        failed |= c->why[i] != NULL;
+        if (clear) {
+            g_clear_pointer(&c->why[i], g_free);
+        }
+    }
+    if (clear) {
+        g_clear_error(&c->error);
+        g_clear_pointer(&c->pooled, pf_pool_mapped_free);
+    }
+    return failed;
+}
+
+/*
+ * What it found is in c (c->error, c->why): the task itself only says
+ * that it is done.  The agent's fault thread folds merged pages back for a
+ * vhost-user back-end at any time, handshakes included: a mapping read in
+ * maps may be gone by the time map_files is looked at, or a remapped run
+ * read between its mmap() and its registration.  So what failed is looked
+ * at again, a few times: an honest agent's mappings settle within
+ * milliseconds, a peer whose never do is refused as before.
+ */
+static void
+check_run(HandshakeCheck *c, GCancellable *cancel)
+{
+    if (c->msg->header.type == PF_MSG_READY && c->domain_name != NULL) {
+        check_libvirt(c, cancel);
+    }
+    for (int attempt = 1;; attempt++) {
+        check_mappings(c, cancel);
+        if (!check_failed(c, FALSE) || attempt == CHECK_TRIES ||
+            g_cancellable_is_cancelled(cancel)) {
+            break;
+        }
+        check_failed(c, TRUE);
+        g_usleep(CHECK_RETRY_USEC);
     }
 }
 

@@ -24,13 +24,17 @@ vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers, gboolea
     g_autofree char *seedarg = g_strdup_printf("%d", seed);
     g_autofree char *wr = g_strdup_printf("%d", writers);
     g_autofree char *mib = g_strdup_printf("%d", MIB);
+    g_auto(GStrv) extras = g_strsplit(extra != NULL ? extra : "", " ", 0);
     const char *argv[] = {
         "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
         pf_test_bin("STANDIN_VMM"), "-name", guest, "--agent-socket", d->agent_sock,
         "--mib", mib, "--seed", seedarg, "--writers", wr, "--writes-per-sec", "2000",
-        extra, NULL
+        extras[0], extras[0] != NULL ? extras[1] : NULL, NULL
     };
-    Vmm *v = pf_test_vmm_spawn(as_nobody ? argv : argv + 4);
+    Vmm *v;
+
+    g_assert_true(extras[0] == NULL || extras[1] == NULL || extras[2] == NULL);
+    v = pf_test_vmm_spawn(as_nobody ? argv : argv + 4);
 
     g_assert_nonnull(v);
     pf_test_daemon_wait_vmm(d, v);

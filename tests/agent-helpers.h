@@ -28,7 +28,7 @@ typedef PfTestVmm Vmm;
  * threads (2000 writes a second), as nobody:nogroup or as root; returned
  * once pagefoldd lists it. */
 Vmm *vmm_start(PfTestDaemon *d, const char *name, int seed, int writers, gboolean as_nobody);
-/* The same, with one more standin-vmm option (or NULL). */
+/* The same, with one or two more standin-vmm options, apart by a space (or NULL). */
 Vmm *vmm_start_full(PfTestDaemon *d, const char *name, int seed, int writers,
                     gboolean as_nobody, const char *extra);
 /* Waits (10 s at most) until v's agent has seen its connection closed. */

@@ -12,7 +12,7 @@
  *
  *   standin-vmm -name guest=NAME --agent-socket PATH [--mib N] [--identical PCT]
  *               [--zero PCT] [--seed N] [--writers N] [--writes-per-sec N]
- *               [--volatile PCT] [--interleave] [--huge]
+ *               [--volatile PCT] [--interleave] [--huge] [--backend] [--device-writers N]
  *
  * Commands on stdin, one per line, each answered by one line:
  *   write PAGE      write new content into a page        -> "ok"
@@ -60,8 +60,23 @@
  *                   no split can drop until "unpin"  -> "ok" / "error WHY"
  *   unpin           close those pipes                         -> "ok"
  *   data PAGE       is the page's memfd offset data (SEEK_DATA)? -> "data 0|1"
+ *   backend start [notuffd|range]
+ *                   start a stand-in vhost-user back-end (standin-backend.c,
+ *                   lying as told) and attach it: pf_agent_set_backend(), or
+ *                   the agent refuses and the VM steps back  -> "ok MODE" /
+ *                                                             "error WHY"
+ *   backend kill|stop|cont
+ *                   SIGKILL (then pf_agent_remove_backend()), SIGSTOP or
+ *                   SIGCONT the back-end                      -> "ok"
+ *   backend verify  read every page through the back-end and compare with
+ *                   the shadow          -> "verify ok N" / "verify FAIL ..."
+ *   device          the device writers' counts -> "device reads R writes W bad B"
  *   quit            stop writers, verify, exit 0 or 1
  * EOF on stdin is quit.  Prints "ready PID MODE" first.
+ *
+ * Device writers (--device-writers) play a vhost-user device: each picks
+ * a page, and has the back-end write new content into it or read it back
+ * (checked against the shadow), through the CPU or a system call in turn.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -71,20 +86,37 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <signal.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "agent.h"
 #include "faultsys.h"
 #include "guestmem.h"
+#include "standin-backend.h"
+#include "testproc.h"
 #include "util.h"
 
 #ifndef MADV_PAGEOUT
 #define MADV_PAGEOUT 21
 #endif
 
+/* The stand-in back-end, as a vhost-user device's connection to it. */
+typedef struct {
+    GMutex lock;     /* one request at a time; and the fields */
+    int sock;        /* -1: no back-end */
+    GPid pid;
+    guint64 reads, writes, bad;
+    gsize first_bad;
+} Device;
+
 typedef struct {
     PfGuest *g;
+    PfAgent *agent;
+    Device dev;
+    guint n_device_writers;
     guint64 *seed;    /* per page: the pf_fill_page() seed of what it must
                        * hold (0: zeros) */
     guint8 **odd;     /* per page: what it must hold when no seed makes it
@@ -331,6 +363,202 @@ writer(gpointer data)
     return NULL;
 }
 
+/*
+ * Starts the stand-in back-end and attaches it (lie: how it lies, or "");
+ * the agent refusing it steps the VM back, as QEMU would.  What to answer.
+ */
+static char *
+device_start(Vmm *v, const char *lie)
+{
+    g_autofree char *self = g_file_read_link("/proc/self/exe", NULL);
+    g_autofree char *dir = self != NULL ? g_path_get_dirname(self) : g_strdup(".");
+    g_autofree char *prog = g_getenv("STANDIN_BACKEND") != NULL
+                                ? g_strdup(g_getenv("STANDIN_BACKEND"))
+                                : g_build_filename(dir, "standin-backend", NULL);
+    g_autofree char *lie_arg = g_strdup_printf("--lie=%s", lie);
+    g_autoptr(GError) error = NULL;
+    int dev_fd = pf_agent_dup_userfaultfd_dev(v->agent);
+    int sv[2], uffd;
+    const char *argv[] = { prog, "3", "4", dev_fd >= 0 ? "5" : lie_arg, lie_arg, NULL };
+    int source[3], target[3] = { 3, 4, 5 };
+    PfBeHello hello;
+    PfBeAck ack = { 0 };
+    PfAgentBackendRange range;
+    GPid pid;
+    gboolean ok;
+
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
+        return g_strdup_printf("error socketpair: %s", g_strerror(errno));
+    }
+    source[0] = v->g->fd;
+    source[1] = sv[1];
+    source[2] = dev_fd;
+    if (*lie == '\0') {
+        argv[dev_fd >= 0 ? 4 : 3] = NULL;
+    }
+    ok = g_spawn_async_with_pipes_and_fds(NULL, argv, NULL,
+                                          G_SPAWN_DO_NOT_REAP_CHILD |
+                                          G_SPAWN_STDOUT_TO_DEV_NULL,
+                                          NULL, NULL, -1, -1, -1, source, target,
+                                          dev_fd >= 0 ? 3 : 2, &pid, NULL, NULL, NULL,
+                                          &error);
+    close(sv[1]);
+    if (dev_fd >= 0) {
+        close(dev_fd);
+    }
+    if (!ok) {
+        close(sv[0]);
+        return g_strdup_printf("error %s", error->message);
+    }
+    if (pf_test_recv_fd(sv[0], &hello, sizeof(hello), &uffd) != sizeof(hello) || uffd < 0) {
+        close(sv[0]);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return g_strdup("error the back-end did not start");
+    }
+    range = (PfAgentBackendRange){ v->g->mem, v->g->n_pages * PF_PAGE_SIZE, hello.base };
+    if (!pf_agent_set_backend(v->agent, "backend0", uffd, &range, 1, &error)) {
+        g_autoptr(GError) step_error = NULL;
+        g_autofree char *why = g_strdup_printf("a vhost-user back-end the agent refused: %s",
+                                               error->message);
+
+        g_printerr("standin-vmm: %s\n", error->message);
+        if (!pf_agent_step_back(v->agent, why, &step_error)) {
+            g_printerr("standin-vmm: %s\n", step_error->message);
+        }
+        ack.status = EINVAL;
+    }
+    if (!pf_test_send_fd(sv[0], &ack, sizeof(ack), -1)) {
+        g_printerr("standin-vmm: the back-end went: %s\n", g_strerror(errno));
+    }
+    g_mutex_lock(&v->dev.lock);
+    v->dev.sock = sv[0];
+    v->dev.pid = pid;
+    g_mutex_unlock(&v->dev.lock);
+    return g_strdup_printf("ok %s", pf_agent_get_mode(v->agent) == PF_MODE_MERGE ? "merge"
+                                                                               : "advise");
+}
+
+/* The back-end gone (it died, or was killed): detached.  With dev.lock. */
+static void
+device_gone(Vmm *v)
+{
+    if (v->dev.sock < 0) {
+        return;
+    }
+    close(v->dev.sock);
+    v->dev.sock = -1;
+    kill(v->dev.pid, SIGKILL);
+    waitpid(v->dev.pid, NULL, 0);
+    pf_agent_remove_backend(v->agent, "backend0");
+}
+
+/* One access of the device's; FALSE when no back-end answers. */
+static gboolean
+device_request(Vmm *v, const PfBeReq *rq, PfBeAns *ans)
+{
+    gboolean ok = FALSE;
+    int fd;
+
+    g_mutex_lock(&v->dev.lock);
+    if (v->dev.sock >= 0) {
+        ok = pf_test_send_fd(v->dev.sock, rq, sizeof(*rq), -1) &&
+             pf_test_recv_fd(v->dev.sock, ans, sizeof(*ans), &fd) == sizeof(*ans);
+        if (!ok) {
+            device_gone(v);
+        }
+    }
+    g_mutex_unlock(&v->dev.lock);
+    return ok;
+}
+
+/* Reads page through the back-end and checks it; the caller holds its lock. */
+static gboolean
+device_check(Vmm *v, gsize page, gboolean syscall, PfBeAns *ans)
+{
+    PfBeReq rq = { 'r', syscall, { 0 }, page, 0 };
+    guint8 want[PF_PAGE_SIZE];
+    gboolean bad;
+
+    if (!device_request(v, &rq, ans)) {
+        return TRUE;
+    }
+    expected_page(v, page, want);
+    bad = ans->err != 0 || memcmp(ans->data, want, PF_PAGE_SIZE) != 0;
+    g_mutex_lock(&v->dev.lock);
+    v->dev.reads++;
+    if (bad && v->dev.bad++ == 0) {
+        v->dev.first_bad = page;
+    }
+    g_mutex_unlock(&v->dev.lock);
+    return !bad;
+}
+
+static gpointer
+device_writer(gpointer data)
+{
+    Vmm *v = data;
+    g_autoptr(GRand) rnd = g_rand_new();
+    g_autofree PfBeAns *ans = g_new0(PfBeAns, 1);
+    gint64 interval = v->rate ? G_USEC_PER_SEC / v->rate : 0;
+
+    while (!g_atomic_int_get(&v->stop)) {
+        gsize page = g_rand_int_range(rnd, 0, (gint32)v->g->n_pages);
+        gboolean syscall = g_rand_boolean(rnd);
+
+        g_mutex_lock(lock_of(v, page));
+        if (g_rand_boolean(rnd)) {
+            /* Back to its first content (it can merge again), or new. */
+            guint64 seed = g_rand_boolean(rnd) ? first_seed(v, page) : random_seed(rnd);
+            PfBeReq rq = { 'w', syscall, { 0 }, page, seed };
+
+            if (device_request(v, &rq, ans) && ans->err == 0) {
+                v->seed[page] = seed;
+                g_clear_pointer(&v->odd[page], g_free);
+                g_mutex_lock(&v->dev.lock);
+                v->dev.writes++;
+                g_mutex_unlock(&v->dev.lock);
+            } else if (ans->err != 0) {
+                g_printerr("standin-vmm: the back-end's write: %s\n", g_strerror(ans->err));
+                g_mutex_lock(&v->dev.lock);
+                v->dev.bad++;
+                g_mutex_unlock(&v->dev.lock);
+            }
+        } else {
+            device_check(v, page, syscall, ans);
+        }
+        g_mutex_unlock(lock_of(v, page));
+        if (interval) {
+            g_usleep(interval);
+        }
+    }
+    return NULL;
+}
+
+/* Every page read through the back-end (which folds back what it touches). */
+static gboolean
+device_verify(Vmm *v, GString *why)
+{
+    g_autofree PfBeAns *ans = g_new0(PfBeAns, 1);
+    gsize bad = 0, first_bad = 0;
+
+    for (gsize p = 0; p < v->g->n_pages; p++) {
+        gboolean ok;
+
+        g_mutex_lock(lock_of(v, p));
+        ok = device_check(v, p, p % 2, ans);
+        g_mutex_unlock(lock_of(v, p));
+        if (!ok && bad++ == 0) {
+            first_bad = p;
+        }
+    }
+    if (bad > 0) {
+        g_string_printf(why, "%zu page(s) read through the back-end differ from what was "
+                        "written, first %zu", bad, first_bad);
+    }
+    return bad == 0;
+}
+
 static gboolean
 verify(Vmm *v, GString *why)
 {
@@ -350,6 +578,14 @@ verify(Vmm *v, GString *why)
     }
     if (bad > 0) {
         g_string_printf(why, "%zu page(s) differ from what was written, first %zu", bad, first_bad);
+        return FALSE;
+    }
+    g_mutex_lock(&v->dev.lock);
+    bad = v->dev.bad;
+    first_bad = v->dev.first_bad;
+    g_mutex_unlock(&v->dev.lock);
+    if (bad > 0) {
+        g_string_printf(why, "the device saw %zu bad page(s), first %zu", bad, first_bad);
     }
     return bad == 0;
 }
@@ -359,7 +595,8 @@ main(int argc, char **argv)
 {
     g_autofree char *name = NULL, *socket_path = NULL;
     gint mib = 32, identical = 50, zero = 20, seed = 1, writers = 0, rate = 1000;
-    gboolean interleave = FALSE, huge = FALSE, unattached = FALSE;
+    gboolean interleave = FALSE, huge = FALSE, unattached = FALSE, backend = FALSE;
+    gint device_writers = 0;
     gint volatile_pct = 0;
     GOptionEntry entries[] = {
         { "name", 0, 0, G_OPTION_ARG_STRING, &name, "guest=NAME", "guest=NAME" },
@@ -377,6 +614,10 @@ main(int argc, char **argv)
           "RAM in transparent huge pages (MADV_HUGEPAGE), as QEMU can", NULL },
         { "interleave", 0, 0, G_OPTION_ARG_NONE, &interleave,
           "every other identical page unique instead: no two merges adjacent", NULL },
+        { "backend", 0, 0, G_OPTION_ARG_NONE, &backend,
+          "a stand-in vhost-user back-end attached at the start", NULL },
+        { "device-writers", 0, 0, G_OPTION_ARG_INT, &device_writers,
+          "threads that read and write pages through the back-end (0)", "N" },
         { "run-unattached", 0, 0, G_OPTION_ARG_NONE, &unattached,
           "run on unmerged when the first handshake fails, as QEMU does (its agent "
           "connects again when pagefoldd said it may)", NULL },
@@ -424,7 +665,10 @@ main(int argc, char **argv)
     fcntl(v.g->fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
     v.locks = g_new0(GMutex, pages / 64 + 1);
     v.n_writers = (guint)writers;
+    v.n_device_writers = (guint)MAX(device_writers, 0);
     v.rate = (guint)rate;
+    v.dev.sock = -1;
+    g_mutex_init(&v.dev.lock);
 
     agent = pf_agent_new(g_str_has_prefix(name, "guest=") ? name + 6 : name, NULL);
     r = (PfAgentRegion){ "pc.ram", v.g->mem, pages * PF_PAGE_SIZE, v.g->fd, 0,
@@ -440,9 +684,21 @@ main(int argc, char **argv)
         g_printerr("standin-vmm: %s\n", error->message);
         return 1;
     }
-    threads = g_new0(GThread *, v.n_writers + 1);
+    v.agent = agent;
+    if (backend) {
+        g_autofree char *said = device_start(&v, "");
+
+        if (!g_str_has_prefix(said, "ok")) {
+            g_printerr("standin-vmm: %s\n", said);
+            return 1;
+        }
+    }
+    threads = g_new0(GThread *, v.n_writers + v.n_device_writers + 1);
     for (guint i = 0; i < v.n_writers; i++) {
         threads[i] = g_thread_new("writer", writer, &v);
+    }
+    for (guint i = 0; i < v.n_device_writers; i++) {
+        threads[v.n_writers + i] = g_thread_new("device", device_writer, &v);
     }
     printf("ready %d %s\n", (int)getpid(), pf_agent_get_mode(agent) == PF_MODE_MERGE ? "merge" : "advise");
     fflush(stdout);
@@ -545,6 +801,30 @@ main(int argc, char **argv)
             off_t at = (off_t)(page * PF_PAGE_SIZE);
 
             printf("data %d\n", lseek(v.g->fd, at, SEEK_DATA) == at);
+        } else if (g_str_has_prefix(line, "backend start")) {
+            g_autofree char *said = device_start(&v, g_strstrip(line + strlen("backend start")));
+
+            printf("%s\n", said);
+        } else if (g_str_equal(line, "backend kill")) {
+            g_mutex_lock(&v.dev.lock);
+            device_gone(&v);
+            g_mutex_unlock(&v.dev.lock);
+            printf("ok\n");
+        } else if (g_str_equal(line, "backend stop") || g_str_equal(line, "backend cont")) {
+            /* Not under dev.lock: a request may be waiting on it. */
+            printf(v.dev.sock >= 0 && kill(v.dev.pid, line[8] == 's' ? SIGSTOP : SIGCONT) == 0
+                   ? "ok\n" : "error no back-end\n");
+        } else if (g_str_equal(line, "backend verify")) {
+            if (device_verify(&v, why)) {
+                printf("verify ok %zu\n", pages);
+            } else {
+                printf("verify FAIL %s\n", why->str);
+            }
+        } else if (g_str_equal(line, "device")) {
+            g_mutex_lock(&v.dev.lock);
+            printf("device reads %" G_GUINT64_FORMAT " writes %" G_GUINT64_FORMAT
+                   " bad %" G_GUINT64_FORMAT "\n", v.dev.reads, v.dev.writes, v.dev.bad);
+            g_mutex_unlock(&v.dev.lock);
         } else if (g_str_equal(line, "fault none")) {
             pf_test_fault_set(NULL, 0, 0, 0, FALSE);
             printf("ok\n");
@@ -583,9 +863,11 @@ main(int argc, char **argv)
                    " zeroed %" G_GUINT64_FORMAT " unmerged %" G_GUINT64_FORMAT
                    " changed %" G_GUINT64_FORMAT " errors %" G_GUINT64_FORMAT
                    " remapped %" G_GUINT64_FORMAT " discarded %" G_GUINT64_FORMAT
+                   " backend_fold_backs %" G_GUINT64_FORMAT
                    " writes %" G_GUINT64_FORMAT " connected %d\n",
                    st.merged, st.moved, st.zeroed, st.unmerged, st.changed, st.errors,
-                   st.remapped, st.discarded, __atomic_load_n(&v.writes, __ATOMIC_RELAXED),
+                   st.remapped, st.discarded, st.backend_fold_backs,
+                   __atomic_load_n(&v.writes, __ATOMIC_RELAXED),
                    pf_agent_is_connected(agent));
         } else if (g_str_equal(line, "quit")) {
             break;
@@ -595,10 +877,10 @@ main(int argc, char **argv)
         fflush(stdout);
     }
     g_atomic_int_set(&v.stop, 1);
-    for (guint i = 0; i < v.n_writers; i++) {
+    for (guint i = 0; i < v.n_writers + v.n_device_writers; i++) {
         g_thread_join(threads[i]);
     }
-    if (verify(&v, why)) {
+    if (verify(&v, why) && (v.dev.sock < 0 || device_verify(&v, why))) {
         printf("verify ok %zu\n", pages);
     } else {
         printf("verify FAIL %s\n", why->str);
@@ -606,6 +888,9 @@ main(int argc, char **argv)
     }
     fflush(stdout);
     g_free(threads);
+    g_mutex_lock(&v.dev.lock);
+    device_gone(&v);
+    g_mutex_unlock(&v.dev.lock);
     /* The agent goes first: it maps guest RAM. */
     g_clear_pointer(&agent, pf_agent_free);
     g_free(v.locks);

@@ -947,3 +947,51 @@ pf_test_standin_guest(const char *name, const char *uuid, int seed, int *pid)
     *pid = atoi(line + 6);
     return p;
 }
+
+gboolean
+pf_test_send_fd(int sock, const void *buf, gsize len, int fd)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = { (void *)buf, len };
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+
+    if (fd >= 0) {
+        struct cmsghdr *c;
+
+        mh.msg_control = control.buf;
+        mh.msg_controllen = sizeof(control.buf);
+        c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    }
+    return sendmsg(sock, &mh, MSG_NOSIGNAL) == (gssize)len;
+}
+
+gssize
+pf_test_recv_fd(int sock, void *buf, gsize len, int *fd)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = { buf, len };
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof(control.buf) };
+    struct cmsghdr *c;
+    gssize n;
+
+    *fd = -1;
+    do {
+        n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    c = n > 0 ? CMSG_FIRSTHDR(&mh) : NULL;
+    if (c != NULL && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        memcpy(fd, CMSG_DATA(c), sizeof(int));
+    }
+    return n;
+}

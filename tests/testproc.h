@@ -173,3 +173,10 @@ gint64 pf_test_memfd_kib(int pid);
  * counted once; *n_chunks gets how many.  What its references keep from
  * being freed. */
 gint64 pf_test_pool_kib(int pid, guint *n_chunks);
+
+/* One packet of len bytes on sock, with descriptor fd (SCM_RIGHTS) unless
+ * it is -1; FALSE with errno set if it did not go whole. */
+gboolean pf_test_send_fd(int sock, const void *buf, gsize len, int fd);
+/* One packet into buf (len bytes at most): its length, with *fd the
+ * descriptor it carried or -1; 0 at EOF, -1 with errno on failure. */
+gssize pf_test_recv_fd(int sock, void *buf, gsize len, int *fd);

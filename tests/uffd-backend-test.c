@@ -37,6 +37,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "testproc.h"
+
 #define PAGE 4096u
 #define PAGES 8u
 
@@ -78,25 +80,7 @@ typedef struct {
 static void
 send_hello(int sock, const Hello *hello, int fd)
 {
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } control;
-    struct iovec iov = { (void *)hello, sizeof(*hello) };
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
-
-    if (fd >= 0) {
-        struct cmsghdr *c;
-
-        mh.msg_control = control.buf;
-        mh.msg_controllen = sizeof(control.buf);
-        c = CMSG_FIRSTHDR(&mh);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &fd, sizeof(int));
-    }
-    if (sendmsg(sock, &mh, 0) != sizeof(*hello)) {
+    if (!pf_test_send_fd(sock, hello, sizeof(*hello), fd)) {
         _exit(1);
     }
 }
@@ -105,21 +89,9 @@ send_hello(int sock, const Hello *hello, int fd)
 static int
 recv_hello(int sock, Hello *hello)
 {
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } control;
-    struct iovec iov = { hello, sizeof(*hello) };
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-                         .msg_controllen = sizeof(control.buf) };
-    struct cmsghdr *c;
-    int fd = -1;
+    int fd;
 
-    g_assert_cmpint(recvmsg(sock, &mh, MSG_CMSG_CLOEXEC), ==, sizeof(*hello));
-    c = CMSG_FIRSTHDR(&mh);
-    if (c != NULL && c->cmsg_type == SCM_RIGHTS) {
-        memcpy(&fd, CMSG_DATA(c), sizeof(int));
-    }
+    g_assert_cmpint(pf_test_recv_fd(sock, hello, sizeof(*hello), &fd), ==, sizeof(*hello));
     return fd;
 }
 
