@@ -31,6 +31,7 @@
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
@@ -57,8 +58,12 @@ struct _PfBackend {
     GArray *pending; /* guint64: back-end addresses of faults still to resolve */
     /* its process is gone (ESRCH): it maps nothing any more */
     gboolean dead;
-    /* a protection could not be lifted: no merge while it is attached */
+    /*
+     * a protection could not be lifted, or its userfaultfd cannot be polled
+     * (unpolled): no merge while it is attached
+     */
     gboolean broken;
+    gboolean unpolled;
 };
 
 static void
@@ -302,7 +307,13 @@ serve_backend(PfAgent *a, PfBackend *b)
         for (gsize k = 0; k < (gsize)n / sizeof(msgs[0]); k++) {
             guint64 at = msgs[k].arg.pagefault.address & ~(guint64)(PF_PAGE_SIZE - 1);
 
-            /* No events were asked for: a back-end that did is ignored. */
+            /*
+             * No events were asked for (features_refused()); should one
+             * come all the same, a fork's descriptor is not kept.
+             */
+            if (msgs[k].event == UFFD_EVENT_FORK) {
+                close((int)msgs[k].arg.fork.ufd);
+            }
             if (msgs[k].event != UFFD_EVENT_PAGEFAULT ||
                 resolve(a, b, at, msgs[k].arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WP)) {
                 continue;
@@ -348,7 +359,7 @@ fault_thread(gpointer data)
             PfBackend *b = g_ptr_array_index(a->backends, i);
             struct pollfd p = { b->uffd, POLLIN, 0 };
 
-            if (!b->dead) {
+            if (!b->dead && !b->unpolled) {
                 g_array_append_val(fds, p);
                 g_ptr_array_add(served, b);
                 pending |= b->pending->len > 0;
@@ -373,8 +384,16 @@ fault_thread(gpointer data)
                 continue;
             }
             if (ev & (POLLERR | POLLNVAL)) {
-                /* Not enabled any more, or closed under us: nothing to read. */
-                b->dead = TRUE;
+                /*
+                 * Made blocking by its other holder, or not enabled: it
+                 * cannot be served, so nothing merges while it is attached.
+                 */
+                if (!b->broken) {
+                    g_warning("pagefold agent: VM %s: back-end %s: its userfaultfd cannot "
+                              "be polled; no merging while it is attached", a->name, b->name);
+                }
+                b->broken = TRUE;
+                b->unpolled = TRUE;
             } else if ((ev & POLLIN) || b->pending->len > 0) {
                 serve_backend(a, b);
             }
@@ -462,6 +481,56 @@ pfa_backends_let_go(PfAgent *a)
     fault_thread_wake(a);
 }
 
+/* Is no page of guest RAM mapped from the pool? */
+static gboolean
+nothing_remapped(PfAgent *a)
+{
+    for (guint i = 0; i < a->regions->len; i++) {
+        const Region *r = &g_array_index(a->regions, Region, i);
+
+        if (!r->gone && pfa_find_remapped(r, 0, r->n_pages, TRUE) < r->n_pages) {
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
+/*
+ * The features uffd was enabled with (its fdinfo's API line), or why
+ * they will not do: an event would make the back-end's own mapping
+ * changes wait on the agent (and a fork hand QEMU descriptors), an
+ * asynchronous write protection or SIGBUS would let stores through.
+ */
+static char *
+features_refused(int uffd)
+{
+    g_autofree char *path = g_strdup_printf("/proc/self/fdinfo/%d", uffd);
+    g_autofree char *text = NULL;
+    const char *api;
+    guint64 features;
+    const guint64 allowed = UFFD_FEATURE_WP_HUGETLBFS_SHMEM | UFFD_FEATURE_MISSING_SHMEM |
+                            UFFD_FEATURE_MISSING_HUGETLBFS | UFFD_FEATURE_THREAD_ID |
+                            UFFD_FEATURE_EXACT_ADDRESS | UFFD_FEATURE_MINOR_SHMEM |
+                            UFFD_FEATURE_MINOR_HUGETLBFS |
+                            /* the kernel's own mark of an enabled one */
+                            (1ull << 31);
+
+    if (!g_file_get_contents(path, &text, NULL, NULL) ||
+        (api = strstr(text, "API:\t")) == NULL ||
+        sscanf(api + 5, "%*x:%" G_GINT64_MODIFIER "x", &features) != 1) {
+        return g_strdup("its features cannot be read");
+    }
+    if (!(features & UFFD_FEATURE_WP_HUGETLBFS_SHMEM)) {
+        return g_strdup("it was not enabled with UFFD_FEATURE_WP_HUGETLBFS_SHMEM");
+    }
+    if (features & ~allowed) {
+        return g_strdup_printf("it was enabled with features 0x%" G_GINT64_MODIFIER "x: "
+                               "events, asynchronous write protection or SIGBUS are "
+                               "not allowed", features & ~allowed);
+    }
+    return NULL;
+}
+
 /* Is fd a userfaultfd?  Its file is the kernel's anonymous inode of that name. */
 static gboolean
 is_userfaultfd(int fd)
@@ -539,7 +608,8 @@ fault_thread_start(PfAgent *a, GError **error)
     }
     a->fault_thread = a->threads.create(fault_thread, a, a->threads.opaque);
     if (a->fault_thread == NULL) {
-        g_set_error(error, PF_ERROR, PF_ERROR_FAILED, "cannot start the fault thread");
+        g_set_error(error, PF_ERROR, PF_ERROR_FAILED,
+                    "cannot start the fault thread: the VMM's thread function failed");
         return FALSE;
     }
     return TRUE;
@@ -566,6 +636,16 @@ pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
                     "back-end %s: descriptor %d is not a userfaultfd", name, uffd);
         backend_free(b);
         return FALSE;
+    }
+    {
+        g_autofree char *why = features_refused(uffd);
+
+        if (why != NULL) {
+            g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
+                        "back-end %s: its userfaultfd: %s", name, why);
+            backend_free(b);
+            return FALSE;
+        }
     }
     /* Shared with the back-end's own descriptor: it is read only after poll(). */
     fl = fcntl(uffd, F_GETFL);
@@ -595,7 +675,7 @@ pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
      * A VM that stepped back has nothing remapped and merges no more: the
      * back-end maps plain memfd.
      */
-    if (a->advise_reason != NULL && a->uffd < 0) {
+    if (a->advise_reason != NULL && nothing_remapped(a)) {
         pfa_backends_let_go(a);
     }
     g_mutex_unlock(&a->work);

@@ -104,9 +104,9 @@ struct _PfAgent {
     int relink_ms;     /* the last wait before connecting again */
     guint32 version;   /* of the link, as WELCOME said (under work) */
     int uffd;
-    gboolean uffd_lost;
+    gboolean uffd_lost; /* closed because protection could not be lifted */
     /* /dev/userfaultfd as pagefoldd last passed it, for back-ends, or -1 */
-    int uffd_dev; /* closed because protection could not be lifted */
+    int uffd_dev;
     GPtrArray *chunks;  /* Chunk*, indexed by chunk id, NULL where unknown */
 
     PfAgentThreads threads;

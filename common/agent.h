@@ -185,7 +185,12 @@ void pf_agent_dma_unmap(PfAgent *a, void *host, gsize len, gsize written);
  * one region or not registered so in the back-end: the VMM steps back
  * instead (pf_agent_step_back()), as for a back-end that offers nothing.
  * Until the agent is told, it merges no page a back-end may map: a page
- * merges only where every back-end attached said where it maps it.
+ * merges only where every back-end attached said where it maps it.  What
+ * write protection cannot see is the back-end's to avoid, as it is the
+ * VMM's (pf_agent_dma_map()): it must not pin guest RAM for a device
+ * (VFIO, io_uring fixed buffers, O_DIRECT into it) nor write the memfd
+ * other than through its mappings; and its userfaultfd, which covers its
+ * whole process, is for back-ends of this VM alone.
  */
 typedef struct {
     void *host;      /* the VMM's address of the range, in one region */

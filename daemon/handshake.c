@@ -29,7 +29,7 @@
 #endif
 
 /* How often a check that failed is made again, and how long apart. */
-#define CHECK_TRIES 5
+#define CHECK_TRIES 3
 #define CHECK_RETRY_USEC 20000
 
 /*
@@ -238,11 +238,16 @@ check_mappings(HandshakeCheck *c, GCancellable *cancel)
     }
 }
 
-/* Did check_mappings() find anything wrong?  Clears it with clear. */
+/*
+ * Did check_mappings() find what a mapping changing under its read may
+ * show (a map_files entry gone: PF_ERROR_FAILED; a span unprotected)?
+ * A refusal of what the peer says (PF_ERROR_INVALID_ARGUMENT) stays one.
+ * Clears it with clear.
+ */
 static gboolean
 check_failed(HandshakeCheck *c, gboolean clear)
 {
-    gboolean failed = c->error != NULL;
+    gboolean failed = g_error_matches(c->error, PF_ERROR, PF_ERROR_FAILED);
 
     for (guint i = 0; i < c->n_spans; i++) {
         failed |= c->why[i] != NULL;
@@ -260,11 +265,12 @@ check_failed(HandshakeCheck *c, gboolean clear)
 /*
  * What it found is in c (c->error, c->why): the task itself only says
  * that it is done.  The agent's fault thread folds merged pages back for a
- * vhost-user back-end at any time, handshakes included: a mapping read in
- * maps may be gone by the time map_files is looked at, or a remapped run
- * read between its mmap() and its registration.  So what failed is looked
- * at again, a few times: an honest agent's mappings settle within
- * milliseconds, a peer whose never do is refused as before.
+ * vhost-user back-end at any time but between HELLO and READY: READY's
+ * check, or a region plugged in later, may read a remapped run between its
+ * mmap() and its registration, or find a mapping in maps gone by the time
+ * map_files is looked at.  So such a failure is looked at again, twice:
+ * an honest agent's mappings settle within milliseconds, a peer whose
+ * never do is refused as before.
  */
 static void
 check_run(HandshakeCheck *c, GCancellable *cancel)
