@@ -119,6 +119,20 @@ covers(const PfBackend *b, const guint8 *lo, const guint8 *hi)
 }
 
 /*
+ * rc, an ioctl's on b's userfaultfd: ESRCH says its process is gone, and
+ * with it every mapping to protect or fill.
+ */
+static int
+backend_result(PfAgent *a, PfBackend *b, int rc)
+{
+    if (rc == -ESRCH && !b->dead) {
+        g_message("pagefold agent: VM %s: back-end %s is gone", a->name, b->name);
+        b->dead = TRUE;
+    }
+    return rc;
+}
+
+/*
  * Protects (on) or lifts b's mappings of [lo, hi); a back-end whose
  * process is gone is marked dead, which is success: it maps nothing.
  */
@@ -137,12 +151,10 @@ protect(PfAgent *a, PfBackend *b, const guint8 *lo, const guint8 *hi,
         if (from >= to) {
             continue;
         }
-        rc1 = pfa_uffd_protect(a, b->uffd, br->remote + (guint64)(from - br->host),
-                               (gsize)(to - from), on);
-        if (rc1 == -ESRCH) {
-            g_message("pagefold agent: VM %s: back-end %s is gone", a->name, b->name);
-            b->dead = TRUE;
-        } else if (rc == 0) {
+        rc1 = backend_result(a, b, pfa_uffd_protect(a, b->uffd,
+                                                    br->remote + (guint64)(from - br->host),
+                                                    (gsize)(to - from), on));
+        if (rc == 0) {
             rc = rc1;
         }
     }
@@ -199,12 +211,7 @@ pfa_backends_hold(PfAgent *a, const guint8 *addr, gsize len)
 static int
 backend_ioctl(PfAgent *a, PfBackend *b, unsigned long request, void *arg)
 {
-    int rc = a->sys.ioctl(b->uffd, request, arg) < 0 ? -errno : 0;
-
-    if (rc == -ESRCH) {
-        b->dead = TRUE;
-    }
-    return rc;
+    return backend_result(a, b, a->sys.ioctl(b->uffd, request, arg) < 0 ? -errno : 0);
 }
 
 /* The region and page of host, or FALSE where no region is. */
@@ -264,9 +271,8 @@ resolve(PfAgent *a, PfBackend *b, guint64 at, gboolean wp)
         if (a->linking) {
             return FALSE;
         }
-        rc = pfa_fold_back(a, &g_array_index(a->regions, Region, i), page, 1,
-                               TRUE, &stop, &folded);
-
+        rc = pfa_fold_back(a, &g_array_index(a->regions, Region, i), page, 1, TRUE, &stop,
+                           &folded);
         if (rc < 0) {
             return FALSE;
         }

@@ -242,24 +242,27 @@ check_mappings(HandshakeCheck *c, GCancellable *cancel)
  * Did check_mappings() find what a mapping changing under its read may
  * show (a map_files entry gone: PF_ERROR_FAILED; a span unprotected)?
  * A refusal of what the peer says (PF_ERROR_INVALID_ARGUMENT) stays one.
- * Clears it with clear.
  */
 static gboolean
-check_failed(HandshakeCheck *c, gboolean clear)
+check_may_pass_again(const HandshakeCheck *c)
 {
     gboolean failed = g_error_matches(c->error, PF_ERROR, PF_ERROR_FAILED);
 
     for (guint i = 0; i < c->n_spans; i++) {
         failed |= c->why[i] != NULL;
-        if (clear) {
-            g_clear_pointer(&c->why[i], g_free);
-        }
-    }
-    if (clear) {
-        g_clear_error(&c->error);
-        g_clear_pointer(&c->pooled, pf_pool_mapped_free);
     }
     return failed;
+}
+
+/* Forgets what check_mappings() found, to look again. */
+static void
+check_forget(HandshakeCheck *c)
+{
+    for (guint i = 0; i < c->n_spans; i++) {
+        g_clear_pointer(&c->why[i], g_free);
+    }
+    g_clear_error(&c->error);
+    g_clear_pointer(&c->pooled, pf_pool_mapped_free);
 }
 
 /*
@@ -280,11 +283,11 @@ check_run(HandshakeCheck *c, GCancellable *cancel)
     }
     for (int attempt = 1;; attempt++) {
         check_mappings(c, cancel);
-        if (!check_failed(c, FALSE) || attempt == CHECK_TRIES ||
+        if (!check_may_pass_again(c) || attempt == CHECK_TRIES ||
             g_cancellable_is_cancelled(cancel)) {
             break;
         }
-        check_failed(c, TRUE);
+        check_forget(c);
         g_usleep(CHECK_RETRY_USEC);
     }
 }

@@ -511,19 +511,19 @@ device_writer(gpointer data)
             /* Back to its first content (it can merge again), or new. */
             guint64 seed = g_rand_boolean(rnd) ? first_seed(v, page) : random_seed(rnd);
             PfBeReq rq = { 'w', syscall, { 0 }, page, seed };
+            /* FALSE: no back-end (none yet, or it was killed), no write. */
+            gboolean answered = device_request(v, &rq, ans);
 
-            if (device_request(v, &rq, ans) && ans->err == 0) {
+            g_mutex_lock(&v->dev.lock);
+            if (answered && ans->err == 0) {
                 v->seed[page] = seed;
                 g_clear_pointer(&v->odd[page], g_free);
-                g_mutex_lock(&v->dev.lock);
                 v->dev.writes++;
-                g_mutex_unlock(&v->dev.lock);
-            } else if (ans->err != 0) {
+            } else if (answered) {
                 g_printerr("standin-vmm: the back-end's write: %s\n", g_strerror(ans->err));
-                g_mutex_lock(&v->dev.lock);
                 v->dev.bad++;
-                g_mutex_unlock(&v->dev.lock);
             }
+            g_mutex_unlock(&v->dev.lock);
         } else {
             device_check(v, page, syscall, ans);
         }
