@@ -64,7 +64,29 @@ struct _PfBackend {
      */
     gboolean broken;
     gboolean unpolled;
+    /*
+     * its mappings are changing (a new memory table, not yet told), or it
+     * is expected and has told nothing: no merge until it tells
+     */
+    gboolean unsettled;
+    /*
+     * disconnected while still mapping guest RAM: no merge until none of
+     * its ranges is registered any more (leaving_gone())
+     */
+    gboolean leaving;
 };
+
+static PfBackend *
+backend_new(const char *name, int uffd)
+{
+    PfBackend *b = g_new0(PfBackend, 1);
+
+    b->name = g_strdup(name);
+    b->uffd = uffd;
+    b->ranges = g_array_new(FALSE, FALSE, sizeof(BackendRange));
+    b->pending = g_array_new(FALSE, FALSE, sizeof(guint64));
+    return b;
+}
 
 static void
 backend_free(gpointer p)
@@ -96,28 +118,6 @@ host_of(const PfBackend *b, guint64 at)
     return NULL;
 }
 
-/* Do b's ranges cover [lo, hi)? */
-static gboolean
-covers(const PfBackend *b, const guint8 *lo, const guint8 *hi)
-{
-    while (lo < hi) {
-        const guint8 *next = lo;
-
-        for (guint i = 0; i < b->ranges->len && next == lo; i++) {
-            const BackendRange *br = &g_array_index(b->ranges, BackendRange, i);
-
-            if (lo >= br->host && lo < br->host + br->len) {
-                next = br->host + br->len;
-            }
-        }
-        if (next == lo) {
-            return FALSE;
-        }
-        lo = next;
-    }
-    return TRUE;
-}
-
 /*
  * rc, an ioctl's on b's userfaultfd: ESRCH says its process is gone, and
  * with it every mapping to protect or fill.
@@ -130,6 +130,12 @@ backend_result(PfAgent *a, PfBackend *b, int rc)
         b->dead = TRUE;
     }
     return rc;
+}
+
+static int
+backend_ioctl(PfAgent *a, PfBackend *b, unsigned long request, void *arg)
+{
+    return backend_result(a, b, a->sys.ioctl(b->uffd, request, arg) < 0 ? -errno : 0);
 }
 
 /*
@@ -183,17 +189,45 @@ pfa_backends_release(PfAgent *a, const guint8 *addr, gsize len)
     }
 }
 
+/*
+ * Has b, disconnected, let go of guest RAM?  Lifting write protection is
+ * the one ioctl that changes nothing here and fails where no mapping is
+ * registered with its userfaultfd (ENOENT; ESRCH once its process is
+ * gone).  Asked of a range's first and last page, since before Linux 6.4
+ * one call must stay within one mapping.
+ */
+static gboolean
+leaving_gone(PfAgent *a, PfBackend *b)
+{
+    for (guint i = 0; i < b->ranges->len * 2 && !b->dead; i++) {
+        const BackendRange *br = &g_array_index(b->ranges, BackendRange, i / 2);
+        struct uffdio_writeprotect wp = {
+            .range = { i % 2 ? br->remote + br->len - PF_PAGE_SIZE : br->remote,
+                       PF_PAGE_SIZE },
+        };
+
+        if (backend_ioctl(a, b, UFFDIO_WRITEPROTECT, &wp) != -ENOENT && !b->dead) {
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
 int
 pfa_backends_hold(PfAgent *a, const guint8 *addr, gsize len)
 {
     int rc = 0;
 
     for (guint i = 0; i < a->backends->len && rc == 0; i++) {
-        const PfBackend *b = g_ptr_array_index(a->backends, i);
+        PfBackend *b = g_ptr_array_index(a->backends, i);
 
-        if (b->broken) {
+        if (b->leaving && leaving_gone(a, b)) {
+            g_message("pagefold agent: VM %s: back-end %s let go of guest RAM", a->name,
+                      b->name);
+            g_ptr_array_add(a->backends_gone, g_ptr_array_steal_index(a->backends, i--));
+        } else if (b->broken) {
             rc = -EIO;
-        } else if (!b->dead && !covers(b, addr, addr + len)) {
+        } else if (b->unsettled || b->leaving) {
             rc = -EBUSY;
         }
     }
@@ -208,12 +242,6 @@ pfa_backends_hold(PfAgent *a, const guint8 *addr, gsize len)
 
 /* ---- a back-end's faults ---- */
 
-static int
-backend_ioctl(PfAgent *a, PfBackend *b, unsigned long request, void *arg)
-{
-    return backend_result(a, b, a->sys.ioctl(b->uffd, request, arg) < 0 ? -errno : 0);
-}
-
 /* The region and page of host, or FALSE where no region is. */
 static gboolean
 page_of(PfAgent *a, const guint8 *host, guint *index, gsize *page)
@@ -224,6 +252,20 @@ page_of(PfAgent *a, const guint8 *host, guint *index, gsize *page)
         if (!r->gone && host >= r->host && host < r->host + r->size) {
             *index = i;
             *page = (gsize)(host - r->host) / PF_PAGE_SIZE;
+            return TRUE;
+        }
+    }
+    return FALSE;
+}
+
+/* Does [lo, hi) meet a region? */
+static gboolean
+meets_region(PfAgent *a, const guint8 *lo, const guint8 *hi)
+{
+    for (guint i = 0; i < a->regions->len; i++) {
+        const Region *r = &g_array_index(a->regions, Region, i);
+
+        if (!r->gone && lo < r->host + r->size && r->host < hi) {
             return TRUE;
         }
     }
@@ -365,7 +407,7 @@ fault_thread(gpointer data)
             PfBackend *b = g_ptr_array_index(a->backends, i);
             struct pollfd p = { b->uffd, POLLIN, 0 };
 
-            if (!b->dead && !b->unpolled) {
+            if (b->uffd >= 0 && !b->dead && !b->unpolled) {
                 g_array_append_val(fds, p);
                 g_ptr_array_add(served, b);
                 pending |= b->pending->len > 0;
@@ -440,17 +482,28 @@ pfa_backends_stop(PfAgent *a)
 
 /* ---- back-ends coming and going ---- */
 
-/* The record named name, removed from the list (into backends_gone). */
-static void
-backend_drop(PfAgent *a, const char *name)
+/* The attached record named name (not one leaving), or NULL. */
+static PfBackend *
+backend_find(PfAgent *a, const char *name)
 {
     for (guint i = 0; i < a->backends->len; i++) {
         PfBackend *b = g_ptr_array_index(a->backends, i);
 
-        if (g_str_equal(b->name, name)) {
-            g_ptr_array_add(a->backends_gone, g_ptr_array_steal_index(a->backends, i));
-            return;
+        if (!b->leaving && g_str_equal(b->name, name)) {
+            return b;
         }
+    }
+    return NULL;
+}
+
+/* b, out of the list and into backends_gone, for the fault thread to free. */
+static void
+backend_drop(PfAgent *a, PfBackend *b)
+{
+    guint i;
+
+    if (g_ptr_array_find(a->backends, b, &i)) {
+        g_ptr_array_add(a->backends_gone, g_ptr_array_steal_index_fast(a->backends, i));
     }
 }
 
@@ -564,17 +617,24 @@ check_ranges(PfAgent *a, PfBackend *b, GError **error)
         };
         guint index, index_last;
         gsize page, last;
+        gboolean first_in, last_in;
         int rc;
 
+        first_in = br->len > 0 && page_of(a, br->host, &index, &page);
+        last_in = br->len > 0 && page_of(a, br->host + br->len - 1, &index_last, &last);
+        /*
+         * A range outside the guest RAM the agent merges is kept (memory
+         * plugged later may be there); one that straddles it is a lie.
+         */
         if (br->len == 0 || br->len % PF_PAGE_SIZE != 0 ||
             (guintptr)br->host % PF_PAGE_SIZE != 0 || br->remote % PF_PAGE_SIZE != 0 ||
             br->remote + br->len < br->remote ||
-            !page_of(a, br->host, &index, &page) ||
-            !page_of(a, br->host + br->len - 1, &index_last, &last) ||
-            index != index_last) {
+            (guintptr)br->host + br->len < (guintptr)br->host ||
+            first_in != last_in || (first_in && index != index_last) ||
+            (!first_in && meets_region(a, br->host, br->host + br->len))) {
             g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                         "back-end %s: range %u (%p+%zu at 0x%" G_GINT64_MODIFIER "x) is "
-                        "not page-aligned guest RAM of one region", b->name, i, br->host,
+                        "not page-aligned, or straddles a region of guest RAM", b->name, i, br->host,
                         br->len, br->remote);
             return FALSE;
         }
@@ -625,13 +685,10 @@ gboolean
 pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
                      const PfAgentBackendRange *ranges, guint n, GError **error)
 {
-    PfBackend *b = g_new0(PfBackend, 1);
+    PfBackend *b = backend_new(name, uffd);
+    PfBackend *old;
     int fl;
 
-    b->name = g_strdup(name);
-    b->uffd = uffd;
-    b->ranges = g_array_sized_new(FALSE, FALSE, sizeof(BackendRange), n);
-    b->pending = g_array_new(FALSE, FALSE, sizeof(guint64));
     for (guint i = 0; i < n; i++) {
         BackendRange br = { ranges[i].host, ranges[i].size, ranges[i].backend };
 
@@ -667,15 +724,12 @@ pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
         backend_free(b);
         return FALSE;
     }
-    for (guint i = 0; i < a->backends->len; i++) {
-        PfBackend *old = g_ptr_array_index(a->backends, i);
-
+    old = backend_find(a, name);
+    if (old != NULL) {
         /* Its faults not yet resolved are the new record's. */
-        if (g_str_equal(old->name, name)) {
-            g_array_append_vals(b->pending, old->pending->data, old->pending->len);
-        }
+        g_array_append_vals(b->pending, old->pending->data, old->pending->len);
+        backend_drop(a, old);
     }
-    backend_drop(a, name);
     g_ptr_array_add(a->backends, b);
     /*
      * A VM that stepped back has nothing remapped and merges no more: the
@@ -690,10 +744,36 @@ pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
 }
 
 void
+pf_agent_expect_backend(PfAgent *a, const char *name)
+{
+    PfBackend *b;
+
+    g_mutex_lock(&a->work);
+    b = backend_find(a, name);
+    if (b == NULL) {
+        b = backend_new(name, -1);
+        g_ptr_array_add(a->backends, b);
+    }
+    b->unsettled = TRUE;
+    g_mutex_unlock(&a->work);
+}
+
+void
 pf_agent_remove_backend(PfAgent *a, const char *name)
 {
+    PfBackend *b;
+
     g_mutex_lock(&a->work);
-    backend_drop(a, name);
+    b = backend_find(a, name);
+    if (b != NULL && b->uffd >= 0 && !b->dead && b->ranges->len > 0) {
+        /*
+         * Its process may still be unmapping guest RAM, or finishing a
+         * request: its faults are served until it has let go.
+         */
+        b->leaving = TRUE;
+    } else if (b != NULL) {
+        backend_drop(a, b);
+    }
     g_mutex_unlock(&a->work);
     fault_thread_wake(a);
 }

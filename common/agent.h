@@ -180,12 +180,12 @@ void pf_agent_dma_unmap(PfAgent *a, void *host, gsize len, gsize written);
  * write-protects the back-end's mappings of what it merges, and folds a
  * merged page back when the back-end touches it.  Called again with the
  * same name when the back-end's mappings change (a new memory table): it
- * replaces what was said.  The agent takes uffd, on failure too.  FALSE,
- * with why, when uffd is not a userfaultfd, or a range is not guest RAM of
- * one region or not registered so in the back-end: the VMM steps back
- * instead (pf_agent_step_back()), as for a back-end that offers nothing.
- * Until the agent is told, it merges no page a back-end may map: a page
- * merges only where every back-end attached said where it maps it.  What
+ * replaces what was said.  The ranges are all it maps of guest RAM: pages
+ * elsewhere merge without it.  The agent takes uffd, on failure too.
+ * FALSE, with why, when uffd is not a userfaultfd, or a range is not guest
+ * RAM of one region or not registered so in the back-end: the VMM steps
+ * back instead (pf_agent_step_back()), as for a back-end that offers
+ * nothing.  What
  * write protection cannot see is the back-end's to avoid, as it is the
  * VMM's (pf_agent_dma_map()): it must not pin guest RAM for a device
  * (VFIO, io_uring fixed buffers, O_DIRECT into it) nor write the memfd
@@ -202,8 +202,19 @@ gboolean pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
                               const PfAgentBackendRange *ranges, guint n,
                               GError **error);
 /*
- * The back-end name is gone (disconnected; its process exits, or unmapped
- * guest RAM): the agent closes its userfaultfd.  Pages stay as they are.
+ * The back-end name is about to map guest RAM, or to map it anew (before
+ * the VMM sends it a memory table): nothing merges until
+ * pf_agent_set_backend() says where it maps it, or
+ * pf_agent_remove_backend() lets it go.  Its faults meanwhile are served
+ * where it was told, and wait elsewhere.  May wait for a window of merges
+ * in flight (milliseconds), never for pagefoldd.
+ */
+void pf_agent_expect_backend(PfAgent *a, const char *name);
+/*
+ * The back-end name disconnected.  Its process may still be unmapping
+ * guest RAM: its faults are served, and nothing merges, until none of its
+ * ranges is registered with its userfaultfd any more (or its process is
+ * gone); then the agent closes the descriptor.  Pages stay as they are.
  */
 void pf_agent_remove_backend(PfAgent *a, const char *name);
 /*

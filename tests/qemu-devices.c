@@ -234,18 +234,27 @@ typedef struct {
     char *sock;
 } Virtiofsd;
 
-/* virtiofsd serving a new empty folder, once its socket is there (NULL,
- * the path skipped, where Debian's virtiofsd is not installed). */
+/* The patched virtiofsd, which scripts/build-qemu builds next to QEMU. */
+static char *
+patched_virtiofsd(void)
+{
+    g_autofree char *dir = g_path_get_dirname(g_getenv("QEMU_BINARY"));
+
+    return g_build_filename(dir, "virtiofsd", NULL);
+}
+
+/* binary serving a new empty folder, once its socket is there (NULL, the
+ * path skipped, where it is not installed). */
 static Virtiofsd *
-virtiofsd_start(void)
+virtiofsd_start(const char *binary)
 {
     Virtiofsd *v;
     g_autoptr(GError) error = NULL;
     g_autofree char *source = NULL;
     g_autofree char *socket_path = NULL;
 
-    if (!g_file_test(VIRTIOFSD, G_FILE_TEST_IS_EXECUTABLE)) {
-        g_test_skip(VIRTIOFSD " is not installed (Debian 12's qemu-system-common)");
+    if (!g_file_test(binary, G_FILE_TEST_IS_EXECUTABLE)) {
+        g_test_skip("no virtiofsd here (Debian 12's qemu-system-common, or scripts/build-qemu's)");
         return NULL;
     }
     /* It would take QEMU's connection, then fail to chroot and exit. */
@@ -267,7 +276,7 @@ virtiofsd_start(void)
          * way virtiofsd reads and writes guest RAM.  chroot: no namespaces
          * needed where the tests run.  Spawned to die with the test: until
          * QEMU connects it waits for ever. */
-        const char *argv[] = { VIRTIOFSD, socket_path, "-o", source, "-o", "cache=auto",
+        const char *argv[] = { binary, socket_path, "-o", source, "-o", "cache=auto",
                                "-o", "sandbox=chroot", NULL };
 
         v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, argv, &error);
@@ -277,7 +286,7 @@ virtiofsd_start(void)
         g_usleep(100000);
     }
     if (!g_file_test(v->sock, G_FILE_TEST_EXISTS)) {
-        g_error(VIRTIOFSD " made no socket in 30 s");
+        g_error("%s made no socket in 30 s", binary);
     }
     return v;
 }
@@ -337,6 +346,48 @@ virtiofs_files_check(const Virtiofsd *v, gulong writes)
     return pages;
 }
 
+/* pfguest's virtiofs counts (all four read) and the host's check of the
+ * files; returns the pages the host checked. */
+static gsize
+virtiofs_guest_check(Guest *g, const Virtiofsd *v, guint seconds)
+{
+    g_autofree char *counts = last_counts(g, "PFGUEST VIRTIOFS", seconds);
+    gulong writes = 0, reads = 0, pages = 0, bad = 1;
+    gsize checked;
+
+    g_assert_cmpint(sscanf(counts, "PFGUEST VIRTIOFS writes=%lu reads=%lu pages=%lu bad=%lu",
+                           &writes, &reads, &pages, &bad), ==, 4);
+    g_assert_cmpuint(bad, ==, 0);
+    g_assert_cmpuint(writes, >=, 2 * VIRTIOFS_FILES);
+    g_assert_cmpuint(reads, ==, writes);
+    g_assert_cmpuint(pages, ==, writes * VIRTIOFS_BUFS);
+    checked = virtiofs_files_check(v, writes);
+    g_test_message("%s: %lu writes and reads of %u pages through virtiofs, %zu pages of the "
+                   "files checked on the host", g->name, writes, VIRTIOFS_BUFS, checked);
+    return checked;
+}
+
+/* pagefoldd lists VM name in merge mode (within 10 s). */
+static void
+listed_merging(PfTestDaemon *d, const char *name)
+{
+    const char *mode = NULL;
+
+    for (int i = 0; i < 100; i++) {
+        g_autoptr(JsonNode) list = pf_test_ctl_json(d, "list", NULL);
+        JsonObject *vm = pf_test_find_vm(json_node_get_array(list), name);
+
+        g_free((char *)mode);
+        mode = vm != NULL ? g_strdup(json_object_get_string_member(vm, "mode")) : NULL;
+        if (g_strcmp0(mode, "merge") == 0) {
+            break;
+        }
+        g_usleep(100000);
+    }
+    g_assert_cmpstr(mode, ==, "merge");
+    g_free((char *)mode);
+}
+
 /*
  * A virtiofs guest with Debian's own virtiofsd: the backend maps guest
  * RAM from the memfd, so the VM is in advise mode from the start and says
@@ -350,14 +401,11 @@ test_advise_virtiofs(void)
 {
     g_autoptr(PfTestDaemon) d = NULL;
     g_autofree char *chardev = NULL;
-    g_autofree char *counts = NULL;
     Virtiofsd *v;
     Guest *g;
     JsonNode *s;
-    gulong writes = 0, reads = 0, pages = 0, bad = 0;
-    gsize checked;
 
-    if (!have_qemu() || (v = virtiofsd_start()) == NULL) {
+    if (!have_qemu() || (v = virtiofsd_start(VIRTIOFSD)) == NULL) {
         return;
     }
     d = pf_test_daemon_start("--set", "run=0", NULL);
@@ -375,17 +423,83 @@ test_advise_virtiofs(void)
     /* Advise mode still says what merging would save. */
     g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
     json_node_unref(s);
-    assert_advise(d, g, "vhost-user");
-    counts = last_counts(g, "PFGUEST VIRTIOFS", 120);
-    g_assert_cmpint(sscanf(counts, "PFGUEST VIRTIOFS writes=%lu reads=%lu pages=%lu bad=%lu",
-                           &writes, &reads, &pages, &bad), ==, 4);
-    g_assert_cmpuint(bad, ==, 0);
-    g_assert_cmpuint(writes, >=, 2 * VIRTIOFS_FILES);
-    g_assert_cmpuint(reads, ==, writes);
-    g_assert_cmpuint(pages, ==, writes * VIRTIOFS_BUFS);
-    checked = virtiofs_files_check(v, writes);
-    g_test_message("%s: %lu writes and reads of %u pages through virtiofs, %zu pages of the "
-                   "files checked on the host", g->name, writes, VIRTIOFS_BUFS, checked);
+    /* Debian's virtiofsd is built from the unpatched tree. */
+    assert_advise(d, g, "lacks VHOST_USER_PROTOCOL_F_MEM_FAULTS");
+    virtiofs_guest_check(g, v, 120);
+    pf_test_guest_free(g);
+    virtiofsd_free(v);
+}
+
+#define VIRTIOFS_MERGE_SECONDS 60
+
+/*
+ * A virtiofs guest with the patched virtiofsd (VHOST_USER_PROTOCOL_F_MEM_FAULTS)
+ * merges: virtiofsd hands QEMU's agent the faults on its mappings of guest
+ * RAM.  While pagefoldd merges continuously (killed with -9 and started
+ * again partway), the guest writes files through the share and reads them
+ * back, through its page cache and with O_DIRECT from its buffers, and
+ * rewrites and checks its other pages; virtiofsd reads and writes guest
+ * RAM for every request.  Between writes the guest pauses: its buffers,
+ * read back identical to what it wrote, are merged, and the next write and
+ * read land in merged pages, folded back as virtiofsd touches them.  The
+ * guest checks every page it reads, and the host the files byte for byte.
+ */
+static void
+test_merge_virtiofs(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    g_autofree char *chardev = NULL;
+    g_autofree char *binary = NULL;
+    Virtiofsd *v;
+    Guest *g;
+    JsonNode *s;
+    gint64 merged, fold_backs;
+
+    if (!have_qemu()) {
+        return;
+    }
+    binary = patched_virtiofsd();
+    if ((v = virtiofsd_start(binary)) == NULL) {
+        return;
+    }
+    d = pf_test_daemon_start("--set", "run=0", "--set", "target_pass_millisecs=500", NULL);
+    chardev = g_strdup_printf("socket,id=c0,path=%s", v->sock);
+    {
+        const char *extra[] = { "-chardev", chardev, "-device",
+                                "vhost-user-fs-pci,chardev=c0,tag=pf", NULL };
+        PfGuestSpec spec = { "vfs-merge0", d->agent_sock, 256, FILL_MIB, 1,
+                             VIRTIOFS_MERGE_SECONDS, 4, FALSE, FALSE, extra,
+                             "pfguest.virtiofs=" G_STRINGIFY(VIRTIOFS_BUFS)
+                             " pfguest.virtiofs_pause_ms=1500" };
+
+        g = pf_test_guest_start(&spec);
+    }
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
+    json_node_unref(s);
+    listed_merging(d, g->name);
+    g_assert_cmpint(agent_stat(g, "remapped"), >=, FILL_PAGES / 5 * 9 / 10);
+
+    /* Merging all the while, pagefoldd killed once. */
+    json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
+    g_usleep(G_USEC_PER_SEC * g_random_int_range(5, 15));
+    g_subprocess_send_signal(d->proc, SIGKILL);
+    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_restart(d, "--set", "run=1", "--set", "target_pass_millisecs=500", NULL);
+    listed_merging(d, g->name);
+    /* Its guest's page cache and buffers come from merged free pages. */
+    for (int i = 0; i < 300 && agent_stat(g, "backend-fold-backs") == 0; i++) {
+        g_usleep(100000);
+    }
+    merged = agent_stat(g, "merged");
+    fold_backs = agent_stat(g, "backend-fold-backs");
+    g_test_message("%s: merged %" G_GINT64_FORMAT ", folded back for virtiofsd %"
+                   G_GINT64_FORMAT ", remapped now %" G_GINT64_FORMAT, g->name, merged,
+                   fold_backs, agent_stat(g, "remapped"));
+    g_assert_cmpint(fold_backs, >, 0);
+    listed_merging(d, g->name);
+    virtiofs_guest_check(g, v, VIRTIOFS_MERGE_SECONDS + 120);
     pf_test_guest_free(g);
     virtiofsd_free(v);
 }
@@ -915,11 +1029,134 @@ test_odirect(gconstpointer data)
     odirect_image_free(g_steal_pointer(&image));
 }
 
+/* The patched vhost-user-blk serving image read-only on sock, once its
+ * socket is there; NULL (the path skipped) where it was not built. */
+static GSubprocess *
+vhost_user_blk_start(const char *image, const char *sock)
+{
+    g_autofree char *dir = g_path_get_dirname(g_getenv("QEMU_BINARY"));
+    g_autofree char *binary = g_build_filename(dir, "vhost-user-blk", NULL);
+    const char *argv[] = { binary, "-s", sock, "-b", image, "-r", NULL };
+    g_autoptr(GError) error = NULL;
+    GSubprocess *p;
+
+    if (!g_file_test(binary, G_FILE_TEST_IS_EXECUTABLE)) {
+        g_test_skip("scripts/build-qemu built no vhost-user-blk");
+        return NULL;
+    }
+    p = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, argv, &error);
+    g_assert_no_error(error);
+    for (int i = 0; i < 300 && !g_file_test(sock, G_FILE_TEST_EXISTS); i++) {
+        g_usleep(100000);
+    }
+    if (!g_file_test(sock, G_FILE_TEST_EXISTS)) {
+        g_error("%s made no socket in 30 s", binary);
+    }
+    return p;
+}
+
+/*
+ * Two guests read one disk served by the patched vhost-user-blk (each its
+ * own, VHOST_USER_PROTOCOL_F_MEM_FAULTS) with O_DIRECT into buffers they
+ * keep: vhost-user-blk reads the image into guest RAM through its own
+ * mapping (its image opened O_DSYNC rather than O_DIRECT, so that it pins
+ * no guest RAM).  Buffers of both guests hold the same blocks and merge;
+ * reads land in merged buffers, which are folded back as vhost-user-blk
+ * touches them, and pagefoldd is killed with -9 and started again
+ * partway.  Each guest checks every page it reads, and all its buffers
+ * again every few seconds.
+ */
+static void
+test_merge_vhost_user_blk(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    g_autofree char *image = NULL;
+    g_autofree char *dir = NULL;
+    GSubprocess *blk[2] = { NULL, NULL };
+    Guest *g[2];
+    gint64 merged[2] = { 0 }, fold_backs[2] = { 0 };
+
+    if (!have_qemu()) {
+        return;
+    }
+    image = odirect_image();
+    if (image == NULL) {
+        g_test_skip("/var/tmp has no O_DIRECT");
+        return;
+    }
+    dir = g_path_get_dirname(image);
+    d = pf_test_daemon_start("--set", "target_pass_millisecs=200", "--set", "sleep_millisecs=5",
+                             NULL);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *name = g_strdup_printf("vublk%d", i);
+        g_autofree char *sock = g_strdup_printf("%s/blk%d.sock", dir, i);
+        g_autofree char *chardev = g_strdup_printf("socket,id=c0,path=%s", sock);
+        const char *extra[] = { "-chardev", chardev, "-device",
+                                "vhost-user-blk-pci,chardev=c0", NULL };
+        PfGuestSpec spec = { name, d->agent_sock, 128, 1, i + 1, ODIRECT_SECONDS, 4, FALSE,
+                             FALSE, extra,
+                             "pfguest.odirect=" G_STRINGIFY(ODIRECT_BUFS)
+                             " pfguest.odirect_pause_us=5000" };
+
+        blk[i] = vhost_user_blk_start(image, sock);
+        if (blk[i] == NULL) {
+            odirect_image_free(g_steal_pointer(&image));
+            return;
+        }
+        g[i] = pf_test_guest_start(&spec);
+    }
+    for (int i = 0; i < 2; i++) {
+        g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
+    }
+    g_usleep(G_USEC_PER_SEC * g_random_int_range(3, 8));
+    g_subprocess_send_signal(d->proc, SIGKILL);
+    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_restart(d, "--set", "target_pass_millisecs=200", "--set",
+                           "sleep_millisecs=5", NULL);
+    for (int t = 0; t < ODIRECT_SECONDS - 10 &&
+                    (merged[0] < 1000 || merged[1] < 1000 || fold_backs[0] + fold_backs[1] == 0);
+         t++) {
+        g_usleep(G_USEC_PER_SEC);
+        for (int i = 0; i < 2; i++) {
+            merged[i] = agent_stat(g[i], "merged");
+            fold_backs[i] = agent_stat(g[i], "backend-fold-backs");
+        }
+    }
+    for (int i = 0; i < 2; i++) {
+        g_test_message("%s: merged %" G_GINT64_FORMAT ", folded back for vhost-user-blk %"
+                       G_GINT64_FORMAT, g[i]->name, merged[i], fold_backs[i]);
+        listed_merging(d, g[i]->name);
+        g_assert_cmpint(merged[i], >=, 1000);
+    }
+    g_assert_cmpint(fold_backs[0] + fold_backs[1], >, 0);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *counts = last_counts(g[i], "PFGUEST ODIRECT", ODIRECT_SECONDS + 60);
+        unsigned long reads = 0, pages = 0, bad = 1;
+
+        g_assert_cmpint(sscanf(counts, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu", &reads,
+                               &pages, &bad), ==, 3);
+        g_assert_cmpuint(bad, ==, 0);
+        g_assert_cmpuint(reads, >=, 500);
+        pf_test_guest_free(g[i]);
+        g_subprocess_force_exit(blk[i]);
+        g_assert_true(g_subprocess_wait(blk[i], NULL, NULL));
+        g_object_unref(blk[i]);
+    }
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *sock = g_strdup_printf("%s/blk%d.sock", dir, i);
+
+        unlink(sock);
+    }
+    odirect_image_free(g_steal_pointer(&image));
+}
+
 void
 qemu_devices_add_tests(void)
 {
     add_func("/qemu/advise/vhost-user", test_advise_vhost_user, FALSE);
     add_func("/qemu/advise/virtiofs", test_advise_virtiofs, FALSE);
+    add_func("/qemu/merge/virtiofs", test_merge_virtiofs, FALSE);
+    add_func("/qemu/merge/vhost-user-blk", test_merge_vhost_user_blk, FALSE);
     add_func("/qemu/advise/migration", test_advise_migration, FALSE);
     add_func("/qemu/advise/private-ram", test_advise_private_ram, FALSE);
     add_func("/qemu/balloon", test_balloon, FALSE);

@@ -43,7 +43,9 @@
  * share's cache mode lets the page cache be used); the backend reads and
  * writes guest RAM for them, behind the page tables.  The last line says writes=W: the
  * host then finds in file k the pages of the last w < W with w % VFS_FILES
- * == k.
+ * == k.  pfguest.virtiofs_pause_ms= (0) sleeps between writes: the
+ * buffers, read back identical to what was written, stay long enough to
+ * be merged, and the next write and read land in merged pages.
  * It prints on the console, one line each: "PFGUEST READY", "PFGUEST
  * SCRATCH filled|freed", "PFGUEST LATE filled", "PFGUEST CHECK
  * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=...", "PFGUEST
@@ -283,6 +285,7 @@ odirect_check(Odirect *o)
 
 typedef struct {
     size_t n_bufs;       /* pages of a file, and of each buffer */
+    unsigned long pause_ms;
     uint8_t *wbuf, *rbuf;
     unsigned long writes, reads, pages, bad;
 } Vfs;
@@ -310,7 +313,7 @@ vfs_page_bad(const uint8_t *buf, size_t j, unsigned long w, const char *when)
 }
 
 static int
-vfs_open(Vfs *v, unsigned long n_bufs)
+vfs_open(Vfs *v, unsigned long n_bufs, unsigned long pause_ms)
 {
     int rc = -1;
 
@@ -327,6 +330,7 @@ vfs_open(Vfs *v, unsigned long n_bufs)
         return -1;
     }
     v->n_bufs = n_bufs;
+    v->pause_ms = pause_ms;
     v->wbuf = mmap(NULL, 2 * n_bufs * PAGE, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (v->wbuf == MAP_FAILED) {
@@ -392,6 +396,9 @@ vfs_for(Vfs *v, unsigned long ms)
 
     do {
         vfs_write_read(v);
+        if (v->pause_ms > 0) {
+            usleep(v->pause_ms * 1000);
+        }
     } while (now() < end);
 }
 
@@ -497,7 +504,8 @@ main(void)
                "time: one at a time\n");
         return 1;
     }
-    if (vfs_bufs > 0 && vfs_open(&vfs, vfs_bufs) < 0) {
+    if (vfs_bufs > 0 &&
+        vfs_open(&vfs, vfs_bufs, param(cmdline, "pfguest.virtiofs_pause_ms=", 0)) < 0) {
         return 1;
     }
     printf("PFGUEST READY pages=%zu identical=%zu zero=%zu unique=%zu volatile=%zu\n", pages,
