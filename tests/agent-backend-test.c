@@ -128,6 +128,39 @@ test_late(void)
     }
 }
 
+/*
+ * Nothing merges while a back-end is expected (QEMU is about to send it a
+ * memory table) until it says where it maps guest RAM; nor after it
+ * disconnected while it still maps guest RAM, until its process is gone.
+ */
+static void
+test_expect_leave(void)
+{
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    Vmm *v[2] = { vmm_start(d, "e0", 1, 0, FALSE),
+                  vmm_start_full(d, "e1", 2, 0, FALSE, "--backend") };
+
+    g_free(pf_test_vmm_cmd(v[0], "backend expect"));
+    g_free(pf_test_vmm_cmd(v[1], "backend detach"));
+    json_object_unref(stats(d, "scan-now", "3"));
+    for (int i = 0; i < 2; i++) {
+        g_assert_cmpint(pf_test_vmm_stat(v[i], "remapped"), ==, 0);
+        g_assert_cmpint(pf_test_vmm_stat(v[i], "errors"), >, 0);
+    }
+    g_free(pf_test_vmm_cmd(v[0], "backend start"));
+    g_free(pf_test_vmm_cmd(v[1], "backend kill"));
+    json_object_unref(stats(d, "scan-now", "3"));
+    for (int i = 0; i < 2; i++) {
+        g_assert_cmpint(pf_test_vmm_stat(v[i], "remapped"), >=, ZERO);
+    }
+    g_free(pf_test_vmm_cmd(v[0], "backend verify"));
+    g_assert_cmpint(pf_test_vmm_number(v[0], "device", "bad"), ==, 0);
+    for (int i = 0; i < 2; i++) {
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
+    }
+}
+
 /* A back-end killed while its device writes, and one stopped: the VM
  * merges on; nothing is lost. */
 static void
@@ -206,6 +239,7 @@ main(int argc, char **argv)
     g_test_add_func("/agent/backend/writers", test_writers);
     g_test_add_func("/agent/backend/late", test_late);
     g_test_add_func("/agent/backend/killed-stopped", test_killed_stopped);
+    g_test_add_func("/agent/backend/expect-leave", test_expect_leave);
     g_test_add_data_func("/agent/backend/refused/not-uffd", "notuffd", test_refused);
     g_test_add_data_func("/agent/backend/refused/range", "range", test_refused);
     return g_test_run();

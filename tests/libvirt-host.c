@@ -201,6 +201,8 @@ static char *
 domain_xml(const DomSpec *s, const char *uuid, const char *console)
 {
     g_autoptr(GString) x = g_string_new(NULL);
+    g_autofree char *fs = NULL;
+    g_autofree char *qemu_dir = g_path_get_dirname(pf_test_bin("QEMU_BINARY"));
 
     g_string_append_printf(x, "<domain type='qemu'>\n  <name>%s</name>\n  <uuid>%s</uuid>\n",
                            s->name, uuid);
@@ -217,20 +219,35 @@ domain_xml(const DomSpec *s, const char *uuid, const char *console)
                                s->nosharepages ? "<nosharepages/>" : "",
                                s->memfd ? "<source type='memfd'/><access mode='shared'/>" : "");
     }
+    /*
+     * As a user writes it for virtiofs, the binary the patched one (built
+     * next to QEMU): libvirt starts it and hands QEMU its socket.  chroot:
+     * no namespaces needed where the tests run.
+     */
+    fs = s->virtiofs_dir == NULL
+             ? g_strdup("")
+             : g_strdup_printf("    <filesystem type='mount' accessmode='passthrough'>\n"
+                               "      <driver type='virtiofs'/>\n"
+                               "      <binary path='%s/virtiofsd'><sandbox mode='chroot'/>"
+                               "</binary>\n"
+                               "      <source dir='%s'/><target dir='pf'/>\n"
+                               "    </filesystem>\n",
+                               qemu_dir, s->virtiofs_dir);
     g_string_append_printf(
         x,
         "  <os><type arch='x86_64' machine='pc'>hvm</type>\n"
         "    <kernel>%s</kernel><initrd>%s</initrd>\n"
         "    <cmdline>console=ttyS0 no_timer_check quiet pfguest.mib=64 pfguest.seed=%d "
-        "pfguest.seconds=%d pfguest.check_s=3 pfguest.reboot=%d</cmdline>\n  </os>\n"
+        "pfguest.seconds=%d pfguest.check_s=3 pfguest.reboot=%d%s</cmdline>\n  </os>\n"
         /* Without ACPI (libvirt's default) a guest's power-off only halts. */
         "  <features><acpi/></features>\n"
         "  <on_poweroff>destroy</on_poweroff><on_reboot>restart</on_reboot>\n"
         "  <devices>\n    <emulator>%s</emulator>\n"
-        "    <serial type='file'><source path='%s'/></serial>\n"
+        "    <serial type='file'><source path='%s'/></serial>\n%s"
         "    <memballoon model='none'/>\n  </devices>\n</domain>\n",
         lv.kernel, lv.initrd, s->seed, s->seconds, s->reboot,
-        s->emulator ? s->emulator : pf_test_bin("QEMU_BINARY"), console);
+        s->virtiofs_dir != NULL ? " pfguest.virtiofs=16 pfguest.virtiofs_pause_ms=1000" : "",
+        s->emulator ? s->emulator : pf_test_bin("QEMU_BINARY"), console, fs);
     return g_string_free(g_steal_pointer(&x), FALSE);
 }
 

@@ -30,6 +30,8 @@ typedef struct {
     int seconds, reboot;    /* pfguest.seconds, pfguest.reboot */
     int seed;
     const char *merge_domain; /* from <metadata>, or NULL */
+    const char *virtiofs_dir; /* shared with the guest by the patched
+                               * virtiofsd (tag "pf"), or NULL */
 } DomSpec;
 
 typedef struct {

@@ -87,6 +87,44 @@ test_merge(void)
     g_assert_cmpint(stat_of(NULL, "pool_slots"), ==, 0);
 }
 
+/*
+ * A domain with a virtiofs filesystem, as a user writes it (memfd shared
+ * RAM, <filesystem> with the patched virtiofsd as its binary): libvirt
+ * starts virtiofsd, which hands QEMU's agent its faults, and the domain
+ * merges rather than stepping back; its guest writes and reads files
+ * through the share and checks every page, as it does the rest.
+ */
+static void
+test_virtiofs(void)
+{
+    g_autofree char *dir = g_dir_make_tmp("pagefold-libvirt-fs-XXXXXX", NULL);
+    DomSpec s = { .name = "pf-test-fs", .memfd = TRUE, .seed = 3, .seconds = 40,
+                  .virtiofs_dir = dir };
+    g_autoptr(Dom) d = NULL;
+    g_autoptr(GDir) gd = NULL;
+    const char *name;
+
+    g_assert_nonnull(dir);
+    d = dom_start(&s);
+    json_object_unref(wait_listed(d, "merge"));
+    dom_expect(d, "PFGUEST READY");
+    dom_expect(d, "PFGUEST VIRTIOFS");
+    dom_expect(d, "PFGUEST CHECK ok");
+    dom_expect(d, "PFGUEST VIRTIOFS");
+    /* Still merging once virtiofsd has mapped guest RAM and served it. */
+    json_object_unref(wait_listed(d, "merge"));
+    g_assert_cmpint(stat_of(d->name, "pages_sharing") + stat_of(d->name, "zero_pages"), >, 0);
+    dom_destroy(d);
+    wait_unlisted(d);
+    gd = g_dir_open(dir, 0, NULL);
+    while (gd != NULL && (name = g_dir_read_name(gd)) != NULL) {
+        g_autofree char *path = g_build_filename(dir, name, NULL);
+
+        g_unlink(path);
+    }
+    g_rmdir(dir);
+}
+
 /* A merge domain from each domain's <metadata>: the two of tenant-a share
  * pages, the one of tenant-b shares none with them, however equal. */
 static void
@@ -517,6 +555,7 @@ main(int argc, char **argv)
     setup();
     g_test_add_func("/libvirt/merge", test_merge);
     g_test_add_func("/libvirt/merge-domains", test_merge_domains);
+    g_test_add_func("/libvirt/virtiofs", test_virtiofs);
     g_test_add_func("/libvirt/nosharepages", test_nosharepages);
     g_test_add_func("/libvirt/stock-qemu", test_stock_qemu);
     g_test_add_func("/libvirt/reboot-shutdown", test_reboot_shutdown);

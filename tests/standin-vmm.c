@@ -65,6 +65,10 @@
  *                   lying as told) and attach it: pf_agent_set_backend(), or
  *                   the agent refuses and the VM steps back  -> "ok MODE" /
  *                                                             "error WHY"
+ *   backend expect  pf_agent_expect_backend(): a back-end is about to map
+ *                   guest RAM (as QEMU says before a memory table)
+ *   backend detach  pf_agent_remove_backend(), the back-end left running
+ *                   and mapping guest RAM (a disconnect it outlives)
  *   backend kill|stop|cont
  *                   SIGKILL (then pf_agent_remove_backend()), SIGSTOP or
  *                   SIGCONT the back-end                      -> "ok"
@@ -805,6 +809,12 @@ main(int argc, char **argv)
             g_autofree char *said = device_start(&v, g_strstrip(line + strlen("backend start")));
 
             printf("%s\n", said);
+        } else if (g_str_equal(line, "backend expect")) {
+            pf_agent_expect_backend(v.agent, "backend0");
+            printf("ok\n");
+        } else if (g_str_equal(line, "backend detach")) {
+            pf_agent_remove_backend(v.agent, "backend0");
+            printf("ok\n");
         } else if (g_str_equal(line, "backend kill")) {
             g_mutex_lock(&v.dev.lock);
             device_gone(&v);

@@ -14,7 +14,9 @@
  *    page (a pread() into a guest buffer, as virtiofsd does): a userfaultfd
  *    made with UFFD_USER_MODE_ONLY does not take the kernel's faults and
  *    the call fails with EFAULT, while a whole one (as /dev/userfaultfd
- *    gives an unprivileged process; root's here) takes them to resolve.
+ *    gives an unprivileged process; root's here) takes them to resolve;
+ *  - finds that the backend unmapped the memfd: lifting write protection
+ *    there fails with ENOENT.
  * No pagefold code is under test here: what is, is the kernel.
  *
  * Owns its memfd, its backend child and the descriptors it took from it;
@@ -48,7 +50,8 @@
 
 /* One request to the backend, and its answer. */
 typedef struct {
-    char op;      /* 'w' write the page (fill), 'r' read it, 'p' pread() into it, 'q' */
+    char op;      /* 'w' write the page (fill), 'r' read it, 'p' pread() into it,
+                   * 'u' unmap the memfd, 'q' */
     guint32 page;
     guint8 fill;
 } Req;
@@ -152,6 +155,10 @@ backend_main(int sock, int memfd, int file_fd, gboolean user_mode_only)
             memset(page, q.fill, PAGE);
         } else if (q.op == 'r') {
             a.first = *(volatile guint8 *)page;
+        } else if (q.op == 'u') {
+            if (munmap(base, PAGES * PAGE) < 0) {
+                a.err = errno;
+            }
         } else if (q.op == 'p') {
             /* The kernel writes the page, not this process. */
             if (pread(file_fd, page, PAGE, 0) != PAGE) {
@@ -377,6 +384,29 @@ test_missing_after_punch(void)
     backend_free(b);
 }
 
+/* The backend unmaps the memfd and lives on (a vhost-user back-end after a
+ * disconnect): lifting write protection from here, harmless where the page
+ * is registered, fails with ENOENT once it is not. */
+static void
+test_unmapped(void)
+{
+    Backend *b = backend_start(TRUE);
+    struct uffdio_writeprotect wp;
+    Ans a;
+
+    if (b == NULL) {
+        return;
+    }
+    protect(b, 1, FALSE);
+    backend_ask(b, 'u', 0, 0);
+    g_assert_true(backend_answer(b, 60000, &a));
+    g_assert_cmpint(a.err, ==, 0);
+    wp = (struct uffdio_writeprotect){ { (guint64)(guintptr)(b->base + PAGE), PAGE }, 0 };
+    g_assert_cmpint(ioctl(b->uffd, UFFDIO_WRITEPROTECT, &wp), ==, -1);
+    g_assert_cmpint(errno, ==, ENOENT);
+    backend_free(b);
+}
+
 /*
  * The backend's pread() into a punched page: the kernel writes it, not the
  * backend.  With a user-mode-only userfaultfd (all an unprivileged process
@@ -458,6 +488,7 @@ main(int argc, char **argv)
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/uffd-backend/write-protect", test_write_protect);
     g_test_add_func("/uffd-backend/missing-after-punch", test_missing_after_punch);
+    g_test_add_func("/uffd-backend/unmapped", test_unmapped);
     g_test_add_data_func("/uffd-backend/kernel-access/user-mode-only", GINT_TO_POINTER(TRUE),
                          test_kernel_access);
     g_test_add_data_func("/uffd-backend/kernel-access/whole", GINT_TO_POINTER(FALSE),
