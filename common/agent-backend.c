@@ -318,7 +318,7 @@ resolve(PfAgent *a, PfBackend *b, guint64 at, gboolean wp)
         if (rc < 0) {
             return FALSE;
         }
-        pfa_tell_folded(a, i, page, 1, &was);
+        pfa_tell_folded(a, i, page, 1, &was, TRUE);
         g_mutex_lock(&a->lock);
         a->stats.backend_fold_backs += folded;
         g_mutex_unlock(&a->lock);

@@ -191,13 +191,15 @@ pfa_flush(PfAgent *a, GError **error)
  * merged).
  */
 void
-pfa_tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was)
+pfa_tell_folded(PfAgent *a, guint i, gsize from, gsize n, const guint64 *was,
+                gboolean backend)
 {
     const Region *r = &g_array_index(a->regions, Region, i);
     gsize k = 0;
 
     while (k < n) {
-        PfWireRange wr = { i, 0, from + k, 0 };
+        PfWireRange wr = { i, backend && a->version >= PF_PROTO_VERSION_BACKEND
+                                  ? PF_RANGE_BACKEND : 0, from + k, 0 };
         gboolean back = FALSE;
         gsize run = k;
 

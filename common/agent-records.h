@@ -174,10 +174,11 @@ void pfa_count_hints(PfAgent *a, guint64 told, guint64 dropped);
 /*
  * Tells pagefoldd (DISCARD) which pages of region i in [from, from + n)
  * are back in their memfd: those remapped in was (bit k: page from + k)
- * and not any more.  With work held.
+ * and not any more; backend: because a back-end touched them.  With work
+ * held.
  */
 void pfa_tell_folded(PfAgent *a, guint i, gsize from, gsize n,
-                     const guint64 *was);
+                     const guint64 *was, gboolean backend);
 
 /* agent-uffd.c */
 int pfa_uffd_ioctl(PfAgent *a, unsigned long request, void *arg);

@@ -70,7 +70,7 @@ pfa_fold_back_region(PfAgent *a, guint i, gboolean copy)
         } else {
             rc = pfa_fold_back(a, r, first, n, copy, &stop, NULL);
         }
-        pfa_tell_folded(a, i, first, n, was);
+        pfa_tell_folded(a, i, first, n, was, FALSE);
         g_mutex_unlock(&a->work);
         if (rc == -EBUSY) {
             busy = TRUE;

@@ -241,12 +241,12 @@ check_pool(const PfMsg *msg, const char *what, GError **error)
     return TRUE;
 }
 
-/* A range of a region's pages no region can hold; reserved is 0, so that
- * a later version may give it a meaning. */
+/* A range of a region's pages no region can hold, or with flags beyond
+ * allowed (0 keeps the others for a later version). */
 static gboolean
-range_impossible(const PfWireRange *p)
+range_impossible(const PfWireRange *p, guint32 allowed)
 {
-    return p->reserved != 0 || p->n_pages == 0 || p->page >= (1ull << 34) ||
+    return (p->flags & ~allowed) != 0 || p->n_pages == 0 || p->page >= (1ull << 34) ||
            p->n_pages > (1ull << 34);
 }
 
@@ -256,11 +256,12 @@ check_range(const PfMsg *msg, const char *what, GError **error)
 {
     const PfWireRange *p = (const void *)msg->payload;
 
-    if (msg->header.length != sizeof(*p) || range_impossible(p) ||
+    if (msg->header.length != sizeof(*p) ||
+        range_impossible(p, msg->header.type == PF_MSG_DISCARD ? PF_RANGE_BACKEND : 0) ||
         (msg->header.type == PF_MSG_GONE && p->page != 0)) {
         return fail(error,
                     "%s of %u bytes, of an empty or impossible range, or "
-                    "with reserved set", what, msg->header.length);
+                    "with unknown flags", what, msg->header.length);
     }
     return TRUE;
 }
@@ -293,9 +294,9 @@ result_ok(const void *entry, guint32 i, GError **error)
 static gboolean
 hint_ok(const void *entry, guint32 i, GError **error)
 {
-    if (range_impossible(entry)) {
+    if (range_impossible(entry, 0)) {
         return fail(error, "HINT range %u is empty or impossible, or has "
-                    "reserved set", i);
+                    "flags set", i);
     }
     return TRUE;
 }

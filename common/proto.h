@@ -23,11 +23,12 @@
  * PF_PROTO_VERSION.  The agent's HELLO says its newest; pagefoldd's
  * WELCOME says the version of the link, the lower of the two, which READY
  * and ADVISE say again: a pagefoldd upgraded under running VMs keeps
- * their older agents.  2 added HINT.
+ * their older agents.  2 added HINT, 3 DISCARD's PF_RANGE_BACKEND.
  */
-#define PF_PROTO_VERSION 2u
+#define PF_PROTO_VERSION 3u
 #define PF_PROTO_VERSION_MIN 1u
 #define PF_PROTO_VERSION_HINT 2u
+#define PF_PROTO_VERSION_BACKEND 3u
 #define PF_PROTO_MAX_PAYLOAD (64u * 1024u)
 #define PF_PROTO_MAX_FDS 4u
 #define PF_PROTO_NAME_LEN 64u
@@ -146,10 +147,14 @@ typedef struct {
  */
 typedef struct {
     guint32 region;
-    guint32 reserved; /* 0, checked */
+    guint32 flags; /* DISCARD: PF_RANGE_BACKEND or 0; others 0; checked */
     guint64 page;
     guint64 n_pages;
 } PfWireRange;
+
+/* DISCARD (version 3): folded back because a vhost-user back-end touched
+ * them (they were merged). */
+#define PF_RANGE_BACKEND 1u
 
 typedef enum {
     PF_ITEM_MERGE = 1,   /* map pool slot over the page if equal */

@@ -144,6 +144,7 @@ pf_libvirt_metadata_element(const PfVm *vm, const PfCounters *c, GDateTime *when
     append_figure(out, "pages_sharing", c->pages_sharing);
     append_figure(out, "zero_pages", c->zero_pages);
     append_figure(out, "cow", c->cow);
+    append_figure(out, "backend_fold_backs", c->backend_fold_backs);
     append_figure(out, "saved_bytes", pf_counters_saved_bytes(c));
     g_string_append(out, "</stats>");
     return g_string_free(out, FALSE);

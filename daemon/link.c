@@ -550,7 +550,12 @@ on_discard(PfLink *l, const PfMsg *msg)
                            : r->gone                      ? " (the region is gone)"
                                                           : " (the region was refused)");
     }
-    pf_scanner_discarded(l->srv->scanner, l->vm, wr->region, wr->page, wr->n_pages);
+    if ((wr->flags & PF_RANGE_BACKEND) && l->hello.version < PF_PROTO_VERSION_BACKEND) {
+        return link_refuse(l, "DISCARD with flags on a link of protocol version %u",
+                           l->hello.version);
+    }
+    pf_scanner_discarded(l->srv->scanner, l->vm, wr->region, wr->page, wr->n_pages,
+                         wr->flags & PF_RANGE_BACKEND);
     return TRUE;
 }
 

@@ -153,6 +153,8 @@ struct _PfScanVm {
     /* scan-cow.c and scan-answers.c: merged pages written since
      * (copy-on-write). */
     guint64 cow;
+    /* scan-cow.c: merged pages folded back as a back-end touched them. */
+    guint64 backend_fold_backs;
 
     /* scan-moves.c: chunks it was told to let go of (PfDropped), until
      * its look (scan-reads.c) sees it did. */

@@ -169,9 +169,14 @@ pf_scanner_step_back(PfScanner *s, PfVm *vm, const char *reason)
 }
 
 void
-pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n)
+pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n,
+                     gboolean backend)
 {
     PfRegion *r = g_ptr_array_index(vm->regions, region);
+
+    if (backend) {
+        vm->scan->backend_fold_backs += n;
+    }
 
     /* Pages merged under an earlier pagefoldd, not taken back yet, are
      * not to be: they map no pool chunk any more (scan-adopt.c). */

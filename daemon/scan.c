@@ -258,6 +258,7 @@ vm_counters(const PfVm *vm, guint64 shared, guint64 meta, PfCounters *c)
     c->zero_pages = vm->scan->count[PF_PAGE_ZERO];
     c->pages_pending = vm->scan->count[PF_PAGE_PENDING];
     c->cow = vm->scan->cow;
+    c->backend_fold_backs = vm->scan->backend_fold_backs;
     c->vmas = vm->scan->vmas;
     c->pages_skipped = vm->scan->pages_skipped;
     c->pages_scanned = vm->scan->pages_scanned;

@@ -207,8 +207,10 @@ void pf_scanner_region_gone(PfScanner *s, PfVm *vm, guint index);
  * cursor's pages, up to a bound a VM (scan-hints.c).  With io_hints 0,
  * nothing. */
 void pf_scanner_hinted(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n);
-/* Pages of a VM's region were mapped from the memfd again and discarded. */
-void pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n);
+/* Pages of a VM's region were mapped from the memfd again and discarded;
+ * backend: folded back because a vhost-user back-end touched them. */
+void pf_scanner_discarded(PfScanner *s, PfVm *vm, guint region, guint64 first, guint64 n,
+                          gboolean backend);
 
 typedef struct {
     guint64 memcmp_calls;

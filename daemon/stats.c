@@ -33,6 +33,8 @@ static const CounterInfo counters[] = {
     C(zero_pages, FALSE, FALSE, "All-zero guest pages"),
     C(pages_pending, FALSE, FALSE, "Pages an agent is merging or unmerging"),
     C(cow, TRUE, FALSE, "Merged pages written by the guest (copy-on-write)"),
+    C(backend_fold_backs, TRUE, FALSE,
+      "Merged pages folded back because a vhost-user back-end touched them"),
     C(vmas, FALSE, FALSE, "Mappings of the VM process"),
     C(pages_hinted, TRUE, FALSE, "Page visits made first, as a device had just written the page"),
     C(hints_dropped, TRUE, FALSE, "Pages a device wrote not visited first: more than pagefoldd keeps for a VM"),

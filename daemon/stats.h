@@ -16,6 +16,9 @@
  * and pagefold's own:
  *   pages_pending   pages an agent is merging or unmerging right now
  *   cow             merged pages the guest wrote since (copy-on-write)
+ *   backend_fold_backs  merged pages folded back because a vhost-user
+ *                   back-end (virtiofsd) touched them, cumulative; KSM has
+ *                   no such thing, since no other process maps what it merges
  *   vmas            mappings of the VM's process (merge mode)
  *   pages_hinted    visits of pages its agent said a device had just
  *                   written (disk reads), made before the cursor's: of
@@ -45,6 +48,7 @@ typedef struct {
     guint64 zero_pages;
     guint64 pages_pending;
     guint64 cow;
+    guint64 backend_fold_backs;
     guint64 vmas;
     guint64 pages_hinted;
     guint64 hints_dropped;

@@ -119,6 +119,9 @@ test_late(void)
     g_assert_cmpint(pf_test_vmm_stat(v[0], "backend_fold_backs"), ==, remapped);
     g_assert_cmpint(pf_test_vmm_number(v[0], "device", "bad"), ==, 0);
     again = stats(d, "scan-now", "3");
+    /* pagefoldd heard of each (pagefoldctl stats, Prometheus, virsh
+     * metadata show it per VM). */
+    g_assert_cmpint(total(again, "backend_fold_backs"), ==, remapped);
     g_assert_cmpint(pf_test_vmm_stat(v[0], "remapped"), ==, remapped);
     g_free(pf_test_vmm_cmd(v[0], "backend verify"));
     g_assert_cmpint(pf_test_vmm_number(v[0], "device", "bad"), ==, 0);

@@ -313,7 +313,8 @@ test_element(void)
         "<stats pid=\"4242\" updated=\"2026-12-01T10:00:00Z\"><mode>advise</mode>"
         "<mode_reason>a &lt;vhost-user&gt; &amp; &quot;friends&quot; !</mode_reason>"
         "<pages_shared>4002</pages_shared><pages_sharing>4498</pages_sharing>"
-        "<zero_pages>3000</zero_pages><cow>7</cow><saved_bytes>30711808</saved_bytes>"
+        "<zero_pages>3000</zero_pages><cow>7</cow><backend_fold_backs>0</backend_fold_backs>"
+                    "<saved_bytes>30711808</saved_bytes>"
         "</stats>");
     g_assert_cmpuint(pf_counters_saved_bytes(&c), ==, (4498 + 3000) * 4096);
     vm.mode = PF_MODE_MERGE;

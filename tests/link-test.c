@@ -128,22 +128,23 @@ test_bad_agents(void)
     fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     send_hint(fd, 3, 0, 1);
     expect_refusal(fd, "no such pages");
-    /* Reserved fields set, which a later version may give a meaning. */
+    /* Reserved fields and flags unknown set, which a later version may give
+     * a meaning. */
     fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     {
-        PfWireRange r = { 0, 1, 0, 1 };
+        PfWireRange r = { 0, 2, 0, 1 };
 
         g_assert_true(pf_proto_send(fd, PF_MSG_DISCARD, 0, &r, sizeof(r), NULL, 0, NULL));
     }
     expect_refusal(fd, "DISCARD of 24 bytes, of an empty or impossible range, or with "
-                       "reserved set");
+                       "unknown flags");
     fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     {
         PfWireRange r[2] = { { 0, 0, 0, 1 }, { 0, 7, 1, 1 } };
 
         g_assert_true(pf_proto_send_hints(fd, r, 2, NULL));
     }
-    expect_refusal(fd, "HINT range 1 is empty or impossible, or has reserved set");
+    expect_refusal(fd, "HINT range 1 is empty or impossible, or has flags set");
     fd = handshake(d, g, PF_MODE_ADVISE, "just looking");
     {
         struct {

@@ -625,7 +625,7 @@ guest_discards(Model *m, ModelVm *mv, guint region, gsize first, gsize n)
     memset(mr->content + first * PF_PAGE_SIZE, 0, n * PF_PAGE_SIZE);
     memset(mr->merged + first, 0, n * sizeof(gboolean));
     memset(mr->kept + first, 0, n * sizeof(gboolean));
-    pf_scanner_discarded(m->s, mv->vm, region, first, n);
+    pf_scanner_discarded(m->s, mv->vm, region, first, n, FALSE);
 }
 
 void
