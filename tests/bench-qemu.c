@@ -8,6 +8,12 @@
  *   pagefold+ksm-100: pagefold, and kernel KSM at its defaults
  *             (pages_to_scan 100) for QEMU's own smaller RAM blocks, as a
  *             host runs both; ksmd's CPU and rmap_items counted too
+ *   pagefold+virtiofs: pagefold, every guest holding a virtiofs mount
+ *             served by the patched virtiofsd, which joins the merge
+ *             (writing and reading back 16 pages of a file a second
+ *             instead of sleeping); the virtiofsds' Pss counted with the
+ *             guests' (backends_own_mib says how much of it is not guest
+ *             RAM: the processes' own), and their fold-backs a second
  * All guests are headless (-vga none): the video memory a VGA card adds
  * is private RAM either way, merged by kernel KSM in its runs only.
  * For each: memory freed (drop of the summed Pss of the QEMU processes, plus
@@ -56,6 +62,9 @@ typedef struct {
     double cpu90_s;
     double slowdown;
     double agent90_s; /* of cpu90_s, the agents' part (pagefold) */
+    double fold_backs_per_s; /* pages folded back for virtiofsd (+virtiofs) */
+    double backends_own_mib; /* of used_mib, the virtiofsds' memory other
+                              * than guest RAM (+virtiofs) */
 } Result;
 
 static double
@@ -267,14 +276,16 @@ dedup_cpu_s(const char *daemon_stat, const char *ksm_stat)
 /* One system: boot, wait, measure a baseline, start deduplicating,
  * sample until `seconds` have passed. */
 static Result
-run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int mib,
-           int seconds)
+run_system(const char *name, gboolean pf, guint pages_to_scan, gboolean vfs, int n_guests,
+           int mib, int seconds)
 {
     Result res = { 0 };
     gboolean ksm = pages_to_scan != 0;
     const int ram_mib = MAX(2 * mib, mib + 192);
     g_autoptr(PfTestDaemon) d = NULL;
     Guest *g[8];
+    PfVirtiofsd *fsd[8] = { NULL };
+    int vfs_pid[8] = { 0 };
     int daemon_pid = 0, ksmd = ksmd_pid();
     g_autoptr(GArray) before = g_array_new(FALSE, FALSE, sizeof(double));
     g_autoptr(GArray) after = g_array_new(FALSE, FALSE, sizeof(double));
@@ -298,12 +309,25 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int
     }
     for (int i = 0; i < n_guests; i++) {
         g_autofree char *gname = g_strdup_printf("%s-%d", name, i);
+        g_autofree char *chardev = NULL;
         /* Headless: a VGA card's memory is private RAM that only kernel
          * KSM could merge (and does, in its runs), not guest RAM. */
         static const char *const headless[] = { "-vga", "none", NULL };
+        const char *with_fs[] = { "-vga", "none", "-chardev", NULL, "-device",
+                                  "vhost-user-fs-pci,chardev=c0,tag=pf", NULL };
         PfGuestSpec spec = { gname, pf ? d->agent_sock : NULL, ram_mib, mib, i + 1,
                              seconds + 60, 5, FALSE, FALSE, headless, NULL };
 
+        if (vfs) {
+            g_autofree char *binary = pf_test_qemu_tool("virtiofsd");
+
+            fsd[i] = pf_virtiofsd_start(binary);
+            vfs_pid[i] = atoi(g_subprocess_get_identifier(fsd[i]->proc));
+            chardev = g_strdup_printf("socket,id=c0,path=%s", fsd[i]->sock);
+            with_fs[3] = chardev;
+            spec.extra = with_fs;
+            spec.cmdline = "pfguest.virtiofs=16 pfguest.virtiofs_pause_ms=1000";
+        }
         g[i] = pf_test_guest_start(&spec);
     }
     for (int i = 0; i < n_guests; i++) {
@@ -318,7 +342,9 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int
         g_free(line);
     }
     for (int i = 0; i < n_guests; i++) {
-        pss0 += pf_test_rollup_kib(g[i]->pid, "Pss");
+        /* A virtiofsd's share of the guest RAM it maps is in its Pss. */
+        pss0 += pf_test_rollup_kib(g[i]->pid, "Pss") +
+                (vfs ? pf_test_rollup_kib(vfs_pid[i], "Pss") : 0);
         agent0 += pf ? agent_cpu_s(g[i]->pid) : 0;
     }
     cpu0 += agent0;
@@ -345,7 +371,8 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int
         double pss = 0, c = 0, ac = 0, now_s = bench_now() - t0, save;
 
         for (int i = 0; i < n_guests; i++) {
-            pss += pf_test_rollup_kib(g[i]->pid, "Pss");
+            pss += pf_test_rollup_kib(g[i]->pid, "Pss") +
+                   (vfs ? pf_test_rollup_kib(vfs_pid[i], "Pss") : 0);
             ac += pf ? agent_cpu_s(g[i]->pid) : 0;
         }
         c = ac;
@@ -394,8 +421,24 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, int n_guests, int
     if (ksm) {
         ksm_set("run", "2");
     }
+    for (int i = 0; vfs && i < n_guests; i++) {
+        double kib[PSS_KINDS] = { 0 };
+        JsonNode *q = pf_test_guest_qmp(g[i], "x-query-pagefold", NULL);
+        JsonObject *a = json_array_get_object_element(json_node_get_array(q), 0);
+
+        res.fold_backs_per_s += json_object_get_int_member(a, "backend-fold-backs") /
+                                (bench_now() - t0);
+        json_node_unref(q);
+        pss_by_kind(vfs_pid[i], (guint64)ram_mib << 20, kib);
+        for (int k = PSS_POOL; k < PSS_KINDS; k++) {
+            res.backends_own_mib += kib[k] / 1024.0;
+        }
+    }
     for (int i = 0; i < n_guests; i++) {
         pf_test_guest_free(g[i]);
+        if (fsd[i] != NULL) {
+            pf_virtiofsd_free(fsd[i]);
+        }
     }
     return res;
 }
@@ -419,18 +462,19 @@ print_json(const Result *r, const char *what, int k, int n, int mib)
     printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"%s\":%d,\"guests\":%d,\"fill_mib\":%d,"
            "\"start_mib\":%.1f,\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,\"used_mib\":%.1f,"
            "\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,\"agent_cpu_to_90_s\":%.2f,"
-           "\"guest_slowdown\":%.2f}\n",
+           "\"guest_slowdown\":%.2f,\"fold_backs_per_s\":%.1f,\"backends_own_mib\":%.1f}\n",
            r->name, what, k, n, mib, r->start_mib, r->saved_mib, r->net_mib, r->used_mib,
-           r->t90_s, r->cpu90_s, r->agent90_s, r->slowdown);
+           r->t90_s, r->cpu90_s, r->agent90_s, r->slowdown, r->fold_backs_per_s,
+           r->backends_own_mib);
     fflush(stdout);
 }
 
 static void
 print_csv(const char *label, const Result *r, int n, int mib)
 {
-    printf("%s,%d,%d,%.1f,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f\n", label, n, mib, r->start_mib,
-           r->saved_mib, r->net_mib, r->used_mib, r->t90_s, r->cpu90_s, r->agent90_s,
-           r->slowdown);
+    printf("%s,%d,%d,%.1f,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f,%.1f,%.1f\n", label, n, mib,
+           r->start_mib, r->saved_mib, r->net_mib, r->used_mib, r->t90_s, r->cpu90_s,
+           r->agent90_s, r->slowdown, r->fold_backs_per_s, r->backends_own_mib);
 }
 
 /* KSM's knobs as found, put back however the run ends: meson's timeout
@@ -486,13 +530,15 @@ main(int argc, char **argv)
         const char *name;
         gboolean pf;
         guint pages_to_scan;
+        gboolean vfs;
         int seconds;
     } systems[] = {
-        { "pagefold", TRUE, 0, 30 }, { "ksm-5000", FALSE, 5000, 45 },
-        { "ksm-1000", FALSE, 1000, 60 }, { "ksm-100", FALSE, 100, 200 },
+        { "pagefold", TRUE, 0, FALSE, 30 }, { "ksm-5000", FALSE, 5000, FALSE, 45 },
+        { "ksm-1000", FALSE, 1000, FALSE, 60 }, { "ksm-100", FALSE, 100, FALSE, 200 },
         /* As a host runs both: kernel KSM at its defaults for what is not
          * guest RAM (QEMU's smaller RAM blocks, marked mergeable). */
-        { "pagefold+ksm-100", TRUE, 100, 30 },
+        { "pagefold+ksm-100", TRUE, 100, FALSE, 30 },
+        { "pagefold+virtiofs", TRUE, 0, TRUE, 30 },
     };
     /* runs[i * reps + k]: system i's run k. */
     Result runs[G_N_ELEMENTS(systems) * 16];
@@ -513,7 +559,8 @@ main(int argc, char **argv)
         }
         if (i == G_N_ELEMENTS(systems)) {
             fprintf(stderr, "bench-qemu: PAGEFOLD_BENCH_ONLY: no system \"%s\" (pagefold, "
-                            "ksm-5000, ksm-1000, ksm-100, pagefold+ksm-100)\n", names[j]);
+                            "ksm-5000, ksm-1000, ksm-100, pagefold+ksm-100, "
+                            "pagefold+virtiofs)\n", names[j]);
             return 2;
         }
         ran[i] = TRUE;
@@ -531,8 +578,8 @@ main(int argc, char **argv)
             Result *r = &runs[i * reps + k];
 
             if (ran[i]) {
-                *r = run_system(systems[i].name, systems[i].pf, systems[i].pages_to_scan, n,
-                                mib, systems[i].seconds);
+                *r = run_system(systems[i].name, systems[i].pf, systems[i].pages_to_scan,
+                                systems[i].vfs, n, mib, systems[i].seconds);
                 print_json(r, "run", k + 1, n, mib);
             }
         }
@@ -555,13 +602,15 @@ main(int argc, char **argv)
         MEDIAN(cpu90_s);
         MEDIAN(agent90_s);
         MEDIAN(slowdown);
+        MEDIAN(fold_backs_per_s);
+        MEDIAN(backends_own_mib);
 #undef MEDIAN
         print_json(&med[i], "median_of", reps, n, mib);
     }
     /* Every run, then the medians, as CSV; the medians as a table for
      * people. */
     printf("\nsystem,guests,fill_mib,start_mib,freed_mib,freed_net_mib,used_mib,t90_s,"
-           "cpu_to_90_s,agent_cpu_to_90_s,guest_slowdown\n");
+           "cpu_to_90_s,agent_cpu_to_90_s,guest_slowdown,fold_backs_per_s,backends_own_mib\n");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
         for (int k = 0; ran[i] && k < reps; k++) {
             g_autofree char *label = g_strdup_printf("%s#%d", systems[i].name, k + 1);

@@ -17,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "testguest.h"
 #include "util.h"
 
 static struct {
@@ -202,7 +203,7 @@ domain_xml(const DomSpec *s, const char *uuid, const char *console)
 {
     g_autoptr(GString) x = g_string_new(NULL);
     g_autofree char *fs = NULL;
-    g_autofree char *qemu_dir = g_path_get_dirname(pf_test_bin("QEMU_BINARY"));
+    g_autofree char *virtiofsd = pf_test_qemu_tool("virtiofsd");
 
     g_string_append_printf(x, "<domain type='qemu'>\n  <name>%s</name>\n  <uuid>%s</uuid>\n",
                            s->name, uuid);
@@ -228,11 +229,11 @@ domain_xml(const DomSpec *s, const char *uuid, const char *console)
              ? g_strdup("")
              : g_strdup_printf("    <filesystem type='mount' accessmode='passthrough'>\n"
                                "      <driver type='virtiofs'/>\n"
-                               "      <binary path='%s/virtiofsd'><sandbox mode='chroot'/>"
+                               "      <binary path='%s'><sandbox mode='chroot'/>"
                                "</binary>\n"
                                "      <source dir='%s'/><target dir='pf'/>\n"
                                "    </filesystem>\n",
-                               qemu_dir, s->virtiofs_dir);
+                               virtiofsd, s->virtiofs_dir);
     g_string_append_printf(
         x,
         "  <os><type arch='x86_64' machine='pc'>hvm</type>\n"

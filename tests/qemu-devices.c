@@ -227,32 +227,11 @@ last_counts(Guest *g, const char *prefix, guint seconds)
 #define VIRTIOFS_BUFS 64
 #define VIRTIOFS_FILES 8
 
-typedef struct {
-    GSubprocess *proc;
-    char *dir;    /* its socket, and share/ */
-    char *share;
-    char *sock;
-} Virtiofsd;
-
-/* The patched virtiofsd, which scripts/build-qemu builds next to QEMU. */
-static char *
-patched_virtiofsd(void)
-{
-    g_autofree char *dir = g_path_get_dirname(g_getenv("QEMU_BINARY"));
-
-    return g_build_filename(dir, "virtiofsd", NULL);
-}
-
-/* binary serving a new empty folder, once its socket is there (NULL, the
- * path skipped, where it is not installed). */
-static Virtiofsd *
+/* binary serving a new empty folder (NULL, the path skipped, where it is
+ * not installed or cannot run). */
+static PfVirtiofsd *
 virtiofsd_start(const char *binary)
 {
-    Virtiofsd *v;
-    g_autoptr(GError) error = NULL;
-    g_autofree char *source = NULL;
-    g_autofree char *socket_path = NULL;
-
     if (!g_file_test(binary, G_FILE_TEST_IS_EXECUTABLE)) {
         g_test_skip("no virtiofsd here (Debian 12's qemu-system-common, or scripts/build-qemu's)");
         return NULL;
@@ -262,65 +241,14 @@ virtiofsd_start(const char *binary)
         g_test_skip("virtiofsd's chroot sandbox needs root");
         return NULL;
     }
-    v = g_new0(Virtiofsd, 1);
-    v->dir = g_dir_make_tmp("pagefold-virtiofs-XXXXXX", NULL);
-    g_assert_nonnull(v->dir);
-    v->share = g_build_filename(v->dir, "share", NULL);
-    v->sock = g_build_filename(v->dir, "vfs.sock", NULL);
-    g_assert_cmpint(g_mkdir(v->share, 0755), ==, 0);
-    source = g_strdup_printf("source=%s", v->share);
-    socket_path = g_strdup_printf("--socket-path=%s", v->sock);
-    {
-        /* cache=auto: the guest's plain reads and writes go through its
-         * page cache, its O_DIRECT ones to and from its own buffers; either
-         * way virtiofsd reads and writes guest RAM.  chroot: no namespaces
-         * needed where the tests run.  Spawned to die with the test: until
-         * QEMU connects it waits for ever. */
-        const char *argv[] = { binary, socket_path, "-o", source, "-o", "cache=auto",
-                               "-o", "sandbox=chroot", NULL };
-
-        v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, argv, &error);
-    }
-    g_assert_no_error(error);
-    for (int i = 0; i < 300 && !g_file_test(v->sock, G_FILE_TEST_EXISTS); i++) {
-        g_usleep(100000);
-    }
-    if (!g_file_test(v->sock, G_FILE_TEST_EXISTS)) {
-        g_error("%s made no socket in 30 s", binary);
-    }
-    return v;
-}
-
-/* It ends with its VMM's connection; killed if it has not. */
-static void
-virtiofsd_free(Virtiofsd *v)
-{
-    g_autoptr(GDir) d = NULL;
-    const char *name;
-
-    g_subprocess_force_exit(v->proc);
-    g_assert_true(g_subprocess_wait(v->proc, NULL, NULL));
-    g_object_unref(v->proc);
-    d = g_dir_open(v->share, 0, NULL);
-    while (d != NULL && (name = g_dir_read_name(d)) != NULL) {
-        g_autofree char *path = g_build_filename(v->share, name, NULL);
-
-        g_unlink(path);
-    }
-    g_rmdir(v->share);
-    g_unlink(v->sock);
-    g_rmdir(v->dir);
-    g_free(v->share);
-    g_free(v->sock);
-    g_free(v->dir);
-    g_free(v);
+    return pf_virtiofsd_start(binary);
 }
 
 /* Every file the guest wrote through the share holds, byte for byte, its
  * last write (tests/guest/pfguest.c: write w fills file w % VIRTIOFS_FILES
  * with pfguest's pages of kind 7); returns the pages checked. */
 static gsize
-virtiofs_files_check(const Virtiofsd *v, gulong writes)
+virtiofs_files_check(const PfVirtiofsd *v, gulong writes)
 {
     guint8 want[PF_PAGE_SIZE];
     gsize pages = 0;
@@ -349,7 +277,7 @@ virtiofs_files_check(const Virtiofsd *v, gulong writes)
 /* pfguest's virtiofs counts (all four read) and the host's check of the
  * files; returns the pages the host checked. */
 static gsize
-virtiofs_guest_check(Guest *g, const Virtiofsd *v, guint seconds)
+virtiofs_guest_check(Guest *g, const PfVirtiofsd *v, guint seconds)
 {
     g_autofree char *counts = last_counts(g, "PFGUEST VIRTIOFS", seconds);
     gulong writes = 0, reads = 0, pages = 0, bad = 1;
@@ -401,7 +329,7 @@ test_advise_virtiofs(void)
 {
     g_autoptr(PfTestDaemon) d = NULL;
     g_autofree char *chardev = NULL;
-    Virtiofsd *v;
+    PfVirtiofsd *v;
     Guest *g;
     JsonNode *s;
 
@@ -427,7 +355,7 @@ test_advise_virtiofs(void)
     assert_advise(d, g, "lacks VHOST_USER_PROTOCOL_F_MEM_FAULTS");
     virtiofs_guest_check(g, v, 120);
     pf_test_guest_free(g);
-    virtiofsd_free(v);
+    pf_virtiofsd_free(v);
 }
 
 #define VIRTIOFS_MERGE_SECONDS 60
@@ -450,7 +378,7 @@ test_merge_virtiofs(void)
     g_autoptr(PfTestDaemon) d = NULL;
     g_autofree char *chardev = NULL;
     g_autofree char *binary = NULL;
-    Virtiofsd *v;
+    PfVirtiofsd *v;
     Guest *g;
     JsonNode *s;
     gint64 merged, fold_backs;
@@ -458,7 +386,7 @@ test_merge_virtiofs(void)
     if (!have_qemu()) {
         return;
     }
-    binary = patched_virtiofsd();
+    binary = pf_test_qemu_tool("virtiofsd");
     if ((v = virtiofsd_start(binary)) == NULL) {
         return;
     }
@@ -501,7 +429,7 @@ test_merge_virtiofs(void)
     listed_merging(d, g->name);
     virtiofs_guest_check(g, v, VIRTIOFS_MERGE_SECONDS + 120);
     pf_test_guest_free(g);
-    virtiofsd_free(v);
+    pf_virtiofsd_free(v);
 }
 
 /* Waits for the migration to reach status want ("completed"). */
@@ -1034,8 +962,7 @@ test_odirect(gconstpointer data)
 static GSubprocess *
 vhost_user_blk_start(const char *image, const char *sock)
 {
-    g_autofree char *dir = g_path_get_dirname(g_getenv("QEMU_BINARY"));
-    g_autofree char *binary = g_build_filename(dir, "vhost-user-blk", NULL);
+    g_autofree char *binary = pf_test_qemu_tool("vhost-user-blk");
     const char *argv[] = { binary, "-s", sock, "-b", image, "-r", NULL };
     g_autoptr(GError) error = NULL;
     GSubprocess *p;

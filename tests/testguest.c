@@ -333,3 +333,71 @@ pf_test_guest_qmp_error(Guest *g, const char *command, const char *arguments)
     return text;
 }
 
+
+char *
+pf_test_qemu_tool(const char *name)
+{
+    g_autofree char *dir = g_path_get_dirname(pf_test_bin("QEMU_BINARY"));
+
+    return g_build_filename(dir, name, NULL);
+}
+
+PfVirtiofsd *
+pf_virtiofsd_start(const char *binary)
+{
+    PfVirtiofsd *v = g_new0(PfVirtiofsd, 1);
+    g_autoptr(GError) error = NULL;
+    g_autofree char *source = NULL;
+    g_autofree char *socket_path = NULL;
+
+    v->dir = g_dir_make_tmp("pagefold-virtiofs-XXXXXX", NULL);
+    g_assert_nonnull(v->dir);
+    v->share = g_build_filename(v->dir, "share", NULL);
+    v->sock = g_build_filename(v->dir, "vfs.sock", NULL);
+    g_assert_cmpint(g_mkdir(v->share, 0755), ==, 0);
+    source = g_strdup_printf("source=%s", v->share);
+    socket_path = g_strdup_printf("--socket-path=%s", v->sock);
+    {
+        /* cache=auto: the guest's plain reads and writes go through its
+         * page cache, its O_DIRECT ones to and from its own buffers; either
+         * way virtiofsd reads and writes guest RAM.  chroot: no namespaces
+         * needed where the tests run.  Spawned to die with the test: until
+         * QEMU connects it waits for ever. */
+        const char *argv[] = { binary, socket_path, "-o", source, "-o", "cache=auto",
+                               "-o", "sandbox=chroot", NULL };
+
+        v->proc = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, argv, &error);
+    }
+    g_assert_no_error(error);
+    for (int i = 0; i < 300 && !g_file_test(v->sock, G_FILE_TEST_EXISTS); i++) {
+        g_usleep(100000);
+    }
+    if (!g_file_test(v->sock, G_FILE_TEST_EXISTS)) {
+        g_error("%s made no socket in 30 s", binary);
+    }
+    return v;
+}
+
+void
+pf_virtiofsd_free(PfVirtiofsd *v)
+{
+    g_autoptr(GDir) d = NULL;
+    const char *name;
+
+    g_subprocess_force_exit(v->proc);
+    g_assert_true(g_subprocess_wait(v->proc, NULL, NULL));
+    g_object_unref(v->proc);
+    d = g_dir_open(v->share, 0, NULL);
+    while (d != NULL && (name = g_dir_read_name(d)) != NULL) {
+        g_autofree char *path = g_build_filename(v->share, name, NULL);
+
+        g_unlink(path);
+    }
+    g_rmdir(v->share);
+    g_unlink(v->sock);
+    g_rmdir(v->dir);
+    g_free(v->share);
+    g_free(v->sock);
+    g_free(v->dir);
+    g_free(v);
+}

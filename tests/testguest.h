@@ -41,6 +41,24 @@ typedef struct {
     char *qmp_path;
 } Guest;
 
+/* A program scripts/build-qemu builds next to QEMU_BINARY (virtiofsd,
+ * vhost-user-blk: the patched vhost-user back-ends). */
+char *pf_test_qemu_tool(const char *name);
+
+/* A virtiofsd serving a new empty folder, share, on sock. */
+typedef struct {
+    GSubprocess *proc;
+    char *dir;    /* its socket, and share/ */
+    char *share;
+    char *sock;
+} PfVirtiofsd;
+
+/* binary (needs root: its chroot sandbox), once its socket is there. */
+PfVirtiofsd *pf_virtiofsd_start(const char *binary);
+/* It ends with its VMM's connection; killed if it has not.  The share and
+ * what the guest wrote there go too. */
+void pf_virtiofsd_free(PfVirtiofsd *v);
+
 /* QEMU_BINARY, GUEST_KERNEL and GUEST_INITRD are set. */
 gboolean pf_guest_available(void);
 Guest *pf_test_guest_start(const PfGuestSpec *spec);
