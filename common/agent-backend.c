@@ -15,10 +15,11 @@
  * Owns: the back-ends' records and descriptors, and the fault thread,
  * which serves back-ends whatever the link to pagefoldd is doing (merged
  * pages outlive it).  Never: merges a window that a back-end maps without
- * its protection there (a window one of them does not cover is refused:
- * it may be one it maps and has not told of yet), waits for a back-end
- * (only the kernel is called, on the back-end's userfaultfd), or leaves a
- * back-end's page protected past its window.  A back-end may lie about
+ * its protection there (what it told is all it maps; while it is expected
+ * or changing its mappings, or gone without unmapping them, nothing
+ * merges), waits for a back-end (only the kernel is called, on the
+ * back-end's userfaultfd), or leaves a back-end's page protected past its
+ * window.  A back-end may lie about
  * its mappings: that spoils its own VM, whose RAM it can write anyway.
  *
  * Copyright (c) 2026 The pagefold authors
@@ -74,7 +75,15 @@ struct _PfBackend {
      * its ranges is registered any more (leaving_gone())
      */
     gboolean leaving;
+    /*
+     * let go after the VM stepped back, nothing remapped: its ranges
+     * unregistered, and a fault still taken (a mapping made since, not
+     * told) finds the page as the kernel fills it
+     */
+    gboolean let_go;
 };
+
+static void fault_thread_wake(PfAgent *a);
 
 static PfBackend *
 backend_new(const char *name, int uffd)
@@ -148,7 +157,7 @@ protect(PfAgent *a, PfBackend *b, const guint8 *lo, const guint8 *hi,
 {
     int rc = 0;
 
-    for (guint i = 0; i < b->ranges->len && !b->dead; i++) {
+    for (guint i = 0; i < b->ranges->len && !b->dead && !b->let_go; i++) {
         const BackendRange *br = &g_array_index(b->ranges, BackendRange, i);
         const guint8 *from = MAX(lo, br->host);
         const guint8 *to = MIN(hi, br->host + br->len);
@@ -169,10 +178,11 @@ protect(PfAgent *a, PfBackend *b, const guint8 *lo, const guint8 *hi,
 
 /* ---- around a window of merges ---- */
 
-void
-pfa_backends_release(PfAgent *a, const guint8 *addr, gsize len)
+/* Lifts the protection of the first n records' mappings of the range. */
+static void
+release_first(PfAgent *a, guint n, const guint8 *addr, gsize len)
 {
-    for (guint i = 0; i < a->backends->len; i++) {
+    for (guint i = 0; i < n; i++) {
         PfBackend *b = g_ptr_array_index(a->backends, i);
         int rc = protect(a, b, addr, addr + len, FALSE);
 
@@ -187,6 +197,12 @@ pfa_backends_release(PfAgent *a, const guint8 *addr, gsize len)
             b->broken = TRUE;
         }
     }
+}
+
+void
+pfa_backends_release(PfAgent *a, const guint8 *addr, gsize len)
+{
+    release_first(a, a->backends->len, addr, len);
 }
 
 /*
@@ -216,26 +232,36 @@ leaving_gone(PfAgent *a, PfBackend *b)
 int
 pfa_backends_hold(PfAgent *a, const guint8 *addr, gsize len)
 {
+    gboolean dropped = FALSE;
     int rc = 0;
+    guint i;
 
-    for (guint i = 0; i < a->backends->len && rc == 0; i++) {
+    for (i = 0; i < a->backends->len && rc == 0; i++) {
         PfBackend *b = g_ptr_array_index(a->backends, i);
 
         if (b->leaving && leaving_gone(a, b)) {
             g_message("pagefold agent: VM %s: back-end %s let go of guest RAM", a->name,
                       b->name);
             g_ptr_array_add(a->backends_gone, g_ptr_array_steal_index(a->backends, i--));
+            dropped = TRUE;
         } else if (b->broken) {
             rc = -EIO;
         } else if (b->unsettled || b->leaving) {
             rc = -EBUSY;
         }
     }
-    for (guint i = 0; i < a->backends->len && rc == 0; i++) {
+    if (dropped) {
+        fault_thread_wake(a); /* which closes its descriptor */
+    }
+    /* Nothing protected yet: a record changing or leaving has stale ranges. */
+    if (rc < 0) {
+        return rc;
+    }
+    for (i = 0; i < a->backends->len && rc == 0; i++) {
         rc = protect(a, g_ptr_array_index(a->backends, i), addr, addr + len, TRUE);
     }
     if (rc < 0) {
-        pfa_backends_release(a, addr, len);
+        release_first(a, i, addr, len);
     }
     return rc;
 }
@@ -287,6 +313,13 @@ resolve(PfAgent *a, PfBackend *b, guint64 at, gboolean wp)
     gsize page;
 
     if (b->dead) {
+        return TRUE;
+    }
+    if (b->let_go) {
+        /* Nothing is remapped: every hole is one the kernel fills. */
+        if (backend_ioctl(a, b, UFFDIO_ZEROPAGE, &zero) < 0) {
+            (void)backend_ioctl(a, b, UFFDIO_WAKE, &range);
+        }
         return TRUE;
     }
     if (host == NULL) {
@@ -531,11 +564,15 @@ backend_let_go(PfAgent *a, PfBackend *b)
 void
 pfa_backends_let_go(PfAgent *a)
 {
-    while (a->backends->len > 0) {
-        PfBackend *b = g_ptr_array_index(a->backends, 0);
+    for (guint i = 0; i < a->backends->len; i++) {
+        PfBackend *b = g_ptr_array_index(a->backends, i);
 
-        backend_let_go(a, b);
-        g_ptr_array_add(a->backends_gone, g_ptr_array_steal_index(a->backends, 0));
+        if (b->uffd < 0 || b->dead) {
+            g_ptr_array_add(a->backends_gone, g_ptr_array_steal_index(a->backends, i--));
+        } else if (!b->let_go) {
+            backend_let_go(a, b);
+            b->let_go = TRUE;
+        }
     }
     fault_thread_wake(a);
 }
@@ -634,8 +671,8 @@ check_ranges(PfAgent *a, PfBackend *b, GError **error)
             (!first_in && meets_region(a, br->host, br->host + br->len))) {
             g_set_error(error, PF_ERROR, PF_ERROR_INVALID_ARGUMENT,
                         "back-end %s: range %u (%p+%zu at 0x%" G_GINT64_MODIFIER "x) is "
-                        "not page-aligned, or straddles a region of guest RAM", b->name, i, br->host,
-                        br->len, br->remote);
+                        "not page-aligned, or straddles a region of guest RAM", b->name, i,
+                        br->host, br->len, br->remote);
             return FALSE;
         }
         for (guint j = 0; j < i; j++) {
@@ -725,9 +762,22 @@ pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
         return FALSE;
     }
     old = backend_find(a, name);
+    for (guint k = 0; old != NULL && k < old->pending->len; k++) {
+        guint64 at = g_array_index(old->pending, guint64, k);
+        struct uffdio_range range = { at, PF_PAGE_SIZE };
+
+        /*
+         * Its faults not yet resolved are the new record's; one where it
+         * maps nothing now is woken, to fault again or find the mapping
+         * gone.
+         */
+        if (host_of(b, at) != NULL) {
+            g_array_append_val(b->pending, at);
+        } else {
+            (void)backend_ioctl(a, b, UFFDIO_WAKE, &range);
+        }
+    }
     if (old != NULL) {
-        /* Its faults not yet resolved are the new record's. */
-        g_array_append_vals(b->pending, old->pending->data, old->pending->len);
         backend_drop(a, old);
     }
     g_ptr_array_add(a->backends, b);
@@ -765,7 +815,7 @@ pf_agent_remove_backend(PfAgent *a, const char *name)
 
     g_mutex_lock(&a->work);
     b = backend_find(a, name);
-    if (b != NULL && b->uffd >= 0 && !b->dead && b->ranges->len > 0) {
+    if (b != NULL && b->uffd >= 0 && !b->dead && !b->let_go && b->ranges->len > 0) {
         /*
          * Its process may still be unmapping guest RAM, or finishing a
          * request: its faults are served until it has let go.

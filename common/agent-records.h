@@ -252,12 +252,14 @@ void pfa_backends_clear(PfAgent *a);
 void pfa_backends_stop(PfAgent *a);
 /*
  * Every back-end's mappings of [addr, addr + len) write-protected, after
- * the VMM's: 0, or -errno with none protected (a back-end that does not
- * say where it maps all of the range: -EBUSY).
+ * the VMM's: 0, or -errno with none protected (a back-end expected,
+ * changing its mappings or gone without unmapping them: -EBUSY).
  */
 int pfa_backends_hold(PfAgent *a, const guint8 *addr, gsize len);
 void pfa_backends_release(PfAgent *a, const guint8 *addr, gsize len);
-/* Nothing is remapped any more, for good: the back-ends fault no more. */
+/* Nothing is remapped any more, for good: the back-ends' ranges are
+ * unregistered, and a fault of theirs still taken (a mapping not told
+ * yet) finds the page as the kernel fills it. */
 void pfa_backends_let_go(PfAgent *a);
 
 /* agent-stepback.c */

@@ -182,10 +182,10 @@ void pf_agent_dma_unmap(PfAgent *a, void *host, gsize len, gsize written);
  * same name when the back-end's mappings change (a new memory table): it
  * replaces what was said.  The ranges are all it maps of guest RAM: pages
  * elsewhere merge without it.  The agent takes uffd, on failure too.
- * FALSE, with why, when uffd is not a userfaultfd, or a range is not guest
- * RAM of one region or not registered so in the back-end: the VMM steps
- * back instead (pf_agent_step_back()), as for a back-end that offers
- * nothing.  What
+ * FALSE, with why, when uffd is not a userfaultfd, or a range straddles a
+ * region of guest RAM (one outside them is kept, for memory plugged later)
+ * or is not registered so in the back-end: the VMM steps back instead
+ * (pf_agent_step_back()), as for a back-end that offers nothing.  What
  * write protection cannot see is the back-end's to avoid, as it is the
  * VMM's (pf_agent_dma_map()): it must not pin guest RAM for a device
  * (VFIO, io_uring fixed buffers, O_DIRECT into it) nor write the memfd
@@ -219,8 +219,11 @@ void pf_agent_expect_backend(PfAgent *a, const char *name);
 void pf_agent_remove_backend(PfAgent *a, const char *name);
 /*
  * A descriptor of /dev/userfaultfd, as pagefoldd passed it to the agent,
- * for a back-end that cannot make a userfaultfd that takes the kernel's
- * faults itself (not root); -1 if the agent holds none.
+ * for a back-end the VMM started itself and vouches for, which cannot make
+ * a userfaultfd that takes the kernel's faults (not root); -1 if the agent
+ * holds none.  Never for a peer that merely connected: pagefoldd gives it
+ * only to VMMs root vouched for, and it lets its holder take faults the
+ * kernel takes for it.
  */
 int pf_agent_dup_userfaultfd_dev(PfAgent *a);
 

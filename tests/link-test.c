@@ -493,8 +493,9 @@ test_welcome(void)
 /*
  * An agent of protocol 1 (a QEMU started before pagefoldd was upgraded)
  * is answered in protocol 1 and attached; a HINT, which protocol 1 does
- * not have, is refused.  One of a newer protocol than pagefoldd's is
- * answered in pagefoldd's.
+ * not have, is refused, as is a DISCARD flagged PF_RANGE_BACKEND from one
+ * of protocol 2.  One of a newer protocol than pagefoldd's is answered in
+ * pagefoldd's.
  */
 /* HELLO of that version with g as its region: WELCOME's version. */
 static guint32
@@ -522,6 +523,18 @@ test_older_agent(void)
     wait_listed(d, "fake", TRUE);
     send_hint(fd, 0, 0, 1);
     expect_refusal(fd, "HINT on a link of protocol version 1");
+
+    fd = connect_agent(d);
+    ready.version = 2;
+    g_assert_cmpuint(welcome_version(fd, g, 2), ==, 2);
+    g_assert_true(pf_proto_send(fd, PF_MSG_READY, 0, &ready, sizeof(ready), NULL, 0, NULL));
+    wait_listed(d, "fake", TRUE);
+    {
+        PfWireRange r = { 0, PF_RANGE_BACKEND, 0, 1 };
+
+        g_assert_true(pf_proto_send(fd, PF_MSG_DISCARD, 0, &r, sizeof(r), NULL, 0, NULL));
+    }
+    expect_refusal(fd, "DISCARD with flags on a link of protocol version 2");
 
     fd = connect_agent(d);
     g_assert_cmpuint(welcome_version(fd, g, PF_PROTO_VERSION + 1), ==, PF_PROTO_VERSION);

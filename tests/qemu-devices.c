@@ -411,7 +411,7 @@ test_merge_virtiofs(void)
 
     /* Merging all the while, pagefoldd killed once. */
     json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
-    g_usleep(G_USEC_PER_SEC * g_random_int_range(5, 15));
+    g_usleep(G_USEC_PER_SEC * g_test_rand_int_range(5, 15));
     g_subprocess_send_signal(d->proc, SIGKILL);
     g_subprocess_wait(d->proc, NULL, NULL);
     pf_test_daemon_restart(d, "--set", "run=1", "--set", "target_pass_millisecs=500", NULL);
@@ -982,6 +982,30 @@ vhost_user_blk_start(const char *image, const char *sock)
     return p;
 }
 
+/* The flags pid opened path with (its first descriptor of it), or -1. */
+static long
+open_flags(const char *pid, const char *path)
+{
+    g_autofree char *dir = g_strdup_printf("/proc/%s/fd", pid);
+    g_autoptr(GDir) d = g_dir_open(dir, 0, NULL);
+    const char *name;
+
+    while (d != NULL && (name = g_dir_read_name(d)) != NULL) {
+        g_autofree char *link = g_build_filename(dir, name, NULL);
+        g_autofree char *target = g_file_read_link(link, NULL);
+        g_autofree char *info_path = g_strdup_printf("/proc/%s/fdinfo/%s", pid, name);
+        g_autofree char *info = NULL;
+        const char *flags;
+
+        if (g_strcmp0(target, path) == 0 &&
+            g_file_get_contents(info_path, &info, NULL, NULL) &&
+            (flags = strstr(info, "flags:")) != NULL) {
+            return strtol(flags + 6, NULL, 8);
+        }
+    }
+    return -1;
+}
+
 /*
  * Two guests read one disk served by the patched vhost-user-blk (each its
  * own, VHOST_USER_PROTOCOL_F_MEM_FAULTS) with O_DIRECT into buffers they
@@ -1035,7 +1059,7 @@ test_merge_vhost_user_blk(void)
     for (int i = 0; i < 2; i++) {
         g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
     }
-    g_usleep(G_USEC_PER_SEC * g_random_int_range(3, 8));
+    g_usleep(G_USEC_PER_SEC * g_test_rand_int_range(3, 8));
     g_subprocess_send_signal(d->proc, SIGKILL);
     g_subprocess_wait(d->proc, NULL, NULL);
     pf_test_daemon_restart(d, "--set", "target_pass_millisecs=200", "--set",
@@ -1056,6 +1080,13 @@ test_merge_vhost_user_blk(void)
         g_assert_cmpint(merged[i], >=, 1000);
     }
     g_assert_cmpint(fold_backs[0] + fold_backs[1], >, 0);
+    /* Its image: no O_DIRECT into guest RAM, which would pin it. */
+    for (int i = 0; i < 2; i++) {
+        long flags = open_flags(g_subprocess_get_identifier(blk[i]), image);
+
+        g_assert_cmpint(flags, >=, 0);
+        g_assert_cmpint(flags & O_DIRECT, ==, 0);
+    }
     for (int i = 0; i < 2; i++) {
         g_autofree char *counts = last_counts(g[i], "PFGUEST ODIRECT", ODIRECT_SECONDS + 60);
         unsigned long reads = 0, pages = 0, bad = 1;
