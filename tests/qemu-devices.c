@@ -155,17 +155,39 @@ fake_vhost_user_free(FakeVhostUser *f)
     g_free(f);
 }
 
+/*
+ * A guest name (its seconds, more of its command line) with a
+ * vhost-user-fs device (tag) on the back-end socket sock, once it is
+ * READY and three passes saw its zero pages (merged or not, they count).
+ */
+static Guest *
+vhost_user_fs_guest(PfTestDaemon *d, const char *name, const char *sock, const char *tag,
+                    int seconds, const char *cmdline)
+{
+    g_autofree char *chardev = g_strdup_printf("socket,id=c0,path=%s", sock);
+    g_autofree char *device = g_strdup_printf("vhost-user-fs-pci,chardev=c0,tag=%s", tag);
+    const char *extra[] = { "-chardev", chardev, "-device", device, NULL };
+    PfGuestSpec spec = { name, d->agent_sock, 256, FILL_MIB, 1, seconds, 4, FALSE, FALSE,
+                         extra, cmdline };
+    Guest *g = pf_test_guest_start(&spec);
+    JsonNode *s;
+
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
+    g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
+    json_node_unref(s);
+    return g;
+}
+
 /* A vhost-user device (virtiofs) from the start: advise mode from the
- * start. */
+ * start (advise mode still says what merging would save). */
 static void
 test_advise_vhost_user(void)
 {
     g_autoptr(PfTestDaemon) d = NULL;
     g_autofree char *dir = NULL;
-    g_autofree char *chardev = NULL;
     FakeVhostUser *f;
     Guest *g;
-    JsonNode *s;
 
     if (!have_qemu()) {
         return;
@@ -173,20 +195,7 @@ test_advise_vhost_user(void)
     d = pf_test_daemon_start("--set", "run=0", NULL);
     dir = g_dir_make_tmp("pagefold-vhost-XXXXXX", NULL);
     f = fake_vhost_user_new(dir);
-    chardev = g_strdup_printf("socket,id=c0,path=%s", f->path);
-    {
-        const char *extra[] = { "-chardev", chardev, "-device",
-                                "vhost-user-fs-pci,chardev=c0,tag=fs0", NULL };
-        PfGuestSpec spec = { "vhost0", d->agent_sock, 256, FILL_MIB, 1, 20, 4, FALSE,
-                             FALSE, extra };
-
-        g = pf_test_guest_start(&spec);
-    }
-    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
-    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
-    /* Advise mode still says what merging would save. */
-    g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
-    json_node_unref(s);
+    g = vhost_user_fs_guest(d, "vhost0", f->path, "fs0", 20, NULL);
     assert_advise(d, g, "vhost-user");
     g_free(pf_test_guest_expect_pass(g, 120));
     pf_test_guest_free(g);
@@ -328,29 +337,15 @@ static void
 test_advise_virtiofs(void)
 {
     g_autoptr(PfTestDaemon) d = NULL;
-    g_autofree char *chardev = NULL;
     PfVirtiofsd *v;
     Guest *g;
-    JsonNode *s;
 
     if (!have_qemu() || (v = virtiofsd_start(VIRTIOFSD)) == NULL) {
         return;
     }
     d = pf_test_daemon_start("--set", "run=0", NULL);
-    chardev = g_strdup_printf("socket,id=c0,path=%s", v->sock);
-    {
-        const char *extra[] = { "-chardev", chardev, "-device",
-                                "vhost-user-fs-pci,chardev=c0,tag=pf", NULL };
-        PfGuestSpec spec = { "virtiofs0", d->agent_sock, 256, FILL_MIB, 1, 20, 4, FALSE,
-                             FALSE, extra, "pfguest.virtiofs=" G_STRINGIFY(VIRTIOFS_BUFS) };
-
-        g = pf_test_guest_start(&spec);
-    }
-    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
-    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
-    /* Advise mode still says what merging would save. */
-    g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
-    json_node_unref(s);
+    g = vhost_user_fs_guest(d, "virtiofs0", v->sock, "pf", 20,
+                            "pfguest.virtiofs=" G_STRINGIFY(VIRTIOFS_BUFS));
     /* Debian's virtiofsd is built from the unpatched tree. */
     assert_advise(d, g, "lacks VHOST_USER_PROTOCOL_F_MEM_FAULTS");
     virtiofs_guest_check(g, v, 120);
@@ -376,11 +371,9 @@ static void
 test_merge_virtiofs(void)
 {
     g_autoptr(PfTestDaemon) d = NULL;
-    g_autofree char *chardev = NULL;
     g_autofree char *binary = NULL;
     PfVirtiofsd *v;
     Guest *g;
-    JsonNode *s;
     gint64 merged, fold_backs;
 
     if (!have_qemu()) {
@@ -391,21 +384,9 @@ test_merge_virtiofs(void)
         return;
     }
     d = pf_test_daemon_start("--set", "run=0", "--set", "target_pass_millisecs=500", NULL);
-    chardev = g_strdup_printf("socket,id=c0,path=%s", v->sock);
-    {
-        const char *extra[] = { "-chardev", chardev, "-device",
-                                "vhost-user-fs-pci,chardev=c0,tag=pf", NULL };
-        PfGuestSpec spec = { "vfs-merge0", d->agent_sock, 256, FILL_MIB, 1,
-                             VIRTIOFS_MERGE_SECONDS, 4, FALSE, FALSE, extra,
-                             "pfguest.virtiofs=" G_STRINGIFY(VIRTIOFS_BUFS)
-                             " pfguest.virtiofs_pause_ms=1500" };
-
-        g = pf_test_guest_start(&spec);
-    }
-    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
-    s = pf_test_ctl_json(d, "scan-now", "3", NULL);
-    g_assert_cmpint(total(s, "zero_pages"), >=, FILL_PAGES / 5 * 9 / 10);
-    json_node_unref(s);
+    g = vhost_user_fs_guest(d, "vfs-merge0", v->sock, "pf", VIRTIOFS_MERGE_SECONDS,
+                            "pfguest.virtiofs=" G_STRINGIFY(VIRTIOFS_BUFS)
+                            " pfguest.virtiofs_pause_ms=1500");
     listed_merging(d, g->name);
     g_assert_cmpint(agent_stat(g, "remapped"), >=, FILL_PAGES / 5 * 9 / 10);
 
