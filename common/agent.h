@@ -212,9 +212,10 @@ gboolean pf_agent_set_backend(PfAgent *a, const char *name, int uffd,
 void pf_agent_expect_backend(PfAgent *a, const char *name);
 /*
  * The back-end name disconnected.  Its process may still be unmapping
- * guest RAM: its faults are served, and nothing merges, until none of its
- * ranges is registered with its userfaultfd any more (or its process is
- * gone); then the agent closes the descriptor.  Pages stay as they are.
+ * guest RAM: its faults are served, and nothing merges, until no page at
+ * either end of its ranges is registered (with any userfaultfd) any more,
+ * or its process is gone; then the agent closes the descriptor.  Pages
+ * stay as they are.
  */
 void pf_agent_remove_backend(PfAgent *a, const char *name);
 /*
