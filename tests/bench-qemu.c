@@ -423,12 +423,9 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, gboolean vfs, int
     }
     for (int i = 0; vfs && i < n_guests; i++) {
         double kib[PSS_KINDS] = { 0 };
-        JsonNode *q = pf_test_guest_qmp(g[i], "x-query-pagefold", NULL);
-        JsonObject *a = json_array_get_object_element(json_node_get_array(q), 0);
 
-        res.fold_backs_per_s += json_object_get_int_member(a, "backend-fold-backs") /
+        res.fold_backs_per_s += pf_test_guest_agent_stat(g[i], "backend-fold-backs") /
                                 (bench_now() - t0);
-        json_node_unref(q);
         pss_by_kind(vfs_pid[i], (guint64)ram_mib << 20, kib);
         for (int k = PSS_POOL; k < PSS_KINDS; k++) {
             res.backends_own_mib += kib[k] / 1024.0;

@@ -46,17 +46,6 @@ writes_of(const char *line)
     return w;
 }
 
-static gint64
-agent_stat(Guest *g, const char *member)
-{
-    JsonNode *n = pf_test_guest_qmp(g, "x-query-pagefold", NULL);
-    gint64 v = json_object_get_int_member(
-        json_array_get_object_element(json_node_get_array(n), 0), member);
-
-    json_node_unref(n);
-    return v;
-}
-
 static Run
 run_one(gboolean merge, int seconds)
 {
@@ -86,15 +75,16 @@ run_one(gboolean merge, int seconds)
     t0 = bench_now();
     w0 = writes_of(line);
     g_free(line);
-    fb0 = agent_stat(g, "backend-fold-backs");
+    fb0 = pf_test_guest_agent_stat(g, "backend-fold-backs");
     do {
         line = pf_test_guest_expect(g, "PFGUEST VIRTIOFS", 120);
         t1 = bench_now();
         r.files_per_s = (double)(writes_of(line) - w0) / (t1 - t0);
         g_free(line);
     } while (t1 - t0 < seconds);
-    r.fold_backs_per_s = (double)(agent_stat(g, "backend-fold-backs") - fb0) / (t1 - t0);
-    r.merged = agent_stat(g, "merged") + agent_stat(g, "zeroed");
+    r.fold_backs_per_s =
+        (double)(pf_test_guest_agent_stat(g, "backend-fold-backs") - fb0) / (t1 - t0);
+    r.merged = pf_test_guest_agent_stat(g, "merged") + pf_test_guest_agent_stat(g, "zeroed");
     g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 120));
     pf_test_guest_free(g);
     pf_virtiofsd_free(v);

@@ -74,25 +74,6 @@ attached_vm(JsonArray *vms, const char *name)
     return vm;
 }
 
-/* x-query-pagefold: the guest's one agent. */
-JsonObject *
-agent_info(Guest *g)
-{
-    JsonNode *n = pf_test_guest_qmp(g, "x-query-pagefold", NULL);
-    JsonObject *o = json_object_ref(json_array_get_object_element(json_node_get_array(n), 0));
-
-    json_node_unref(n);
-    return o;
-}
-
-gint64
-agent_stat(Guest *g, const char *member)
-{
-    g_autoptr(JsonObject) o = agent_info(g);
-
-    return json_object_get_int_member(o, member);
-}
-
 gint64
 vm_counter(JsonNode *stats, const char *vm, const char *name)
 {

@@ -32,10 +32,6 @@ void guest_passes(Guest *g);
 /* The VM of that name in an array of VM objects; fails if there is
  * none. */
 JsonObject *attached_vm(JsonArray *vms, const char *name);
-/* x-query-pagefold: the guest's one agent (a new reference), and one of
- * its numbers. */
-JsonObject *agent_info(Guest *g);
-gint64 agent_stat(Guest *g, const char *member);
 /* One counter of the attached VM vm in a pagefoldctl stats answer. */
 gint64 vm_counter(JsonNode *stats, const char *vm, const char *name);
 /* The live regions pagefoldd lists for VM name (refused and gone ones

@@ -41,7 +41,7 @@ assert_advise(PfTestDaemon *d, Guest *g, const char *why)
     JsonNode *list = pf_test_ctl_json(d, "list", NULL);
     JsonObject *vm = attached_vm(json_node_get_array(list), g->name);
     JsonArray *regions;
-    g_autoptr(JsonObject) agent = agent_info(g);
+    g_autoptr(JsonObject) agent = pf_test_guest_agent_info(g);
 
     /* The agent's ADVISE reaches pagefoldd on its own time. */
     for (int i = 0; i < 100 && g_str_equal(json_object_get_string_member(vm, "mode"), "merge");
@@ -388,7 +388,7 @@ test_merge_virtiofs(void)
                             "pfguest.virtiofs=" G_STRINGIFY(VIRTIOFS_BUFS)
                             " pfguest.virtiofs_pause_ms=1500");
     listed_merging(d, g->name);
-    g_assert_cmpint(agent_stat(g, "remapped"), >=, FILL_PAGES / 5 * 9 / 10);
+    g_assert_cmpint(pf_test_guest_agent_stat(g, "remapped"), >=, FILL_PAGES / 5 * 9 / 10);
 
     /* Merging all the while, pagefoldd killed once. */
     json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
@@ -398,14 +398,14 @@ test_merge_virtiofs(void)
     pf_test_daemon_restart(d, "--set", "run=1", "--set", "target_pass_millisecs=500", NULL);
     listed_merging(d, g->name);
     /* Its guest's page cache and buffers come from merged free pages. */
-    for (int i = 0; i < 300 && agent_stat(g, "backend-fold-backs") == 0; i++) {
+    for (int i = 0; i < 300 && pf_test_guest_agent_stat(g, "backend-fold-backs") == 0; i++) {
         g_usleep(100000);
     }
-    merged = agent_stat(g, "merged");
-    fold_backs = agent_stat(g, "backend-fold-backs");
+    merged = pf_test_guest_agent_stat(g, "merged");
+    fold_backs = pf_test_guest_agent_stat(g, "backend-fold-backs");
     g_test_message("%s: merged %" G_GINT64_FORMAT ", folded back for virtiofsd %"
                    G_GINT64_FORMAT ", remapped now %" G_GINT64_FORMAT, g->name, merged,
-                   fold_backs, agent_stat(g, "remapped"));
+                   fold_backs, pf_test_guest_agent_stat(g, "remapped"));
     g_assert_cmpint(fold_backs, >, 0);
     listed_merging(d, g->name);
     virtiofs_guest_check(g, v, VIRTIOFS_MERGE_SECONDS + 120);
@@ -450,7 +450,7 @@ set_capability(Guest *g, const char *cap, gboolean on)
 static void
 assert_merging(Guest *g)
 {
-    g_autoptr(JsonObject) agent = agent_info(g);
+    g_autoptr(JsonObject) agent = pf_test_guest_agent_info(g);
 
     g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
     g_assert_cmpint(json_object_get_int_member(agent, "remapped"), >, FILL_PAGES / 2);
@@ -521,7 +521,7 @@ test_advise_migration(void)
         s = pf_test_ctl_json(d, "scan-now", "1", NULL);
         json_node_unref(s);
         assert_advise(d, g[i], why[i]);
-        g_assert_cmpint(agent_stat(g[i], "connected"), ==, 1);
+        g_assert_cmpint(pf_test_guest_agent_stat(g[i], "connected"), ==, 1);
         /* Nothing is registered for userfaultfd any more: postcopy on a
          * destination, or another snapshot, may have it. */
         g_assert_cmpint(pf_test_count_vmas_flag(g[i]->pid, 0, 0, "uw"), ==, 0);
@@ -577,7 +577,7 @@ test_balloon(void)
     json_node_unref(pf_test_guest_qmp(g, "balloon", "{\"value\": 163577856}"));
     for (int i = 0; i < 300 && discarded < 100 * 256 / 4; i++) {
         g_usleep(100000);
-        discarded = agent_stat(g, "discarded");
+        discarded = pf_test_guest_agent_stat(g, "discarded");
     }
     g_test_message("balloon0: %" G_GINT64_FORMAT " merged pages discarded", discarded);
     /* Seen: about half the balloon is scratch the guest freed. */
@@ -687,7 +687,7 @@ test_nested(void)
     g_assert_true(cpu_has(g, "svm"));
     wait_live_regions(d, g->name, 1, NULL, NULL);
     json_node_unref(pf_test_ctl_json(d, "scan-now", "2", NULL));
-    agent = agent_info(g);
+    agent = pf_test_guest_agent_info(g);
     g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
     g_assert_cmpint(json_object_get_int_member(agent, "remapped"), >, 0);
     g_free(pf_test_guest_expect_pass(g, 120));
@@ -750,7 +750,7 @@ test_ivshmem(void)
     g_assert_cmpint(json_object_get_int_member(json_array_get_object_element(regions, 0), "size"),
                     ==, 128 << 20);
     json_node_unref(list);
-    agent = agent_info(g);
+    agent = pf_test_guest_agent_info(g);
     g_assert_cmpint(json_array_get_length(json_object_get_array_member(agent, "regions")), ==, 1);
     g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
 
@@ -758,7 +758,7 @@ test_ivshmem(void)
     s = pf_test_ctl_json(d, "scan-now", "3", NULL);
     g_assert_cmpint(vm_counter(s, g->name, "zero_pages"), >=, 16 * 256 / 5 * 9 / 10);
     json_node_unref(s);
-    g_assert_cmpint(agent_stat(g, "zeroed"), >=, 16 * 256 / 5 * 9 / 10);
+    g_assert_cmpint(pf_test_guest_agent_stat(g, "zeroed"), >=, 16 * 256 / 5 * 9 / 10);
     guest_passes(g);
 }
 
@@ -885,7 +885,7 @@ test_odirect(gconstpointer data)
         g_usleep(G_USEC_PER_SEC);
         s = pf_test_ctl_json(d, "stats", NULL);
         for (int i = 0; i < 2; i++) {
-            g_autoptr(JsonObject) a = agent_info(g[i]);
+            g_autoptr(JsonObject) a = pf_test_guest_agent_info(g[i]);
 
             merged[i] = json_object_get_int_member(a, "merged");
             errors[i] = json_object_get_int_member(a, "errors");
@@ -906,7 +906,7 @@ test_odirect(gconstpointer data)
         g_assert_cmpint(merged[i], >=, 1000);
         /* QEMU told its agent what the reads wrote, and pagefoldd heard. */
         g_assert_cmpint(hinted[i], >, 0);
-        g_assert_cmpint(agent_stat(g[i], "hinted"), >=, hinted[i]);
+        g_assert_cmpint(pf_test_guest_agent_stat(g[i], "hinted"), >=, hinted[i]);
     }
     g_assert_cmpint(unmerged[0] + unmerged[1], >, 0);
     g_assert_cmpint(errors[0] + errors[1], >, 0);
@@ -917,7 +917,7 @@ test_odirect(gconstpointer data)
      * I/O and the rest, buffers included, is folded back (one still in
      * DMA would fail the migration).
      */
-    g_assert_cmpint(agent_stat(g[0], "remapped"), >, 0);
+    g_assert_cmpint(pf_test_guest_agent_stat(g[0], "remapped"), >, 0);
     set_capability(g[0], "x-ignore-shared", TRUE);
     json_node_unref(pf_test_guest_qmp(g[0], "migrate", "{\"uri\": \"exec:cat > /dev/null\"}"));
     wait_migration(g[0], "completed");
@@ -1050,8 +1050,8 @@ test_merge_vhost_user_blk(void)
          t++) {
         g_usleep(G_USEC_PER_SEC);
         for (int i = 0; i < 2; i++) {
-            merged[i] = agent_stat(g[i], "merged");
-            fold_backs[i] = agent_stat(g[i], "backend-fold-backs");
+            merged[i] = pf_test_guest_agent_stat(g[i], "merged");
+            fold_backs[i] = pf_test_guest_agent_stat(g[i], "backend-fold-backs");
         }
     }
     for (int i = 0; i < 2; i++) {

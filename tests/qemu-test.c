@@ -257,7 +257,7 @@ live_regions(PfTestDaemon *d, const char *name)
 static JsonObject *
 agent_region(Guest *g, const char *name)
 {
-    g_autoptr(JsonObject) agent = agent_info(g);
+    g_autoptr(JsonObject) agent = pf_test_guest_agent_info(g);
     JsonArray *regions = json_object_get_array_member(agent, "regions");
 
     for (guint i = 0; i < json_array_get_length(regions); i++) {
@@ -366,10 +366,10 @@ test_hotplug(void)
     ino = mapped_inode(g->pid, dimm); /* its memfd, before any merge */
 
     /* Half the late memory is zero pages, in the DIMM. */
-    zeroed = agent_stat(g, "zeroed");
+    zeroed = pf_test_guest_agent_stat(g, "zeroed");
     s = pf_test_ctl_json(d, "scan-now", "3", NULL);
     json_node_unref(s);
-    g_assert_cmpint(agent_stat(g, "zeroed") - zeroed, >=, 48 * 256 / 2 * 9 / 10);
+    g_assert_cmpint(pf_test_guest_agent_stat(g, "zeroed") - zeroed, >=, 48 * 256 / 2 * 9 / 10);
     g_assert_cmpint(pf_test_count_vmas(g->pid, dimm, 128 << 20), >, 1);
     g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 60));
 
@@ -438,7 +438,7 @@ test_regions(void)
     }
     g = daemon_and_guest(&d, &spec);
     {
-        g_autoptr(JsonObject) agent = agent_info(g);
+        g_autoptr(JsonObject) agent = pf_test_guest_agent_info(g);
 
         g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "merge");
         g_assert_false(json_object_get_boolean_member(agent, "merge-prealloc"));
@@ -469,7 +469,7 @@ test_regions(void)
     json_node_unref(pf_test_guest_qmp(g, "qom-set",
                                       "{\"path\": \"/objects/m0\", \"property\": \"merge\","
                                       " \"value\": false}"));
-    g_assert_cmpint(agent_stat(g, "remapped"), ==, 0);
+    g_assert_cmpint(pf_test_guest_agent_stat(g, "remapped"), ==, 0);
     g_assert_cmpint(pf_test_count_vmas(g->pid, m0_addr, 192 << 20), ==, 1);
     g_assert_cmpint(pf_test_count_vmas_flag(g->pid, 0, 0, "uw"), ==, 0);
     g_assert_cmpuint(live_regions(d, g->name), ==, 0);
@@ -529,7 +529,7 @@ test_silent_pagefoldd(void)
     g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
     for (int i = 0; i < 300; i++) {
         g_clear_pointer(&agent, json_object_unref);
-        agent = agent_info(g);
+        agent = pf_test_guest_agent_info(g);
         g_assert_false(json_object_get_boolean_member(agent, "connected"));
         g_assert_cmpstr(json_object_get_string_member(agent, "mode"), ==, "advise");
         reason = json_object_has_member(agent, "reason")
@@ -594,7 +594,7 @@ test_object_add(void)
     json_node_unref(pf_test_guest_qmp(g, "object-add", args));
     for (int i = 0; i < 1200; i++) {
         g_clear_pointer(&agent, json_object_unref);
-        agent = agent_info(g);
+        agent = pf_test_guest_agent_info(g);
         if (json_object_get_boolean_member(agent, "connected")) {
             break;
         }
@@ -646,7 +646,7 @@ test_no_name(void)
         g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
         for (int k = 0; k < 100; k++) {
             g_clear_pointer(&agent, json_object_unref);
-            agent = agent_info(g[i]);
+            agent = pf_test_guest_agent_info(g[i]);
             if (json_object_get_boolean_member(agent, "connected")) {
                 break;
             }

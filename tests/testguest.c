@@ -401,3 +401,21 @@ pf_virtiofsd_free(PfVirtiofsd *v)
     g_free(v->dir);
     g_free(v);
 }
+
+JsonObject *
+pf_test_guest_agent_info(Guest *g)
+{
+    JsonNode *n = pf_test_guest_qmp(g, "x-query-pagefold", NULL);
+    JsonObject *o = json_object_ref(json_array_get_object_element(json_node_get_array(n), 0));
+
+    json_node_unref(n);
+    return o;
+}
+
+gint64
+pf_test_guest_agent_stat(Guest *g, const char *member)
+{
+    g_autoptr(JsonObject) o = pf_test_guest_agent_info(g);
+
+    return json_object_get_int_member(o, member);
+}

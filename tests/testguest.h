@@ -80,5 +80,10 @@ void pf_test_guest_free(Guest *g);
 /* Runs one QMP command (arguments as a JSON object text, or NULL) on a
  * connection of its own; returns its "return", fails on an "error". */
 JsonNode *pf_test_guest_qmp(Guest *g, const char *command, const char *arguments);
-/* The same, for a command that must fail: returns its error's text. */
+/* x-query-pagefold: the guest's one agent (a new reference), and one of
+ * its numbers. */
+JsonObject *pf_test_guest_agent_info(Guest *g);
+gint64 pf_test_guest_agent_stat(Guest *g, const char *member);
+/* The same as pf_test_guest_qmp(), for a command that must fail: returns
+ * its error's text. */
 char *pf_test_guest_qmp_error(Guest *g, const char *command, const char *arguments);
