@@ -247,7 +247,7 @@ pfa_backends_hold(PfAgent *a, const guint8 *addr, gsize len)
         } else if (b->broken) {
             rc = -EIO;
         } else if (b->unsettled || b->leaving) {
-            rc = -EBUSY;
+            rc = -EINPROGRESS;
         }
     }
     if (dropped) {

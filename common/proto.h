@@ -178,6 +178,11 @@ typedef enum {
     PF_RESULT_ERROR = 2,   /* errno in err; the page is as before */
 } PfResultStatus;
 
+/* The errors an agent answers that say more than the call that failed:
+ * EBUSY, the page is in DMA; EPERM, the agent is stepping back;
+ * EINPROGRESS, a vhost-user back-end of the VM is mapping a new memory
+ * table or letting go of guest RAM, and nothing merges until it is done. */
+
 typedef struct {
     guint8 status;
     guint8 reserved[3];

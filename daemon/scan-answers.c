@@ -33,6 +33,17 @@ log_refusal(PfVm *vm, const PfPending *pd, guint32 page, int err)
 {
     static const char *const verb[] = { "", "merge", "zero", "unmerge", "collapse" };
 
+    /* Said once a wait: a back-end that never settles stalls this VM's
+     * merges for good, and the log is where the user finds out why. */
+    if (err == EINPROGRESS) {
+        if (!vm->scan->backend_wait) {
+            g_message("VM %s: merges wait for a vhost-user back-end of its to map its new "
+                      "memory table or let go of guest RAM", vm->name);
+            vm->scan->backend_wait = TRUE;
+        }
+        return;
+    }
+
     /* A page in DMA (EBUSY), an agent stepping back whose ADVISE is on its
      * way (EPERM): expected, and passing, page after page. */
     if (err == EBUSY || err == EPERM) {
@@ -71,15 +82,16 @@ merge_answered(PfScanner *s, PfRegion *r, PfPage *p, const PfPending *pd,
     }
     /* A move that did not happen: still on the old slot, unless written
      * meanwhile (the compare failed) or the agent had to fold it back (its
-     * mapping went with a failed remap).  Only a page in DMA is known to be
-     * as it was, and tries again later; the others are unmerged, which is
-     * right in each case and keeps the count true. */
+     * mapping went with a failed remap).  Only a page in DMA, or one not
+     * touched while a back-end settles, is known to be as it was, and
+     * tries again later; the others are unmerged, which is right in each
+     * case and keeps the count true. */
     pf_stable_tree_add(&s->stable, pd->from, pd->page);
     mark_merged(r, p, PF_PAGE_SHARED);
     if (status == PF_RESULT_CHANGED) {
         r->vm->scan->cow++;
     }
-    if (status != PF_RESULT_ERROR || err != EBUSY) {
+    if (status != PF_RESULT_ERROR || (err != EBUSY && err != EINPROGRESS)) {
         pf_scanner_end_sharing(s, r, pd->page - r->base);
     }
     return TRUE;
@@ -144,6 +156,9 @@ complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus status, int
     }
     if (status == PF_RESULT_ERROR) {
         log_refusal(vm, pd, pd->page - r->base, err);
+    } else if (vm->scan->backend_wait) {
+        g_message("VM %s: merges go on: its back-ends settled", vm->name);
+        vm->scan->backend_wait = FALSE;
     }
     switch (pd->kind) {
     case PF_ITEM_MERGE:

@@ -155,6 +155,9 @@ struct _PfScanVm {
     guint64 cow;
     /* scan-cow.c: merged pages folded back as a back-end touched them. */
     guint64 backend_fold_backs;
+    /* scan-answers.c: its agent refuses merges until a back-end settles
+     * (EINPROGRESS), which the log said. */
+    gboolean backend_wait;
 
     /* scan-moves.c: chunks it was told to let go of (PfDropped), until
      * its look (scan-reads.c) sees it did. */

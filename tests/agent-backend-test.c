@@ -135,13 +135,15 @@ test_late(void)
  * Nothing merges while a back-end is expected (QEMU is about to send it a
  * memory table) until it says where it maps guest RAM; nor after it
  * disconnected while it still maps guest RAM, until its process is gone.
+ * pagefoldd says so, once.
  */
 static void
 test_expect_leave(void)
 {
-    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "run=0", NULL);
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start_logged("--set", "run=0", NULL);
     Vmm *v[2] = { vmm_start(d, "e0", 1, 0, FALSE),
                   vmm_start_full(d, "e1", 2, 0, FALSE, "--backend") };
+    g_autofree char *log = NULL;
 
     g_free(pf_test_vmm_cmd(v[0], "backend expect"));
     g_free(pf_test_vmm_cmd(v[1], "backend detach"));
@@ -150,11 +152,26 @@ test_expect_leave(void)
         g_assert_cmpint(pf_test_vmm_stat(v[i], "remapped"), ==, 0);
         g_assert_cmpint(pf_test_vmm_stat(v[i], "errors"), >, 0);
     }
+    /* pagefoldd says why, once each. */
+    log = pf_test_daemon_log(d);
+    for (int i = 0; i < 2; i++) {
+        g_autofree char *said = g_strdup_printf("VM e%d: merges wait for a vhost-user back-end",
+                                                i);
+        const char *at = strstr(log, said);
+
+        g_assert_nonnull(at);
+        g_assert_null(strstr(at + 1, said));
+    }
     g_free(pf_test_vmm_cmd(v[0], "backend start"));
     g_free(pf_test_vmm_cmd(v[1], "backend kill"));
     json_object_unref(stats(d, "scan-now", "3"));
     for (int i = 0; i < 2; i++) {
+        g_autofree char *said = g_strdup_printf("VM e%d: merges go on", i);
+
         g_assert_cmpint(pf_test_vmm_stat(v[i], "remapped"), >=, ZERO);
+        g_free(log);
+        log = pf_test_daemon_log(d);
+        g_assert_nonnull(strstr(log, said));
     }
     g_free(pf_test_vmm_cmd(v[0], "backend verify"));
     g_assert_cmpint(pf_test_vmm_number(v[0], "device", "bad"), ==, 0);

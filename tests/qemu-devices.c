@@ -803,6 +803,30 @@ odirect_image(void)
     return path;
 }
 
+/* Blocks of the image that no longer hold what odirect_image() wrote
+ * (the console says which). */
+static guint
+odirect_image_bad(const char *path)
+{
+    g_autofree char *data = NULL;
+    g_autoptr(GError) error = NULL;
+    guint8 want[PF_PAGE_SIZE];
+    gsize len = 0;
+    guint bad = 0;
+
+    g_assert_true(g_file_get_contents(path, &data, &len, &error));
+    g_assert_no_error(error);
+    g_assert_cmpuint(len, ==, ODIRECT_BLOCKS * PF_PAGE_SIZE);
+    for (guint i = 0; i < ODIRECT_BLOCKS; i++) {
+        pf_fill_page(want, pf_page_seed(5, 0, i, 0));
+        if (memcmp(data + (gsize)i * PF_PAGE_SIZE, want, PF_PAGE_SIZE) != 0) {
+            g_test_message("%s: block %u differs", path, i);
+            bad++;
+        }
+    }
+    return bad;
+}
+
 static void
 odirect_image_free(char *path)
 {
@@ -938,13 +962,13 @@ test_odirect(gconstpointer data)
     odirect_image_free(g_steal_pointer(&image));
 }
 
-/* The patched vhost-user-blk serving image read-only on sock, once its
+/* The patched vhost-user-blk serving image on sock, once its
  * socket is there; NULL (the path skipped) where it was not built. */
 static GSubprocess *
 vhost_user_blk_start(const char *image, const char *sock)
 {
     g_autofree char *binary = pf_test_qemu_tool("vhost-user-blk");
-    const char *argv[] = { binary, "-s", sock, "-b", image, "-r", NULL };
+    const char *argv[] = { binary, "-s", sock, "-b", image, NULL };
     g_autoptr(GError) error = NULL;
     GSubprocess *p;
 
@@ -990,13 +1014,15 @@ open_flags(const char *pid, const char *path)
 /*
  * Two guests read one disk served by the patched vhost-user-blk (each its
  * own, VHOST_USER_PROTOCOL_F_MEM_FAULTS) with O_DIRECT into buffers they
- * keep: vhost-user-blk reads the image into guest RAM through its own
- * mapping (its image opened O_DSYNC rather than O_DIRECT, so that it pins
- * no guest RAM).  Buffers of both guests hold the same blocks and merge;
- * reads land in merged buffers, which are folded back as vhost-user-blk
- * touches them, and pagefoldd is killed with -9 and started again
- * partway.  Each guest checks every page it reads, and all its buffers
- * again every few seconds.
+ * keep, and write buffers back to the blocks they hold: vhost-user-blk
+ * moves the data through its own mapping of guest RAM (its image opened
+ * O_DSYNC rather than O_DIRECT, so that it pins no guest RAM).  Buffers
+ * of both guests hold the same blocks and merge; reads and writes land in
+ * merged buffers, which are folded back as vhost-user-blk touches them,
+ * and pagefoldd is killed with -9 and started again partway.  Each guest
+ * checks every page it reads or writes, and all its buffers again every
+ * few seconds; a page written wrong lands in the image, which the next
+ * reads and the check at the end find.
  */
 static void
 test_merge_vhost_user_blk(void)
@@ -1028,7 +1054,7 @@ test_merge_vhost_user_blk(void)
         PfGuestSpec spec = { name, d->agent_sock, 128, 1, i + 1, ODIRECT_SECONDS, 4, FALSE,
                              FALSE, extra,
                              "pfguest.odirect=" G_STRINGIFY(ODIRECT_BUFS)
-                             " pfguest.odirect_pause_us=5000" };
+                             " pfguest.odirect_write=1 pfguest.odirect_pause_us=5000" };
 
         blk[i] = vhost_user_blk_start(image, sock);
         if (blk[i] == NULL) {
@@ -1070,12 +1096,15 @@ test_merge_vhost_user_blk(void)
     }
     for (int i = 0; i < 2; i++) {
         g_autofree char *counts = last_counts(g[i], "PFGUEST ODIRECT", ODIRECT_SECONDS + 60);
-        unsigned long reads = 0, pages = 0, bad = 1;
+        unsigned long reads = 0, pages = 0, bad = 1, writes = 0;
 
-        g_assert_cmpint(sscanf(counts, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu", &reads,
-                               &pages, &bad), ==, 3);
+        g_assert_cmpint(sscanf(counts, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu writes=%lu",
+                               &reads, &pages, &bad, &writes), ==, 4);
+        g_test_message("%s: %lu reads, %lu pages written, %lu bad pages", g[i]->name, reads,
+                       writes, bad);
         g_assert_cmpuint(bad, ==, 0);
-        g_assert_cmpuint(reads, >=, 500);
+        g_assert_cmpuint(reads, >=, 250);
+        g_assert_cmpuint(writes, >=, 250);
         pf_test_guest_free(g[i]);
         g_subprocess_force_exit(blk[i]);
         g_assert_true(g_subprocess_wait(blk[i], NULL, NULL));
@@ -1086,6 +1115,154 @@ test_merge_vhost_user_blk(void)
 
         unlink(sock);
     }
+    g_assert_cmpuint(odirect_image_bad(image), ==, 0);
+    odirect_image_free(g_steal_pointer(&image));
+}
+
+/* Waits for the guest's next "PFGUEST ODIRECT" line: its reads and writes
+ * so far (a bad page fails at once). */
+static void
+odirect_progress(Guest *g, unsigned long *reads, unsigned long *writes)
+{
+    g_autofree char *line = pf_test_guest_expect(g, "PFGUEST ODIRECT", 60);
+    unsigned long pages = 0, bad = 1;
+
+    g_assert_cmpint(sscanf(line, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu writes=%lu",
+                           reads, &pages, &bad, writes), ==, 4);
+    g_assert_cmpuint(bad, ==, 0);
+}
+
+/* Waits until the agent's counter member of g passes above. */
+static gint64
+agent_stat_above(Guest *g, const char *member, gint64 above, guint seconds)
+{
+    gint64 now = pf_test_guest_agent_stat(g, member);
+
+    for (guint i = 0; i < seconds * 10 && now <= above; i++) {
+        g_usleep(100000);
+        now = pf_test_guest_agent_stat(g, member);
+    }
+    g_test_message("%s: %s %" G_GINT64_FORMAT, g->name, member, now);
+    g_assert_cmpint(now, >, above);
+    return now;
+}
+
+/*
+ * A real back-end's life beside a merging guest: vhost-user-blk plugged
+ * in after the guest's pages merged (its first touches fold them back),
+ * memory plugged in while it is attached, the back-end killed with -9
+ * amid merges and its own fold-backs, QEMU reconnecting to a new one,
+ * the back-end stopped for a while.  The guest reads and writes the disk
+ * with O_DIRECT all the while once it is there, checking every page, and
+ * the image holds what it should at the end.
+ */
+static void
+test_life_vhost_user_blk(void)
+{
+    g_autoptr(PfTestDaemon) d = NULL;
+    g_autofree char *image = NULL;
+    g_autofree char *dir = NULL;
+    g_autofree char *sock = NULL;
+    g_autofree char *chardev = NULL;
+    g_autofree char *counts = NULL;
+    PfGuestSpec spec = { "vublk-life", NULL, 256, 16, 1, 30, 4, FALSE, FALSE, NULL,
+                         "memhp_default_state=online_movable pfguest.late_mib=48"
+                         " pfguest.odirect=" G_STRINGIFY(ODIRECT_BUFS)
+                         " pfguest.odirect_write=1 pfguest.odirect_late=1"
+                         " pfguest.odirect_pause_us=5000", 1024 };
+    unsigned long reads = 0, writes = 0, pages = 0, bad = 1, reads0, writes0;
+    gint64 merged, fold_backs;
+    GSubprocess *blk;
+    Guest *g;
+
+    if (!have_qemu()) {
+        return;
+    }
+    image = odirect_image();
+    if (image == NULL) {
+        g_test_skip("/var/tmp has no O_DIRECT");
+        return;
+    }
+    dir = g_path_get_dirname(image);
+    sock = g_build_filename(dir, "blk.sock", NULL);
+    g = daemon_and_guest(&d, &spec);
+    json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
+    json_node_unref(pf_test_ctl_json(d, "set", "target_pass_millisecs", "200", NULL));
+    json_node_unref(pf_test_ctl_json(d, "set", "sleep_millisecs", "5", NULL));
+    merged = agent_stat_above(g, "merged", 1000, 120);
+
+    /* Plugged in: its buffers were merged zero pages. */
+    blk = vhost_user_blk_start(image, sock);
+    if (blk == NULL) {
+        pf_test_guest_free(g);
+        odirect_image_free(g_steal_pointer(&image));
+        return;
+    }
+    chardev = g_strdup_printf("{\"id\": \"c0\", \"backend\": {\"type\": \"socket\", \"data\":"
+                              " {\"addr\": {\"type\": \"unix\", \"data\": {\"path\": \"%s\"}},"
+                              " \"server\": false, \"reconnect\": 1}}}", sock);
+    json_node_unref(pf_test_guest_qmp(g, "chardev-add", chardev));
+    json_node_unref(pf_test_guest_qmp(g, "device_add",
+                                      "{\"driver\": \"vhost-user-blk-pci\", \"id\": \"blk0\","
+                                      " \"chardev\": \"c0\"}"));
+    odirect_progress(g, &reads, &writes);
+    fold_backs = agent_stat_above(g, "backend-fold-backs", 0, 60);
+    listed_merging(d, g->name);
+
+    /* Memory plugged in while it is attached: it maps the DIMM too. */
+    json_node_unref(pf_test_guest_qmp(g, "object-add",
+                                      "{\"qom-type\": \"memory-backend-memfd\", \"id\": \"mem1\","
+                                      " \"size\": 134217728, \"share\": true}"));
+    json_node_unref(pf_test_guest_qmp(g, "device_add",
+                                      "{\"driver\": \"pc-dimm\", \"id\": \"dimm1\","
+                                      " \"memdev\": \"mem1\"}"));
+    g_free(pf_test_guest_expect(g, "PFGUEST LATE filled", 120));
+    wait_live_regions(d, g->name, 2, NULL, NULL);
+    merged = agent_stat_above(g, "merged", merged, 60);
+    listed_merging(d, g->name);
+
+    /*
+     * Killed amid merges and its own fold-backs; QEMU reconnects to the
+     * next one on the socket, and the guest's requests in flight go on
+     * there.
+     */
+    g_usleep(G_USEC_PER_SEC * g_test_rand_int_range(1, 4));
+    g_subprocess_send_signal(blk, SIGKILL);
+    g_subprocess_wait(blk, NULL, NULL);
+    g_object_unref(blk);
+    merged = agent_stat_above(g, "merged", merged, 60);
+    /* Its successor's fold-backs count from here. */
+    fold_backs = pf_test_guest_agent_stat(g, "backend-fold-backs");
+    blk = vhost_user_blk_start(image, sock);
+    reads0 = reads;
+    writes0 = writes;
+    for (int i = 0; i < 30 && (reads == reads0 || writes == writes0); i++) {
+        odirect_progress(g, &reads, &writes);
+    }
+    g_assert_cmpuint(reads, >, reads0);
+    g_assert_cmpuint(writes, >, writes0);
+    fold_backs = agent_stat_above(g, "backend-fold-backs", fold_backs, 60);
+    listed_merging(d, g->name);
+
+    /* Stopped: the guest's I/O waits, its merges do not. */
+    g_assert_true(kill(atoi(g_subprocess_get_identifier(blk)), SIGSTOP) == 0);
+    merged = agent_stat_above(g, "merged", merged, 60);
+    g_assert_true(kill(atoi(g_subprocess_get_identifier(blk)), SIGCONT) == 0);
+    listed_merging(d, g->name);
+    g_test_message("%s: merged %" G_GINT64_FORMAT ", folded back for vhost-user-blk %"
+                   G_GINT64_FORMAT, g->name, merged, fold_backs);
+
+    counts = last_counts(g, "PFGUEST ODIRECT", 120);
+    g_assert_cmpint(sscanf(counts, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu writes=%lu",
+                           &reads, &pages, &bad, &writes), ==, 4);
+    g_test_message("%s: %lu reads, %lu writes, %lu bad pages", g->name, reads, writes, bad);
+    g_assert_cmpuint(bad, ==, 0);
+    pf_test_guest_free(g);
+    g_subprocess_force_exit(blk);
+    g_assert_true(g_subprocess_wait(blk, NULL, NULL));
+    g_object_unref(blk);
+    unlink(sock);
+    g_assert_cmpuint(odirect_image_bad(image), ==, 0);
     odirect_image_free(g_steal_pointer(&image));
 }
 
@@ -1096,6 +1273,7 @@ qemu_devices_add_tests(void)
     add_func("/qemu/advise/virtiofs", test_advise_virtiofs, FALSE);
     add_func("/qemu/merge/virtiofs", test_merge_virtiofs, FALSE);
     add_func("/qemu/merge/vhost-user-blk", test_merge_vhost_user_blk, FALSE);
+    add_func("/qemu/life/vhost-user-blk", test_life_vhost_user_blk, FALSE);
     add_func("/qemu/advise/migration", test_advise_migration, FALSE);
     add_func("/qemu/advise/private-ram", test_advise_private_ram, FALSE);
     add_func("/qemu/balloon", test_balloon, FALSE);

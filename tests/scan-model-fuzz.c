@@ -36,26 +36,29 @@ static const FuzzMode fuzz_modes[] = {
 #define FUZZ_ROUNDS 32
 #define FUZZ_MAX_VMS 7
 
-/* A real agent's failures: a page in DMA, an I/O error, out of mappings.
+/* A real agent's failures: a page in DMA, a back-end settling, an I/O error, out of mappings.
  * A lying one answers anything, for anything. */
 static void
 fuzz_answer(ModelAgent *l, const PfWireItem *item, const PfPending *pd,
             PfResultStatus *status, int *err)
 {
-    static const int errs[] = { EBUSY, EIO, ENOMEM, EPERM, EFAULT };
+    static const int errs[] = { EBUSY, EIO, ENOMEM, EPERM, EFAULT, EINPROGRESS };
     guint x = g_rand_int_range(model->rand, 0, 100);
 
     if (model->lying) {
         *status = (PfResultStatus)g_rand_int_range(model->rand, 0, 3);
-        *err = *status == PF_RESULT_ERROR ? errs[g_rand_int_range(model->rand, 0, 5)] : 0;
+        *err = *status == PF_RESULT_ERROR ? errs[g_rand_int_range(model->rand, 0, G_N_ELEMENTS(errs))] : 0;
         return;
     }
     if (*status != PF_RESULT_DONE || !pf_vm_merges(l->vm)) {
         return;
     }
-    if (x < 8) {
+    if (x < 6) {
         *status = PF_RESULT_ERROR;
         *err = EBUSY;
+    } else if (x < 8 && item->kind != PF_ITEM_UNMERGE) {
+        *status = PF_RESULT_ERROR;
+        *err = EINPROGRESS; /* a back-end settling */
     } else if (x < 12 && item->kind != PF_ITEM_UNMERGE) {
         *status = PF_RESULT_ERROR;
         *err = x < 10 ? EIO : ENOMEM;

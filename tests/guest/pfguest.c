@@ -33,7 +33,13 @@
  * pf_page_seed(5, 0, i, 0) is the same page).  pfguest.odirect_pause_us=
  * (0) sleeps between reads.  The host pins a page for such a read and the
  * device writes it behind the page tables: a page the host remaps
- * meanwhile shows up here as stale data.
+ * meanwhile shows up here as stale data.  pfguest.odirect_write=1: every
+ * other operation writes a run of buffers back with O_DIRECT, each page to
+ * the block it holds (checked first): the device reads guest RAM for it,
+ * and a page it read wrong (a hole's zeros, another page) lands on the
+ * disk, where the next reads and the host's check of the image find it.
+ * pfguest.odirect_late=1: /dev/vda is plugged in later; the reads start
+ * once it is there.
  * pfguest.virtiofs= (0) buffer pages: instead of sleeping, write files
  * through the virtiofs share tagged "pf" (mounted on /mnt) from buffers of
  * that many pages, read each back into other buffers, and check every
@@ -48,7 +54,7 @@
  * be merged, and the next write and read land in merged pages.
  * It prints on the console, one line each: "PFGUEST READY", "PFGUEST
  * SCRATCH filled|freed", "PFGUEST LATE filled", "PFGUEST CHECK
- * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=...", "PFGUEST
+ * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=... writes=...", "PFGUEST
  * VIRTIOFS writes=... reads=... pages=... bad=..." with each
  * check (a bad page also prints "PFGUEST ODIRECT|VIRTIOFS FAIL ..." at once), and
  * at the end "PFGUEST PASS" or "PFGUEST FAIL", then powers the guest off.
@@ -124,8 +130,9 @@ typedef struct {
     uint8_t *bufs;
     size_t *held;       /* the block each buffer holds, n_blocks if none */
     unsigned long pause_us;
+    int write;          /* pfguest.odirect_write */
     uint64_t rng;
-    unsigned long reads, pages, bad;
+    unsigned long reads, writes, pages, bad;
 } Odirect;
 
 static uint64_t
@@ -160,13 +167,14 @@ odirect_page_bad(Odirect *o, size_t i, size_t b, const char *when)
 }
 
 static int
-odirect_open(Odirect *o, unsigned long n_bufs, unsigned long pause_us, unsigned long seed)
+odirect_open(Odirect *o, unsigned long n_bufs, unsigned long pause_us, int write,
+             unsigned long seed)
 {
     uint64_t size = 0;
 
     /* The disk appears when virtio_blk's probe is done: wait a little. */
     for (int i = 0; i < 100; i++) {
-        o->fd = open("/dev/vda", O_RDONLY | O_DIRECT);
+        o->fd = open("/dev/vda", (write ? O_RDWR : O_RDONLY) | O_DIRECT);
         if (o->fd >= 0 || errno != ENOENT) {
             break;
         }
@@ -190,6 +198,7 @@ odirect_open(Odirect *o, unsigned long n_bufs, unsigned long pause_us, unsigned 
         o->held[i] = o->n_blocks;
     }
     o->pause_us = pause_us;
+    o->write = write;
     o->rng = seed * 0x9E3779B97F4A7C15ull | 1;
     return 0;
 }
@@ -215,6 +224,46 @@ odirect_read(Odirect *o)
         o->held[i + t] = b + t;
         o->pages++;
         o->bad += odirect_page_bad(o, i + t, b + t, "just read");
+    }
+}
+
+/* odirect_open() with the settings of the kernel command line. */
+static int
+odirect_open_with(Odirect *o, const char *cmdline, unsigned long seed)
+{
+    return odirect_open(o, param(cmdline, "pfguest.odirect=", 0),
+                        param(cmdline, "pfguest.odirect_pause_us=", 0),
+                        (int)param(cmdline, "pfguest.odirect_write=", 0), seed);
+}
+
+/* Up to ODIRECT_RUN buffers from a random one written back, one page a
+ * write, each to the block it holds, once checked. */
+static void
+odirect_write(Odirect *o)
+{
+    size_t k = 1 + next_rand(&o->rng) % ODIRECT_RUN;
+    size_t i = next_rand(&o->rng) % (o->n_bufs - k + 1);
+
+    for (size_t t = i; t < i + k; t++) {
+        size_t b = o->held[t];
+        ssize_t n;
+
+        if (b == o->n_blocks) {
+            continue;
+        }
+        if (odirect_page_bad(o, t, b, "before writing")) {
+            o->bad++;
+            continue;
+        }
+        n = pwrite(o->fd, o->bufs + t * PAGE, PAGE, (off_t)b * PAGE);
+        if (n != PAGE) {
+            printf("PFGUEST ODIRECT FAIL write of block %zu: %zd, %s\n", b, n,
+                   strerror(errno));
+            fflush(stdout);
+            o->bad++;
+            continue;
+        }
+        o->writes++;
     }
 }
 
@@ -255,7 +304,11 @@ odirect_for(Odirect *o, unsigned long ms)
     double end = now() + ms * 1e-3;
 
     do {
-        odirect_read(o);
+        if (o->write && next_rand(&o->rng) % 2) {
+            odirect_write(o);
+        } else {
+            odirect_read(o);
+        }
         if (o->pause_us) {
             usleep(o->pause_us);
         }
@@ -274,7 +327,8 @@ odirect_check(Odirect *o)
         }
     }
     o->bad += bad;
-    printf("PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu\n", o->reads, o->pages, o->bad);
+    printf("PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu writes=%lu\n", o->reads, o->pages,
+           o->bad, o->writes);
     fflush(stdout);
     return bad;
 }
@@ -437,6 +491,7 @@ main(void)
     FILE *f;
     unsigned long mib, seed, vol_pct, period_ms, check_s, seconds, reboot_after;
     unsigned long scratch_mib, scratch_s, odirect_bufs, late_mib, until_told, vfs_bufs;
+    unsigned long odirect_late;
     int told = 0;
     uint8_t *scratch = NULL, *late = NULL;
     unsigned long long ram_at_start = 0;
@@ -465,6 +520,7 @@ main(void)
     scratch_mib = param(cmdline, "pfguest.scratch_mib=", 0);
     scratch_s = param(cmdline, "pfguest.scratch_s=", 10);
     odirect_bufs = param(cmdline, "pfguest.odirect=", 0);
+    odirect_late = param(cmdline, "pfguest.odirect_late=", 0);
     late_mib = param(cmdline, "pfguest.late_mib=", 0);
     until_told = param(cmdline, "pfguest.until_told=", 0);
     vfs_bufs = param(cmdline, "pfguest.virtiofs=", 0);
@@ -494,9 +550,7 @@ main(void)
             fill(p, mix(3, seed, i, 0));
         }
     }
-    if (odirect_bufs > 0 &&
-        odirect_open(&od, odirect_bufs, param(cmdline, "pfguest.odirect_pause_us=", 0),
-                     seed) < 0) {
+    if (odirect_bufs > 0 && !odirect_late && odirect_open_with(&od, cmdline, seed) < 0) {
         return 1;
     }
     if (vfs_bufs > 0 && odirect_bufs > 0) {
@@ -556,6 +610,11 @@ main(void)
             }
             printf("PFGUEST LATE filled %lu MiB\n", late_mib);
             fflush(stdout);
+        }
+
+        if (odirect_bufs > 0 && od.fd < 0 && access("/dev/vda", F_OK) == 0 &&
+            odirect_open_with(&od, cmdline, seed) < 0) {
+            return 1;
         }
 
         /* The guest keeps writing: volatile pages get new content. */
