@@ -7,11 +7,13 @@
  * back-end attached after pages merged folds back what it touches; one
  * killed, or stopped, costs its VM nothing; pagefoldd killed with -9
  * partway; a back-end that hands something else than its userfaultfd, or
- * wrong ranges, is refused and the VM steps back.
+ * wrong ranges, is refused and the VM steps back; the agent's system
+ * calls failing on the way.
  *
  * Owns: its stand-ins and pagefoldds, one set per test.  It must never
  * leave a back-end stopped (a stopped one holds its VMM's device writers).
  */
+#include <errno.h>
 #include <glib.h>
 #include <signal.h>
 #include <string.h>
@@ -77,8 +79,7 @@ test_writers(void)
         }
         g_assert_cmpint(pf_test_vmm_stat(v[0], "backend_fold_backs"), >=, 10 * (half + 1));
         if (half == 0) {
-            g_subprocess_send_signal(d->proc, SIGKILL);
-            g_subprocess_wait(d->proc, NULL, NULL);
+            pf_test_daemon_kill(d);
             for (int i = 0; i < 2; i++) {
                 wait_disconnected(v[i]);
             }
@@ -126,6 +127,57 @@ test_late(void)
     g_free(pf_test_vmm_cmd(v[0], "backend verify"));
     g_assert_cmpint(pf_test_vmm_number(v[0], "device", "bad"), ==, 0);
     for (int i = 0; i < 2; i++) {
+        pf_test_vmm_verify(v[i]);
+        pf_test_vmm_quit(v[i]);
+    }
+}
+
+/*
+ * Each system call a window of merges or a back-end's fault takes fails a
+ * few times, at a random point, while pages merge and the device writes:
+ * windows are refused and undone, faults wait and are met once the calls
+ * work again.  No write is lost, no read sees another page, and the
+ * device's writers go on after each (no fault is left blocked).
+ */
+static void
+test_syscalls(void)
+{
+    /* wp-off last: a back-end whose protection cannot be lifted is
+     * broken for good, and its VM merges no more (its faults are still
+     * met). */
+    static const char *const calls[] = { "wp-on", "mmap-private", "mmap-shared", "pwrite",
+                                         "fallocate", "zeropage", "wp-off" };
+    g_autoptr(PfTestDaemon) d = pf_test_daemon_start("--set", "target_pass_millisecs=50",
+                                                     "--set", "sleep_millisecs=1", NULL);
+    Vmm *v[2] = { vmm_start_full(d, "f0", 1, 2, FALSE, "--backend --device-writers=2"),
+                  vmm_start_full(d, "f1", 2, 2, FALSE, "--backend --device-writers=2") };
+
+    for (int k = 0; k < 600 && (pf_test_vmm_stat(v[0], "merged") < 100 ||
+                                pf_test_vmm_stat(v[0], "backend_fold_backs") < 10); k++) {
+        g_usleep(50000);
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(calls); i++) {
+        g_autofree char *fault = g_strdup_printf("fault %s %d 3 %d", calls[i],
+                                                 g_test_rand_int_range(0, 20), EIO);
+        gint64 writes, merged = pf_test_vmm_stat(v[0], "merged");
+
+        g_free(pf_test_vmm_cmd(v[0], fault));
+        g_usleep(g_test_rand_int_range(200000, 1000000));
+        g_free(pf_test_vmm_cmd(v[0], "fault none"));
+        writes = pf_test_vmm_number(v[0], "device", "writes");
+        for (int k = 0; k < 600 && pf_test_vmm_number(v[0], "device", "writes") < writes + 100;
+             k++) {
+            g_usleep(50000);
+        }
+        g_test_message("%s failing: merged %" G_GINT64_FORMAT " -> %" G_GINT64_FORMAT
+                       ", folded back for the back-end %" G_GINT64_FORMAT, calls[i], merged,
+                       pf_test_vmm_stat(v[0], "merged"),
+                       pf_test_vmm_stat(v[0], "backend_fold_backs"));
+        g_assert_cmpint(pf_test_vmm_number(v[0], "device", "writes"), >=, writes + 100);
+        g_assert_cmpint(pf_test_vmm_number(v[0], "device", "bad"), ==, 0);
+    }
+    for (int i = 0; i < 2; i++) {
+        g_assert_cmpint(pf_test_vmm_number(v[i], "device", "bad"), ==, 0);
         pf_test_vmm_verify(v[i]);
         pf_test_vmm_quit(v[i]);
     }
@@ -260,6 +312,7 @@ main(int argc, char **argv)
     g_test_add_func("/agent/backend/late", test_late);
     g_test_add_func("/agent/backend/killed-stopped", test_killed_stopped);
     g_test_add_func("/agent/backend/expect-leave", test_expect_leave);
+    g_test_add_func("/agent/backend/syscalls", test_syscalls);
     g_test_add_data_func("/agent/backend/refused/not-uffd", "notuffd", test_refused);
     g_test_add_data_func("/agent/backend/refused/range", "range", test_refused);
     return g_test_run();

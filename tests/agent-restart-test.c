@@ -30,8 +30,7 @@ test_kill_daemon(void)
         Vmm *v[2] = { vmm_start(d, "k0", 1, 2, FALSE), vmm_start(d, "k1", 2, 2, FALSE) };
 
         g_usleep(g_random_int_range(50000, 600000));
-        g_subprocess_send_signal(d->proc, SIGKILL);
-        g_subprocess_wait(d->proc, NULL, NULL);
+        pf_test_daemon_kill(d);
         for (int i = 0; i < 2; i++) {
             pf_test_vmm_verify(v[i]);
             wait_disconnected(v[i]);
@@ -104,8 +103,7 @@ test_restart(void)
                                      argv, NULL);
             g_usleep(g_random_int_range(1000, 100000));
         }
-        g_subprocess_send_signal(d->proc, SIGKILL);
-        g_subprocess_wait(d->proc, NULL, NULL);
+        pf_test_daemon_kill(d);
         for (int i = 0; i < 3; i++) {
             wait_disconnected(v[i]);
             before += pf_test_vmm_stat(v[i], "remapped");
@@ -212,8 +210,7 @@ test_domains_restart(void)
      * not a second later. */
     late = vmm_start(d, "d4", 5, 0, FALSE);
     json_node_unref(pf_test_ctl_json(d, "merge-domain", "d4", "t3", NULL));
-    g_subprocess_send_signal(d->proc, SIGKILL);
-    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_kill(d);
     for (int i = 0; i < 4; i++) {
         wait_disconnected(v[i]);
     }
@@ -235,8 +232,7 @@ test_domains_restart(void)
     g_assert_cmpint(total(after, "pages_shared"), ==, total(before, "pages_shared"));
     /* What was kept cannot be read: VMs that merged come back apart,
      * never in default. */
-    g_subprocess_send_signal(d->proc, SIGKILL);
-    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_kill(d);
     for (int i = 0; i < 4; i++) {
         wait_disconnected(v[i]);
     }

@@ -186,8 +186,7 @@ test_libvirt_domain(void)
     sharing = total(s, "pages_sharing");
     g_assert_cmpint(sharing, >, IDENTICAL / 2);
 
-    g_subprocess_send_signal(d->proc, SIGKILL);
-    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_kill(d);
     for (int i = 0; i < 2; i++) {
         wait_disconnected(v[i]);
     }

@@ -24,7 +24,9 @@
  * pagefoldd's is in its Pss already, KSM's rmap_items (in the kernel) are
  * charged as its general_profit counter charges them; used_mib is what is
  * held at the end, counted the same way (the guests' Pss, and pagefoldd's
- * or KSM's rmap_items).
+ * or KSM's rmap_items); tcg_mib is the part of it that is the code TCG
+ * translated the guests' into (QEMU's writable, executable anonymous
+ * mapping), the stand-in's own memory that KVM does not have.
  * Runs every system PAGEFOLD_BENCH_REPS times (default 5, at most 16),
  * alternating: one run of each per round, so that what else the host does
  * falls on all of them alike.  Prints one JSON line per run as it ends,
@@ -65,6 +67,9 @@ typedef struct {
     double fold_backs_per_s; /* pages folded back for virtiofsd (+virtiofs) */
     double backends_own_mib; /* of used_mib, the virtiofsds' memory other
                               * than guest RAM (+virtiofs) */
+    double tcg_mib;  /* of used_mib, the QEMUs' code TCG translated the
+                      * guests' into: the stand-in for KVM's own, which a
+                      * guest running more kinds of code grows */
 } Result;
 
 static double
@@ -189,10 +194,12 @@ median_of(GArray *a)
 
 /* What a process's Pss is made of, added to kib[] by kind (PSS_*): the
  * guest's RAM (its memfd, or the anonymous mapping of exactly its size),
- * pagefold's pool, other anonymous memory, the heap, mapped files. */
-enum { PSS_RAM, PSS_POOL, PSS_ANON, PSS_HEAP, PSS_FILES, PSS_KINDS };
-static const char *const pss_kinds[PSS_KINDS] = { "guest RAM", "pool", "other anon", "heap",
-                                                  "files" };
+ * pagefold's pool, TCG's translated code (QEMU's one anonymous mapping
+ * that is writable and executable), other anonymous memory, the heap,
+ * mapped files. */
+enum { PSS_RAM, PSS_POOL, PSS_TCG, PSS_ANON, PSS_HEAP, PSS_FILES, PSS_KINDS };
+static const char *const pss_kinds[PSS_KINDS] = { "guest RAM", "pool", "TCG code",
+                                                  "other anon", "heap", "files" };
 
 static void
 pss_by_kind(int pid, guint64 ram_bytes, double kib[PSS_KINDS])
@@ -209,16 +216,19 @@ pss_by_kind(int pid, guint64 ram_bytes, double kib[PSS_KINDS])
     for (char **l = lines; *l != NULL; l++) {
         guint64 from, to;
         gint64 pss;
+        char perms[5] = "";
         int name_at = 0;
 
-        if (sscanf(*l, "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x %*s %*s %*s %*s %n",
-                   &from, &to, &name_at) == 2 && name_at > 0) {
+        if (sscanf(*l, "%" G_GINT64_MODIFIER "x-%" G_GINT64_MODIFIER "x %4s %*s %*s %*s %n",
+                   &from, &to, perms, &name_at) == 3 && name_at > 0) {
             const char *n = *l + name_at;
 
             if (strstr(n, "memory-backend") != NULL || (*n == '\0' && to - from == ram_bytes)) {
                 kind = PSS_RAM;
             } else if (strstr(n, "pagefold-pool") != NULL) {
                 kind = PSS_POOL;
+            } else if (*n == '\0' && g_str_equal(perms, "rwxp")) {
+                kind = PSS_TCG;
             } else if (*n == '\0') {
                 kind = PSS_ANON;
             } else {
@@ -432,6 +442,12 @@ run_system(const char *name, gboolean pf, guint pages_to_scan, gboolean vfs, int
         }
     }
     for (int i = 0; i < n_guests; i++) {
+        double kib[PSS_KINDS] = { 0 };
+
+        pss_by_kind(g[i]->pid, (guint64)ram_mib << 20, kib);
+        res.tcg_mib += kib[PSS_TCG] / 1024.0;
+    }
+    for (int i = 0; i < n_guests; i++) {
         pf_test_guest_free(g[i]);
         if (fsd[i] != NULL) {
             pf_virtiofsd_free(fsd[i]);
@@ -459,19 +475,20 @@ print_json(const Result *r, const char *what, int k, int n, int mib)
     printf("{\"bench\":\"qemu\",\"system\":\"%s\",\"%s\":%d,\"guests\":%d,\"fill_mib\":%d,"
            "\"start_mib\":%.1f,\"freed_mib\":%.1f,\"freed_net_mib\":%.1f,\"used_mib\":%.1f,"
            "\"t90_s\":%.2f,\"cpu_to_90_s\":%.2f,\"agent_cpu_to_90_s\":%.2f,"
-           "\"guest_slowdown\":%.2f,\"fold_backs_per_s\":%.1f,\"backends_own_mib\":%.1f}\n",
+           "\"guest_slowdown\":%.2f,\"fold_backs_per_s\":%.1f,\"backends_own_mib\":%.1f,"
+           "\"tcg_mib\":%.1f}\n",
            r->name, what, k, n, mib, r->start_mib, r->saved_mib, r->net_mib, r->used_mib,
            r->t90_s, r->cpu90_s, r->agent90_s, r->slowdown, r->fold_backs_per_s,
-           r->backends_own_mib);
+           r->backends_own_mib, r->tcg_mib);
     fflush(stdout);
 }
 
 static void
 print_csv(const char *label, const Result *r, int n, int mib)
 {
-    printf("%s,%d,%d,%.1f,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f,%.1f,%.1f\n", label, n, mib,
+    printf("%s,%d,%d,%.1f,%.1f,%.1f,%.1f,%.2f,%.2f,%.2f,%.2f,%.1f,%.1f,%.1f\n", label, n, mib,
            r->start_mib, r->saved_mib, r->net_mib, r->used_mib, r->t90_s, r->cpu90_s,
-           r->agent90_s, r->slowdown, r->fold_backs_per_s, r->backends_own_mib);
+           r->agent90_s, r->slowdown, r->fold_backs_per_s, r->backends_own_mib, r->tcg_mib);
 }
 
 /* KSM's knobs as found, put back however the run ends: meson's timeout
@@ -601,13 +618,15 @@ main(int argc, char **argv)
         MEDIAN(slowdown);
         MEDIAN(fold_backs_per_s);
         MEDIAN(backends_own_mib);
+        MEDIAN(tcg_mib);
 #undef MEDIAN
         print_json(&med[i], "median_of", reps, n, mib);
     }
     /* Every run, then the medians, as CSV; the medians as a table for
      * people. */
     printf("\nsystem,guests,fill_mib,start_mib,freed_mib,freed_net_mib,used_mib,t90_s,"
-           "cpu_to_90_s,agent_cpu_to_90_s,guest_slowdown,fold_backs_per_s,backends_own_mib\n");
+           "cpu_to_90_s,agent_cpu_to_90_s,guest_slowdown,fold_backs_per_s,backends_own_mib,"
+           "tcg_mib\n");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
         for (int k = 0; ran[i] && k < reps; k++) {
             g_autofree char *label = g_strdup_printf("%s#%d", systems[i].name, k + 1);
@@ -622,14 +641,15 @@ main(int argc, char **argv)
             print_csv(label, &med[i], n, mib);
         }
     }
-    printf("\nmedians of %d alternating runs\n%-16s %9s %9s %9s %9s %8s %12s %12s %9s\n", reps,
-           "system", "start_MiB", "freed_MiB", "net_MiB", "held_MiB", "t90_s", "cpu_to_90_s",
-           "agent_cpu_s", "slowdown");
+    printf("\nmedians of %d alternating runs\n%-17s %9s %9s %9s %9s %8s %12s %12s %9s %8s\n",
+           reps, "system", "start_MiB", "freed_MiB", "net_MiB", "held_MiB", "t90_s",
+           "cpu_to_90_s", "agent_cpu_s", "slowdown", "tcg_MiB");
     for (gsize i = 0; i < G_N_ELEMENTS(systems); i++) {
         if (ran[i]) {
-            printf("%-16s %9.1f %9.1f %9.1f %9.1f %8.2f %12.2f %12.2f %9.2f\n", med[i].name,
-                   med[i].start_mib, med[i].saved_mib, med[i].net_mib, med[i].used_mib,
-                   med[i].t90_s, med[i].cpu90_s, med[i].agent90_s, med[i].slowdown);
+            printf("%-17s %9.1f %9.1f %9.1f %9.1f %8.2f %12.2f %12.2f %9.2f %8.1f\n",
+                   med[i].name, med[i].start_mib, med[i].saved_mib, med[i].net_mib,
+                   med[i].used_mib, med[i].t90_s, med[i].cpu90_s, med[i].agent90_s,
+                   med[i].slowdown, med[i].tcg_mib);
         }
     }
     return 0;

@@ -99,11 +99,13 @@ faulty_pwrite(int fd, const void *buf, size_t n, off_t off)
 static int
 faulty_ioctl(int fd, unsigned long req, void *arg)
 {
+    gboolean wp = req == UFFDIO_WRITEPROTECT &&
+                  (((struct uffdio_writeprotect *)arg)->mode & UFFDIO_WRITEPROTECT_MODE_WP);
+
     if ((req == UFFDIO_REGISTER && fault_now("register")) ||
         (req == UFFDIO_UNREGISTER && fault_now("unregister")) ||
-        (req == UFFDIO_WRITEPROTECT &&
-         !(((struct uffdio_writeprotect *)arg)->mode & UFFDIO_WRITEPROTECT_MODE_WP) &&
-         fault_now("wp-off"))) {
+        (req == UFFDIO_WRITEPROTECT && !wp && fault_now("wp-off")) ||
+        (wp && fault_now("wp-on")) || (req == UFFDIO_ZEROPAGE && fault_now("zeropage"))) {
         return -1;
     }
     return ioctl(fd, req, arg);

@@ -393,8 +393,7 @@ test_merge_virtiofs(void)
     /* Merging all the while, pagefoldd killed once. */
     json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
     g_usleep(G_USEC_PER_SEC * g_test_rand_int_range(5, 15));
-    g_subprocess_send_signal(d->proc, SIGKILL);
-    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_kill(d);
     pf_test_daemon_restart(d, "--set", "run=1", "--set", "target_pass_millisecs=500", NULL);
     listed_merging(d, g->name);
     /* Its guest's page cache and buffers come from merged free pages. */
@@ -1067,8 +1066,7 @@ test_merge_vhost_user_blk(void)
         g_free(pf_test_guest_expect(g[i], "PFGUEST READY", 120));
     }
     g_usleep(G_USEC_PER_SEC * g_test_rand_int_range(3, 8));
-    g_subprocess_send_signal(d->proc, SIGKILL);
-    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_kill(d);
     pf_test_daemon_restart(d, "--set", "target_pass_millisecs=200", "--set",
                            "sleep_millisecs=5", NULL);
     for (int t = 0; t < ODIRECT_SECONDS - 10 &&

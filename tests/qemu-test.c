@@ -131,8 +131,7 @@ test_reboot_restart_shutdown(void)
     json_node_unref(s);
 
     /* pagefoldd killed and started again: rb0 runs on, merged pages valid. */
-    g_subprocess_send_signal(d->proc, SIGKILL);
-    g_subprocess_wait(d->proc, NULL, NULL);
+    pf_test_daemon_kill(d);
     pf_test_daemon_restart(d, "--set", "run=0", NULL);
     g_free(pf_test_guest_expect(g[0], "PFGUEST CHECK ok", 60));
     g_free(pf_test_guest_expect_pass(g[0], 120));
@@ -194,8 +193,7 @@ test_restarts(void)
 
         json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
         g_usleep(g_random_int_range(100000, 1500000));
-        g_subprocess_send_signal(d->proc, SIGKILL);
-        g_subprocess_wait(d->proc, NULL, NULL);
+        pf_test_daemon_kill(d);
         start = g_get_monotonic_time();
         pf_test_daemon_restart(d, "--set", "run=0", NULL);
         for (int i = 0; i < 600 && !all_merging(d, names, 2); i++) {

@@ -51,6 +51,7 @@ typedef struct {
     char *dir;    /* its socket, and share/ */
     char *share;
     char *sock;
+    gboolean tmpfs; /* share is a tmpfs of its own */
 } PfVirtiofsd;
 
 /* binary (needs root: its chroot sandbox), once its socket is there. */

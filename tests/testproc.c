@@ -423,6 +423,13 @@ pf_test_daemon_log(PfTestDaemon *d)
 }
 
 void
+pf_test_daemon_kill(PfTestDaemon *d)
+{
+    g_subprocess_send_signal(d->proc, SIGKILL);
+    g_subprocess_wait(d->proc, NULL, NULL);
+}
+
+void
 pf_test_daemon_restart(PfTestDaemon *d, const char *first_arg, ...)
 {
     va_list ap;

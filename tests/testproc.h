@@ -82,6 +82,8 @@ PfTestDaemon *pf_test_daemon_start(const char *first_arg, ...) G_GNUC_NULL_TERMI
 PfTestDaemon *pf_test_daemon_start_logged(const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
 /* All it has logged so far (started logged). */
 char *pf_test_daemon_log(PfTestDaemon *d);
+/* Kills it with -9, as a crash would, and waits until it is gone. */
+void pf_test_daemon_kill(PfTestDaemon *d);
 /* Starts it again on the same sockets (after a kill). */
 void pf_test_daemon_restart(PfTestDaemon *d, const char *first_arg, ...) G_GNUC_NULL_TERMINATED;
 void pf_test_daemon_free(PfTestDaemon *d);
