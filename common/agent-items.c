@@ -185,6 +185,10 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
             pfa_uffd_release(a, hva, len);
         }
     }
+    /* A pagefoldd before version 4 knows a page left as it was by EBUSY alone. */
+    if (rc == -EINPROGRESS && a->version < PF_PROTO_VERSION_SETTLING) {
+        rc = -EBUSY;
+    }
     if (rc < 0) {
         for (guint32 t = 0; t < n; t++) {
             set_result(&res[t], PF_RESULT_ERROR, -rc);

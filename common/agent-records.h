@@ -253,7 +253,8 @@ void pfa_backends_stop(PfAgent *a);
 /*
  * Every back-end's mappings of [addr, addr + len) write-protected, after
  * the VMM's: 0, or -errno with none protected (a back-end expected,
- * changing its mappings or gone without unmapping them: -EBUSY).
+ * changing its mappings or gone without unmapping them: -EINPROGRESS; one
+ * whose protection could not be lifted: -EIO).
  */
 int pfa_backends_hold(PfAgent *a, const guint8 *addr, gsize len);
 void pfa_backends_release(PfAgent *a, const guint8 *addr, gsize len);

@@ -23,12 +23,14 @@
  * PF_PROTO_VERSION.  The agent's HELLO says its newest; pagefoldd's
  * WELCOME says the version of the link, the lower of the two, which READY
  * and ADVISE say again: a pagefoldd upgraded under running VMs keeps
- * their older agents.  2 added HINT, 3 DISCARD's PF_RANGE_BACKEND.
+ * their older agents.  2 added HINT, 3 DISCARD's PF_RANGE_BACKEND, 4 the
+ * EINPROGRESS answer (below; an older pagefoldd gets EBUSY instead).
  */
-#define PF_PROTO_VERSION 3u
+#define PF_PROTO_VERSION 4u
 #define PF_PROTO_VERSION_MIN 1u
 #define PF_PROTO_VERSION_HINT 2u
 #define PF_PROTO_VERSION_BACKEND 3u
+#define PF_PROTO_VERSION_SETTLING 4u
 #define PF_PROTO_MAX_PAYLOAD (64u * 1024u)
 #define PF_PROTO_MAX_FDS 4u
 #define PF_PROTO_NAME_LEN 64u
@@ -180,8 +182,9 @@ typedef enum {
 
 /* The errors an agent answers that say more than the call that failed:
  * EBUSY, the page is in DMA; EPERM, the agent is stepping back;
- * EINPROGRESS, a vhost-user back-end of the VM is mapping a new memory
- * table or letting go of guest RAM, and nothing merges until it is done. */
+ * EINPROGRESS (version 4), a vhost-user back-end of the VM is mapping a
+ * new memory table or letting go of guest RAM, and nothing merges until it
+ * is done. */
 
 typedef struct {
     guint8 status;

@@ -33,25 +33,27 @@ log_refusal(PfVm *vm, const PfPending *pd, guint32 page, int err)
 {
     static const char *const verb[] = { "", "merge", "zero", "unmerge", "collapse" };
 
-    /* Said once a wait: a back-end that never settles stalls this VM's
-     * merges for good, and the log is where the user finds out why. */
-    if (err == EINPROGRESS) {
-        if (!vm->scan->backend_wait) {
-            g_message("VM %s: merges wait for a vhost-user back-end of its to map its new "
-                      "memory table or let go of guest RAM", vm->name);
-            vm->scan->backend_wait = TRUE;
-        }
-        return;
-    }
-
     /* A page in DMA (EBUSY), an agent stepping back whose ADVISE is on its
      * way (EPERM): expected, and passing, page after page. */
     if (err == EBUSY || err == EPERM) {
         g_debug("VM %s: agent could not %s page %u: %s", vm->name, verb[pd->kind], page,
                 g_strerror(err));
-    } else {
-        g_message("VM %s: agent could not %s page %u: %s", vm->name, verb[pd->kind], page,
-                  g_strerror(err));
+        return;
+    }
+    /*
+     * Said once until a merge goes through: a state that lasts (a back-end
+     * that never settles, or one the agent gave up on) refuses every
+     * window, and the log is where the user finds out why, not a flood.
+     */
+    if (err != vm->scan->refusing) {
+        if (err == EINPROGRESS) {
+            g_message("VM %s: merges wait for a vhost-user back-end of its to map its new "
+                      "memory table or let go of guest RAM", vm->name);
+        } else {
+            g_message("VM %s: agent could not %s page %u: %s (said once until a merge goes "
+                      "through)", vm->name, verb[pd->kind], page, g_strerror(err));
+        }
+        vm->scan->refusing = err;
     }
     if (err == ENOMEM) {
         /* Out of mappings: no more merges until the next count. */
@@ -156,9 +158,13 @@ complete(PfScanner *s, PfVm *vm, const PfPending *pd, PfResultStatus status, int
     }
     if (status == PF_RESULT_ERROR) {
         log_refusal(vm, pd, pd->page - r->base, err);
-    } else if (vm->scan->backend_wait) {
-        g_message("VM %s: merges go on: its back-ends settled", vm->name);
-        vm->scan->backend_wait = FALSE;
+    } else if ((pd->kind == PF_ITEM_MERGE || pd->kind == PF_ITEM_ZERO) &&
+               vm->scan->refusing != 0) {
+        /* Past the agent's holds: an unmerge takes none, and says nothing. */
+        if (vm->scan->refusing == EINPROGRESS) {
+            g_message("VM %s: merges go on: its back-ends settled", vm->name);
+        }
+        vm->scan->refusing = 0;
     }
     switch (pd->kind) {
     case PF_ITEM_MERGE:

@@ -155,9 +155,10 @@ struct _PfScanVm {
     guint64 cow;
     /* scan-cow.c: merged pages folded back as a back-end touched them. */
     guint64 backend_fold_backs;
-    /* scan-answers.c: its agent refuses merges until a back-end settles
-     * (EINPROGRESS), which the log said. */
-    gboolean backend_wait;
+    /* scan-answers.c: the errno its agent's last refusal said, which the
+     * log said once (EINPROGRESS: merges wait for a back-end to settle);
+     * 0 once a merge goes through. */
+    int refusing;
 
     /* scan-moves.c: chunks it was told to let go of (PfDropped), until
      * its look (scan-reads.c) sees it did. */

@@ -24,9 +24,9 @@
  * pagefoldd's is in its Pss already, KSM's rmap_items (in the kernel) are
  * charged as its general_profit counter charges them; used_mib is what is
  * held at the end, counted the same way (the guests' Pss, and pagefoldd's
- * or KSM's rmap_items); tcg_mib is the part of it that is the code TCG
- * translated the guests' into (QEMU's writable, executable anonymous
- * mapping), the stand-in's own memory that KVM does not have.
+ * or KSM's rmap_items); tcg_mib is the QEMUs' Pss at the end of the code
+ * TCG translated the guests' into (QEMU's writable, executable anonymous
+ * mapping), the stand-in's own memory, which KVM does not have.
  * Runs every system PAGEFOLD_BENCH_REPS times (default 5, at most 16),
  * alternating: one run of each per round, so that what else the host does
  * falls on all of them alike.  Prints one JSON line per run as it ends,
@@ -67,9 +67,11 @@ typedef struct {
     double fold_backs_per_s; /* pages folded back for virtiofsd (+virtiofs) */
     double backends_own_mib; /* of used_mib, the virtiofsds' memory other
                               * than guest RAM (+virtiofs) */
-    double tcg_mib;  /* of used_mib, the QEMUs' code TCG translated the
-                      * guests' into: the stand-in for KVM's own, which a
-                      * guest running more kinds of code grows */
+    double tcg_mib;  /* the QEMUs' Pss, at the end, of the code TCG
+                      * translated the guests' into (held, so counted in
+                      * used_mib): the stand-in's own, which KVM does not
+                      * have, and which a guest running more kinds of code
+                      * grows */
 } Result;
 
 static double

@@ -105,7 +105,7 @@ faulty_ioctl(int fd, unsigned long req, void *arg)
     if ((req == UFFDIO_REGISTER && fault_now("register")) ||
         (req == UFFDIO_UNREGISTER && fault_now("unregister")) ||
         (req == UFFDIO_WRITEPROTECT && !wp && fault_now("wp-off")) ||
-        (wp && fault_now("wp-on")) || (req == UFFDIO_ZEROPAGE && fault_now("zeropage"))) {
+        (wp && fault_now("wp-on"))) {
         return -1;
     }
     return ioctl(fd, req, arg);

@@ -13,8 +13,7 @@
  * calls: comma-separated names of "mmap-private" and "mmap-shared" (a
  * MAP_FIXED of the pool or of the memfd), "fallocate", "pwrite",
  * "madvise", "register", "unregister", "wp-on" and "wp-off" (write
- * protection, and lifting it), "zeropage" (UFFDIO_ZEROPAGE, a back-end's
- * fault in a hole); NULL: none.  times: failures before the call works again,
+ * protection, and lifting it); NULL: none.  times: failures before the call works again,
  * -1 for good.  err: the errno; for fallocate 0 means "report success
  * without doing it".  unmap: a failing mmap unmaps the range first, as a
  * MAP_FIXED that fails on commit accounting does.

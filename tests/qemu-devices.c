@@ -269,7 +269,7 @@ virtiofs_files_check(const PfVirtiofsd *v, gulong writes)
         g_autofree char *data = NULL;
         gsize len = 0;
 
-        path = g_strdup_printf("%s/f%lu", v->share, k);
+        path = g_strdup_printf("%s/f%lu", v->files, k);
         g_assert_true(g_file_get_contents(path, &data, &len, NULL));
         g_assert_cmpuint(len, ==, VIRTIOFS_BUFS * PF_PAGE_SIZE);
         for (gsize j = 0; j < VIRTIOFS_BUFS; j++) {
@@ -803,7 +803,7 @@ odirect_image(void)
 }
 
 /* Blocks of the image that no longer hold what odirect_image() wrote
- * (the console says which). */
+ * (the test's messages say which). */
 static guint
 odirect_image_bad(const char *path)
 {
@@ -975,6 +975,8 @@ vhost_user_blk_start(const char *image, const char *sock)
         g_test_skip("scripts/build-qemu built no vhost-user-blk");
         return NULL;
     }
+    /* A killed one's socket is left: the new one's is the one to wait for. */
+    unlink(sock);
     p = pf_test_spawnv(G_SUBPROCESS_FLAGS_NONE, argv, &error);
     g_assert_no_error(error);
     for (int i = 0; i < 300 && !g_file_test(sock, G_FILE_TEST_EXISTS); i++) {
@@ -1117,17 +1119,28 @@ test_merge_vhost_user_blk(void)
     odirect_image_free(g_steal_pointer(&image));
 }
 
-/* Waits for the guest's next "PFGUEST ODIRECT" line: its reads and writes
- * so far (a bad page fails at once). */
+/* The guest's reads and writes in a "PFGUEST ODIRECT" line printed after
+ * this call (lines queued before it are passed over, and fail on a FAIL;
+ * a bad page fails at once). */
 static void
-odirect_progress(Guest *g, unsigned long *reads, unsigned long *writes)
+odirect_progress_now(Guest *g, unsigned long *reads, unsigned long *writes)
 {
-    g_autofree char *line = pf_test_guest_expect(g, "PFGUEST ODIRECT", 60);
     unsigned long pages = 0, bad = 1;
+    char *line;
 
-    g_assert_cmpint(sscanf(line, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu writes=%lu",
-                           reads, &pages, &bad, writes), ==, 4);
-    g_assert_cmpuint(bad, ==, 0);
+    while ((line = g_async_queue_try_pop(g->lines)) != NULL) {
+        g_test_message("%s: %s", g->name, line);
+        g_assert_null(strstr(line, "FAIL"));
+        g_free(line);
+    }
+    /* The first may have been on its way; the second was printed after. */
+    for (int i = 0; i < 2; i++) {
+        line = pf_test_guest_expect(g, "PFGUEST ODIRECT", 60);
+        g_assert_cmpint(sscanf(line, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu writes=%lu",
+                               reads, &pages, &bad, writes), ==, 4);
+        g_free(line);
+        g_assert_cmpuint(bad, ==, 0);
+    }
 }
 
 /* Waits until the agent's counter member of g passes above. */
@@ -1145,35 +1158,67 @@ agent_stat_above(Guest *g, const char *member, gint64 above, guint seconds)
     return now;
 }
 
+/* Everything of g unmerged now, then merged again: merges go on (when
+ * says after what).  The guest itself may be waiting for its disk. */
+static void
+merges_again(PfTestDaemon *d, Guest *g, const char *when)
+{
+    gint64 merged;
+
+    json_node_unref(pf_test_ctl_json(d, "unmerge", g->name, NULL));
+    merged = pf_test_guest_agent_stat(g, "merged") + pf_test_guest_agent_stat(g, "zeroed");
+    for (int i = 0; i < 1200 && pf_test_guest_agent_stat(g, "merged") +
+                                    pf_test_guest_agent_stat(g, "zeroed") < merged + 1000;
+         i++) {
+        g_usleep(100000);
+    }
+    g_test_message("%s: merged %" G_GINT64_FORMAT " -> %" G_GINT64_FORMAT " %s", g->name,
+                   merged, pf_test_guest_agent_stat(g, "merged") +
+                   pf_test_guest_agent_stat(g, "zeroed"), when);
+    g_assert_cmpint(pf_test_guest_agent_stat(g, "merged") +
+                    pf_test_guest_agent_stat(g, "zeroed"), >=, merged + 1000);
+}
+
 /*
  * A real back-end's life beside a merging guest: vhost-user-blk plugged
  * in after the guest's pages merged (its first touches fold them back),
- * memory plugged in while it is attached, the back-end killed with -9
- * amid merges and its own fold-backs, QEMU reconnecting to a new one,
- * the back-end stopped for a while.  The guest reads and writes the disk
- * with O_DIRECT all the while once it is there, checking every page, and
- * the image holds what it should at the end.
+ * memory plugged in while it is attached (a new memory table for it),
+ * the back-end killed with -9 amid merges and its own fold-backs, QEMU
+ * reconnecting to a new one, the back-end stopped for a while.  After
+ * each, everything is unmerged and must merge again.  The guest reads and
+ * writes the disk with O_DIRECT all the while once it is there, checking
+ * every page, and the image holds what it should at the end; pagefoldd
+ * never leaves the VM's merges waiting for a back-end.
  */
 static void
 test_life_vhost_user_blk(void)
 {
     g_autoptr(PfTestDaemon) d = NULL;
+    g_autofree char *binary = NULL;
     g_autofree char *image = NULL;
     g_autofree char *dir = NULL;
     g_autofree char *sock = NULL;
     g_autofree char *chardev = NULL;
     g_autofree char *counts = NULL;
+    g_autofree char *log = NULL;
+    g_autofree char *waits = NULL;
     PfGuestSpec spec = { "vublk-life", NULL, 256, 16, 1, 30, 4, FALSE, FALSE, NULL,
                          "memhp_default_state=online_movable pfguest.late_mib=48"
                          " pfguest.odirect=" G_STRINGIFY(ODIRECT_BUFS)
                          " pfguest.odirect_write=1 pfguest.odirect_late=1"
                          " pfguest.odirect_pause_us=5000", 1024 };
     unsigned long reads = 0, writes = 0, pages = 0, bad = 1, reads0, writes0;
-    gint64 merged, fold_backs;
+    const char *last_wait, *go_on;
+    gint64 fold_backs;
     GSubprocess *blk;
     Guest *g;
 
     if (!have_qemu()) {
+        return;
+    }
+    binary = pf_test_qemu_tool("vhost-user-blk");
+    if (!g_file_test(binary, G_FILE_TEST_IS_EXECUTABLE)) {
+        g_test_skip("scripts/build-qemu built no vhost-user-blk");
         return;
     }
     image = odirect_image();
@@ -1183,19 +1228,15 @@ test_life_vhost_user_blk(void)
     }
     dir = g_path_get_dirname(image);
     sock = g_build_filename(dir, "blk.sock", NULL);
-    g = daemon_and_guest(&d, &spec);
-    json_node_unref(pf_test_ctl_json(d, "set", "run", "1", NULL));
-    json_node_unref(pf_test_ctl_json(d, "set", "target_pass_millisecs", "200", NULL));
-    json_node_unref(pf_test_ctl_json(d, "set", "sleep_millisecs", "5", NULL));
-    merged = agent_stat_above(g, "merged", 1000, 120);
+    d = pf_test_daemon_start_logged("--set", "target_pass_millisecs=200", "--set",
+                                    "sleep_millisecs=5", NULL);
+    spec.agent_sock = d->agent_sock;
+    g = pf_test_guest_start(&spec);
+    g_free(pf_test_guest_expect(g, "PFGUEST READY", 120));
+    agent_stat_above(g, "merged", 1000, 120);
 
     /* Plugged in: its buffers were merged zero pages. */
     blk = vhost_user_blk_start(image, sock);
-    if (blk == NULL) {
-        pf_test_guest_free(g);
-        odirect_image_free(g_steal_pointer(&image));
-        return;
-    }
     chardev = g_strdup_printf("{\"id\": \"c0\", \"backend\": {\"type\": \"socket\", \"data\":"
                               " {\"addr\": {\"type\": \"unix\", \"data\": {\"path\": \"%s\"}},"
                               " \"server\": false, \"reconnect\": 1}}}", sock);
@@ -1203,11 +1244,11 @@ test_life_vhost_user_blk(void)
     json_node_unref(pf_test_guest_qmp(g, "device_add",
                                       "{\"driver\": \"vhost-user-blk-pci\", \"id\": \"blk0\","
                                       " \"chardev\": \"c0\"}"));
-    odirect_progress(g, &reads, &writes);
     fold_backs = agent_stat_above(g, "backend-fold-backs", 0, 60);
+    odirect_progress_now(g, &reads, &writes);
     listed_merging(d, g->name);
 
-    /* Memory plugged in while it is attached: it maps the DIMM too. */
+    /* Memory plugged in while it is attached: a new table for it. */
     json_node_unref(pf_test_guest_qmp(g, "object-add",
                                       "{\"qom-type\": \"memory-backend-memfd\", \"id\": \"mem1\","
                                       " \"size\": 134217728, \"share\": true}"));
@@ -1216,7 +1257,7 @@ test_life_vhost_user_blk(void)
                                       " \"memdev\": \"mem1\"}"));
     g_free(pf_test_guest_expect(g, "PFGUEST LATE filled", 120));
     wait_live_regions(d, g->name, 2, NULL, NULL);
-    merged = agent_stat_above(g, "merged", merged, 60);
+    merges_again(d, g, "after the memory table with the DIMM");
     listed_merging(d, g->name);
 
     /*
@@ -1228,32 +1269,40 @@ test_life_vhost_user_blk(void)
     g_subprocess_send_signal(blk, SIGKILL);
     g_subprocess_wait(blk, NULL, NULL);
     g_object_unref(blk);
-    merged = agent_stat_above(g, "merged", merged, 60);
+    merges_again(d, g, "with the back-end killed");
     /* Its successor's fold-backs count from here. */
     fold_backs = pf_test_guest_agent_stat(g, "backend-fold-backs");
     blk = vhost_user_blk_start(image, sock);
+    fold_backs = agent_stat_above(g, "backend-fold-backs", fold_backs, 60);
     reads0 = reads;
     writes0 = writes;
-    for (int i = 0; i < 30 && (reads == reads0 || writes == writes0); i++) {
-        odirect_progress(g, &reads, &writes);
-    }
+    odirect_progress_now(g, &reads, &writes);
     g_assert_cmpuint(reads, >, reads0);
     g_assert_cmpuint(writes, >, writes0);
-    fold_backs = agent_stat_above(g, "backend-fold-backs", fold_backs, 60);
     listed_merging(d, g->name);
 
     /* Stopped: the guest's I/O waits, its merges do not. */
     g_assert_true(kill(atoi(g_subprocess_get_identifier(blk)), SIGSTOP) == 0);
-    merged = agent_stat_above(g, "merged", merged, 60);
+    merges_again(d, g, "with the back-end stopped");
     g_assert_true(kill(atoi(g_subprocess_get_identifier(blk)), SIGCONT) == 0);
     listed_merging(d, g->name);
-    g_test_message("%s: merged %" G_GINT64_FORMAT ", folded back for vhost-user-blk %"
-                   G_GINT64_FORMAT, g->name, merged, fold_backs);
+    g_test_message("%s: folded back for vhost-user-blk %" G_GINT64_FORMAT, g->name,
+                   pf_test_guest_agent_stat(g, "backend-fold-backs"));
+
+    /* Any wait for the back-end to settle ended. */
+    log = pf_test_daemon_log(d);
+    waits = g_strdup_printf("VM %s: merges wait for", g->name);
+    last_wait = g_strrstr(log, waits);
+    go_on = last_wait != NULL ? strstr(last_wait, "merges go on") : NULL;
+    g_test_message("%s: merges waited for a back-end: %s", g->name,
+                   last_wait == NULL ? "never" : go_on != NULL ? "and went on" : "still");
+    g_assert_true(last_wait == NULL || go_on != NULL);
 
     counts = last_counts(g, "PFGUEST ODIRECT", 120);
     g_assert_cmpint(sscanf(counts, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu writes=%lu",
                            &reads, &pages, &bad, &writes), ==, 4);
-    g_test_message("%s: %lu reads, %lu writes, %lu bad pages", g->name, reads, writes, bad);
+    g_test_message("%s: %lu reads, %lu pages written, %lu bad pages", g->name, reads, writes,
+                   bad);
     g_assert_cmpuint(bad, ==, 0);
     pf_test_guest_free(g);
     g_subprocess_force_exit(blk);

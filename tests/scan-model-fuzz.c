@@ -47,18 +47,19 @@ fuzz_answer(ModelAgent *l, const PfWireItem *item, const PfPending *pd,
 
     if (model->lying) {
         *status = (PfResultStatus)g_rand_int_range(model->rand, 0, 3);
-        *err = *status == PF_RESULT_ERROR ? errs[g_rand_int_range(model->rand, 0, G_N_ELEMENTS(errs))] : 0;
+        *err = *status == PF_RESULT_ERROR
+                   ? errs[g_rand_int_range(model->rand, 0, G_N_ELEMENTS(errs))] : 0;
         return;
     }
     if (*status != PF_RESULT_DONE || !pf_vm_merges(l->vm)) {
         return;
     }
-    if (x < 6) {
+    /* A quarter of the refusals of merge and zero items are a back-end
+     * settling, which the agent answers for those alone. */
+    if (x < 8) {
         *status = PF_RESULT_ERROR;
-        *err = EBUSY;
-    } else if (x < 8 && item->kind != PF_ITEM_UNMERGE) {
-        *status = PF_RESULT_ERROR;
-        *err = EINPROGRESS; /* a back-end settling */
+        *err = x >= 6 && (item->kind == PF_ITEM_MERGE || item->kind == PF_ITEM_ZERO)
+                   ? EINPROGRESS : EBUSY;
     } else if (x < 12 && item->kind != PF_ITEM_UNMERGE) {
         *status = PF_RESULT_ERROR;
         *err = x < 10 ? EIO : ENOMEM;

@@ -33,6 +33,7 @@
  *   fault CALLS SKIP TIMES ERRNO
  *                   make the agent's system calls fail (faultsys.h);
  *                   "fault none" stops it                     -> "ok"
+ *   fault hits      failures injected since the last "fault"  -> "hits N"
  *   scribble PAGE N EVERY
  *                   write new content into pages PAGE..PAGE+N-1, but not
  *                   into every EVERY-th (0: into all)            -> "ok"
@@ -835,6 +836,8 @@ main(int argc, char **argv)
             printf("device reads %" G_GUINT64_FORMAT " writes %" G_GUINT64_FORMAT
                    " bad %" G_GUINT64_FORMAT "\n", v.dev.reads, v.dev.writes, v.dev.bad);
             g_mutex_unlock(&v.dev.lock);
+        } else if (g_str_equal(line, "fault hits")) {
+            printf("hits %d\n", pf_test_fault_hits());
         } else if (g_str_equal(line, "fault none")) {
             pf_test_fault_set(NULL, 0, 0, 0, FALSE);
             printf("ok\n");

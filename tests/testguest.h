@@ -45,13 +45,15 @@ typedef struct {
  * vhost-user-blk: the patched vhost-user back-ends). */
 char *pf_test_qemu_tool(const char *name);
 
-/* A virtiofsd serving a new empty folder, share, on sock. */
+/* A virtiofsd serving a new empty folder, share (a tmpfs of its own), on
+ * sock. */
 typedef struct {
     GSubprocess *proc;
     char *dir;    /* its socket, and share/ */
     char *share;
     char *sock;
-    gboolean tmpfs; /* share is a tmpfs of its own */
+    char *files;  /* the share as the test reads it: virtiofsd's root (its
+                   * chroot), a tmpfs only it sees */
 } PfVirtiofsd;
 
 /* binary (needs root: its chroot sandbox), once its socket is there. */

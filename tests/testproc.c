@@ -44,15 +44,30 @@ die_with_parent_apart(gpointer user)
     }
 }
 
+/*
+ * And has a tmpfs on the folder user of its own (a mount namespace of its
+ * own, made after the fork, where the child is single-threaded): it goes
+ * with the process, however the test ends.  Where no tmpfs can be made,
+ * the folder is what it was.
+ */
+static void
+die_with_parent_tmpfs(gpointer user)
+{
+    die_with_parent(user);
+    if (unshare(CLONE_NEWNS) == 0 && mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) == 0) {
+        (void)mount("pagefold-test", user, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=256m");
+    }
+}
+
 /* pf_test_spawnv(), its stderr into the file stderr_path where not NULL,
- * with setup in the child. */
+ * with setup(user) in the child. */
 static GSubprocess *
 spawnv_to(GSubprocessFlags flags, const char *stderr_path, GSpawnChildSetupFunc setup,
-          const char *const *argv, GError **error)
+          gpointer user, const char *const *argv, GError **error)
 {
     g_autoptr(GSubprocessLauncher) l = g_subprocess_launcher_new(flags);
 
-    g_subprocess_launcher_set_child_setup(l, setup, NULL, NULL);
+    g_subprocess_launcher_set_child_setup(l, setup, user, NULL);
     if (stderr_path != NULL) {
         g_subprocess_launcher_set_stderr_file_path(l, stderr_path);
     }
@@ -83,13 +98,20 @@ pf_test_probe_kvm(const char *kernel, const char *initrd, char **why)
 GSubprocess *
 pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GError **error)
 {
-    return spawnv_to(flags, NULL, die_with_parent, argv, error);
+    return spawnv_to(flags, NULL, die_with_parent, NULL, argv, error);
 }
 
 GSubprocess *
 pf_test_spawnv_apart(GSubprocessFlags flags, const char *const *argv, GError **error)
 {
-    return spawnv_to(flags, NULL, die_with_parent_apart, argv, error);
+    return spawnv_to(flags, NULL, die_with_parent_apart, NULL, argv, error);
+}
+
+GSubprocess *
+pf_test_spawnv_tmpfs(GSubprocessFlags flags, const char *dir, const char *const *argv,
+                     GError **error)
+{
+    return spawnv_to(flags, NULL, die_with_parent_tmpfs, (gpointer)dir, argv, error);
 }
 
 static gboolean take_ready(PfTestVmm *v, const char *line, GError **error);
@@ -351,7 +373,7 @@ daemon_spawn(PfTestDaemon *d, const char *first_arg, va_list ap)
     }
     g_ptr_array_add(argv, NULL);
     g_unlink(d->sock);
-    d->proc = spawnv_to(G_SUBPROCESS_FLAGS_NONE, d->log, die_with_parent,
+    d->proc = spawnv_to(G_SUBPROCESS_FLAGS_NONE, d->log, die_with_parent, NULL,
                         (const char *const *)argv->pdata, &error);
     g_assert_no_error(error);
     for (int i = 0; i < 200 && !(g_file_test(d->sock, G_FILE_TEST_EXISTS) &&

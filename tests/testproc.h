@@ -22,6 +22,10 @@ GSubprocess *pf_test_spawnv(GSubprocessFlags flags, const char *const *argv, GEr
  * empty /run/pagefold of its own (as root). */
 GSubprocess *pf_test_spawnv_apart(GSubprocessFlags flags, const char *const *argv,
                                   GError **error);
+/* The same, for one that gets a tmpfs of its own on dir (as root), which
+ * goes with it: others see the folder as it was. */
+GSubprocess *pf_test_spawnv_tmpfs(GSubprocessFlags flags, const char *dir,
+                                  const char *const *argv, GError **error);
 /* A stand-in VMM (tests/standin-vmm) and its command pipes. */
 typedef struct {
     GSubprocess *proc;

@@ -33,9 +33,9 @@
  * pf_page_seed(5, 0, i, 0) is the same page).  pfguest.odirect_pause_us=
  * (0) sleeps between reads.  The host pins a page for such a read and the
  * device writes it behind the page tables: a page the host remaps
- * meanwhile shows up here as stale data.  pfguest.odirect_write=1: every
- * other operation writes a run of buffers back with O_DIRECT, each page to
- * the block it holds (checked first): the device reads guest RAM for it,
+ * meanwhile shows up here as stale data.  pfguest.odirect_write=1: half
+ * the operations, at random, write a run of buffers back with O_DIRECT,
+ * one page a write, each to the block it holds (checked first): the device reads guest RAM for it,
  * and a page it read wrong (a hole's zeros, another page) lands on the
  * disk, where the next reads and the host's check of the image find it.
  * pfguest.odirect_late=1: /dev/vda is plugged in later; the reads start
@@ -54,7 +54,8 @@
  * be merged, and the next write and read land in merged pages.
  * It prints on the console, one line each: "PFGUEST READY", "PFGUEST
  * SCRATCH filled|freed", "PFGUEST LATE filled", "PFGUEST CHECK
- * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=... writes=...", "PFGUEST
+ * ok|FAIL ...", "PFGUEST ODIRECT reads=... pages=... bad=... writes=..."
+ * (reads made, pages read, bad pages, pages written), "PFGUEST
  * VIRTIOFS writes=... reads=... pages=... bad=..." with each
  * check (a bad page also prints "PFGUEST ODIRECT|VIRTIOFS FAIL ..." at once), and
  * at the end "PFGUEST PASS" or "PFGUEST FAIL", then powers the guest off.
@@ -217,6 +218,10 @@ odirect_read(Odirect *o)
                strerror(errno));
         fflush(stdout);
         o->bad++;
+        /* What they hold now is unknown: not checked again. */
+        for (size_t t = 0; t < k; t++) {
+            o->held[i + t] = o->n_blocks;
+        }
         return;
     }
     o->reads++;
