@@ -1179,16 +1179,27 @@ merges_again(PfTestDaemon *d, Guest *g, const char *when)
                     pf_test_guest_agent_stat(g, "zeroed"), >=, merged + 1000);
 }
 
+/* A second DIMM plugged into g (its memory backend mem2 made before). */
+static gpointer
+plug_dimm(gpointer data)
+{
+    json_node_unref(pf_test_guest_qmp(data, "device_add",
+                                      "{\"driver\": \"pc-dimm\", \"id\": \"dimm2\","
+                                      " \"memdev\": \"mem2\"}"));
+    return NULL;
+}
+
 /*
  * A real back-end's life beside a merging guest: vhost-user-blk plugged
  * in after the guest's pages merged (its first touches fold them back),
  * memory plugged in while it is attached (a new memory table for it),
  * the back-end killed with -9 amid merges and its own fold-backs, QEMU
- * reconnecting to a new one, the back-end stopped for a while.  After
- * each, everything is unmerged and must merge again.  The guest reads and
+ * reconnecting to a new one, the back-end stopped for a while, and memory
+ * plugged in while it is stopped (QEMU waits for its answer; the VM's
+ * merges wait, and pagefoldd says so).  After each event but the last,
+ * everything is unmerged and must merge again.  The guest reads and
  * writes the disk with O_DIRECT all the while once it is there, checking
- * every page, and the image holds what it should at the end; pagefoldd
- * never leaves the VM's merges waiting for a back-end.
+ * every page, and the image holds what it should at the end.
  */
 static void
 test_life_vhost_user_blk(void)
@@ -1208,10 +1219,12 @@ test_life_vhost_user_blk(void)
                          " pfguest.odirect_write=1 pfguest.odirect_late=1"
                          " pfguest.odirect_pause_us=5000", 1024 };
     unsigned long reads = 0, writes = 0, pages = 0, bad = 1, reads0, writes0;
-    const char *last_wait, *go_on;
+    const char *last_wait = NULL, *go_on = NULL;
     gint64 fold_backs;
     GSubprocess *blk;
+    GThread *plug;
     Guest *g;
+    int pid;
 
     if (!have_qemu()) {
         return;
@@ -1282,21 +1295,50 @@ test_life_vhost_user_blk(void)
     listed_merging(d, g->name);
 
     /* Stopped: the guest's I/O waits, its merges do not. */
-    g_assert_true(kill(atoi(g_subprocess_get_identifier(blk)), SIGSTOP) == 0);
+    pid = atoi(g_subprocess_get_identifier(blk));
+    g_assert_true(kill(pid, SIGSTOP) == 0);
     merges_again(d, g, "with the back-end stopped");
-    g_assert_true(kill(atoi(g_subprocess_get_identifier(blk)), SIGCONT) == 0);
+    waits = g_strdup_printf("VM %s: merges wait for", g->name);
+
+    /*
+     * Memory plugged in while it is stopped: QEMU waits for its answer to
+     * the new table (holding the guest too), and nothing of this VM
+     * merges meanwhile; pagefoldd says so, and answers all along.  Its
+     * answer comes once it goes on, and so do the merges.
+     */
+    json_node_unref(pf_test_guest_qmp(g, "object-add",
+                                      "{\"qom-type\": \"memory-backend-memfd\", \"id\": \"mem2\","
+                                      " \"size\": 134217728, \"share\": true}"));
+    json_node_unref(pf_test_ctl_json(d, "unmerge", g->name, NULL));
+    plug = g_thread_new("plug", plug_dimm, g);
+    /* Any wait before ended: merges went on since. */
+    for (int i = 0; i < 600; i++) {
+        g_free(log);
+        log = pf_test_daemon_log(d);
+        if ((last_wait = g_strrstr(log, waits)) != NULL &&
+            strstr(last_wait, "merges go on") == NULL) {
+            break;
+        }
+        g_usleep(100000);
+    }
+    g_assert_nonnull(last_wait);
+    g_assert_null(strstr(last_wait, "merges go on"));
+    g_test_message("pagefoldd: %.*s", (int)strcspn(last_wait, "\n"), last_wait);
+    json_node_unref(pf_test_ctl_json(d, "stats", NULL));
+    g_assert_true(kill(pid, SIGCONT) == 0);
+    g_thread_join(plug);
+    for (int i = 0; i < 600 && go_on == NULL; i++) {
+        g_free(log);
+        log = pf_test_daemon_log(d);
+        go_on = strstr(g_strrstr(log, waits), "merges go on");
+        g_usleep(100000);
+    }
+    g_assert_nonnull(go_on);
+    g_test_message("pagefoldd: %.*s", (int)strcspn(go_on, "\n"), go_on);
+    wait_live_regions(d, g->name, 3, NULL, NULL);
     listed_merging(d, g->name);
     g_test_message("%s: folded back for vhost-user-blk %" G_GINT64_FORMAT, g->name,
                    pf_test_guest_agent_stat(g, "backend-fold-backs"));
-
-    /* Any wait for the back-end to settle ended. */
-    log = pf_test_daemon_log(d);
-    waits = g_strdup_printf("VM %s: merges wait for", g->name);
-    last_wait = g_strrstr(log, waits);
-    go_on = last_wait != NULL ? strstr(last_wait, "merges go on") : NULL;
-    g_test_message("%s: merges waited for a back-end: %s", g->name,
-                   last_wait == NULL ? "never" : go_on != NULL ? "and went on" : "still");
-    g_assert_true(last_wait == NULL || go_on != NULL);
 
     counts = last_counts(g, "PFGUEST ODIRECT", 120);
     g_assert_cmpint(sscanf(counts, "PFGUEST ODIRECT reads=%lu pages=%lu bad=%lu writes=%lu",
