@@ -770,8 +770,8 @@ test_ivshmem(void)
 /*
  * A disk image on a file system with O_DIRECT (/var/tmp: tmpfs has none
  * before Linux 6.6), block i as pfguest computes it: pf_fill_page() of
- * pf_page_seed(5, 0, i, 0) is pfguest's fill(mix(5, 0, i, 0)).  NULL if
- * O_DIRECT is refused there.
+ * pf_page_seed(5, 0, i, 0) is pfguest's fill(mix(5, 0, i, 0)).  NULL, the
+ * path skipped, if O_DIRECT is refused there.
  */
 static char *
 odirect_image(void)
@@ -792,6 +792,7 @@ odirect_image(void)
     g_assert_no_error(error);
     fd = open(path, O_RDONLY | O_DIRECT);
     if (fd < 0) {
+        g_test_skip("/var/tmp has no O_DIRECT");
         g_test_message("%s: no O_DIRECT: %s", path, g_strerror(errno));
         unlink(path);
         g_rmdir(dir);
@@ -867,9 +868,7 @@ test_odirect(gconstpointer data)
     if (!have_qemu()) {
         return;
     }
-    image = odirect_image();
-    if (image == NULL) {
-        g_test_skip("/var/tmp has no O_DIRECT");
+    if ((image = odirect_image()) == NULL) {
         return;
     }
     drive = g_strdup_printf("file=%s,format=raw,if=none,id=disk0,cache=none,aio=%s,"
@@ -1038,9 +1037,7 @@ test_merge_vhost_user_blk(void)
     if (!have_qemu()) {
         return;
     }
-    image = odirect_image();
-    if (image == NULL) {
-        g_test_skip("/var/tmp has no O_DIRECT");
+    if ((image = odirect_image()) == NULL) {
         return;
     }
     dir = g_path_get_dirname(image);
@@ -1234,9 +1231,7 @@ test_life_vhost_user_blk(void)
         g_test_skip("scripts/build-qemu built no vhost-user-blk");
         return;
     }
-    image = odirect_image();
-    if (image == NULL) {
-        g_test_skip("/var/tmp has no O_DIRECT");
+    if ((image = odirect_image()) == NULL) {
         return;
     }
     dir = g_path_get_dirname(image);
