@@ -11,16 +11,21 @@
  *     MADV_MERGEABLE) in the same run;
  *   - the floor under those: the same merges by the bare system calls, and
  *     the agent's cost as a multiple of it;
- *   - mappings added per merged page, on a layout of mixed runs.
+ *   - mappings added per merged page, on a layout of mixed runs;
+ *   - the same merges with the memfd mapped by a second process too, as
+ *     pagefoldd maps what it reads: sleeping, or running on another CPU,
+ *     whose TLB each punch then shoots down (the agent's CPU a page).
  * One JSON line per result.  KSM's settings are restored as found.
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "agent.h"
@@ -124,12 +129,64 @@ thread_cpu_s(const char *name)
 
 /* Microseconds per page merged, wall, and (*agent_us) of the agent
  * thread's CPU. */
+/*
+ * A second process that maps the guest's memfd read-only, every page
+ * present, as pagefoldd's read mappings are: each punch must unmap its
+ * page there too, and, while it runs on another CPU (spinning), shoot down
+ * that CPU's TLB entry as well.  Its pid, once its pages are mapped.
+ */
+typedef enum { READER_NONE, READER_SLEEPING, READER_SPINNING, READER_KINDS } Reader;
+static const char *const reader_names[READER_KINDS] = { "none", "sleeping", "spinning" };
+
+static pid_t
+reader_start(Rig *r, Reader kind)
+{
+    int ready[2];
+    pid_t pid;
+    char c = 0;
+
+    g_assert_cmpint(pipe(ready), ==, 0);
+    pid = fork();
+    g_assert_cmpint(pid, >=, 0);
+    if (pid == 0) {
+        const volatile guint8 *m = mmap(NULL, PAGES * PF_PAGE_SIZE, PROT_READ, MAP_SHARED,
+                                        r->g->fd, 0);
+
+        if (m == MAP_FAILED) {
+            _exit(1);
+        }
+        for (gsize i = 0; i < PAGES; i++) {
+            c ^= m[i * PF_PAGE_SIZE];
+        }
+        if (write(ready[1], &c, 1) != 1) {
+            _exit(1);
+        }
+        for (;;) {
+            if (kind == READER_SLEEPING) {
+                pause();
+            }
+        }
+    }
+    close(ready[1]);
+    g_assert_cmpint(read(ready[0], &c, 1), ==, 1);
+    close(ready[0]);
+    return pid;
+}
+
+static void
+reader_stop(pid_t pid)
+{
+    kill(pid, SIGKILL);
+    g_assert_cmpint(waitpid(pid, NULL, 0), ==, pid);
+}
+
 static double
-bench_merge_rate(guint32 batch, guint32 pages, double *agent_us)
+bench_merge_rate(guint32 batch, guint32 pages, Reader reader, double *agent_us)
 {
     PfLayout l = { .unique = PAGES };
     Rig *r = rig_new(&l);
     g_autofree PfWireItem *items = g_new0(PfWireItem, batch);
+    pid_t reader_pid = reader != READER_NONE ? reader_start(r, reader) : 0;
     guint32 done = 0;
     double t0 = bench_now(), secs, cpu0 = thread_cpu_s("pagefold-agent");
 
@@ -142,6 +199,9 @@ bench_merge_rate(guint32 batch, guint32 pages, double *agent_us)
     }
     secs = bench_now() - t0;
     *agent_us = (thread_cpu_s("pagefold-agent") - cpu0) * 1e6 / pages;
+    if (reader_pid > 0) {
+        reader_stop(reader_pid);
+    }
     g_assert_cmpuint(done, ==, pages);
     g_assert_cmpfloat(*agent_us, >, 0);
     rig_free(r);
@@ -437,9 +497,9 @@ main(int argc, char **argv)
 
     /* Alternating, so that both see the same machine. */
     for (int i = 0; i < reps; i++) {
-        single[i] = bench_merge_rate(1, 2000, &single_cpu[i]);
+        single[i] = bench_merge_rate(1, 2000, READER_NONE, &single_cpu[i]);
         single_floor[i] = bench_merge_floor(1, 2000);
-        batched[i] = bench_merge_rate(512, PAGES, &batched_cpu[i]);
+        batched[i] = bench_merge_rate(512, PAGES, READER_NONE, &batched_cpu[i]);
         batched_floor[i] = bench_merge_floor(512, PAGES);
     }
     s_us = bench_median(single, reps);
@@ -462,6 +522,32 @@ main(int argc, char **argv)
            sf_us, sc_us, sc_us / sf_us, s_us / sf_us, bf_us, bc_us, bc_us / bf_us,
            b_us / bf_us, reps);
     fflush(stdout);
+
+    /*
+     * The same merges with the memfd also mapped by another process, as
+     * pagefoldd maps what it reads: the agent's CPU a page (which a TLB
+     * shootdown's wait for the other CPU is part of), alternating.
+     */
+    {
+        double cpu[2][READER_KINDS][16];
+        int n = MIN(reps, 16);
+
+        for (int i = 0; i < n; i++) {
+            for (int k = 0; k < READER_KINDS; k++) {
+                (void)bench_merge_rate(1, 2000, (Reader)k, &cpu[0][k][i]);
+                (void)bench_merge_rate(512, PAGES, (Reader)k, &cpu[1][k][i]);
+            }
+        }
+        for (int k = 0; k < READER_KINDS; k++) {
+            printf("{\"bench\":\"merge-reader\",\"reader\":\"%s\","
+                   "\"single_agent_cpu_us_per_page\":%.2f,\"batched_agent_cpu_us_per_page\":%.2f,"
+                   "\"single_to_none\":%.2f,\"batched_to_none\":%.2f,\"batch\":512,\"reps\":%d}\n",
+                   reader_names[k], bench_median(cpu[0][k], n), bench_median(cpu[1][k], n),
+                   bench_median(cpu[0][k], n) / bench_median(cpu[0][READER_NONE], n),
+                   bench_median(cpu[1][k], n) / bench_median(cpu[1][READER_NONE], n), n);
+        }
+        fflush(stdout);
+    }
 
     for (int i = 0; i < reps; i++) {
         single[i] = bench_fold_back_rate(1, 4096, FALSE, &single_cpu[i]);

@@ -7,7 +7,6 @@
  */
 #include "testguest.h"
 
-#include <errno.h>
 #include <gio/gunixsocketaddress.h>
 #include <glib/gstdio.h>
 #include <stdlib.h>

@@ -35,9 +35,10 @@
  * device writes it behind the page tables: a page the host remaps
  * meanwhile shows up here as stale data.  pfguest.odirect_write=1: half
  * the operations, at random, write a run of buffers back with O_DIRECT,
- * one page a write, each to the block it holds (checked first): the device reads guest RAM for it,
- * and a page it read wrong (a hole's zeros, another page) lands on the
- * disk, where the next reads and the host's check of the image find it.
+ * one page a write, each to the block it holds (checked first): the
+ * device reads guest RAM for it, and a page it read wrong (a hole's
+ * zeros, another page) lands on the disk, where the next reads and the
+ * host's check of the image find it.
  * pfguest.odirect_late=1: /dev/vda is plugged in later; the reads start
  * once it is there.
  * pfguest.virtiofs= (0) buffer pages: instead of sleeping, write files
