@@ -24,6 +24,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -127,8 +128,6 @@ thread_cpu_s(const char *name)
     return 0;
 }
 
-/* Microseconds per page merged, wall, and (*agent_us) of the agent
- * thread's CPU. */
 /*
  * A second process that maps the guest's memfd read-only, every page
  * present, as pagefoldd's read mappings are: each punch must unmap its
@@ -152,7 +151,10 @@ reader_start(Rig *r, Reader kind)
         const volatile guint8 *m = mmap(NULL, PAGES * PF_PAGE_SIZE, PROT_READ, MAP_SHARED,
                                         r->g->fd, 0);
 
-        if (m == MAP_FAILED) {
+        /* A spinning one left behind by a benchmark that failed would
+         * take a CPU for good. */
+        close(ready[0]);
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || m == MAP_FAILED) {
             _exit(1);
         }
         for (gsize i = 0; i < PAGES; i++) {
@@ -180,6 +182,8 @@ reader_stop(pid_t pid)
     g_assert_cmpint(waitpid(pid, NULL, 0), ==, pid);
 }
 
+/* Microseconds per page merged, wall, and (*agent_us) of the agent
+ * thread's CPU, with reader's second mapping of the memfd. */
 static double
 bench_merge_rate(guint32 batch, guint32 pages, Reader reader, double *agent_us)
 {

@@ -54,13 +54,6 @@ writes_of(const char *line)
     return w;
 }
 
-/* Pages the guest's agent merged or zeroed so far. */
-static gint64
-merged_now(Guest *g)
-{
-    return pf_test_guest_agent_stat(g, "merged") + pf_test_guest_agent_stat(g, "zeroed");
-}
-
 typedef enum { UNMERGED, STILL, MERGED, MERGED_FAST, N_SYSTEMS } System;
 
 static const char *const system_names[N_SYSTEMS] = { "unmerged", "still", "merged",
@@ -91,10 +84,11 @@ run_one(System sys, int seconds)
     /* Warm-up: the files made, and the fill merged (until a check period
      * adds less than 1% to what merged). */
     for (int i = 0; i < 60; i++) {
-        gint64 before = merged_now(g);
+        gint64 before = pf_test_guest_agent_merged(g), now;
 
         g_free(pf_test_guest_expect(g, "PFGUEST VIRTIOFS", 120));
-        if (i >= 2 && (sys == UNMERGED || merged_now(g) - before < merged_now(g) / 100 + 1)) {
+        now = pf_test_guest_agent_merged(g);
+        if (i >= 2 && (sys == UNMERGED || now - before < now / 100 + 1)) {
             break;
         }
     }
@@ -116,7 +110,7 @@ run_one(System sys, int seconds)
     } while (t1 - t0 < seconds);
     r.fold_backs_per_s =
         (double)(pf_test_guest_agent_stat(g, "backend-fold-backs") - fb0) / (t1 - t0);
-    r.merged = merged_now(g);
+    r.merged = pf_test_guest_agent_merged(g);
     g_free(pf_test_guest_expect(g, "PFGUEST CHECK ok", 120));
     pf_test_guest_free(g);
     pf_virtiofsd_free(v);

@@ -424,3 +424,11 @@ pf_test_guest_agent_stat(Guest *g, const char *member)
 
     return json_object_get_int_member(o, member);
 }
+
+gint64
+pf_test_guest_agent_merged(Guest *g)
+{
+    g_autoptr(JsonObject) o = pf_test_guest_agent_info(g);
+
+    return json_object_get_int_member(o, "merged") + json_object_get_int_member(o, "zeroed");
+}

@@ -87,6 +87,8 @@ JsonNode *pf_test_guest_qmp(Guest *g, const char *command, const char *arguments
  * its numbers. */
 JsonObject *pf_test_guest_agent_info(Guest *g);
 gint64 pf_test_guest_agent_stat(Guest *g, const char *member);
+/* Pages its agent merged or zeroed so far (its "merged" and "zeroed"). */
+gint64 pf_test_guest_agent_merged(Guest *g);
 /* The same as pf_test_guest_qmp(), for a command that must fail: returns
  * its error's text. */
 char *pf_test_guest_qmp_error(Guest *g, const char *command, const char *arguments);

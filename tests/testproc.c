@@ -279,10 +279,10 @@ pf_test_vmm_verify(PfTestVmm *v)
     }
 }
 
-gint64
-pf_test_vmm_number(PfTestVmm *v, const char *cmd, const char *key)
+/* The number after the word key in r, a VMM's answer. */
+static gint64
+number_after(PfTestVmm *v, const char *r, const char *key)
 {
-    g_autofree char *r = pf_test_vmm_cmd(v, cmd);
     g_auto(GStrv) words = g_strsplit(r, " ", -1);
 
     for (guint i = 0; words[i] != NULL && words[i + 1] != NULL; i++) {
@@ -291,6 +291,22 @@ pf_test_vmm_number(PfTestVmm *v, const char *cmd, const char *key)
         }
     }
     g_error("VMM %d: no %s in '%s'", v->pid, key, r);
+}
+
+gint64
+pf_test_vmm_number(PfTestVmm *v, const char *cmd, const char *key)
+{
+    g_autofree char *r = pf_test_vmm_cmd(v, cmd);
+
+    return number_after(v, r, key);
+}
+
+gint64
+pf_test_vmm_merged(PfTestVmm *v)
+{
+    g_autofree char *r = pf_test_vmm_cmd(v, "stats");
+
+    return number_after(v, r, "merged") + number_after(v, r, "zeroed");
 }
 
 gint64

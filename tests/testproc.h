@@ -52,6 +52,8 @@ void pf_test_vmm_verify(PfTestVmm *v);
 gint64 pf_test_vmm_number(PfTestVmm *v, const char *cmd, const char *key);
 /* One of the agent's counters, or the writers'. */
 gint64 pf_test_vmm_stat(PfTestVmm *v, const char *name);
+/* Pages its agent merged or zeroed so far, from one "stats". */
+gint64 pf_test_vmm_merged(PfTestVmm *v);
 /* Stops it (it checks all its RAM one last time), asserts a clean exit,
  * and frees it. */
 void pf_test_vmm_quit(PfTestVmm *v);
