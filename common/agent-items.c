@@ -1,7 +1,7 @@
 /*
  * agent-items.c - serving one REQUEST of pagefoldd: each item checked
  * against the regions and pool chunks held, merge and zero items batched
- * into windows that share one write protection, unmerges and collapses,
+ * into windows that share one write protection, unmerges likewise, collapses,
  * a result per item in one RESULT, and the counters.  Never trusts
  * pagefoldd: an item out of range is refused with nothing touched, and a
  * page is merged only where it compares equal to its slot here, under
@@ -76,6 +76,14 @@ extent_of_page(const Region *r, guint64 page)
            (HUGE_PAGES * PF_PAGE_SIZE);
 }
 
+/* Which items share a window: merges with zeros, unmerges with unmerges. */
+static int
+window_of(PfItemKind kind)
+{
+    return kind == PF_ITEM_MERGE || kind == PF_ITEM_ZERO ? 1 :
+           kind == PF_ITEM_UNMERGE ? 2 : 0;
+}
+
 /*
  * Does it join the window of first, which spans pages [lo, hi)?  Within
  * WINDOW_PAGES, and never across a 2 MiB extent with no item in it:
@@ -89,7 +97,7 @@ is_window_item(PfAgent *a, const PfWireItem *first, const PfWireItem *it,
     const Region *r;
     guint64 e;
 
-    if ((it->kind != PF_ITEM_MERGE && it->kind != PF_ITEM_ZERO) ||
+    if (window_of(it->kind) != window_of(first->kind) ||
         it->region != first->region || !item_valid(a, it) ||
         MAX(hi, it->page + 1) - MIN(lo, it->page) > WINDOW_PAGES) {
         return FALSE;
@@ -211,15 +219,24 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
     g_mutex_unlock(&a->dma);
 }
 
-/* Folds one page back: its content into the memfd, the memfd mapped again. */
+/*
+ * Folds pages back: their content into the memfd, the memfd mapped again,
+ * one window of unmerge items under one write protection.
+ */
 static void
-exec_unmerge(PfAgent *a, const PfWireItem *it, PfWireResult *res)
+exec_unmerges(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
+              guint64 hi, PfWireResult *res)
 {
-    gsize stop;
-    int rc = pfa_fold_back(a, &g_array_index(a->regions, Region, it->region),
-                           it->page, 1, TRUE, &stop, NULL);
+    g_autofree int *rcs = g_new(int, n);
 
-    set_result(res, rc < 0 ? PF_RESULT_ERROR : PF_RESULT_DONE, -rc);
+    g_mutex_lock(&a->dma);
+    pfa_fold_back_items(a, &g_array_index(a->regions, Region, items[0].region),
+                        items, n, lo, hi, rcs);
+    g_mutex_unlock(&a->dma);
+    for (guint32 t = 0; t < n; t++) {
+        set_result(&res[t], rcs[t] < 0 ? PF_RESULT_ERROR : PF_RESULT_DONE,
+                   -rcs[t]);
+    }
 }
 
 /*
@@ -304,29 +321,33 @@ pfa_handle_request(PfAgent *a, const PfMsg *msg, GError **error)
     for (guint32 i = 0; i < n;) {
         guint32 k = 1;
 
+        guint64 lo = items[i].page, hi = lo + 1;
+
         if (!item_valid(a, &items[i])) {
             /* Out of range: refused, nothing touched. */
             set_result(&res[i], PF_RESULT_ERROR, EINVAL);
-        } else if (items[i].kind == PF_ITEM_UNMERGE) {
+        } else if (items[i].kind != PF_ITEM_UNMERGE &&
+                   a->mode != PF_MODE_MERGE) {
             /*
-             * After a step back to advise mode nothing is remapped: an
-             * unmerge finds its page in the memfd already and says so.
+             * Nothing new is merged in advise mode.  Unmerges still are
+             * served: after a step back nothing is remapped, and each
+             * finds its page in the memfd already and says so.
              */
-            exec_unmerge(a, &items[i], &res[i]);
-        } else if (a->mode != PF_MODE_MERGE) {
             set_result(&res[i], PF_RESULT_ERROR, EPERM);
         } else if (items[i].kind == PF_ITEM_COLLAPSE) {
             exec_collapse(a, &items[i], &res[i]);
         } else {
-            guint64 lo = items[i].page, hi = lo + 1;
-
             while (i + k < n &&
                    is_window_item(a, &items[i], &items[i + k], lo, hi)) {
                 lo = MIN(lo, items[i + k].page);
                 hi = MAX(hi, items[i + k].page + 1);
                 k++;
             }
-            exec_window(a, &items[i], k, lo, hi, &res[i], &moved[i]);
+            if (items[i].kind == PF_ITEM_UNMERGE) {
+                exec_unmerges(a, &items[i], k, lo, hi, &res[i]);
+            } else {
+                exec_window(a, &items[i], k, lo, hi, &res[i], &moved[i]);
+            }
         }
         i += k;
     }

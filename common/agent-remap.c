@@ -277,6 +277,52 @@ pfa_fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n,
     return rc;
 }
 
+/*
+ * Folds back the pages of n unmerge items of r, within pages [lo, hi),
+ * under one write protection of [lo, hi): a fold-back alone pays for
+ * protecting and unprotecting its page, two TLB flushes, which cost more
+ * than its copy and its mapping.  Items of consecutive pages fold back as
+ * one run, one mapping; a run that fails is tried again page by page, so
+ * that each item gets its own result (a page folded back already finds
+ * nothing remapped).  rcs[i]: 0 or -errno for items[i].  The caller holds
+ * a->dma.
+ */
+void
+pfa_fold_back_items(PfAgent *a, Region *r, const PfWireItem *items,
+                    guint32 n, gsize lo, gsize hi, int *rcs)
+{
+    guint8 *hva = r->host + lo * PF_PAGE_SIZE;
+    gsize len = (hi - lo) * PF_PAGE_SIZE, stop;
+    gboolean any = FALSE;
+    int rc;
+
+    for (guint32 i = 0; i < n; i++) {
+        rcs[i] = 0;
+        any = any || pfa_is_remapped(r, items[i].page);
+    }
+    if (!any) {
+        return; /* in the memfd already, as each one says */
+    }
+    rc = pfa_uffd_hold(a, hva, len);
+    for (guint32 i = 0; i < n; i++) {
+        rcs[i] = pfa_is_remapped(r, items[i].page) ? rc : 0;
+    }
+    if (rc < 0) {
+        return;
+    }
+    for (guint32 i = 0, k; i < n; i += k) {
+        for (k = 1; i + k < n && items[i + k].page == items[i].page + k; k++) {
+        }
+        rc = fold_back_runs(a, r, items[i].page, k, TRUE, &stop, NULL);
+        for (guint32 t = 0; t < k; t++) {
+            rcs[i + t] = k == 1 || rc == 0 ? rc :
+                         fold_back_runs(a, r, items[i + t].page, 1, TRUE,
+                                        &stop, NULL);
+        }
+    }
+    pfa_uffd_done(a, hva, len, TRUE);
+}
+
 /* pfa_fold_back_locked(), for callers that do not hold a->dma. */
 int
 pfa_fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy,

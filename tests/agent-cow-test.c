@@ -161,12 +161,14 @@ test_huge_pages(void)
     for (int i = 0; i < 2; i++) {
         /* Every extent unmerged is a huge page again, but one of zero
          * pages only: the merge punched those, and a hole reads zero for
-         * free. */
+         * free.  Mapped as one once touched (the check reads every page):
+         * where a fold-back unmapped a whole extent's page table, Linux
+         * 6.1's collapse leaves the huge page to the next fault to map. */
         gint64 zero_extents = PAGES / 512 - (IDENTICAL + UNIQUE + 511) / 512;
 
+        pf_test_vmm_verify(v[i]);
         g_assert_cmpint(huge_kib(v[i]->pid, ram[i]), ==, before[i] - zero_extents * 2048);
         g_assert_cmpint(pf_test_count_vmas(v[i]->pid, ram[i], PAGES * PF_PAGE_SIZE), ==, 1);
-        pf_test_vmm_verify(v[i]);
         pf_test_vmm_quit(v[i]);
     }
 }

@@ -151,6 +151,43 @@ test_fault_unmerge_copy(Fixture *f, gconstpointer data)
     g_assert_true(maps_memfd(f, 2));
 }
 
+/* Unmerges of one window, a copy into the memfd failing twice: the run it
+ * failed in is tried again page by page, so that only the page that
+ * failed again stays merged, its write in place, and says so. */
+static void
+test_fault_unmerge_window(Fixture *f, gconstpointer data)
+{
+    static const guint64 pages[] = { 2, 3, 4, 6 };
+    PfWireItem items[G_N_ELEMENTS(pages)];
+    guint8 *mem = f->guest->mem;
+    g_autofree guint8 *want = NULL;
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    res = merge_pages(f, 0, 8, 1);
+    g_assert_cmpuint(remapped(f), ==, 8);
+    for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
+        mem[pages[i] * PF_PAGE_SIZE + 99] ^= 0x3c;
+        items[i] = (PfWireItem){ .kind = PF_ITEM_UNMERGE, .region = 0, .page = pages[i] };
+    }
+    want = g_memdup2(mem, 8 * PF_PAGE_SIZE);
+    /* The run 2-4 fails at page 3, then page 2 alone fails. */
+    pf_test_fault_set("pwrite", 1, 2, ENOSPC, FALSE);
+    res = request(f, items, G_N_ELEMENTS(items), 2);
+    g_assert_cmpint(pf_test_fault_hits(), ==, 2);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+    for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
+        g_assert_cmpuint(res[i].status, ==, i == 0 ? PF_RESULT_ERROR : PF_RESULT_DONE);
+        g_assert_cmpint(res[i].err, ==, i == 0 ? ENOSPC : 0);
+        if (i > 0) {
+            assert_memfd_page(f, (guint)pages[i], want + pages[i] * PF_PAGE_SIZE);
+        }
+    }
+    g_assert_cmpuint(remapped(f), ==, 5);
+    g_assert_false(maps_memfd(f, 2));
+    g_assert_cmpint(memcmp(mem, want, 8 * PF_PAGE_SIZE), ==, 0);
+}
+
 /* A copy into the memfd that fails partway through a run (ENOSPC: a full
  * tmpfs), stepping back: the run stays merged, the guest's writes in
  * place, and the pages copied before the failure are punched again, not
@@ -517,6 +554,8 @@ main(int argc, char **argv)
                test_fault_merge_punch, teardown);
     g_test_add("/agent-proto/fault/merge-advice", Fixture, "madvise", setup,
                test_fault_merge_punch, teardown);
+    g_test_add("/agent-proto/fault/unmerge-window", Fixture, NULL, setup,
+               test_fault_unmerge_window, teardown);
     g_test_add("/agent-proto/fault/unmerge-map-early", Fixture, NULL, setup,
                test_fault_unmerge_mmap, teardown);
     g_test_add("/agent-proto/fault/unmerge-map-late", Fixture, "late", setup,

@@ -346,6 +346,52 @@ test_dma(Fixture *f, gconstpointer data)
 }
 
 /*
+ * Unmerge items near each other fold back under one write protection, in
+ * runs of consecutive pages, each with its own result: a run with a page
+ * in DMA folds back all but that page; a page never merged, or named
+ * twice, is in the memfd already.  Every byte reaches the memfd.
+ */
+static void
+test_unmerge_window(Fixture *f, gconstpointer data)
+{
+    static const guint64 pages[] = { 9, 1, 2, 3, 40, 3, 12 };
+    PfWireItem items[G_N_ELEMENTS(pages)];
+    guint8 *mem = f->guest->mem;
+    g_autofree guint8 *back = g_malloc(PAGES * PF_PAGE_SIZE);
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    res = merge_pages(f, 0, 16, 1);
+    for (guint i = 0; i < 16; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
+        mem[pages[i] * PF_PAGE_SIZE + i] ^= 0x3c;
+        items[i] = (PfWireItem){ .kind = PF_ITEM_UNMERGE, .region = 0, .page = pages[i] };
+    }
+    pf_agent_dma_map(f->agent, mem + 2 * PF_PAGE_SIZE, PF_PAGE_SIZE);
+    res = request(f, items, G_N_ELEMENTS(items), 2);
+    for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
+        g_assert_cmpuint(res[i].status, ==, pages[i] == 2 ? PF_RESULT_ERROR : PF_RESULT_DONE);
+        g_assert_cmpint(res[i].err, ==, pages[i] == 2 ? EBUSY : 0);
+        g_assert_true(maps_memfd(f, pages[i]) == (pages[i] != 2));
+    }
+    g_assert_cmpuint(remapped(f), ==, 16 - 4);
+    pf_agent_dma_unmap(f->agent, mem + 2 * PF_PAGE_SIZE, PF_PAGE_SIZE, 0);
+    res = unmerge_page(f, 2, 3);
+    g_assert_cmpuint(res[0].status, ==, PF_RESULT_DONE);
+    for (guint i = 0; i < 16; i++) {
+        if (maps_memfd(f, i)) {
+            g_assert_cmpint(pread(f->guest->fd, back + i * PF_PAGE_SIZE, PF_PAGE_SIZE,
+                                  (off_t)(i * PF_PAGE_SIZE)), ==, PF_PAGE_SIZE);
+            g_assert_cmpint(memcmp(back + i * PF_PAGE_SIZE, mem + i * PF_PAGE_SIZE,
+                                   PF_PAGE_SIZE), ==, 0);
+        }
+    }
+    g_assert_cmpuint(remapped(f), ==, 16 - 5);
+}
+
+/*
  * What a device wrote (a disk read: the VMM's unmap says how much) is told
  * to pagefoldd as HINTs of the whole pages it wrote, reads one after
  * another as one range; part of a page (a request's status byte), a write
@@ -629,6 +675,8 @@ main(int argc, char **argv)
     g_test_add("/agent-proto/unsealed-pool", Fixture, NULL, setup, test_unsealed_pool, teardown);
     g_test_add("/agent-proto/bad-messages", Fixture, NULL, setup, test_bad_messages, teardown);
     g_test_add("/agent-proto/dma", Fixture, NULL, setup, test_dma, teardown);
+    g_test_add("/agent-proto/unmerge-window", Fixture, NULL, setup, test_unmerge_window,
+               teardown);
     g_test_add("/agent-proto/dma-written", Fixture, NULL, setup, test_dma_written, teardown);
     g_test_add("/agent-proto/dma-written-protocol-1", Fixture, protocol_1, setup,
                test_dma_written, teardown);
