@@ -55,12 +55,69 @@ pf_extents_free(PfExtents *x)
     g_free(x);
 }
 
+/*
+ * Data extents this short between two holes are looked at with them, in
+ * one call: a call costs its lookup of the mapping and its setup, far more
+ * than the page table entries of a few hundred pages it walks too.  Merged
+ * pages cut a memfd into many short extents.
+ */
+#define COW_GAP_PAGES 256u
+
+typedef struct {
+    PfExtents *x;
+    guint next; /* the first data extent that may hold the next page */
+} CowLook;
+
+/* A page copied on write, kept if it lies in a hole: a look spans data
+ * extents too, whose pages are the visit's to judge (scan-visit.c). */
 static void
 cow_seen(gsize page, gboolean zero_pfn, gpointer user)
 {
+    CowLook *look = user;
+    GArray *data = look->x->data;
     PfCowSeen c = { (guint32)page, zero_pfn };
 
-    g_array_append_val((GArray *)user, c);
+    while (look->next < data->len && g_array_index(data, PfExtent, look->next).end <= page) {
+        look->next++;
+    }
+    if (look->next < data->len && g_array_index(data, PfExtent, look->next).first <= page) {
+        return;
+    }
+    g_array_append_val(look->x->cow, c);
+}
+
+/* The copy-on-write look at the holes of x, a call for each run of holes
+ * with short data between them. */
+static void
+look_at_holes(const Read *rd, PfExtents *x)
+{
+    CowLook look = { x, 0 };
+    gsize hole = rd->from, from = 0, to = 0;
+
+    for (guint i = 0; i <= x->data->len; i++) {
+        const PfExtent *e = i < x->data->len ? &g_array_index(x->data, PfExtent, i) : NULL;
+        gsize first = e != NULL ? e->first : x->to;
+
+        if (hole < first) {
+            if (to > from && hole - to > COW_GAP_PAGES) {
+                if (!pf_cow_find(rd->cow, rd->pagemap_fd, rd->host_addr, from, to, cow_seen,
+                                 &look)) {
+                    return; /* the process is going: its pidfd will say so */
+                }
+                from = to;
+            }
+            if (to == from) {
+                from = hole;
+            }
+            to = first;
+        }
+        if (e != NULL) {
+            hole = MAX(hole, (gsize)e->end);
+        }
+    }
+    if (to > from) {
+        (void)pf_cow_find(rd->cow, rd->pagemap_fd, rd->host_addr, from, to, cow_seen, &look);
+    }
 }
 
 /* The data extents from rd->from on; x->to is where what they say ends. */
@@ -106,7 +163,6 @@ static PfExtents *
 read_window(const Read *rd)
 {
     PfExtents *x = g_new0(PfExtents, 1);
-    gsize hole = rd->from;
 
     x->region = rd->region;
     x->from = rd->from;
@@ -115,16 +171,8 @@ read_window(const Read *rd)
     x->cow = g_array_new(FALSE, FALSE, sizeof(PfCowSeen));
     read_data(rd, x);
     /* Merged pages are holes: the copy-on-write look is at the holes. */
-    for (guint i = 0; rd->pagemap_fd >= 0 && i <= x->data->len; i++) {
-        gsize end = i < x->data->len ? g_array_index(x->data, PfExtent, i).first : x->to;
-
-        if (hole < end && !pf_cow_find(rd->cow, rd->pagemap_fd, rd->host_addr, hole, end,
-                                       cow_seen, x->cow)) {
-            break; /* the process is going: its pidfd will say so */
-        }
-        if (i < x->data->len) {
-            hole = g_array_index(x->data, PfExtent, i).end;
-        }
+    if (rd->pagemap_fd >= 0) {
+        look_at_holes(rd, x);
     }
     return x;
 }

@@ -15,6 +15,7 @@ struct _PfOutbox {
     GArray *queue_items;   /* PfWireItem: the open batch */
     GArray *queue_pending; /* PfPending */
     guint queue_collapses; /* PF_ITEM_COLLAPSE items queued */
+    gint64 queue_since;    /* monotonic: the open batch's first item */
     GQueue held;           /* PfOutBatch*: formed, waiting for the window */
     gsize n_held;
     GQueue sent;           /* PfOutBatch*, oldest first */
@@ -74,6 +75,51 @@ pf_outbox_set_drain(PfOutbox *ob, PfOutboxDrainFunc func, gpointer user)
     ob->drain_user = user;
 }
 
+typedef struct {
+    PfWireItem item;
+    PfPending pd;
+} Entry;
+
+/* Unmerges after the rest, each kind in the order of its pages; items of
+ * one page keep their order (g_qsort_with_data() is stable). */
+static gint
+entry_cmp(gconstpointer a, gconstpointer b, gpointer user)
+{
+    const PfWireItem *x = &((const Entry *)a)->item, *y = &((const Entry *)b)->item;
+    int kx = x->kind == PF_ITEM_UNMERGE, ky = y->kind == PF_ITEM_UNMERGE;
+
+    if (x->region != y->region) {
+        return x->region < y->region ? -1 : 1;
+    }
+    if (kx != ky) {
+        return kx - ky;
+    }
+    return x->page < y->page ? -1 : x->page > y->page;
+}
+
+/*
+ * A batch in the order of guest addresses: the agent protects pages near
+ * each other as one window and maps consecutive ones as one run, and a
+ * window's protection and its lifting each cost a TLB flush on every CPU
+ * the VM runs on.  Decisions come in the scanner's order: hinted pages,
+ * the cursor's, the partners they matched anywhere.
+ */
+static void
+sort_batch(GArray *items, GArray *pending)
+{
+    g_autofree Entry *e = g_new(Entry, items->len);
+
+    for (guint i = 0; i < items->len; i++) {
+        e[i].item = g_array_index(items, PfWireItem, i);
+        e[i].pd = g_array_index(pending, PfPending, i);
+    }
+    g_qsort_with_data(e, (gint)items->len, sizeof(*e), entry_cmp, NULL);
+    for (guint i = 0; i < items->len; i++) {
+        g_array_index(items, PfWireItem, i) = e[i].item;
+        g_array_index(pending, PfPending, i) = e[i].pd;
+    }
+}
+
 static void
 form_batch(PfOutbox *ob)
 {
@@ -86,6 +132,7 @@ form_batch(PfOutbox *ob)
     b = g_new0(PfOutBatch, 1);
     b->items = ob->queue_items;
     b->pending = ob->queue_pending;
+    sort_batch(b->items, b->pending);
     queue_reset(ob);
     g_queue_push_tail(&ob->held, b);
     ob->n_held += b->pending->len;
@@ -103,6 +150,9 @@ pf_outbox_flush(PfOutbox *ob)
 void
 pf_outbox_push(PfOutbox *ob, const PfWireItem *item, const PfPending *pd)
 {
+    if (ob->queue_items->len == 0) {
+        ob->queue_since = g_get_monotonic_time();
+    }
     g_array_append_vals(ob->queue_items, item, 1);
     g_array_append_vals(ob->queue_pending, pd, 1);
     ob->queue_collapses += item->kind == PF_ITEM_COLLAPSE;
@@ -151,6 +201,18 @@ pf_outbox_pop_answered(PfOutbox *ob)
     ob->answered_seq = b->seq;
     ob->last_answer = g_get_monotonic_time();
     return b;
+}
+
+gsize
+pf_outbox_n_queued(PfOutbox *ob)
+{
+    return ob->queue_items->len;
+}
+
+gint64
+pf_outbox_queued_usec(PfOutbox *ob)
+{
+    return ob->queue_items->len > 0 ? g_get_monotonic_time() - ob->queue_since : 0;
 }
 
 gsize

@@ -67,7 +67,8 @@ void pf_outbox_set_drain(PfOutbox *ob, PfOutboxDrainFunc func, gpointer user);
 
 /* Queues one request; a full batch is formed at once (and the drain told). */
 void pf_outbox_push(PfOutbox *ob, const PfWireItem *item, const PfPending *pd);
-/* Forms what is queued into a batch, and tells the drain if any waits. */
+/* Forms what is queued into a batch, in the order of guest addresses
+ * (unmerges last), and tells the drain if any waits. */
 void pf_outbox_flush(PfOutbox *ob);
 
 /* The next held batch, now sent (numbered), if the window lets it go;
@@ -79,6 +80,9 @@ gboolean pf_outbox_answers(PfOutbox *ob, guint32 seq, guint32 n);
 /* The oldest batch sent, answered: the caller's now. */
 PfOutBatch *pf_outbox_pop_answered(PfOutbox *ob);
 
+/* Items in the open batch, and how long its first has waited (0: none). */
+gsize pf_outbox_n_queued(PfOutbox *ob);
+gint64 pf_outbox_queued_usec(PfOutbox *ob);
 /* Items not answered yet: queued, held or sent. */
 gsize pf_outbox_in_flight(PfOutbox *ob);
 /* Items formed into batches, held or sent, and not answered: what the

@@ -232,6 +232,8 @@ typedef struct {
     gboolean in_pass;
     gboolean blocked;     /* the last scan stopped at an agent's full outbox */
     gboolean whole_passes; /* a pass waits for every agent that answers */
+    gboolean holding;     /* a background batch's slice: its scans' requests
+                           * go when ripe (pf_scanner_flush_ripe()) */
     gint64 deferred_wait; /* usec the pass waited for deferred VMs */
     gint64 wait_since;    /* monotonic: it waits for them since (or 0) */
     gint64 slice_end;     /* monotonic: a scan stops here (0: at max_pages) */
@@ -639,6 +641,9 @@ void requests_settle_region(PfScanner *s, PfRegion *r);
 /* Every request of the VM, answered or not, is let go: the slots it may
  * have mapped go to keep (NULL: its process is gone). */
 void requests_abandon(PfScanner *s, PfVm *vm, GArray *keep);
+/* The requests of VMs with enough of them, or an old one, go to their
+ * agents; the others wait for the next background batch's. */
+void pf_scanner_flush_ripe(PfScanner *s);
 
 /* ---- scan-cow.c ---- */
 

@@ -488,7 +488,11 @@ pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
         done += scan_step(s, vm, MIN(max_pages - done, room), &step_moved);
         moved = moved || step_moved;
     }
-    pf_scanner_flush(s);
+    if (s->pass.holding) {
+        pf_scanner_flush_ripe(s);
+    } else {
+        pf_scanner_flush(s);
+    }
     *progress = moved;
     return done;
 }
@@ -501,6 +505,7 @@ pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole
     gsize done = 0;
 
     s->pass.whole_passes = whole_passes;
+    s->pass.holding = !whole_passes;
     s->pass.slice_end = g_get_monotonic_time() + usec;
     *progress = FALSE;
     while (done < max_pages) {
@@ -515,6 +520,7 @@ pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole
     }
     s->pass.slice_end = 0;
     s->pass.whole_passes = FALSE;
+    s->pass.holding = FALSE;
     return done;
 }
 

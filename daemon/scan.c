@@ -172,9 +172,11 @@ scanner_tick(gpointer user)
         s->pacing.batch_left -= MIN(s->pacing.batch_left, done);
         /* A wake-up ends with its pass, as KSM's does: with fewer pages
          * present than pages_to_scan, passes would follow each other
-         * without a sleep (and with none present, spin). */
+         * without a sleep (and with none present, spin).  What the pass
+         * asked for goes with it. */
         if (pass_of(s)->full_scans != scans) {
             s->pacing.batch_left = 0;
+            pf_scanner_flush(s);
         }
         if (s->pacing.batch_left > 0 && !pass_of(s)->blocked) {
             s->pacing.timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
@@ -183,6 +185,7 @@ scanner_tick(gpointer user)
         sleep_ms = batch_done(s);
     } else {
         s->pacing.batch_left = 0;
+        pf_scanner_flush(s); /* stopped or paused: nothing is held back */
     }
     s->pacing.timer_id = g_timeout_add((guint)sleep_ms, scanner_tick, s);
     return G_SOURCE_REMOVE;

@@ -137,7 +137,8 @@ gsize pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress);
  * of the pass; returns the pages present visited, *progress as above.
  * whole_passes: a pass waits for every agent that answers, however slowly
  * (root asked for whole passes); else it waits for slow agents a bounded
- * while, and visits the rest of their VMs next pass. */
+ * while, and visits the rest of their VMs next pass, and its requests wait
+ * to be ripe (a background batch's: pf_scanner_flush_ripe()). */
 gsize pf_scanner_scan_slice(PfScanner *s, gsize max_pages, gint64 usec, gboolean whole_passes,
                             gboolean *progress);
 /* Whether joins found by a pass are still being made (a slice at a time):
@@ -168,7 +169,8 @@ void pf_scanner_kick(PfScanner *s);
 void pf_scanner_pause_batches(PfScanner *s);
 void pf_scanner_resume_batches(PfScanner *s);
 /* The requests the scanner decided so far go to their agents (each VM's
- * outbox flushed), as they do when a scan or an answer ends. */
+ * outbox flushed), as they do when a scan or an answer ends (a background
+ * batch's scans hold theirs a little: pf_scanner_flush_ripe()). */
 void pf_scanner_flush(PfScanner *s);
 /* The VM takes no new merges until as many ends as begins: it is being
  * unmerged.  Pages waiting to join content forget it. */

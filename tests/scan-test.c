@@ -7,6 +7,7 @@
 #include <glib.h>
 #include <errno.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "extents.h"
@@ -527,6 +528,81 @@ test_window_read_fails(void)
 }
 
 /*
+ * A window's copy-on-write look (extents.c), on this process as the VM:
+ * holes of its memfd, some of them mapped privately from another file
+ * (merged) and written (copied on write).  The look runs once across
+ * holes with short data between them and again after long data, with
+ * PAGEMAP_SCAN or pagemap entries; either way it reports the written pages
+ * of holes, and neither a merged page not written, nor a hole mapped from
+ * the memfd, nor a written page in data (a punch that did not free it).
+ */
+static void
+test_extents_cow(gconstpointer method)
+{
+    const gsize n = 2048, holes[] = { 10, 11, 20, 1000, 1001, 2047 };
+    const gsize merged[] = { 10, 15, 20, 500, 1000, 2047 };
+    const gsize written[] = { 10, 15, 500, 1000, 2047 };
+    int fd = memfd_create("extents-cow", MFD_CLOEXEC), pool = memfd_create("pool", MFD_CLOEXEC);
+    int pagemap = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    g_autofree guint8 *page = g_malloc0(PF_PAGE_SIZE);
+    g_autoptr(PfCow) cow = NULL;
+    g_autoptr(PfExtents) x = NULL;
+    PfRegion r = { .fd = fd, .n_pages = n, .size = n * PF_PAGE_SIZE };
+    guint8 *mem;
+
+    g_assert_cmpint(fd, >=, 0);
+    g_assert_cmpint(pool, >=, 0);
+    g_assert_cmpint(pagemap, >=, 0);
+    if (g_strcmp0(method, "pagemap") == 0) {
+        g_setenv("PAGEFOLD_NO_PAGEMAP_SCAN", "1", TRUE);
+    }
+    cow = pf_cow_new();
+    g_unsetenv("PAGEFOLD_NO_PAGEMAP_SCAN");
+    if (g_strcmp0(pf_cow_method(cow), method) != 0) {
+        g_test_skip("this kernel has no PAGEMAP_SCAN");
+        close(fd);
+        close(pool);
+        close(pagemap);
+        return;
+    }
+    g_assert_cmpint(ftruncate(fd, (off_t)r.size), ==, 0);
+    g_assert_cmpint(ftruncate(pool, (off_t)r.size), ==, 0);
+    for (gsize i = 0; i < n; i++) {
+        page[0] = (guint8)(i + 1);
+        g_assert_cmpint(pwrite(fd, page, PF_PAGE_SIZE, (off_t)(i * PF_PAGE_SIZE)), ==,
+                        PF_PAGE_SIZE);
+    }
+    mem = mmap(NULL, r.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    g_assert_true(mem != MAP_FAILED);
+    r.host_addr = (guint64)(guintptr)mem;
+    for (gsize i = 0; i < n; i++) {
+        (void)*(volatile guint8 *)(mem + i * PF_PAGE_SIZE); /* mapped, as QEMU's RAM is */
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(merged); i++) {
+        g_assert_true(mmap(mem + merged[i] * PF_PAGE_SIZE, PF_PAGE_SIZE, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_FIXED, pool, 0) != MAP_FAILED);
+        (void)*(volatile guint8 *)(mem + merged[i] * PF_PAGE_SIZE);
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(written); i++) {
+        mem[written[i] * PF_PAGE_SIZE] = 0x5a;
+    }
+    for (guint i = 0; i < G_N_ELEMENTS(holes); i++) {
+        g_assert_cmpint(fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                  (off_t)(holes[i] * PF_PAGE_SIZE), PF_PAGE_SIZE), ==, 0);
+    }
+    x = pf_extents_read(&r, pagemap, cow, 0);
+    g_assert_cmpuint(x->to, ==, n);
+    g_assert_cmpuint(x->cow->len, ==, 3);
+    g_assert_cmpuint(g_array_index(x->cow, PfCowSeen, 0).page, ==, 10);
+    g_assert_cmpuint(g_array_index(x->cow, PfCowSeen, 1).page, ==, 1000);
+    g_assert_cmpuint(g_array_index(x->cow, PfCowSeen, 2).page, ==, 2047);
+    munmap(mem, r.size);
+    close(fd);
+    close(pool);
+    close(pagemap);
+}
+
+/*
  * What pagefoldd keeps for a VM follows the pages present, not the size of
  * its RAM: a mostly empty 1 GiB guest costs little, and a guest whose RAM
  * is given back costs less again (the unstable tree shrinks too).
@@ -881,6 +957,8 @@ main(int argc, char **argv)
     g_test_add_func("/scan/discarded-not-read", test_discarded_not_read);
     g_test_add_func("/scan/metadata-follows-pages", test_metadata_follows_pages);
     g_test_add_func("/scan/window-read-fails", test_window_read_fails);
+    g_test_add_data_func("/scan/extents-cow/PAGEMAP_SCAN", "PAGEMAP_SCAN", test_extents_cow);
+    g_test_add_data_func("/scan/extents-cow/pagemap", "pagemap", test_extents_cow);
     g_test_add_func("/scan/pace-present-pages", test_pace_present_pages);
     g_test_add("/scan/hinted-first", Fixture, &layout_tail, fixture_setup, test_hinted_first,
                fixture_teardown);
