@@ -57,11 +57,11 @@ pf_extents_free(PfExtents *x)
 
 /*
  * Data extents this short between two holes are looked at with them, in
- * one call: a call costs its lookup of the mapping and its setup, far more
- * than the page table entries of a few hundred pages it walks too.  Merged
- * pages cut a memfd into many short extents.
+ * one call: a call costs about what walking the page table entries of 70
+ * pages does (docs/DESIGN.md, section 6), and merged pages cut a memfd
+ * into many short extents.
  */
-#define COW_GAP_PAGES 256u
+#define COW_GAP_PAGES 64u
 
 typedef struct {
     PfExtents *x;
