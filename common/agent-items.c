@@ -224,14 +224,14 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
  * one window of unmerge items under one write protection.
  */
 static void
-exec_unmerges(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
-              guint64 hi, PfWireResult *res)
+exec_unmerges(PfAgent *a, const PfWireItem *items, guint32 n,
+              PfWireResult *res)
 {
     g_autofree int *rcs = g_new(int, n);
 
     g_mutex_lock(&a->dma);
     pfa_fold_back_items(a, &g_array_index(a->regions, Region, items[0].region),
-                        items, n, lo, hi, rcs);
+                        items, n, rcs);
     g_mutex_unlock(&a->dma);
     for (guint32 t = 0; t < n; t++) {
         set_result(&res[t], rcs[t] < 0 ? PF_RESULT_ERROR : PF_RESULT_DONE,
@@ -344,7 +344,7 @@ pfa_handle_request(PfAgent *a, const PfMsg *msg, GError **error)
                 k++;
             }
             if (items[i].kind == PF_ITEM_UNMERGE) {
-                exec_unmerges(a, &items[i], k, lo, hi, &res[i]);
+                exec_unmerges(a, &items[i], k, &res[i]);
             } else {
                 exec_window(a, &items[i], k, lo, hi, &res[i], &moved[i]);
             }

@@ -225,7 +225,7 @@ int pfa_fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n,
 int pfa_fold_back(PfAgent *a, Region *r, gsize first, gsize n, gboolean copy,
                   gsize *stop, gsize *folded);
 void pfa_fold_back_items(PfAgent *a, Region *r, const PfWireItem *items,
-                         guint32 n, gsize lo, gsize hi, int *rcs);
+                         guint32 n, int *rcs);
 int pfa_remap_run(PfAgent *a, Region *r, gsize from, gsize to, const Chunk *c,
                   guint32 slot);
 

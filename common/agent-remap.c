@@ -278,8 +278,8 @@ pfa_fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n,
 }
 
 /*
- * Folds back the pages of n unmerge items of r, within pages [lo, hi),
- * under one write protection of [lo, hi): a fold-back alone pays for
+ * Folds back the pages of n unmerge items of r under one write protection,
+ * of the span of those still remapped: a fold-back alone pays for
  * protecting and unprotecting its page, two TLB flushes, which cost more
  * than its copy and its mapping.  Items of consecutive pages fold back as
  * one run, one mapping; a run that fails is tried again page by page, so
@@ -289,20 +289,24 @@ pfa_fold_back_locked(PfAgent *a, Region *r, gsize first, gsize n,
  */
 void
 pfa_fold_back_items(PfAgent *a, Region *r, const PfWireItem *items,
-                    guint32 n, gsize lo, gsize hi, int *rcs)
+                    guint32 n, int *rcs)
 {
-    guint8 *hva = r->host + lo * PF_PAGE_SIZE;
-    gsize len = (hi - lo) * PF_PAGE_SIZE, stop;
-    gboolean any = FALSE;
+    gsize lo = r->n_pages, hi = 0, len, stop;
+    guint8 *hva;
     int rc;
 
     for (guint32 i = 0; i < n; i++) {
         rcs[i] = 0;
-        any = any || pfa_is_remapped(r, items[i].page);
+        if (pfa_is_remapped(r, items[i].page)) {
+            lo = MIN(lo, items[i].page);
+            hi = MAX(hi, items[i].page + 1);
+        }
     }
-    if (!any) {
+    if (hi == 0) {
         return; /* in the memfd already, as each one says */
     }
+    hva = r->host + lo * PF_PAGE_SIZE;
+    len = (hi - lo) * PF_PAGE_SIZE;
     rc = pfa_uffd_hold(a, hva, len);
     for (guint32 i = 0; i < n; i++) {
         rcs[i] = pfa_is_remapped(r, items[i].page) ? rc : 0;

@@ -64,8 +64,9 @@ struct _PfScanJob {
 
 /* Whether any request to an agent of vms is still to be answered (by an
  * agent that answers: not counting those stopped for a while, if
- * answering).  A request still in an open batch (scans and answers flush
- * theirs as they end) goes with the next scan slice: not waited for. */
+ * answering).  A request still in an open batch (a job's scans flush
+ * theirs as they end; a background batch's wait to be ripe) goes with a
+ * later flush: not waited for. */
 static gboolean
 answers_due(GPtrArray *vms, gboolean answering)
 {

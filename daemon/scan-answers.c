@@ -191,15 +191,30 @@ void
 pf_scanner_answer(PfScanner *s, PfVm *vm, const PfWireResult *res, guint32 n)
 {
     g_autoptr(PfOutBatch) b = pf_outbox_pop_answered(vm->outbox);
+    guint n_vms = vm_count(s);
+    g_autofree gsize *queued = g_new0(gsize, n_vms);
 
     g_return_if_fail(b != NULL && b->pending->len == n);
+    for (guint i = 0; i < n_vms; i++) {
+        queued[i] = vm_at(s, i)->kind == PF_VM_AGENT ? pf_outbox_n_queued(vm_at(s, i)->outbox) : 0;
+    }
     for (guint32 i = 0; i < n; i++) {
         complete(s, vm, &g_array_index(b->pending, PfPending, i), (PfResultStatus)res[i].status,
                  res[i].err);
     }
-    /* The window has room again; and answers can call for more (a huge
+    /*
+     * The window has room again; and answers can call for more (a huge
      * page to collapse; a node that moved, whose other members' VMs are
-     * asked too): they go now, as a scan's requests go as it ends.
-     * Nothing waits queued outside a scan for one to come. */
-    pf_scanner_flush(s);
+     * asked too): those go now, as a scan's requests go as it ends.  What
+     * a background batch holds back waits for its own time.
+     */
+    for (guint i = 0; i < vm_count(s); i++) {
+        PfVm *v = vm_at(s, i);
+
+        if (v->kind == PF_VM_AGENT &&
+            (vm_count(s) != n_vms || pf_outbox_n_queued(v->outbox) > queued[i])) {
+            pf_outbox_flush(v->outbox);
+        }
+    }
+    pf_scanner_flush_ripe(s, 0);
 }

@@ -641,9 +641,10 @@ void requests_settle_region(PfScanner *s, PfRegion *r);
 /* Every request of the VM, answered or not, is let go: the slots it may
  * have mapped go to keep (NULL: its process is gone). */
 void requests_abandon(PfScanner *s, PfVm *vm, GArray *keep);
-/* The requests of VMs with enough of them, or an old one, go to their
- * agents; the others wait for the next background batch's. */
-void pf_scanner_flush_ripe(PfScanner *s);
+/* The requests of VMs with enough of them, or one that will be old
+ * horizon_usec from now, go to their agents; the others wait for the next
+ * background batch's. */
+void pf_scanner_flush_ripe(PfScanner *s, gint64 horizon_usec);
 
 /* ---- scan-cow.c ---- */
 

@@ -489,7 +489,7 @@ pf_scanner_scan(PfScanner *s, gsize max_pages, gboolean *progress)
         moved = moved || step_moved;
     }
     if (s->pass.holding) {
-        pf_scanner_flush_ripe(s);
+        pf_scanner_flush_ripe(s, 0);
     } else {
         pf_scanner_flush(s);
     }

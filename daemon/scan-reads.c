@@ -323,6 +323,11 @@ reads_look_start(PfScanner *s, PfVm *vm)
         (call = thread_call_new(vm, s->reads.looking_pids, &vm->scan->looking)) == NULL) {
         return;
     }
+    /* What a background batch holds back would not be in the maps read,
+     * nor counted after them. */
+    if (vm->kind == PF_VM_AGENT) {
+        pf_outbox_flush(vm->outbox);
+    }
     vm->scan->look_usec = g_get_monotonic_time();
     vm->scan->vmas_since_look = 0;
     vm->scan->look_answered = vm->kind == PF_VM_AGENT ? pf_outbox_answered_seq(vm->outbox) : 0;

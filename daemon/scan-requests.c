@@ -153,19 +153,21 @@ requests_abandon(PfScanner *s, PfVm *vm, GArray *keep)
  * cursor's next pages, at KSM's pace a hundred every 20 ms): an agent
  * pays for each window of pages near each other two TLB flushes, which a
  * few merges a request never share.  A pass's end, a scan the control
- * socket asked for, and an answer's consequences send everything.
+ * socket asked for, and the requests an answer leads to go at once.
  */
 #define RIPE_ITEMS 256u
 #define RIPE_USEC (100 * G_TIME_SPAN_MILLISECOND)
 
 void
-pf_scanner_flush_ripe(PfScanner *s)
+pf_scanner_flush_ripe(PfScanner *s, gint64 horizon_usec)
 {
     for (guint i = 0; i < vm_count(s); i++) {
         PfVm *vm = vm_at(s, i);
 
-        if (vm->kind == PF_VM_AGENT && (pf_outbox_n_queued(vm->outbox) >= RIPE_ITEMS ||
-                                        pf_outbox_queued_usec(vm->outbox) >= RIPE_USEC)) {
+        if (vm->kind == PF_VM_AGENT &&
+            (pf_outbox_n_queued(vm->outbox) >= RIPE_ITEMS ||
+             (pf_outbox_n_queued(vm->outbox) > 0 &&
+              pf_outbox_queued_usec(vm->outbox) + horizon_usec >= RIPE_USEC))) {
             pf_outbox_flush(vm->outbox);
         }
     }

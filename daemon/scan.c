@@ -183,6 +183,8 @@ scanner_tick(gpointer user)
             return G_SOURCE_REMOVE;
         }
         sleep_ms = batch_done(s);
+        /* Held no longer than it would wait for the next wake-up. */
+        pf_scanner_flush_ripe(s, (gint64)sleep_ms * G_TIME_SPAN_MILLISECOND);
     } else {
         s->pacing.batch_left = 0;
         pf_scanner_flush(s); /* stopped or paused: nothing is held back */
