@@ -188,6 +188,46 @@ test_fault_unmerge_window(Fixture *f, gconstpointer data)
     g_assert_cmpint(memcmp(mem, want, 8 * PF_PAGE_SIZE), ==, 0);
 }
 
+/* Unmerges of one window whose write protection fails: each page still
+ * merged says so, its write in place, and nothing changed; a page in the
+ * memfd already is done; the next try folds them back. */
+static void
+test_fault_unmerge_window_protect(Fixture *f, gconstpointer data)
+{
+    PfWireItem items[3] = {
+        { .kind = PF_ITEM_UNMERGE, .region = 0, .page = 2 },
+        { .kind = PF_ITEM_UNMERGE, .region = 0, .page = 3 },
+        { .kind = PF_ITEM_UNMERGE, .region = 0, .page = 40 },
+    };
+    guint8 *mem = f->guest->mem;
+    g_autofree guint8 *want = NULL;
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    res = merge_pages(f, 0, 8, 1);
+    g_assert_cmpuint(remapped(f), ==, 8);
+    mem[2 * PF_PAGE_SIZE + 5] ^= 0x3c;
+    want = g_memdup2(mem, 8 * PF_PAGE_SIZE);
+    pf_test_fault_set("wp-on", 0, 1, ENOMEM, FALSE);
+    res = request(f, items, G_N_ELEMENTS(items), 2);
+    g_assert_cmpint(pf_test_fault_hits(), ==, 1);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+    for (guint i = 0; i < 2; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
+        g_assert_cmpint(res[i].err, ==, ENOMEM);
+    }
+    g_assert_cmpuint(res[2].status, ==, PF_RESULT_DONE);
+    g_assert_cmpuint(remapped(f), ==, 8);
+    g_assert_cmpint(memcmp(mem, want, 8 * PF_PAGE_SIZE), ==, 0);
+    res = request(f, items, G_N_ELEMENTS(items), 3);
+    for (guint i = 0; i < G_N_ELEMENTS(items); i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_DONE);
+    }
+    g_assert_cmpuint(remapped(f), ==, 6);
+    assert_memfd_page(f, 2, want + 2 * PF_PAGE_SIZE);
+    g_assert_cmpint(memcmp(mem, want, 8 * PF_PAGE_SIZE), ==, 0);
+}
+
 /* A copy into the memfd that fails partway through a run (ENOSPC: a full
  * tmpfs), stepping back: the run stays merged, the guest's writes in
  * place, and the pages copied before the failure are punched again, not
@@ -556,6 +596,8 @@ main(int argc, char **argv)
                test_fault_merge_punch, teardown);
     g_test_add("/agent-proto/fault/unmerge-window", Fixture, NULL, setup,
                test_fault_unmerge_window, teardown);
+    g_test_add("/agent-proto/fault/unmerge-window-protect", Fixture, NULL, setup,
+               test_fault_unmerge_window_protect, teardown);
     g_test_add("/agent-proto/fault/unmerge-map-early", Fixture, NULL, setup,
                test_fault_unmerge_mmap, teardown);
     g_test_add("/agent-proto/fault/unmerge-map-late", Fixture, "late", setup,
