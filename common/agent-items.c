@@ -193,7 +193,10 @@ exec_window(PfAgent *a, const PfWireItem *items, guint32 n, guint64 lo,
             pfa_uffd_release(a, hva, len);
         }
     }
-    /* A pagefoldd before version 4 knows a page left as it was by EBUSY alone. */
+    /*
+     * A pagefoldd before version 4 knows a page left as it was by EBUSY
+     * alone.
+     */
     if (rc == -EINPROGRESS && a->version < PF_PROTO_VERSION_SETTLING) {
         rc = -EBUSY;
     }
@@ -320,7 +323,6 @@ pfa_handle_request(PfAgent *a, const PfMsg *msg, GError **error)
 
     for (guint32 i = 0; i < n;) {
         guint32 k = 1;
-
         guint64 lo = items[i].page, hi = lo + 1;
 
         if (!item_valid(a, &items[i])) {
