@@ -151,6 +151,15 @@ test_fault_unmerge_copy(Fixture *f, gconstpointer data)
     g_assert_true(maps_memfd(f, 2));
 }
 
+/* Pages 0-7 merged, as the unmerge windows below begin. */
+static void
+merge_eight(Fixture *f)
+{
+    send_identical_pool(f);
+    (void)merge_pages(f, 0, 8, 1);
+    g_assert_cmpuint(remapped(f), ==, 8);
+}
+
 /* Unmerges of one window, a copy into the memfd failing twice: the run it
  * failed in is tried again page by page, so that only the page that
  * failed again stays merged, its write in place, and says so. */
@@ -163,9 +172,7 @@ test_fault_unmerge_window(Fixture *f, gconstpointer data)
     g_autofree guint8 *want = NULL;
     const PfWireResult *res;
 
-    send_identical_pool(f);
-    res = merge_pages(f, 0, 8, 1);
-    g_assert_cmpuint(remapped(f), ==, 8);
+    merge_eight(f);
     for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
         mem[pages[i] * PF_PAGE_SIZE + 99] ^= 0x3c;
         items[i] = (PfWireItem){ .kind = PF_ITEM_UNMERGE, .region = 0, .page = pages[i] };
@@ -203,9 +210,7 @@ test_fault_unmerge_window_protect(Fixture *f, gconstpointer data)
     g_autofree guint8 *want = NULL;
     const PfWireResult *res;
 
-    send_identical_pool(f);
-    res = merge_pages(f, 0, 8, 1);
-    g_assert_cmpuint(remapped(f), ==, 8);
+    merge_eight(f);
     mem[2 * PF_PAGE_SIZE + 5] ^= 0x3c;
     want = g_memdup2(mem, 8 * PF_PAGE_SIZE);
     pf_test_fault_set("wp-on", 0, 1, ENOMEM, FALSE);
