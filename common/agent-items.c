@@ -25,6 +25,7 @@
 
 #define MAX_RUN 512
 #define WINDOW_PAGES 4096u /* 16 MiB */
+#define WINDOW_GAP 16u
 
 static gboolean
 item_valid(PfAgent *a, const PfWireItem *it)
@@ -86,9 +87,12 @@ window_of(PfItemKind kind)
 
 /*
  * Does it join the window of first, which spans pages [lo, hi)?  Within
- * WINDOW_PAGES, and never across a 2 MiB extent with no item in it:
- * protecting a page splits its huge mapping, which merging does anyway
- * where it merges, but must not do where it does not.
+ * WINDOW_GAP pages of it and WINDOW_PAGES in all, and never across a 2 MiB
+ * extent with no item in it: protecting a page splits its huge mapping,
+ * which merging does anyway where it merges, but must not do where it
+ * does not.  Protecting and lifting walk every page of the span, a gap
+ * page as dearly as a merged one (an empty one gets a marker), so a
+ * window does not reach across a wide gap to save a call.
  */
 static gboolean
 is_window_item(PfAgent *a, const PfWireItem *first, const PfWireItem *it,
@@ -99,7 +103,9 @@ is_window_item(PfAgent *a, const PfWireItem *first, const PfWireItem *it,
 
     if (window_of(it->kind) != window_of(first->kind) ||
         it->region != first->region || !item_valid(a, it) ||
-        MAX(hi, it->page + 1) - MIN(lo, it->page) > WINDOW_PAGES) {
+        MAX(hi, it->page + 1) - MIN(lo, it->page) > WINDOW_PAGES ||
+        (it->page >= hi ? it->page - hi : lo - MIN(lo, it->page + 1)) >
+            WINDOW_GAP) {
         return FALSE;
     }
     r = &g_array_index(a->regions, Region, it->region);
@@ -167,7 +173,7 @@ exec_run(PfAgent *a, const PfWireItem *first, guint32 k, PfWireResult *res,
 }
 
 /*
- * Merge and zero items of one region within WINDOW_PAGES of each other
+ * Merge and zero items of one region near each other (is_window_item())
  * share their system calls: one write protection of the window (in the
  * VMM, then in each back-end that maps it), runs
  * remapped, then the window registered again (the new mappings are not),

@@ -233,6 +233,35 @@ test_fault_unmerge_window_protect(Fixture *f, gconstpointer data)
     g_assert_cmpint(memcmp(mem, want, 8 * PF_PAGE_SIZE), ==, 0);
 }
 
+/* Merges of one request far apart are protected apart: a protection that
+ * fails for the first pages leaves them as they were, and the page
+ * WINDOW_GAP pages and more beyond them, in a window of its own, merges. */
+static void
+test_fault_window_gap(Fixture *f, gconstpointer data)
+{
+    static const guint64 pages[] = { 0, 1, 60 };
+    PfWireItem items[G_N_ELEMENTS(pages)];
+    const PfWireResult *res;
+
+    send_identical_pool(f);
+    for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
+        items[i] = (PfWireItem){ .kind = PF_ITEM_MERGE, .region = 0, .page = pages[i],
+                                 .chunk = 0, .slot = (guint32)pages[i] };
+    }
+    pf_test_fault_set("wp-on", 0, 1, ENOMEM, FALSE);
+    res = request(f, items, G_N_ELEMENTS(items), 1);
+    g_assert_cmpint(pf_test_fault_hits(), ==, 1);
+    pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+    for (guint i = 0; i < 2; i++) {
+        g_assert_cmpuint(res[i].status, ==, PF_RESULT_ERROR);
+        g_assert_cmpint(res[i].err, ==, ENOMEM);
+        g_assert_true(maps_memfd(f, (guint)pages[i]));
+    }
+    g_assert_cmpuint(res[2].status, ==, PF_RESULT_DONE);
+    g_assert_false(maps_memfd(f, 60));
+    g_assert_cmpuint(remapped(f), ==, 1);
+}
+
 /* A copy into the memfd that fails partway through a run (ENOSPC: a full
  * tmpfs), stepping back: the run stays merged, the guest's writes in
  * place, and the pages copied before the failure are punched again, not
@@ -603,6 +632,8 @@ main(int argc, char **argv)
                test_fault_unmerge_window, teardown);
     g_test_add("/agent-proto/fault/unmerge-window-protect", Fixture, NULL, setup,
                test_fault_unmerge_window_protect, teardown);
+    g_test_add("/agent-proto/fault/window-gap", Fixture, NULL, setup, test_fault_window_gap,
+               teardown);
     g_test_add("/agent-proto/fault/unmerge-map-early", Fixture, NULL, setup,
                test_fault_unmerge_mmap, teardown);
     g_test_add("/agent-proto/fault/unmerge-map-late", Fixture, "late", setup,
