@@ -14,7 +14,9 @@
  *   - mappings added per merged page, on a layout of mixed runs;
  *   - the same merges with the memfd mapped by a second process too, as
  *     pagefoldd maps what it reads: sleeping, or running on another CPU,
- *     whose TLB each punch then shoots down (the agent's CPU a page).
+ *     whose TLB each punch then shoots down (the agent's CPU a page); and
+ *     with a thread of the VMM reading guest RAM on another CPU, as a vCPU
+ *     does, whose TLB every change of the VMM's mappings shoots down.
  * One JSON line per result.  KSM's settings are restored as found.
  */
 #include <errno.h>
@@ -108,18 +110,19 @@ merge_item(PfWireItem *it, guint64 page)
 
 /* The CPU time, in seconds, of this process's thread named name (the
  * agent's names itself), from schedstat's nanoseconds; 0 if none. */
+/* CPU seconds of the task named name under dir (a process's task/ or /proc). */
 static double
-thread_cpu_s(const char *name)
+task_cpu_s(const char *dir_path, const char *name)
 {
-    g_autoptr(GDir) dir = g_dir_open("/proc/self/task", 0, NULL);
+    g_autoptr(GDir) dir = g_dir_open(dir_path, 0, NULL);
     const char *t;
 
     while (dir != NULL && (t = g_dir_read_name(dir)) != NULL) {
-        g_autofree char *comm_path = g_strdup_printf("/proc/self/task/%s/comm", t);
-        g_autofree char *stat_path = g_strdup_printf("/proc/self/task/%s/schedstat", t);
+        g_autofree char *comm_path = g_strdup_printf("%s/%s/comm", dir_path, t);
+        g_autofree char *stat_path = g_strdup_printf("%s/%s/schedstat", dir_path, t);
         g_autofree char *comm = NULL, *stat = NULL;
 
-        if (g_file_get_contents(comm_path, &comm, NULL, NULL) &&
+        if (g_ascii_isdigit(t[0]) && g_file_get_contents(comm_path, &comm, NULL, NULL) &&
             g_str_equal(g_strstrip(comm), name) &&
             g_file_get_contents(stat_path, &stat, NULL, NULL)) {
             return (double)g_ascii_strtoull(stat, NULL, 10) * 1e-9;
@@ -128,14 +131,40 @@ thread_cpu_s(const char *name)
     return 0;
 }
 
+static double
+thread_cpu_s(const char *name)
+{
+    return task_cpu_s("/proc/self/task", name);
+}
+
 /*
  * A second process that maps the guest's memfd read-only, every page
  * present, as pagefoldd's read mappings are: each punch must unmap its
  * page there too, and, while it runs on another CPU (spinning), shoot down
  * that CPU's TLB entry as well.  Its pid, once its pages are mapped.
  */
-typedef enum { READER_NONE, READER_SLEEPING, READER_SPINNING, READER_KINDS } Reader;
-static const char *const reader_names[READER_KINDS] = { "none", "sleeping", "spinning" };
+typedef enum { READER_NONE, READER_SLEEPING, READER_SPINNING, READER_VCPU, READER_KINDS } Reader;
+static const char *const reader_names[READER_KINDS] = { "none", "sleeping", "spinning", "vcpu" };
+
+/* A thread of this process (the VMM) reading guest RAM until told to stop. */
+typedef struct {
+    GThread *thread;
+    gint stop;
+    const volatile guint8 *mem;
+    gsize pages;
+} Vcpu;
+
+static gpointer
+vcpu_thread(gpointer data)
+{
+    Vcpu *v = data;
+    guint8 c = 0;
+
+    for (gsize i = 0; !g_atomic_int_get(&v->stop); i++) {
+        c ^= v->mem[(i % v->pages) * PF_PAGE_SIZE];
+    }
+    return GUINT_TO_POINTER(c);
+}
 
 static pid_t
 reader_start(Rig *r, Reader kind)
@@ -190,9 +219,17 @@ bench_merge_rate(guint32 batch, guint32 pages, Reader reader, double *agent_us)
     PfLayout l = { .unique = PAGES };
     Rig *r = rig_new(&l);
     g_autofree PfWireItem *items = g_new0(PfWireItem, batch);
-    pid_t reader_pid = reader != READER_NONE ? reader_start(r, reader) : 0;
+    pid_t reader_pid = reader == READER_SLEEPING || reader == READER_SPINNING ?
+                       reader_start(r, reader) : 0;
+    Vcpu vcpu = { NULL, 0, r->g->mem, PAGES };
     guint32 done = 0;
-    double t0 = bench_now(), secs, cpu0 = thread_cpu_s("pagefold-agent");
+    double t0, secs, cpu0;
+
+    if (reader == READER_VCPU) {
+        vcpu.thread = g_thread_new("vcpu", vcpu_thread, &vcpu);
+    }
+    t0 = bench_now();
+    cpu0 = thread_cpu_s("pagefold-agent");
 
     /* Every other page, so single merges cannot coalesce into one mmap. */
     for (guint32 p = 0; p < pages; p += batch) {
@@ -205,6 +242,10 @@ bench_merge_rate(guint32 batch, guint32 pages, Reader reader, double *agent_us)
     *agent_us = (thread_cpu_s("pagefold-agent") - cpu0) * 1e6 / pages;
     if (reader_pid > 0) {
         reader_stop(reader_pid);
+    }
+    if (vcpu.thread != NULL) {
+        g_atomic_int_set(&vcpu.stop, 1);
+        (void)g_thread_join(vcpu.thread);
     }
     g_assert_cmpuint(done, ==, pages);
     g_assert_cmpfloat(*agent_us, >, 0);
@@ -395,8 +436,10 @@ ksm_set(const char *knob, const char *value)
 
 /* Kernel KSM on anonymous memory: pairs of identical pages. */
 static double
-ksm_cow(gsize n, double *merge_secs)
+ksm_cow(gsize n, gboolean with_vcpu, double *merge_secs, double *ksmd_us)
 {
+    Vcpu vcpu = { NULL, 0, NULL, 2 * n };
+    double cpu0;
     g_autofree char *run = ksm_get("run"), *pts = ksm_get("pages_to_scan");
     g_autofree char *sleep_ms = ksm_get("sleep_millisecs");
     gsize len = 2 * n * PF_PAGE_SIZE;
@@ -413,8 +456,14 @@ ksm_cow(gsize n, double *merge_secs)
         memcpy(mem + (n + i) * PF_PAGE_SIZE, mem + i * PF_PAGE_SIZE, PF_PAGE_SIZE);
     }
     if (madvise(mem, len, MADV_MERGEABLE) == 0 && ksm_set("pages_to_scan", "20000") &&
-        ksm_set("sleep_millisecs", "1") && ksm_set("run", "1")) {
+        ksm_set("sleep_millisecs", "1")) {
+        vcpu.mem = mem;
+        if (with_vcpu) {
+            vcpu.thread = g_thread_new("vcpu", vcpu_thread, &vcpu);
+        }
+        cpu0 = task_cpu_s("/proc", "ksmd");
         t0 = bench_now();
+        (void)ksm_set("run", "1");
         /* Wait for this process's own KSM figure. */
         for (;;) {
             g_autofree char *path = g_strdup_printf("/proc/%d/ksm_merging_pages", getpid());
@@ -430,7 +479,12 @@ ksm_cow(gsize n, double *merge_secs)
             g_usleep(10000);
         }
         *merge_secs = bench_now() - t0;
-        us = cow_latency(mem, n);
+        *ksmd_us = (task_cpu_s("/proc", "ksmd") - cpu0) * 1e6 / (2.0 * n);
+        if (vcpu.thread != NULL) {
+            g_atomic_int_set(&vcpu.stop, 1);
+            (void)g_thread_join(vcpu.thread);
+        }
+        us = with_vcpu ? 0 : cow_latency(mem, n);
     }
     /* As found: unmerge everything, then the old settings. */
     ksm_set("run", "2");
@@ -495,7 +549,7 @@ main(int argc, char **argv)
     g_autofree double *single_cpu = g_new(double, reps), *batched_cpu = g_new(double, reps);
     g_autofree double *scattered = g_new(double, reps), *scattered_cpu = g_new(double, reps);
     double s_us, b_us, sf_us, bf_us, sc_us, bc_us;
-    double pf_cow, ksm_cow_us, ksm_merge_s = 0;
+    double pf_cow, ksm_cow_us, ksm_merge_s = 0, ksmd_us[2] = { 0, 0 };
     guint64 merged = 0;
     double mpp;
 
@@ -529,8 +583,9 @@ main(int argc, char **argv)
 
     /*
      * The same merges with the memfd also mapped by another process, as
-     * pagefoldd maps what it reads: the agent's CPU a page (which a TLB
-     * shootdown's wait for the other CPU is part of), alternating.
+     * pagefoldd maps what it reads, or with a vCPU-like thread running:
+     * the agent's CPU a page (which a TLB shootdown's wait for the other
+     * CPU is part of), alternating.
      */
     {
         double cpu[2][READER_KINDS][16];
@@ -568,10 +623,17 @@ main(int argc, char **argv)
     fflush(stdout);
 
     pf_cow = pagefold_cow(4096);
-    ksm_cow_us = ksm_cow(4096, &ksm_merge_s);
+    ksm_cow_us = ksm_cow(4096, FALSE, &ksm_merge_s, &ksmd_us[0]);
     printf("{\"bench\":\"cow-fault\",\"pages\":4096,\"pagefold_median_us\":%.2f,"
            "\"ksm_median_us\":%.2f,\"pagefold_to_ksm\":%.2f,\"ksm_merge_s\":%.2f}\n",
            pf_cow, ksm_cow_us, ksm_cow_us > 0 ? pf_cow / ksm_cow_us : -1, ksm_merge_s);
+    /* ksmd's whole CPU a page merged (scan, checksums, trees and merge), to
+     * set beside the agent's in merge-reader: alone, and with a thread of
+     * the process reading the pages on another CPU. */
+    if (ksm_cow(4096, TRUE, &ksm_merge_s, &ksmd_us[1]) >= 0) {
+        printf("{\"bench\":\"ksm-merge\",\"pages\":8192,\"ksmd_cpu_us_per_page\":%.2f,"
+               "\"ksmd_cpu_us_per_page_vcpu\":%.2f}\n", ksmd_us[0], ksmd_us[1]);
+    }
     fflush(stdout);
 
     mpp = mappings_per_page(&merged);
