@@ -196,7 +196,8 @@ test_fault_unmerge_window(Fixture *f, gconstpointer data)
 }
 
 /* Three items requested while the first write protection fails: the first
- * two, which share it, say ENOMEM; the third, protected apart, is done. */
+ * two, which share it, say ENOMEM; the third is done (it was in the memfd
+ * already, or in a window of its own). */
 static const PfWireResult *
 request_first_protect_failing(Fixture *f, const PfWireItem *items, guint32 seq)
 {
@@ -223,7 +224,7 @@ test_fault_unmerge_window_protect(Fixture *f, gconstpointer data)
     PfWireItem items[3] = {
         { .kind = PF_ITEM_UNMERGE, .region = 0, .page = 2 },
         { .kind = PF_ITEM_UNMERGE, .region = 0, .page = 3 },
-        { .kind = PF_ITEM_UNMERGE, .region = 0, .page = 40 },
+        { .kind = PF_ITEM_UNMERGE, .region = 0, .page = 12 },
     };
     guint8 *mem = f->guest->mem;
     g_autofree guint8 *want = NULL;
@@ -244,25 +245,48 @@ test_fault_unmerge_window_protect(Fixture *f, gconstpointer data)
     g_assert_cmpint(memcmp(mem, want, 8 * PF_PAGE_SIZE), ==, 0);
 }
 
-/* Merges of one request far apart are protected apart: a protection that
- * fails for the first pages leaves them as they were, and the page
- * WINDOW_GAP pages and more beyond them, in a window of its own, merges. */
+/* Merges of one request far apart are protected apart: with the first
+ * window's protection failing, an item with WINDOW_GAP (16) pages between
+ * it and the window, above or below, shares the failure; one with 17
+ * between, in a window of its own, merges. */
 static void
 test_fault_window_gap(Fixture *f, gconstpointer data)
 {
-    static const guint64 pages[] = { 0, 1, 60 };
-    PfWireItem items[G_N_ELEMENTS(pages)];
+    static const struct {
+        guint64 pages[3];
+        gboolean joins;
+    } cases[] = {
+        { { 0, 1, 18 }, TRUE },
+        { { 0, 1, 19 }, FALSE },
+        { { 60, 59, 42 }, TRUE },
+        { { 60, 59, 41 }, FALSE },
+    };
+    guint32 seq = 1;
 
     send_identical_pool(f);
-    for (guint i = 0; i < G_N_ELEMENTS(pages); i++) {
-        items[i] = (PfWireItem){ .kind = PF_ITEM_MERGE, .region = 0, .page = pages[i],
-                                 .chunk = 0, .slot = (guint32)pages[i] };
+    for (guint c = 0; c < G_N_ELEMENTS(cases); c++) {
+        PfWireItem items[3];
+        const PfWireResult *res;
+
+        for (guint i = 0; i < 3; i++) {
+            items[i] = (PfWireItem){ .kind = PF_ITEM_MERGE, .region = 0,
+                                     .page = cases[c].pages[i],
+                                     .chunk = 0, .slot = (guint32)cases[c].pages[i] };
+        }
+        if (cases[c].joins) {
+            pf_test_fault_set("wp-on", 0, 1, ENOMEM, FALSE);
+            res = request(f, items, 3, seq++);
+            pf_test_fault_set(NULL, 0, 0, 0, FALSE);
+            assert_all_failed(res, 3, ENOMEM);
+        } else {
+            (void)request_first_protect_failing(f, items, seq++);
+        }
+        for (guint i = 0; i < 3; i++) {
+            g_assert_true(maps_memfd(f, (guint)cases[c].pages[i]) ==
+                          (i < 2 || cases[c].joins));
+        }
     }
-    (void)request_first_protect_failing(f, items, 1);
-    g_assert_true(maps_memfd(f, 0));
-    g_assert_true(maps_memfd(f, 1));
-    g_assert_false(maps_memfd(f, 60));
-    g_assert_cmpuint(remapped(f), ==, 1);
+    g_assert_cmpuint(remapped(f), ==, 2);
 }
 
 /* A copy into the memfd that fails partway through a run (ENOSPC: a full
