@@ -166,6 +166,23 @@ vcpu_thread(gpointer data)
     return GUINT_TO_POINTER(c);
 }
 
+static void
+vcpu_start(Vcpu *v, const guint8 *mem, gsize pages)
+{
+    *v = (Vcpu){ NULL, 0, mem, pages };
+    v->thread = g_thread_new("vcpu", vcpu_thread, v);
+}
+
+static void
+vcpu_stop(Vcpu *v)
+{
+    if (v->thread != NULL) {
+        g_atomic_int_set(&v->stop, 1);
+        (void)g_thread_join(v->thread);
+        v->thread = NULL;
+    }
+}
+
 static pid_t
 reader_start(Rig *r, Reader kind)
 {
@@ -221,12 +238,12 @@ bench_merge_rate(guint32 batch, guint32 pages, Reader reader, double *agent_us)
     g_autofree PfWireItem *items = g_new0(PfWireItem, batch);
     pid_t reader_pid = reader == READER_SLEEPING || reader == READER_SPINNING ?
                        reader_start(r, reader) : 0;
-    Vcpu vcpu = { NULL, 0, r->g->mem, PAGES };
+    Vcpu vcpu = { NULL };
     guint32 done = 0;
     double t0, secs, cpu0;
 
     if (reader == READER_VCPU) {
-        vcpu.thread = g_thread_new("vcpu", vcpu_thread, &vcpu);
+        vcpu_start(&vcpu, r->g->mem, PAGES);
     }
     t0 = bench_now();
     cpu0 = thread_cpu_s("pagefold-agent");
@@ -243,10 +260,7 @@ bench_merge_rate(guint32 batch, guint32 pages, Reader reader, double *agent_us)
     if (reader_pid > 0) {
         reader_stop(reader_pid);
     }
-    if (vcpu.thread != NULL) {
-        g_atomic_int_set(&vcpu.stop, 1);
-        (void)g_thread_join(vcpu.thread);
-    }
+    vcpu_stop(&vcpu);
     g_assert_cmpuint(done, ==, pages);
     g_assert_cmpfloat(*agent_us, >, 0);
     rig_free(r);
@@ -438,7 +452,7 @@ ksm_set(const char *knob, const char *value)
 static double
 ksm_cow(gsize n, gboolean with_vcpu, double *merge_secs, double *ksmd_us)
 {
-    Vcpu vcpu = { NULL, 0, NULL, 2 * n };
+    Vcpu vcpu = { NULL };
     g_autofree char *run = ksm_get("run"), *pts = ksm_get("pages_to_scan");
     g_autofree char *sleep_ms = ksm_get("sleep_millisecs");
     gsize len = 2 * n * PF_PAGE_SIZE;
@@ -460,9 +474,8 @@ ksm_cow(gsize n, gboolean with_vcpu, double *merge_secs, double *ksmd_us)
      * on is what merging them cost. */
     if (ksm_set("run", "0") && madvise(mem, len, MADV_MERGEABLE) == 0 &&
         ksm_set("pages_to_scan", "20000") && ksm_set("sleep_millisecs", "1")) {
-        vcpu.mem = mem;
         if (with_vcpu) {
-            vcpu.thread = g_thread_new("vcpu", vcpu_thread, &vcpu);
+            vcpu_start(&vcpu, mem, 2 * n);
         }
         cpu0 = task_cpu_s("/proc", "ksmd");
         t0 = bench_now();
@@ -483,10 +496,7 @@ ksm_cow(gsize n, gboolean with_vcpu, double *merge_secs, double *ksmd_us)
         if (merged && cpu0 > 0) {
             *ksmd_us = (task_cpu_s("/proc", "ksmd") - cpu0) * 1e6 / (2.0 * n);
         }
-        if (vcpu.thread != NULL) {
-            g_atomic_int_set(&vcpu.stop, 1);
-            (void)g_thread_join(vcpu.thread);
-        }
+        vcpu_stop(&vcpu);
         us = !merged ? -1 : with_vcpu ? 0 : cow_latency(mem, n);
     }
     /* As found: unmerge everything, then the old settings. */
