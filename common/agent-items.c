@@ -86,13 +86,13 @@ window_of(PfItemKind kind)
 }
 
 /*
- * Does it join the window of first, which spans pages [lo, hi)?  Within
- * WINDOW_GAP pages of it and WINDOW_PAGES in all, and never across a 2 MiB
- * extent with no item in it: protecting a page splits its huge mapping,
- * which merging does anyway where it merges, but must not do where it
- * does not.  Protecting and lifting walk every page of the span, a gap
- * page as dearly as a merged one (an empty one gets a marker), so a
- * window does not reach across a wide gap to save a call.
+ * Does it join the window of first, which spans pages [lo, hi)?  With no
+ * more than WINDOW_GAP pages between them, WINDOW_PAGES in all, and never
+ * across a 2 MiB extent with no item in it: protecting a page splits its
+ * huge mapping, which merging does anyway where it merges, but must not
+ * do where it does not.  Protecting and lifting walk every page of the
+ * span, a gap page as dearly as a merged one (an empty one gets a
+ * marker), so a window does not reach across a wide gap to save a call.
  */
 static gboolean
 is_window_item(PfAgent *a, const PfWireItem *first, const PfWireItem *it,
