@@ -492,7 +492,7 @@ ksm_cow(gsize n, gboolean with_vcpu, double *merge_secs, double *ksmd_us)
             g_usleep(1000);
         }
         *merge_secs = bench_now() - t0;
-        /* 0 where ksmd is not to be seen (another PID namespace). */
+        /* Left at -1 where ksmd is not to be seen (another PID namespace). */
         if (merged && cpu0 > 0) {
             *ksmd_us = (task_cpu_s("/proc", "ksmd") - cpu0) * 1e6 / (2.0 * n);
         }
