@@ -166,3 +166,23 @@ pf_raise_nofile_limit(void)
     }
     return rl.rlim_cur;
 }
+
+GSource *
+pf_fd_source_new(int fd, GIOCondition cond, GUnixFDSourceFunc func, gpointer data)
+{
+    GSource *src = g_unix_fd_source_new(fd, cond);
+
+    g_source_set_callback(src, G_SOURCE_FUNC(func), data, NULL);
+    g_source_set_can_recurse(src, TRUE);
+    return src;
+}
+
+guint
+pf_fd_add(int fd, GIOCondition cond, GUnixFDSourceFunc func, gpointer data)
+{
+    GSource *src = pf_fd_source_new(fd, cond, func, data);
+    guint id = g_source_attach(src, NULL);
+
+    g_source_unref(src);
+    return id;
+}

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <glib.h>
+#include <glib-unix.h>
 
 #define PF_PAGE_SHIFT 12
 #define PF_PAGE_SIZE  (1u << PF_PAGE_SHIFT)
@@ -46,6 +47,16 @@ int pf_unix_listen(const char *path, int type, GError **error);
  * shares its pages.  Returns the soft limit now in force.
  */
 guint64 pf_raise_nofile_limit(void);
+/*
+ * A source watching fd, as g_unix_fd_source_new() makes, that stays polled
+ * while func runs.  GLib takes a source's descriptors out of the poll set for
+ * the call and puts them back after, and each step wakes the context: one
+ * more iteration of the loop for every dispatch.  Only for a func that never
+ * iterates its context itself.  pf_fd_add() attaches one to the default
+ * context, as g_unix_fd_add() does.
+ */
+GSource *pf_fd_source_new(int fd, GIOCondition cond, GUnixFDSourceFunc func, gpointer data);
+guint pf_fd_add(int fd, GIOCondition cond, GUnixFDSourceFunc func, gpointer data);
 
 gboolean pf_parse_u64(const char *text, guint64 min, guint64 max,
                       guint64 *out, GError **error);

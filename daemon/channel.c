@@ -207,7 +207,7 @@ pf_channel_send(PfChannel *ch, PfMsgType type, guint32 seq, gconstpointer data, 
     }
     g_queue_push_tail(&ch->out, m);
     if (ch->out_watch == 0) {
-        ch->out_watch = g_unix_fd_add(ch->sock, G_IO_OUT, out_cb, ch);
+        ch->out_watch = pf_fd_add(ch->sock, G_IO_OUT, out_cb, ch);
     }
     if (ch->stall_timer == 0) {
         ch->stall_timer = g_timeout_add(SEND_STALL_MS, stall_cb, ch);

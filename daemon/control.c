@@ -168,9 +168,8 @@ post(GMainContext *context, GSourceFunc func, gpointer data, GDestroyNotify dest
 static GSource *
 watch_fd(PfControl *c, int fd, GIOCondition cond, GUnixFDSourceFunc func, gpointer data)
 {
-    GSource *src = g_unix_fd_source_new(fd, cond);
+    GSource *src = pf_fd_source_new(fd, cond, func, data);
 
-    g_source_set_callback(src, G_SOURCE_FUNC(func), data, NULL);
     g_source_attach(src, c->context);
     return src;
 }

@@ -296,7 +296,7 @@ pf_link_server_new(PfScanner *s, const char *path, GError **error)
     srv->scanner = s;
     pf_scanner_add_listener(s, &srv_events, srv, srv_scanner_gone);
     srv->path = g_strdup(path);
-    srv->watch = g_unix_fd_add(srv->fd, G_IO_IN, listen_cb, srv);
+    srv->watch = pf_fd_add(srv->fd, G_IO_IN, listen_cb, srv);
     return g_steal_pointer(&srv);
 }
 

@@ -414,7 +414,7 @@ static void
 link_resume(PfLink *l)
 {
     if (!l->ended && l->check == NULL && l->watch == 0) {
-        l->watch = g_unix_fd_add(l->sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
+        l->watch = pf_fd_add(l->sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
     }
 }
 
@@ -786,7 +786,7 @@ link_new(PfLinkServer *srv, int sock, const struct ucred *cred, int pidfd, int p
     l->proc_dir = proc_dir;
     l->regions = g_ptr_array_new_with_free_func((GDestroyNotify)pf_region_free);
     l->ch = pf_channel_new(sock, link_broken_cb, l);
-    l->watch = g_unix_fd_add(sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
+    l->watch = pf_fd_add(sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
     l->handshake_timer = g_timeout_add(HANDSHAKE_TIMEOUT_MS, handshake_timeout_cb, l);
     g_ptr_array_add(srv->handshakes, l);
     return l;
