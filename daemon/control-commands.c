@@ -14,6 +14,7 @@
 #include <json-glib/json-glib.h>
 #include <string.h>
 
+#include "cpu-use.h"
 #include "jobs.h"
 #include "util.h"
 
@@ -287,6 +288,28 @@ notes_to_json(JsonBuilder *b, const char *name, GPtrArray *notes)
     json_builder_end_array(b);
 }
 
+/* Where pagefoldd's main thread spent its CPU time and minor faults
+ * (cpu-use.h): what the benchmarks take its cost per page apart with. */
+static void
+cpu_use_to_json(JsonBuilder *b)
+{
+    guint64 usec[PF_CPU_N], minflt[PF_CPU_N];
+
+    pf_cpu_read(usec, minflt);
+    json_builder_set_member_name(b, "cpu_use");
+    json_builder_begin_object(b);
+    for (guint i = 0; i < PF_CPU_N; i++) {
+        json_builder_set_member_name(b, pf_cpu_use_name(i));
+        json_builder_begin_object(b);
+        json_builder_set_member_name(b, "usec");
+        json_builder_add_int_value(b, (gint64)usec[i]);
+        json_builder_set_member_name(b, "minflt");
+        json_builder_add_int_value(b, (gint64)minflt[i]);
+        json_builder_end_object(b);
+    }
+    json_builder_end_object(b);
+}
+
 /* detached, passed_over: notes of the VMs a command could not do all for
  * (scan.h), or NULL. */
 static void
@@ -310,6 +333,7 @@ stats_to_json(const PfView *v, const PfViewVm *only, JsonBuilder *b, GPtrArray *
     json_builder_add_int_value(b, (gint64)v->info.pool_chunks);
     json_builder_set_member_name(b, "knobs");
     knobs_to_json(&v->knobs, b);
+    cpu_use_to_json(b);
     json_builder_set_member_name(b, "total");
     json_builder_begin_object(b);
     pf_counters_to_json(&v->total, b);

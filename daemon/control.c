@@ -37,6 +37,7 @@
 #include <unistd.h>
 
 #include "control-commands.h"
+#include "cpu-use.h"
 #include "pf-config.h"
 #include "util.h"
 
@@ -141,7 +142,9 @@ publish_now(PfControl *c, PfView *made)
 static gboolean
 count_cb(gpointer user)
 {
+    pf_cpu_enter(PF_CPU_CONTROL);
     publish_now(user, NULL);
+    pf_cpu_leave();
     return G_SOURCE_CONTINUE;
 }
 
@@ -309,6 +312,7 @@ call_run(gpointer data)
         !g_atomic_int_compare_and_exchange(&call->state, CALL_QUEUED, CALL_RUNNING)) {
         return G_SOURCE_REMOVE;
     }
+    pf_cpu_enter(PF_CPU_CONTROL);
     reply = pf_control_command_execute(c->scanner, call->line, call->len,
                                        c->reload.func != NULL ? &c->reload : NULL,
                                        &call->later, &view);
@@ -321,6 +325,7 @@ call_run(gpointer data)
         g_ptr_array_add(c->laters, call_ref(call));
         pf_control_later_watch(call->later, call_later_done, call);
     }
+    pf_cpu_leave();
     return G_SOURCE_REMOVE;
 }
 

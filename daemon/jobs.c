@@ -7,6 +7,7 @@
  */
 #include "jobs.h"
 
+#include "cpu-use.h"
 #include "util.h"
 
 typedef enum {
@@ -264,8 +265,11 @@ static gboolean
 job_cb(gpointer user)
 {
     PfScanJob *j = user;
-    StepResult r = j->kind == JOB_PASSES ? passes_step(j) : unmerge_step(j);
+    StepResult r;
 
+    pf_cpu_enter(PF_CPU_JOBS);
+    r = j->kind == JOB_PASSES ? passes_step(j) : unmerge_step(j);
+    pf_cpu_leave();
     j->source = 0;
     switch (r) {
     case STEP_AGAIN:

@@ -27,6 +27,7 @@ static const KnobInfo knob_info[] = {
     K(smart_scan, 0, 1, "skip pages that keep failing to merge"),
     K(use_zero_pages, 0, 1, "treat all-zero pages apart"),
     K(io_hints, 0, 1, "visit first the pages a device just wrote (disk reads)"),
+    K(cpu_use, 0, 1, "count where the main thread's CPU goes (stats' cpu_use)"),
     K(run, 0, 2, "0: stop scanning, 1: scan, 2: unmerge all pages and stop"),
     K(max_vma_percent, 1, 90, "share of vm.max_map_count a VM may reach through merges"),
     /* Each refresh is a libvirt call per VM, each of which makes libvirtd
@@ -49,6 +50,7 @@ pf_knobs_init_default(PfKnobs *k)
     k->smart_scan = TRUE;
     k->use_zero_pages = TRUE;
     k->io_hints = TRUE;
+    k->cpu_use = FALSE;
     k->run = TRUE;
     k->max_vma_percent = 50;
     k->libvirt_metadata_millisecs = PF_HAVE_LIBVIRT ? 10000 : 0;

@@ -21,6 +21,8 @@ typedef struct {
     gboolean use_zero_pages;     /* zero pages apart (KSM) */
     gboolean io_hints;           /* visit first what agents say a device
                                   * just wrote (scan-hints.c) */
+    gboolean cpu_use;            /* charge the main thread's CPU to what
+                                  * it does, for stats (cpu-use.h) */
     gboolean run;                /* 0: stopped, 1: scanning (KSM) */
     guint max_vma_percent;       /* share of vm.max_map_count a VM may
                                   * reach through merges */

@@ -54,6 +54,7 @@
 #include <unistd.h>
 
 #include "channel.h"
+#include "cpu-use.h"
 #include "libvirt-status.h"
 #include "peer-log.h"
 #include "escape.h"
@@ -709,8 +710,12 @@ static gboolean
 link_in_cb(gint fd, GIOCondition cond, gpointer user)
 {
     PfLink *l = user;
+    gboolean open;
 
-    if (!link_read(l)) {
+    pf_cpu_enter(PF_CPU_ANSWERS);
+    open = link_read(l);
+    pf_cpu_leave();
+    if (!open) {
         return G_SOURCE_REMOVE; /* the link is over */
     }
     if (l->check != NULL) {

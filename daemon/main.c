@@ -215,7 +215,7 @@ parse_options(Options *o, int argc, char **argv)
     g_option_context_set_description(ctx,
         "Knobs (KSM's names): pages_to_scan, sleep_millisecs, cpu_percent,\n"
         "target_pass_millisecs, max_page_sharing, smart_scan, use_zero_pages, run,\n"
-        "max_vma_percent, libvirt_metadata_millisecs, io_hints.\n"
+        "max_vma_percent, libvirt_metadata_millisecs, io_hints, cpu_use.\n"
         "A VM whose QEMU runs the pagefold agent is merged (mode=merge); a VM\n"
         "attached by pid is in mode=advise: pagefoldd reports what merging would\n"
         "save and changes no guest memory.");

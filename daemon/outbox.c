@@ -6,6 +6,8 @@
  */
 #include "outbox.h"
 
+#include "cpu-use.h"
+
 /* Huge pages to make again, per batch at most: each is a compaction and a
  * 2 MiB copy in the agent, and a batch must be answered well within the
  * answer timeout. */
@@ -141,10 +143,15 @@ form_batch(PfOutbox *ob)
 void
 pf_outbox_flush(PfOutbox *ob)
 {
+    if (ob->queue_items->len == 0 && ob->n_held == 0) {
+        return;
+    }
+    pf_cpu_enter(PF_CPU_REQUESTS);
     form_batch(ob);
     if (ob->n_held > 0 && ob->drain != NULL) {
         ob->drain(ob, ob->drain_user);
     }
+    pf_cpu_leave();
 }
 
 void

@@ -32,6 +32,7 @@
 #include <sys/mman.h>
 
 #include "cow.h"
+#include "cpu-use.h"
 #include "pagespace.h"
 #include "scan.h"
 #include "util.h"

@@ -84,23 +84,32 @@ visit_hinted(PfScanner *s, PfVm *vm, gsize max)
                                                : NULL;
     gsize n = MIN(MIN(max, HINT_TURN), MIN(h->n_pages, outbox_visits(vm)));
     guint8 resident[HINT_TURN];
+    guint marks = pf_cpu_depth();
     sigjmp_buf env;
+    int rc = -1;
 
     /* A region that left since, or refused: nothing to visit. */
-    if (r != NULL && pf_region_live(r) && h->page + n <= r->n_pages &&
-        mincore((void *)(r->map + h->page * PF_PAGE_SIZE), n * PF_PAGE_SIZE, resident) == 0) {
+    if (r != NULL && pf_region_live(r) && h->page + n <= r->n_pages) {
+        pf_cpu_enter(PF_CPU_MINCORE);
+        rc = mincore((void *)(r->map + h->page * PF_PAGE_SIZE), n * PF_PAGE_SIZE, resident);
+        pf_cpu_leave();
+    }
+    if (rc == 0) {
         if (sigsetjmp(env, 0) != 0) {
             pf_guard_env = NULL;
+            pf_cpu_unwind(marks);
             vms_faulted(s);
             return 0; /* the VM's queue may be gone with it */
         }
         pf_guard_env = &env;
+        pf_cpu_enter(PF_CPU_VISITS);
         for (gsize j = 0; j < n; j++) {
             /* Never read a page not in memory: that would allocate it. */
             if (resident[j] & 1) {
                 visit_page(s, r, h->page + j, TRUE);
             }
         }
+        pf_cpu_leave();
         pf_guard_env = NULL;
     }
     h->page += n;

@@ -90,9 +90,11 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
     sigjmp_buf env;
     volatile gsize i = cursor_of(s)->page;
     gsize start = cursor_of(s)->page;
+    guint marks = pf_cpu_depth();
 
     if (sigsetjmp(env, 0) != 0) {
         pf_guard_env = NULL;
+        pf_cpu_unwind(marks);
         cursor_to_page(s, i);
         vms_faulted(s);
         return i - start;
@@ -105,9 +107,12 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
         /* Just before reading: a page the VMM discarded (a balloon, free
          * page reporting) since reads_find_data() saw its extent, or one swapped
          * out, is not read, which would allocate it again. */
+        pf_cpu_enter(PF_CPU_MINCORE);
         if (mincore((void *)(r->map + i * PF_PAGE_SIZE), k * PF_PAGE_SIZE, resident) < 0) {
             memset(resident, 1, k);
         }
+        pf_cpu_leave();
+        pf_cpu_enter(PF_CPU_VISITS);
         for (gsize j = 0; j < k && (j == 0 || !past_slice(s)); j++, i++) {
             if (resident[j] & 1) {
                 visit_page(s, r, i, FALSE);
@@ -115,6 +120,7 @@ scan_range(PfScanner *s, PfRegion *r, gsize n)
                 cow_leave_hole(s, r, i, i + 1, TRUE);
             }
         }
+        pf_cpu_leave();
     }
     pf_guard_env = NULL;
     cursor_to_page(s, i);

@@ -159,6 +159,8 @@ scanner_tick(gpointer user)
     guint64 sleep_ms = s->setup.knobs.sleep_millisecs;
 
     s->pacing.timer_id = 0;
+    pf_cpu_use_set(s->setup.knobs.cpu_use);
+    pf_cpu_enter(PF_CPU_SCAN);
     if (s->setup.knobs.run && vm_count(s) > 0 && s->pacing.batches_paused == 0) {
         if (s->pacing.batch_left == 0) {
             s->pacing.batch_left = batch_size(s);
@@ -180,6 +182,7 @@ scanner_tick(gpointer user)
         }
         if (s->pacing.batch_left > 0 && !pass_of(s)->blocked) {
             s->pacing.timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
+            pf_cpu_leave();
             return G_SOURCE_REMOVE;
         }
         sleep_ms = batch_done(s);
@@ -190,6 +193,7 @@ scanner_tick(gpointer user)
         pf_scanner_flush(s); /* stopped or paused: nothing is held back */
     }
     s->pacing.timer_id = g_timeout_add((guint)sleep_ms, scanner_tick, s);
+    pf_cpu_leave();
     return G_SOURCE_REMOVE;
 }
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "control.h"
+#include "cpu-use.h"
 #include "guestmem.h"
 #include "util.h"
 
@@ -229,7 +230,7 @@ test_attach_stats_detach(Fixture *f, gconstpointer data)
     g_autoptr(JsonObject) r = ok(f, a);
     g_autoptr(JsonObject) r2 = NULL;
     g_autoptr(JsonObject) s = NULL;
-    JsonObject *total, *ret;
+    JsonObject *total, *ret, *cpu_use;
     JsonArray *vms;
 
     g_assert_cmpint(json_object_get_int_member(r, "id"), ==, 7);
@@ -249,6 +250,14 @@ test_attach_stats_detach(Fixture *f, gconstpointer data)
     g_assert_cmpint(json_object_get_int_member(total, "full_scans"), ==, 2);
     for (const char *const *n = pf_counter_names(); *n; n++) {
         g_assert_true(json_object_has_member(total, *n));
+    }
+    /* Where the main thread's CPU went, by what it was doing. */
+    cpu_use = json_object_get_object_member(ret, "cpu_use");
+    for (guint i = 0; i < PF_CPU_N; i++) {
+        JsonObject *use = json_object_get_object_member(cpu_use, pf_cpu_use_name(i));
+
+        g_assert_cmpint(json_object_get_int_member(use, "usec"), >=, 0);
+        g_assert_cmpint(json_object_get_int_member(use, "minflt"), >=, 0);
     }
     vms = json_object_get_array_member(ret, "vms");
     g_assert_cmpuint(json_array_get_length(vms), ==, 2);

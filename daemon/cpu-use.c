@@ -1,0 +1,138 @@
+/*
+ * cpu-use.c - the marks of cpu-use.h.  Each mark reads the thread's usage
+ * once (getrusage(RUSAGE_THREAD): its CPU time and minor faults in one
+ * call, about half a microsecond) and charges what was spent since the
+ * last mark to the mark innermost then.  Marks are placed where the main
+ * loop hands control to a part and around each run of pages read (a few
+ * hundred to a few thousand a second), never per page: too many to leave
+ * on, hence the knob.  Writes its totals only from the owning thread;
+ * never blocks.
+ */
+#include "cpu-use.h"
+
+#include <sys/resource.h>
+
+#define MAX_DEPTH 16
+
+static gboolean counting;
+static GThread *owner;
+static PfCpuUse stack[MAX_DEPTH];
+static guint depth, overflow;
+static guint64 last_usec, last_minflt;
+static guint64 used_usec[PF_CPU_N], used_minflt[PF_CPU_N];
+
+static const char *const names[PF_CPU_N] = {
+    [PF_CPU_LOOP] = "loop",         [PF_CPU_SCAN] = "scan",
+    [PF_CPU_VISITS] = "visits",     [PF_CPU_MINCORE] = "mincore",
+    [PF_CPU_REQUESTS] = "requests", [PF_CPU_ANSWERS] = "answers",
+    [PF_CPU_JOBS] = "jobs",         [PF_CPU_CONTROL] = "control",
+};
+
+/* The thread's usage now; FALSE where it is not counted. */
+static gboolean
+usage(guint64 *usec, guint64 *minflt)
+{
+    struct rusage ru;
+
+    /* Read on any thread: a mark off the owner's is a test and no more. */
+    if (!__atomic_load_n(&counting, __ATOMIC_RELAXED) ||
+        __atomic_load_n(&owner, __ATOMIC_RELAXED) != g_thread_self() ||
+        getrusage(RUSAGE_THREAD, &ru) < 0) {
+        return FALSE;
+    }
+    *usec = (guint64)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * G_USEC_PER_SEC +
+            (guint64)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+    *minflt = (guint64)ru.ru_minflt;
+    return TRUE;
+}
+
+void
+pf_cpu_use_set(gboolean on)
+{
+    if (on == counting) {
+        return;
+    }
+    /* Marks open when it turns on or off are forgotten: what they hold
+     * goes to the loop. */
+    depth = overflow = 0;
+    __atomic_store_n(&owner, g_thread_self(), __ATOMIC_RELAXED);
+    __atomic_store_n(&counting, on, __ATOMIC_RELAXED);
+    if (on && !usage(&last_usec, &last_minflt)) {
+        __atomic_store_n(&counting, FALSE, __ATOMIC_RELAXED);
+    }
+}
+
+/* Charges what was spent since the last mark; FALSE where not counted. */
+static gboolean
+charge(void)
+{
+    PfCpuUse use = depth == 0 ? PF_CPU_LOOP : stack[depth - 1];
+    guint64 usec, minflt;
+
+    if (!usage(&usec, &minflt)) {
+        return FALSE;
+    }
+    __atomic_add_fetch(&used_usec[use], usec - MIN(usec, last_usec), __ATOMIC_RELAXED);
+    __atomic_add_fetch(&used_minflt[use], minflt - MIN(minflt, last_minflt), __ATOMIC_RELAXED);
+    last_usec = usec;
+    last_minflt = minflt;
+    return TRUE;
+}
+
+void
+pf_cpu_enter(PfCpuUse use)
+{
+    if (!charge()) {
+        return;
+    }
+    if (depth < MAX_DEPTH) {
+        stack[depth++] = use;
+    } else {
+        overflow++;
+    }
+}
+
+void
+pf_cpu_leave(void)
+{
+    if (!charge()) {
+        return;
+    }
+    if (overflow > 0) {
+        overflow--;
+    } else if (depth > 0) {
+        depth--;
+    }
+}
+
+guint
+pf_cpu_depth(void)
+{
+    return __atomic_load_n(&counting, __ATOMIC_RELAXED) &&
+                   __atomic_load_n(&owner, __ATOMIC_RELAXED) == g_thread_self()
+               ? depth + overflow
+               : 0;
+}
+
+void
+pf_cpu_unwind(guint to)
+{
+    while (pf_cpu_depth() > to) {
+        pf_cpu_leave();
+    }
+}
+
+const char *
+pf_cpu_use_name(PfCpuUse use)
+{
+    return use < PF_CPU_N ? names[use] : NULL;
+}
+
+void
+pf_cpu_read(guint64 usec[PF_CPU_N], guint64 minflt[PF_CPU_N])
+{
+    for (guint i = 0; i < PF_CPU_N; i++) {
+        usec[i] = __atomic_load_n(&used_usec[i], __ATOMIC_RELAXED);
+        minflt[i] = __atomic_load_n(&used_minflt[i], __ATOMIC_RELAXED);
+    }
+}

@@ -1,0 +1,170 @@
+/*
+ * cpu-use-test.c - daemon/cpu-use.c's marks: time and faults go to the
+ * innermost mark open when they were spent, marks made on another thread
+ * than the one that turned counting on are not counted, nor any once it
+ * is off, and an unwind closes what a siglongjmp() jumped out of.  CPU is burnt by the thread's own clock, so
+ * a busy machine only makes the test take longer.
+ */
+#include <glib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "cpu-use.h"
+
+#define BURN_USEC 30000
+
+static gint64
+thread_usec(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (gint64)ts.tv_sec * G_USEC_PER_SEC + ts.tv_nsec / 1000;
+}
+
+static void
+burn(gint64 usec)
+{
+    gint64 end = thread_usec() + usec;
+
+    while (thread_usec() < end) {
+    }
+}
+
+/* Faults in n pages never touched before; they stay mapped (leaked) so
+ * that no later mapping reuses them already populated. */
+static void
+fault_pages(gsize n)
+{
+    volatile char *p = mmap(NULL, n * 4096, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+    g_assert_true(p != MAP_FAILED);
+    for (gsize i = 0; i < n; i++) {
+        p[i * 4096] = 1;
+    }
+}
+
+typedef struct {
+    guint64 usec[PF_CPU_N], minflt[PF_CPU_N];
+} Reading;
+
+static Reading
+reading(void)
+{
+    Reading r;
+
+    pf_cpu_read(r.usec, r.minflt);
+    return r;
+}
+
+static void
+test_innermost(void)
+{
+    Reading a, b;
+
+    pf_cpu_use_set(TRUE);
+    a = reading();
+    pf_cpu_enter(PF_CPU_SCAN);
+    burn(BURN_USEC);
+    pf_cpu_enter(PF_CPU_VISITS);
+    burn(BURN_USEC);
+    fault_pages(256);
+    pf_cpu_leave();
+    pf_cpu_leave();
+    b = reading();
+    g_assert_cmpuint(b.usec[PF_CPU_SCAN] - a.usec[PF_CPU_SCAN], >=, BURN_USEC);
+    g_assert_cmpuint(b.usec[PF_CPU_SCAN] - a.usec[PF_CPU_SCAN], <, 4 * BURN_USEC);
+    g_assert_cmpuint(b.usec[PF_CPU_VISITS] - a.usec[PF_CPU_VISITS], >=, BURN_USEC);
+    g_assert_cmpuint(b.minflt[PF_CPU_VISITS] - a.minflt[PF_CPU_VISITS], >=, 256);
+    g_assert_cmpuint(b.minflt[PF_CPU_SCAN] - a.minflt[PF_CPU_SCAN], <, 256);
+    g_assert_cmpuint(pf_cpu_depth(), ==, 0);
+
+    /* Outside every mark: the loop's, charged at the next mark. */
+    burn(BURN_USEC);
+    pf_cpu_enter(PF_CPU_ANSWERS);
+    pf_cpu_leave();
+    a = reading();
+    g_assert_cmpuint(a.usec[PF_CPU_LOOP] - b.usec[PF_CPU_LOOP], >=, BURN_USEC);
+}
+
+static gpointer
+other_thread(gpointer data)
+{
+    pf_cpu_enter(PF_CPU_JOBS);
+    burn(BURN_USEC);
+    pf_cpu_leave();
+    g_assert_cmpuint(pf_cpu_depth(), ==, 0);
+    return NULL;
+}
+
+static void
+test_other_thread(void)
+{
+    Reading a, b;
+
+    pf_cpu_use_set(TRUE);
+    a = reading();
+    g_thread_join(g_thread_new("other", other_thread, NULL));
+    b = reading();
+    g_assert_cmpuint(b.usec[PF_CPU_JOBS], ==, a.usec[PF_CPU_JOBS]);
+}
+
+static void
+test_off(void)
+{
+    Reading a, b;
+
+    pf_cpu_use_set(TRUE);
+    pf_cpu_enter(PF_CPU_JOBS);
+    pf_cpu_use_set(FALSE); /* the open mark is forgotten */
+    g_assert_cmpuint(pf_cpu_depth(), ==, 0);
+    a = reading();
+    pf_cpu_enter(PF_CPU_JOBS);
+    burn(BURN_USEC);
+    pf_cpu_leave();
+    pf_cpu_leave();
+    b = reading();
+    g_assert_cmpuint(b.usec[PF_CPU_JOBS], ==, a.usec[PF_CPU_JOBS]);
+    g_assert_cmpuint(b.usec[PF_CPU_LOOP], ==, a.usec[PF_CPU_LOOP]);
+    g_assert_cmpuint(pf_cpu_depth(), ==, 0);
+}
+
+static void
+test_unwind(void)
+{
+    guint depth;
+    Reading a, b;
+
+    pf_cpu_use_set(TRUE);
+    pf_cpu_enter(PF_CPU_SCAN);
+    depth = pf_cpu_depth();
+    for (int i = 0; i < 20; i++) { /* past the stack's depth */
+        pf_cpu_enter(PF_CPU_VISITS);
+    }
+    g_assert_cmpuint(pf_cpu_depth(), ==, depth + 20);
+    pf_cpu_unwind(depth);
+    g_assert_cmpuint(pf_cpu_depth(), ==, depth);
+    a = reading();
+    burn(BURN_USEC);
+    pf_cpu_leave();
+    b = reading();
+    g_assert_cmpuint(b.usec[PF_CPU_SCAN] - a.usec[PF_CPU_SCAN], >=, BURN_USEC);
+    g_assert_cmpuint(pf_cpu_depth(), ==, 0);
+    for (guint i = 0; i < PF_CPU_N; i++) {
+        g_assert_nonnull(pf_cpu_use_name(i));
+    }
+    g_assert_null(pf_cpu_use_name(PF_CPU_N));
+}
+
+int
+main(int argc, char **argv)
+{
+    g_test_init(&argc, &argv, NULL);
+    g_test_add_func("/cpu-use/innermost", test_innermost);
+    g_test_add_func("/cpu-use/other-thread", test_other_thread);
+    g_test_add_func("/cpu-use/unwind", test_unwind);
+    g_test_add_func("/cpu-use/off", test_off);
+    return g_test_run();
+}
