@@ -1,8 +1,10 @@
 /*
- * cpu-use.c - the marks of cpu-use.h.  Each mark reads the thread's usage
- * once (getrusage(RUSAGE_THREAD): its CPU time and minor faults in one
- * call, about half a microsecond) and charges what was spent since the
- * last mark to the mark innermost then.  Marks are placed where the main
+ * cpu-use.c - the marks of cpu-use.h.  Each mark reads the thread's CPU
+ * clock (CLOCK_THREAD_CPUTIME_ID, exact to the nanosecond) and its minor
+ * faults (getrusage(RUSAGE_THREAD), whose CPU times are not used: they
+ * move only at scheduler ticks and switches, so a part would be charged
+ * for time spent before it ran), about a microsecond together, and
+ * charges what was spent since the last mark to the mark innermost then.  Marks are placed where the main
  * loop hands control to a part and around each run of pages read (a few
  * hundred to a few thousand a second), never per page: too many to leave
  * on, hence the knob.  Writes its totals only from the owning thread;
@@ -11,6 +13,7 @@
 #include "cpu-use.h"
 
 #include <sys/resource.h>
+#include <time.h>
 
 #define MAX_DEPTH 16
 
@@ -18,8 +21,8 @@ static gboolean counting;
 static GThread *owner;
 static PfCpuUse stack[MAX_DEPTH];
 static guint depth, overflow;
-static guint64 last_usec, last_minflt;
-static guint64 used_usec[PF_CPU_N], used_minflt[PF_CPU_N];
+static guint64 last_nsec, last_minflt;
+static guint64 used_nsec[PF_CPU_N], used_minflt[PF_CPU_N];
 
 static const char *const names[PF_CPU_N] = {
     [PF_CPU_LOOP] = "loop",         [PF_CPU_SCAN] = "scan",
@@ -30,18 +33,18 @@ static const char *const names[PF_CPU_N] = {
 
 /* The thread's usage now; FALSE where it is not counted. */
 static gboolean
-usage(guint64 *usec, guint64 *minflt)
+usage(guint64 *nsec, guint64 *minflt)
 {
     struct rusage ru;
+    struct timespec ts;
 
     /* Read on any thread: a mark off the owner's is a test and no more. */
     if (!__atomic_load_n(&counting, __ATOMIC_RELAXED) ||
         __atomic_load_n(&owner, __ATOMIC_RELAXED) != g_thread_self() ||
-        getrusage(RUSAGE_THREAD, &ru) < 0) {
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) < 0 || getrusage(RUSAGE_THREAD, &ru) < 0) {
         return FALSE;
     }
-    *usec = (guint64)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * G_USEC_PER_SEC +
-            (guint64)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+    *nsec = (guint64)ts.tv_sec * 1000000000u + (guint64)ts.tv_nsec;
     *minflt = (guint64)ru.ru_minflt;
     return TRUE;
 }
@@ -57,7 +60,7 @@ pf_cpu_use_set(gboolean on)
     depth = overflow = 0;
     __atomic_store_n(&owner, g_thread_self(), __ATOMIC_RELAXED);
     __atomic_store_n(&counting, on, __ATOMIC_RELAXED);
-    if (on && !usage(&last_usec, &last_minflt)) {
+    if (on && !usage(&last_nsec, &last_minflt)) {
         __atomic_store_n(&counting, FALSE, __ATOMIC_RELAXED);
     }
 }
@@ -67,14 +70,14 @@ static gboolean
 charge(void)
 {
     PfCpuUse use = depth == 0 ? PF_CPU_LOOP : stack[depth - 1];
-    guint64 usec, minflt;
+    guint64 nsec, minflt;
 
-    if (!usage(&usec, &minflt)) {
+    if (!usage(&nsec, &minflt)) {
         return FALSE;
     }
-    __atomic_add_fetch(&used_usec[use], usec - MIN(usec, last_usec), __ATOMIC_RELAXED);
+    __atomic_add_fetch(&used_nsec[use], nsec - MIN(nsec, last_nsec), __ATOMIC_RELAXED);
     __atomic_add_fetch(&used_minflt[use], minflt - MIN(minflt, last_minflt), __ATOMIC_RELAXED);
-    last_usec = usec;
+    last_nsec = nsec;
     last_minflt = minflt;
     return TRUE;
 }
@@ -132,7 +135,7 @@ void
 pf_cpu_read(guint64 usec[PF_CPU_N], guint64 minflt[PF_CPU_N])
 {
     for (guint i = 0; i < PF_CPU_N; i++) {
-        usec[i] = __atomic_load_n(&used_usec[i], __ATOMIC_RELAXED);
+        usec[i] = __atomic_load_n(&used_nsec[i], __ATOMIC_RELAXED) / 1000;
         minflt[i] = __atomic_load_n(&used_minflt[i], __ATOMIC_RELAXED);
     }
 }

@@ -89,6 +89,38 @@ test_innermost(void)
     g_assert_cmpuint(a.usec[PF_CPU_LOOP] - b.usec[PF_CPU_LOOP], >=, BURN_USEC);
 }
 
+/* Short parts between sleeps, as the main loop runs them: each is charged
+ * what it spent, not what the scheduler had yet to account for when it
+ * ended (getrusage()'s times move only at ticks and switches, and would
+ * charge most of it to the sleep's mark).  The work here reads no CPU
+ * clock, which would bring the scheduler's count up to date. */
+static void
+test_between_sleeps(void)
+{
+    Reading a, b;
+    guint64 visits, loop;
+
+    pf_cpu_use_set(TRUE);
+    a = reading();
+    for (int i = 0; i < 10; i++) {
+        gint64 end = g_get_monotonic_time() + 2000;
+
+        pf_cpu_enter(PF_CPU_VISITS);
+        while (g_get_monotonic_time() < end) {
+        }
+        pf_cpu_leave();
+        g_usleep(5000);
+    }
+    pf_cpu_enter(PF_CPU_SCAN);
+    pf_cpu_leave();
+    b = reading();
+    visits = b.usec[PF_CPU_VISITS] - a.usec[PF_CPU_VISITS];
+    loop = b.usec[PF_CPU_LOOP] - a.usec[PF_CPU_LOOP];
+    g_test_message("between sleeps: visits %" G_GUINT64_FORMAT " us, loop %" G_GUINT64_FORMAT
+                   " us", visits, loop);
+    g_assert_cmpuint(visits, >, 4 * loop);
+}
+
 static gpointer
 other_thread(gpointer data)
 {
@@ -163,6 +195,7 @@ main(int argc, char **argv)
 {
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/cpu-use/innermost", test_innermost);
+    g_test_add_func("/cpu-use/between-sleeps", test_between_sleeps);
     g_test_add_func("/cpu-use/other-thread", test_other_thread);
     g_test_add_func("/cpu-use/unwind", test_unwind);
     g_test_add_func("/cpu-use/off", test_off);
