@@ -4,7 +4,10 @@
  * faults (getrusage(RUSAGE_THREAD), whose CPU times are not used: they
  * move only at scheduler ticks and switches, so a part would be charged
  * for time spent before it ran), about a microsecond together, and
- * charges what was spent since the last mark to the mark innermost then.  Marks are placed where the main
+ * charges what was spent since the last mark to the mark innermost then,
+ * less what a reading costs (measured when counting starts): each span
+ * between two readings holds one reading's cost, the end of one and the
+ * start of the next, which goes to PF_CPU_COUNTING instead.  Marks are placed where the main
  * loop hands control to a part and around each run of pages read (a few
  * hundred to a few thousand a second), never per page: too many to leave
  * on, hence the knob.  Writes its totals only from the owning thread;
@@ -22,6 +25,7 @@ static GThread *owner;
 static PfCpuUse stack[MAX_DEPTH];
 static guint depth, overflow;
 static guint64 last_nsec, last_minflt;
+static guint64 reading_nsec; /* what one reading costs, measured at the start */
 static guint64 used_nsec[PF_CPU_N], used_minflt[PF_CPU_N];
 
 static const char *const names[PF_CPU_N] = {
@@ -29,6 +33,7 @@ static const char *const names[PF_CPU_N] = {
     [PF_CPU_VISITS] = "visits",     [PF_CPU_MINCORE] = "mincore",
     [PF_CPU_REQUESTS] = "requests", [PF_CPU_ANSWERS] = "answers",
     [PF_CPU_JOBS] = "jobs",         [PF_CPU_CONTROL] = "control",
+    [PF_CPU_COUNTING] = "counting",
 };
 
 /* The thread's usage now; FALSE where it is not counted. */
@@ -60,8 +65,21 @@ pf_cpu_use_set(gboolean on)
     depth = overflow = 0;
     __atomic_store_n(&owner, g_thread_self(), __ATOMIC_RELAXED);
     __atomic_store_n(&counting, on, __ATOMIC_RELAXED);
-    if (on && !usage(&last_nsec, &last_minflt)) {
-        __atomic_store_n(&counting, FALSE, __ATOMIC_RELAXED);
+    if (on) {
+        guint64 first = 0, minflt;
+        gboolean ok = usage(&first, &minflt);
+
+        /* The cheapest of 64 readings' cost (a reading cut short by
+         * another task, as on a busy host, is not one's cost). */
+        reading_nsec = G_MAXUINT64;
+        for (int i = 0; ok && i < 64; i++) {
+            ok = usage(&last_nsec, &last_minflt);
+            reading_nsec = MIN(reading_nsec, last_nsec - MIN(last_nsec, first));
+            first = last_nsec;
+        }
+        if (!ok) {
+            __atomic_store_n(&counting, FALSE, __ATOMIC_RELAXED);
+        }
     }
 }
 
@@ -70,12 +88,15 @@ static gboolean
 charge(void)
 {
     PfCpuUse use = depth == 0 ? PF_CPU_LOOP : stack[depth - 1];
-    guint64 nsec, minflt;
+    guint64 nsec, minflt, span, own;
 
     if (!usage(&nsec, &minflt)) {
         return FALSE;
     }
-    __atomic_add_fetch(&used_nsec[use], nsec - MIN(nsec, last_nsec), __ATOMIC_RELAXED);
+    span = nsec - MIN(nsec, last_nsec);
+    own = MIN(span, reading_nsec);
+    __atomic_add_fetch(&used_nsec[use], span - own, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&used_nsec[PF_CPU_COUNTING], own, __ATOMIC_RELAXED);
     __atomic_add_fetch(&used_minflt[use], minflt - MIN(minflt, last_minflt), __ATOMIC_RELAXED);
     last_nsec = nsec;
     last_minflt = minflt;

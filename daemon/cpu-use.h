@@ -19,6 +19,7 @@ typedef enum {
     PF_CPU_ANSWERS,  /* agents' messages read and acted on */
     PF_CPU_JOBS,     /* the steps of control commands' jobs */
     PF_CPU_CONTROL,  /* commands run, and the counters published every second */
+    PF_CPU_COUNTING, /* the marks' own cost, taken out of the others' (never entered) */
     PF_CPU_N
 } PfCpuUse;
 

@@ -2,7 +2,8 @@
  * cpu-use-test.c - daemon/cpu-use.c's marks: time and faults go to the
  * innermost mark open when they were spent, marks made on another thread
  * than the one that turned counting on are not counted, nor any once it
- * is off, and an unwind closes what a siglongjmp() jumped out of.  CPU is burnt by the thread's own clock, so
+ * is off, an unwind closes what a siglongjmp() jumped out of, and the
+ * marks' own cost is told apart.  CPU is burnt by the thread's own clock, so
  * a busy machine only makes the test take longer.
  */
 #include <glib.h>
@@ -121,6 +122,29 @@ test_between_sleeps(void)
     g_assert_cmpuint(visits, >, 4 * loop);
 }
 
+/* Marks around nothing: what they cost goes to "counting", not to the
+ * part they mark. */
+static void
+test_counting(void)
+{
+    Reading a, b;
+    guint64 jobs, counting;
+
+    pf_cpu_use_set(TRUE);
+    a = reading();
+    for (int i = 0; i < 2000; i++) {
+        pf_cpu_enter(PF_CPU_JOBS);
+        pf_cpu_leave();
+    }
+    b = reading();
+    jobs = b.usec[PF_CPU_JOBS] - a.usec[PF_CPU_JOBS];
+    counting = b.usec[PF_CPU_COUNTING] - a.usec[PF_CPU_COUNTING];
+    g_test_message("2000 empty marks: jobs %" G_GUINT64_FORMAT " us, counting %" G_GUINT64_FORMAT
+                   " us", jobs, counting);
+    g_assert_cmpuint(counting, >, 0);
+    g_assert_cmpuint(jobs, <, counting);
+}
+
 static gpointer
 other_thread(gpointer data)
 {
@@ -196,6 +220,7 @@ main(int argc, char **argv)
     g_test_init(&argc, &argv, NULL);
     g_test_add_func("/cpu-use/innermost", test_innermost);
     g_test_add_func("/cpu-use/between-sleeps", test_between_sleeps);
+    g_test_add_func("/cpu-use/counting", test_counting);
     g_test_add_func("/cpu-use/other-thread", test_other_thread);
     g_test_add_func("/cpu-use/unwind", test_unwind);
     g_test_add_func("/cpu-use/off", test_off);
