@@ -293,9 +293,9 @@ notes_to_json(JsonBuilder *b, const char *name, GPtrArray *notes)
 static void
 cpu_use_to_json(JsonBuilder *b)
 {
-    guint64 usec[PF_CPU_N], minflt[PF_CPU_N];
+    guint64 usec[PF_CPU_N], minflt[PF_CPU_N], spans[PF_CPU_N];
 
-    pf_cpu_read(usec, minflt);
+    pf_cpu_read(usec, minflt, spans);
     json_builder_set_member_name(b, "cpu_use");
     json_builder_begin_object(b);
     for (guint i = 0; i < PF_CPU_N; i++) {
@@ -305,6 +305,8 @@ cpu_use_to_json(JsonBuilder *b)
         json_builder_add_int_value(b, (gint64)usec[i]);
         json_builder_set_member_name(b, "minflt");
         json_builder_add_int_value(b, (gint64)minflt[i]);
+        json_builder_set_member_name(b, "spans");
+        json_builder_add_int_value(b, (gint64)spans[i]);
         json_builder_end_object(b);
     }
     json_builder_end_object(b);

@@ -26,7 +26,7 @@ static PfCpuUse stack[MAX_DEPTH];
 static guint depth, overflow;
 static guint64 last_nsec, last_minflt;
 static guint64 reading_nsec; /* what one reading costs, measured at the start */
-static guint64 used_nsec[PF_CPU_N], used_minflt[PF_CPU_N];
+static guint64 used_nsec[PF_CPU_N], used_minflt[PF_CPU_N], used_spans[PF_CPU_N];
 
 static const char *const names[PF_CPU_N] = {
     [PF_CPU_LOOP] = "loop",         [PF_CPU_SCAN] = "scan",
@@ -97,6 +97,8 @@ charge(void)
     own = MIN(span, reading_nsec);
     __atomic_add_fetch(&used_nsec[use], span - own, __ATOMIC_RELAXED);
     __atomic_add_fetch(&used_nsec[PF_CPU_COUNTING], own, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&used_spans[use], 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&used_spans[PF_CPU_COUNTING], 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&used_minflt[use], minflt - MIN(minflt, last_minflt), __ATOMIC_RELAXED);
     last_nsec = nsec;
     last_minflt = minflt;
@@ -153,10 +155,11 @@ pf_cpu_use_name(PfCpuUse use)
 }
 
 void
-pf_cpu_read(guint64 usec[PF_CPU_N], guint64 minflt[PF_CPU_N])
+pf_cpu_read(guint64 usec[PF_CPU_N], guint64 minflt[PF_CPU_N], guint64 spans[PF_CPU_N])
 {
     for (guint i = 0; i < PF_CPU_N; i++) {
         usec[i] = __atomic_load_n(&used_nsec[i], __ATOMIC_RELAXED) / 1000;
         minflt[i] = __atomic_load_n(&used_minflt[i], __ATOMIC_RELAXED);
+        spans[i] = __atomic_load_n(&used_spans[i], __ATOMIC_RELAXED);
     }
 }

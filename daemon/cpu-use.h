@@ -37,6 +37,8 @@ void pf_cpu_leave(void);
 guint pf_cpu_depth(void);
 void pf_cpu_unwind(guint depth);
 
-/* Totals so far, any thread. */
+/* Totals so far, any thread: the time, the minor faults, and the spans
+ * between two readings charged (for the loop: about its iterations; for
+ * counting: every reading). */
 const char *pf_cpu_use_name(PfCpuUse use);
-void pf_cpu_read(guint64 usec[PF_CPU_N], guint64 minflt[PF_CPU_N]);
+void pf_cpu_read(guint64 usec[PF_CPU_N], guint64 minflt[PF_CPU_N], guint64 spans[PF_CPU_N]);

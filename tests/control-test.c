@@ -258,6 +258,7 @@ test_attach_stats_detach(Fixture *f, gconstpointer data)
 
         g_assert_cmpint(json_object_get_int_member(use, "usec"), >=, 0);
         g_assert_cmpint(json_object_get_int_member(use, "minflt"), >=, 0);
+        g_assert_cmpint(json_object_get_int_member(use, "spans"), >=, 0);
     }
     vms = json_object_get_array_member(ret, "vms");
     g_assert_cmpuint(json_array_get_length(vms), ==, 2);

@@ -48,7 +48,7 @@ fault_pages(gsize n)
 }
 
 typedef struct {
-    guint64 usec[PF_CPU_N], minflt[PF_CPU_N];
+    guint64 usec[PF_CPU_N], minflt[PF_CPU_N], spans[PF_CPU_N];
 } Reading;
 
 static Reading
@@ -56,7 +56,7 @@ reading(void)
 {
     Reading r;
 
-    pf_cpu_read(r.usec, r.minflt);
+    pf_cpu_read(r.usec, r.minflt, r.spans);
     return r;
 }
 
@@ -143,6 +143,8 @@ test_counting(void)
                    " us", jobs, counting);
     g_assert_cmpuint(counting, >, 0);
     g_assert_cmpuint(jobs, <, counting);
+    g_assert_cmpuint(b.spans[PF_CPU_JOBS] - a.spans[PF_CPU_JOBS], ==, 2000);
+    g_assert_cmpuint(b.spans[PF_CPU_COUNTING] - a.spans[PF_CPU_COUNTING], ==, 4000);
 }
 
 static gpointer
