@@ -40,6 +40,7 @@ struct _PfLinkServer {
     GPtrArray *ended;      /* PfLink* closed, freed from the main loop */
     guint reap;
     guint answer_timeout_ms;
+    gboolean quiet;        /* the scanner rests: running links unwatched */
     gboolean group_allowed; /* besides root and pagefoldd's own user */
     gid_t group;
     PfPeerLog *peer_log;   /* what peers' uids may still say in the log */
@@ -103,6 +104,10 @@ void link_send_error(PfLink *l, const char *text);
 /* Refused for now, for want of room or time: its agent connects again. */
 gboolean link_refuse_for_now(PfLink *l, const char *fmt, ...) G_GNUC_PRINTF(2, 3);
 void link_send(PfLink *l, PfMsgType type, guint32 seq, gconstpointer data, gsize len, int fd);
+/* The link reads its peer, or stops reading it, as its state says: not
+ * while a check of what it said is under way (it resumes after), nor once
+ * it ended, nor while it runs and srv->quiet. */
+void link_resume(PfLink *l);
 /* The link is over; its record is freed from the main loop (link_free()). */
 void link_end(PfLink *l);
 void link_free(PfLink *l);

@@ -271,9 +271,28 @@ srv_scanner_gone(gpointer user)
     }
 }
 
+/* While the scanner sleeps between batches its agents' answers wait in
+ * their sockets, and wake pagefoldd only with it: most would each wake it
+ * once more.  A peer that sends while it rests is read then; one that
+ * hangs up is seen then too. */
+static void
+srv_resting(PfScanner *s, gboolean resting, gpointer user)
+{
+    PfLinkServer *srv = user;
+    GHashTableIter it;
+    gpointer link;
+
+    srv->quiet = resting;
+    g_hash_table_iter_init(&it, srv->running);
+    while (g_hash_table_iter_next(&it, NULL, &link)) {
+        link_resume(link);
+    }
+}
+
 static const PfScanEvents srv_events = {
     .vm_gone = srv_vm_gone,
     .chunk = srv_chunk,
+    .resting = srv_resting,
 };
 
 PfLinkServer *

@@ -408,14 +408,19 @@ on_ready(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
+
 static gboolean link_in_cb(gint fd, GIOCondition cond, gpointer user);
 
-/* A check is over: the link reads its peer again, unless it ended. */
-static void
+void
 link_resume(PfLink *l)
 {
-    if (!l->ended && l->check == NULL && l->watch == 0) {
+    gboolean want = !l->ended && l->check == NULL &&
+                    !(l->state == LINK_RUNNING && l->srv->quiet);
+
+    if (want && l->watch == 0) {
         l->watch = pf_fd_add(l->sock, G_IO_IN | G_IO_HUP | G_IO_ERR, link_in_cb, l);
+    } else if (!want && l->watch != 0) {
+        g_clear_handle_id(&l->watch, g_source_remove);
     }
 }
 

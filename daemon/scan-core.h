@@ -218,6 +218,7 @@ typedef struct {
     gint64 batch_start;
     gint64 batch_cpu;   /* thread CPU time when it began */
     gint64 last_batch_usec;
+    gboolean resting;   /* asleep until the next batch (PfScanEvents.resting) */
 } PfScanPacing;
 
 /* scan-vms.c: VMs and regions coming and going, merge domains. */
@@ -693,3 +694,4 @@ void scan_emit_vm_gone(PfScanner *s, PfVm *vm, const char *why);
 void scan_emit_passed_over(PfScanner *s, PfVm *vm);
 void scan_emit_chunk(PfScanner *s, PfVm *vm, const PfPoolChunk *chunk, gboolean drop);
 void scan_emit_domain(PfScanner *s, PfVm *vm);
+void scan_emit_resting(PfScanner *s, gboolean resting);

@@ -95,6 +95,18 @@ scan_emit_domain(PfScanner *s, PfVm *vm)
 }
 
 void
+scan_emit_resting(PfScanner *s, gboolean resting)
+{
+    for (guint i = 0; i < s->events.listeners->len; i++) {
+        Listener *l = &g_array_index(s->events.listeners, Listener, i);
+
+        if (l->events->resting != NULL) {
+            l->events->resting(s, resting, l->user);
+        }
+    }
+}
+
+void
 events_init(PfScanner *s)
 {
     s->events.listeners = g_array_new(FALSE, FALSE, sizeof(Listener));

@@ -22,6 +22,8 @@
 #include "scan-core.h"
 #include "util.h"
 
+static void set_resting(PfScanner *s, gboolean resting);
+
 /* ---- VMs ---- */
 
 GPtrArray *
@@ -68,6 +70,7 @@ void
 pf_scanner_begin_unmerge(PfScanner *s, PfVm *vm)
 {
     vm->scan->unmerging++;
+    set_resting(s, FALSE); /* the unmerge waits for answers */
     moves_forget_joins(s, NULL);
     hints_forget(vm);
 }
@@ -133,6 +136,35 @@ batch_size(PfScanner *s)
  * slices. */
 #define SLICE_USEC 20000
 
+/* The longest sleep between batches over which the agents' answers may
+ * wait unread (PfScanEvents.resting): pagefoldd's every wake-up costs it
+ * tens of microseconds on some hosts (docs/DESIGN.md, section 6), and
+ * answers would wake it once more for most sleeps; over a longer sleep
+ * that no longer counts, and an answer should not wait that long. */
+#define REST_MAX_MS 100
+
+static void
+set_resting(PfScanner *s, gboolean resting)
+{
+    if (s->pacing.resting != resting) {
+        s->pacing.resting = resting;
+        scan_emit_resting(s, resting);
+    }
+}
+
+/* Whether nothing waits for the agents' answers before the next batch:
+ * no unmerge runs (a job's passes pause the batches). */
+static gboolean
+may_rest(PfScanner *s)
+{
+    for (guint i = 0; i < vm_count(s); i++) {
+        if (vm_at(s, i)->scan->unmerging > 0) {
+            return FALSE;
+        }
+    }
+    return TRUE;
+}
+
 /* The batch is done, or its agents' outboxes are full (their answers come
  * while it sleeps): how long to sleep, cpu_percent kept. */
 static guint64
@@ -159,6 +191,13 @@ scanner_tick(gpointer user)
     guint64 sleep_ms = s->setup.knobs.sleep_millisecs;
 
     s->pacing.timer_id = 0;
+    if (s->pacing.resting) {
+        /* What the agents answered meanwhile first: their readers come
+         * before this idle source. */
+        set_resting(s, FALSE);
+        s->pacing.timer_id = g_idle_add_full(G_PRIORITY_DEFAULT_IDLE, scanner_tick, s, NULL);
+        return G_SOURCE_REMOVE;
+    }
     pf_cpu_use_set(s->setup.knobs.cpu_use);
     pf_cpu_enter(PF_CPU_SCAN);
     if (s->setup.knobs.run && vm_count(s) > 0 && s->pacing.batches_paused == 0) {
@@ -188,6 +227,7 @@ scanner_tick(gpointer user)
         sleep_ms = batch_done(s);
         /* Held no longer than it would wait for the next wake-up. */
         pf_scanner_flush_ripe(s, (gint64)sleep_ms * G_TIME_SPAN_MILLISECOND);
+        set_resting(s, sleep_ms > 0 && sleep_ms <= REST_MAX_MS && may_rest(s));
     } else {
         s->pacing.batch_left = 0;
         pf_scanner_flush(s); /* stopped or paused: nothing is held back */
@@ -209,6 +249,7 @@ void
 pf_scanner_stop(PfScanner *s)
 {
     g_clear_handle_id(&s->pacing.timer_id, g_source_remove);
+    set_resting(s, FALSE);
 }
 
 void
@@ -224,6 +265,7 @@ void
 pf_scanner_pause_batches(PfScanner *s)
 {
     s->pacing.batches_paused++;
+    set_resting(s, FALSE); /* the job reads the answers */
 }
 
 void

@@ -71,6 +71,12 @@ typedef struct {
     /* The VM's merge domain changed (pf_scanner_merge_domain() says the
      * new one). */
     void (*domain)(PfScanner *s, PfVm *vm, gpointer user);
+    /* The scanner sleeps until its next background batch (TRUE), nothing
+     * waiting for the agents' answers until then; or it wakes, or
+     * something now waits for them (FALSE).  Answers that come while it
+     * rests may be left unread until it wakes: it then lets the main loop
+     * turn once, at a higher priority than its own, before it goes on. */
+    void (*resting)(PfScanner *s, gboolean resting, gpointer user);
 } PfScanEvents;
 
 PfScanner *pf_scanner_new(const PfHashAlgo *hash);

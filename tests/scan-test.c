@@ -672,6 +672,101 @@ test_pace_present_pages(void)
     pf_guest_free(g);
 }
 
+static void
+on_resting(PfScanner *s, gboolean resting, gpointer user)
+{
+    g_array_append_val((GArray *)user, resting);
+}
+
+static const PfScanEvents rest_events = { .resting = on_resting };
+
+static gboolean
+last_said(GArray *said)
+{
+    return said->len > 0 && g_array_index(said, gboolean, said->len - 1);
+}
+
+/* Turns of the main loop, each waiting for the next thing due (a tick). */
+static void
+turns(guint n)
+{
+    for (guint i = 0; i < n; i++) {
+        g_main_context_iteration(NULL, TRUE);
+    }
+}
+
+static guint64
+scanned(Fixture *f)
+{
+    collect(f);
+    return f->total.pages_scanned;
+}
+
+/*
+ * Between background batches the scanner says it rests, so that the
+ * agents' answers need not wake pagefoldd on their own; it says it wakes
+ * before it scans again, and lets the loop turn once first (the answers'
+ * readers come before it); and it never rests while something waits for
+ * answers (a job's passes, an unmerge), nor over a long sleep.
+ */
+static void
+test_resting(Fixture *f, gconstpointer data)
+{
+    PfKnobs *k = pf_scanner_get_knobs(f->scanner);
+    PfVm *vm = g_ptr_array_index(pf_scanner_get_vms(f->scanner), 0);
+    g_autoptr(GArray) said = g_array_new(FALSE, FALSE, sizeof(gboolean));
+    guint64 before;
+
+    k->sleep_millisecs = 1;
+    pf_scanner_add_listener(f->scanner, &rest_events, said, NULL);
+    pf_scanner_start(f->scanner);
+    /* Its first wake-ups only start reading the VMs, on threads. */
+    while (!last_said(said) || scanned(f) == 0) {
+        turns(1);
+    }
+    before = scanned(f);
+    while (last_said(said)) {
+        turns(1);
+    }
+    g_assert_cmpuint(scanned(f), ==, before); /* awake, not yet scanning */
+    while (!last_said(said)) {
+        turns(1);
+    }
+    g_assert_cmpuint(scanned(f), >, before);
+
+    /* A job's passes read answers from the start. */
+    pf_scanner_pause_batches(f->scanner);
+    g_assert_false(last_said(said));
+    turns(20);
+    g_assert_false(last_said(said));
+    pf_scanner_resume_batches(f->scanner);
+    while (!last_said(said)) {
+        turns(1);
+    }
+
+    /* So does an unmerge. */
+    pf_scanner_begin_unmerge(f->scanner, vm);
+    g_assert_false(last_said(said));
+    turns(20);
+    g_assert_false(last_said(said));
+    pf_scanner_end_unmerge(f->scanner, vm);
+    while (!last_said(said)) {
+        turns(1);
+    }
+
+    /* Over a long sleep, answers are read as they come. */
+    k->sleep_millisecs = 200;
+    turns(4);
+    g_assert_false(last_said(said));
+    k->sleep_millisecs = 1;
+    while (!last_said(said)) {
+        turns(1);
+    }
+    pf_scanner_stop(f->scanner);
+    g_assert_false(last_said(said));
+    pf_scanner_remove_listener(f->scanner, &rest_events, said);
+}
+
 /* One content many times over: 2 x 2048 pages of it, and pages of each
  * guest's own. */
 static const PfLayout layout_dups = { .duplicate = 2048, .unique = 16 };
@@ -960,6 +1055,8 @@ main(int argc, char **argv)
     g_test_add_data_func("/scan/extents-cow/PAGEMAP_SCAN", "PAGEMAP_SCAN", test_extents_cow);
     g_test_add_data_func("/scan/extents-cow/pagemap", "pagemap", test_extents_cow);
     g_test_add_func("/scan/pace-present-pages", test_pace_present_pages);
+    g_test_add("/scan/resting", Fixture, &layout_small, fixture_setup, test_resting,
+               fixture_teardown);
     g_test_add("/scan/hinted-first", Fixture, &layout_tail, fixture_setup, test_hinted_first,
                fixture_teardown);
     g_test_add("/scan/hint-queue-kept", Fixture, &layout_tail, fixture_setup,
