@@ -7,11 +7,11 @@
  * charges what was spent since the last mark to the mark innermost then,
  * less what a reading costs (measured when counting starts): each span
  * between two readings holds one reading's cost, the end of one and the
- * start of the next, which goes to PF_CPU_COUNTING instead.  Marks are placed where the main
- * loop hands control to a part and around each run of pages read (a few
- * hundred to a few thousand a second), never per page: too many to leave
- * on, hence the knob.  Writes its totals only from the owning thread;
- * never blocks.
+ * start of the next, which goes to PF_CPU_COUNTING instead.  Marks are
+ * placed where the main loop hands control to a part and around each run
+ * of pages read (a few hundred to a few thousand a second), never per
+ * page: too many to leave on, hence the knob.  Writes its totals only
+ * from the owning thread; never blocks.
  */
 #include "cpu-use.h"
 

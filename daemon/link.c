@@ -408,7 +408,6 @@ on_ready(PfLink *l, const PfMsg *msg)
     return TRUE;
 }
 
-
 static gboolean link_in_cb(gint fd, GIOCondition cond, gpointer user);
 
 void
