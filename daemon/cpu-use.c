@@ -36,20 +36,31 @@ static const char *const names[PF_CPU_N] = {
     [PF_CPU_COUNTING] = "counting",
 };
 
+guint64
+pf_thread_cpu_nsec(void)
+{
+    struct timespec ts;
+
+    /* Cannot fail for the calling thread's own clock. */
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (guint64)ts.tv_sec * 1000000000u + (guint64)ts.tv_nsec;
+}
+
 /* The thread's usage now; FALSE where it is not counted. */
 static gboolean
 usage(guint64 *nsec, guint64 *minflt)
 {
     struct rusage ru;
-    struct timespec ts;
 
     /* Read on any thread: a mark off the owner's is a test and no more. */
     if (!__atomic_load_n(&counting, __ATOMIC_RELAXED) ||
-        __atomic_load_n(&owner, __ATOMIC_RELAXED) != g_thread_self() ||
-        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) < 0 || getrusage(RUSAGE_THREAD, &ru) < 0) {
+        __atomic_load_n(&owner, __ATOMIC_RELAXED) != g_thread_self()) {
         return FALSE;
     }
-    *nsec = (guint64)ts.tv_sec * 1000000000u + (guint64)ts.tv_nsec;
+    *nsec = pf_thread_cpu_nsec();
+    if (getrusage(RUSAGE_THREAD, &ru) < 0) {
+        return FALSE;
+    }
     *minflt = (guint64)ru.ru_minflt;
     return TRUE;
 }

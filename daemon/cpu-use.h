@@ -23,6 +23,10 @@ typedef enum {
     PF_CPU_N
 } PfCpuUse;
 
+/* The calling thread's CPU time so far, in nanoseconds: what the marks
+ * read, and what the scanner's pacing measures a batch by. */
+guint64 pf_thread_cpu_nsec(void);
+
 /* Counting on or off (the cpu_use knob); the thread that turns it on is
  * the one counted.  Off, a mark costs a test. */
 void pf_cpu_use_set(gboolean on);

@@ -15,7 +15,6 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "guard.h"
@@ -87,10 +86,7 @@ pf_scanner_end_unmerge(PfScanner *s, PfVm *vm)
 static gint64
 thread_cpu_usec(void)
 {
-    struct timespec ts;
-
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (gint64)ts.tv_sec * G_USEC_PER_SEC + ts.tv_nsec / 1000;
+    return (gint64)(pf_thread_cpu_nsec() / 1000);
 }
 
 /* The pages of vm a pass visits (pf_scanner_scan()): those its memfds

@@ -9,27 +9,17 @@
 #include <glib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 
 #include "cpu-use.h"
 
 #define BURN_USEC 30000
 
-static gint64
-thread_usec(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (gint64)ts.tv_sec * G_USEC_PER_SEC + ts.tv_nsec / 1000;
-}
-
 static void
-burn(gint64 usec)
+burn(guint64 usec)
 {
-    gint64 end = thread_usec() + usec;
+    guint64 end = pf_thread_cpu_nsec() + usec * 1000;
 
-    while (thread_usec() < end) {
+    while (pf_thread_cpu_nsec() < end) {
     }
 }
 
