@@ -6,9 +6,15 @@
  * watched on their consoles and in their logs and pagefoldd's list; and
  * all of it given back as it was found.
  *
+ * With PAGEFOLD_TEST_INSTALLED set (debian/tests/libvirt), it borrows the
+ * pagefold that the packages installed instead: their hook (the link in
+ * /etc/libvirt/hooks/qemu.d), their pagefoldd (systemd's, or the one that
+ * hook starts), at the test's pace while it runs (knobs set through the
+ * control socket, given back at the end).
+ *
  * Owns everything it installs, starts and defines.  Must never leave a
  * domain, the hook or a daemon of its own behind, nor leave stopped a
- * libvirtd or virtlogd it found running.
+ * libvirtd or virtlogd it found running, nor stop an installed pagefoldd.
  */
 #include "libvirt-host.h"
 
@@ -20,6 +26,15 @@
 #include "testguest.h"
 #include "util.h"
 
+/* The pace of the test's pagefoldd, whichever started it. */
+static const struct {
+    const char *name, *value;
+} test_knobs[] = {
+    { "pages_to_scan", "4000" },
+    { "sleep_millisecs", "10" },
+    { "libvirt_metadata_millisecs", "1000" },
+};
+
 static struct {
     char *dir;          /* 0755: libvirt-qemu reads the kernel there */
     char *kernel, *initrd;
@@ -29,7 +44,22 @@ static struct {
     /* made by the test (the hook's fallback makes the log's): removed */
     gboolean made_hooks_dir, made_hook_dir, made_log_dir;
     GPtrArray *domains; /* names defined, undefined at the end */
+    gboolean installed; /* PAGEFOLD_TEST_INSTALLED: the packages' pagefold */
+    /* installed: the knobs as found (set back at the end), -1 unread */
+    gint64 found_knobs[G_N_ELEMENTS(test_knobs)];
 } lv;
+
+gboolean
+installed_mode(void)
+{
+    return lv.installed;
+}
+
+const char *
+hook_file(void)
+{
+    return lv.installed ? PACKAGE_HOOK : HOOK_FILE;
+}
 
 void
 dom_free(Dom *d)
@@ -173,6 +203,32 @@ pagefoldd_ctl(void)
     return &lv.ctl;
 }
 
+/* Value of a knob of the running pagefoldd, from `pagefoldctl knobs`. */
+static gint64
+knob_of(const char *name)
+{
+    g_autoptr(JsonNode) knobs = pf_test_ctl_json(&lv.ctl, "knobs", NULL);
+    JsonObject *o = json_node_get_object(knobs);
+
+    g_assert_true(json_object_has_member(o, name));
+    return json_object_get_int_member(o, name);
+}
+
+void
+pagefoldd_test_pace(void)
+{
+    if (!lv.installed || pagefoldd_pid() <= 0) {
+        return;
+    }
+    for (gsize i = 0; i < G_N_ELEMENTS(test_knobs); i++) {
+        if (lv.found_knobs[i] < 0) {
+            lv.found_knobs[i] = knob_of(test_knobs[i].name);
+        }
+        json_node_unref(
+            pf_test_ctl_json(&lv.ctl, "set", test_knobs[i].name, test_knobs[i].value, NULL));
+    }
+}
+
 /* The hook libvirt runs: the one built here, with pagefoldd built here.
  * pagefoldd_path NULL: one that is not there. */
 void
@@ -272,6 +328,8 @@ dom_start(const DomSpec *s)
         g_ptr_array_add(lv.domains, g_strdup(s->name));
     }
     g_free(virsh("start", s->name, NULL));
+    /* The hook started a pagefoldd for it if none ran. */
+    pagefoldd_test_pace();
     return d;
 }
 
@@ -435,9 +493,14 @@ cannot_run(void)
         return "needs QEMU_BINARY, GUEST_KERNEL, GUEST_INITRD (scripts/build-qemu, "
                "scripts/build-guest)";
     }
+    lv.installed = g_getenv("PAGEFOLD_TEST_INSTALLED") != NULL;
+    if (lv.installed && !g_file_test(PACKAGE_HOOK, G_FILE_TEST_IS_EXECUTABLE)) {
+        return "PAGEFOLD_TEST_INSTALLED, but no " PACKAGE_HOOK " (package pagefold)";
+    }
     if (pagefoldd_pid() > 0 && !ours(pagefoldd_pid())) {
-        return "a pagefoldd already listens on " PF_DEFAULT_SOCKET
-               ": this suite runs its own there";
+        return lv.installed ? "a pagefoldd other than PAGEFOLDD listens on " PF_DEFAULT_SOCKET
+                            : "a pagefoldd already listens on " PF_DEFAULT_SOCKET
+                              ": this suite runs its own there";
     }
     return NULL;
 }
@@ -468,9 +531,14 @@ setup(void)
     lv.made_hooks_dir = !g_file_test("/etc/libvirt/hooks", G_FILE_TEST_IS_DIR);
     lv.made_hook_dir = !g_file_test(HOOK_DIR, G_FILE_TEST_IS_DIR);
     lv.made_log_dir = !g_file_test(PAGEFOLDD_LOG_DIR, G_FILE_TEST_IS_DIR);
-    /* What a run that crashed may have left. */
-    pagefoldd_stop();
-    install_hook(pf_test_bin("PAGEFOLDD"));
+    for (gsize i = 0; i < G_N_ELEMENTS(lv.found_knobs); i++) {
+        lv.found_knobs[i] = -1;
+    }
+    if (!lv.installed) {
+        /* What a run that crashed may have left. */
+        pagefoldd_stop();
+        install_hook(pf_test_bin("PAGEFOLDD"));
+    }
     lv.libvirtd_was_running = alive(pid_from_file(LIBVIRTD_PID));
     /* Hooks are read when libvirtd starts. */
     libvirtd_stop(SIGTERM);
@@ -503,7 +571,18 @@ teardown(void)
         g_free(virsh_try(NULL, "destroy", name, NULL, NULL));
         g_free(virsh_try(NULL, "undefine", name, NULL, NULL));
     }
-    g_unlink(HOOK_FILE);
+    if (lv.installed) {
+        /* The packages' pagefoldd at the pace it had. */
+        for (gsize i = 0; i < G_N_ELEMENTS(test_knobs) && pagefoldd_pid() > 0; i++) {
+            g_autofree char *v = g_strdup_printf("%" G_GINT64_FORMAT, lv.found_knobs[i]);
+
+            if (lv.found_knobs[i] >= 0) {
+                json_node_unref(pf_test_ctl_json(&lv.ctl, "set", test_knobs[i].name, v, NULL));
+            }
+        }
+    } else {
+        g_unlink(HOOK_FILE);
+    }
     if (lv.made_hook_dir) {
         g_rmdir(HOOK_DIR);
     }
@@ -522,16 +601,18 @@ teardown(void)
             wait_gone(pid);
         }
     }
-    pagefoldd_stop();
-    /* What it kept of VMs attached by pid, for a pagefoldd to come. */
-    g_unlink(PF_DEFAULT_SOCKET ".attached");
+    if (!lv.installed) {
+        pagefoldd_stop();
+        /* What it kept of VMs attached by pid, for a pagefoldd to come. */
+        g_unlink(PF_DEFAULT_SOCKET ".attached");
+    }
     if (g_file_test(PAGEFOLDD_LOG, G_FILE_TEST_EXISTS)) {
         g_autofree char *text = NULL;
 
         g_file_get_contents(PAGEFOLDD_LOG, &text, NULL, NULL);
         g_test_message("pagefoldd's log (%s), last part:\n%s", PAGEFOLDD_LOG,
                        text && strlen(text) > 4000 ? text + strlen(text) - 4000 : text);
-        if (lv.made_log_dir) {
+        if (lv.made_log_dir && !lv.installed) {
             g_unlink(PAGEFOLDD_LOG);
             g_rmdir(PAGEFOLDD_LOG_DIR);
         }

@@ -13,6 +13,8 @@
 
 #define HOOK_DIR "/etc/libvirt/hooks/qemu.d"
 #define HOOK_FILE HOOK_DIR "/zz-pagefold-test"
+/* The hook as the package pagefold installs it. */
+#define PACKAGE_HOOK HOOK_DIR "/pagefold"
 #define LIBVIRTD_PID "/run/libvirtd.pid"
 #define STOCK_QEMU "/usr/bin/qemu-system-x86_64"
 #define DOMAIN_LOG_DIR "/var/log/libvirt/qemu"
@@ -60,8 +62,16 @@ void pagefoldd_stop(void);
  * its sock: pagefoldd is the hook's). */
 PfTestDaemon *pagefoldd_ctl(void);
 /* The hook libvirt runs: the one built here, starting pagefoldd_path
- * (NULL: one that is not there). */
+ * (NULL: one that is not there).  Not in installed mode. */
 void install_hook(const char *pagefoldd_path);
+/* Whether the suite runs against the installed packages
+ * (PAGEFOLD_TEST_INSTALLED), and the hook libvirt runs: the package's
+ * there, else the test's. */
+gboolean installed_mode(void);
+const char *hook_file(void);
+/* Installed mode: the running pagefoldd at the test's pace (the hook's
+ * arguments set it otherwise); nothing where none runs. */
+void pagefoldd_test_pace(void);
 
 /* Defines the domain of s (undefined at teardown) and starts it. */
 Dom *dom_start(const DomSpec *s);

@@ -19,6 +19,11 @@
  * guest powering itself off and rebooting itself (which is what those
  * commands ask a guest to do); `virsh destroy` is the real thing.
  *
+ * With PAGEFOLD_TEST_INSTALLED set it runs against the installed packages
+ * (debian/tests/libvirt): their hook and pagefoldd, and, given
+ * PAGEFOLD_TEST_UPGRADE_DEB (a later build of the package pagefold), an
+ * upgrade and a removal of that package while domains merge.
+ *
  * Owns the paths and the program's main.  Must never end, by a failed
  * assertion or a signal, without libvirt-host.c's teardown.
  */
@@ -305,6 +310,10 @@ test_no_pagefoldd(void)
     g_autoptr(Dom) d = NULL;
     g_autofree char *log = NULL;
 
+    if (installed_mode()) {
+        g_test_skip("puts a hook of its own in the package's place");
+        return;
+    }
     pagefoldd_stop();
     install_hook(NULL);
     d = dom_start(&s);
@@ -349,16 +358,77 @@ run_hook(const char *const *argv, const char *xml, char **out, char **err)
     return g_subprocess_get_exit_status(p);
 }
 
+/* The hook run as libvirt runs it for a domain about to start (name, shared
+ * memfd RAM): it starts pagefoldd where none answers. */
+static void
+hook_prepare(const char *name)
+{
+    const char *argv[] = { hook_file(), name, "prepare", "begin", "-", NULL };
+    g_autofree char *uuid = g_uuid_string_random();
+    g_autofree char *xml = g_strdup_printf(
+        "<domain type='qemu'><name>%s</name><uuid>%s</uuid><memoryBacking>"
+        "<source type='memfd'/><access mode='shared'/></memoryBacking></domain>", name, uuid);
+
+    g_assert_cmpint(run_hook(argv, xml, NULL, NULL), ==, 0);
+}
+
+/* Each domain listed by pagefoldd in merge mode, its guest ready. */
+static void
+wait_merging(Dom *const *all, gsize n)
+{
+    for (gsize i = 0; i < n; i++) {
+        json_object_unref(wait_listed(all[i], "merge"));
+        dom_expect(all[i], "PFGUEST READY");
+    }
+}
+
+/* The sum of pages_shared and pages_sharing of each of n domains. */
+static void
+shared_of(Dom *const *all, gsize n, gint64 *out)
+{
+    for (gsize i = 0; i < n; i++) {
+        out[i] = stat_of(all[i]->name, "pages_sharing") + stat_of(all[i]->name, "pages_shared");
+    }
+}
+
+/* After a new pagefoldd came (what: how), each of n domains listed in merge
+ * mode again with at least half of the pages it shared before (before[i]):
+ * taken back a slice at a time, within 10 s, before any pass could merge as
+ * many again (the guests write some meanwhile). */
+static void
+wait_taken_back(Dom *const *all, gsize n, const gint64 *before, const char *what)
+{
+    g_autofree gint64 *taken = g_new0(gint64, n);
+    gboolean all_back = FALSE;
+
+    for (gsize i = 0; i < n; i++) {
+        json_object_unref(wait_listed(all[i], "merge"));
+    }
+    for (int t = 0; t < 200 && !all_back; t++) {
+        shared_of(all, n, taken);
+        all_back = TRUE;
+        for (gsize i = 0; i < n; i++) {
+            all_back = all_back && taken[i] >= before[i] / 2;
+        }
+        g_usleep(50000);
+    }
+    for (gsize i = 0; i < n; i++) {
+        g_test_message("%s: %" G_GINT64_FORMAT " pages shared before %s, %" G_GINT64_FORMAT
+                       " after it", all[i]->name, before[i], what, taken[i]);
+        g_assert_cmpint(taken[i], >=, before[i] / 2);
+    }
+}
+
 /* The hook as libvirt would call it, with input it must refuse: a clear
  * message, exit 0, nothing changed. */
 static void
 test_hook_bad_input(void)
 {
     const char *const bad[][6] = {
-        { HOOK_FILE, NULL },
-        { HOOK_FILE, "pf-x", "started", NULL },
-        { HOOK_FILE, "pf-x", "started", "begin", "-", "extra" },
-        { HOOK_FILE, "pf-x", "no-such-op", "begin", "-", NULL },
+        { hook_file(), NULL },
+        { hook_file(), "pf-x", "started", NULL },
+        { hook_file(), "pf-x", "started", "begin", "-", "extra" },
+        { hook_file(), "pf-x", "no-such-op", "begin", "-", NULL },
     };
     const char *const xmls[] = {
         "", "<domain", "<domain><name>other</name><uuid>x</uuid></domain>",
@@ -368,17 +438,9 @@ test_hook_bad_input(void)
     g_autoptr(JsonNode) after = NULL;
     g_autofree char *b = NULL, *a = NULL;
 
-    {
-        /* pagefoldd runs, as the hook starts it for a domain to come. */
-        const char *argv[] = { HOOK_FILE, "pf-test-x", "prepare", "begin", "-", NULL };
-        g_autofree char *uuid = g_uuid_string_random();
-        g_autofree char *xml = g_strdup_printf(
-            "<domain type='qemu'><name>pf-test-x</name><uuid>%s</uuid><memoryBacking>"
-            "<source type='memfd'/><access mode='shared'/></memoryBacking></domain>", uuid);
-
-        g_assert_cmpint(run_hook(argv, xml, NULL, NULL), ==, 0);
-        g_assert_cmpint(pagefoldd_pid(), >, 0);
-    }
+    /* pagefoldd runs, as the hook starts it for a domain to come. */
+    hook_prepare("pf-test-x");
+    g_assert_cmpint(pagefoldd_pid(), >, 0);
     before = pf_test_ctl_json(pagefoldd_ctl(), "list", NULL);
     for (gsize i = 0; i < G_N_ELEMENTS(bad); i++) {
         for (gsize j = 0; j < G_N_ELEMENTS(xmls); j++) {
@@ -391,7 +453,7 @@ test_hook_bad_input(void)
     }
     {
         /* started for a domain whose name is not the XML's. */
-        const char *argv[] = { HOOK_FILE, "pf-x", "started", "begin", "-", NULL };
+        const char *argv[] = { hook_file(), "pf-x", "started", "begin", "-", NULL };
         g_autofree char *err = NULL;
 
         g_assert_cmpint(run_hook(argv, "<domain type='qemu'><name>pf-y</name></domain>", NULL,
@@ -420,48 +482,25 @@ test_pagefoldd_restart(void)
     g_autoptr(Dom) d1 = dom_start(&s1);
     g_autoptr(Dom) d2 = dom_start(&s2);
     Dom *all[] = { d1, d2 };
-    const char *argv[] = { HOOK_FILE, "pf-test-k3", "prepare", "begin", "-", NULL };
-    g_autofree char *uuid = g_uuid_string_random();
-    g_autofree char *xml = g_strdup_printf(
-        "<domain type='qemu'><name>pf-test-k3</name><uuid>%s</uuid><memoryBacking>"
-        "<source type='memfd'/><access mode='shared'/></memoryBacking></domain>", uuid);
     gint64 before[2];
     int pid;
 
-    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
-        json_object_unref(wait_listed(all[i], "merge"));
-        dom_expect(all[i], "PFGUEST READY");
-    }
+    wait_merging(all, G_N_ELEMENTS(all));
     wait_sharing(d1->name, 3072);
     wait_sharing(d2->name, 3072);
-    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
-        before[i] = stat_of(all[i]->name, "pages_sharing") + stat_of(all[i]->name,
-                                                                     "pages_shared");
-    }
+    shared_of(all, G_N_ELEMENTS(all), before);
     pid = pagefoldd_pid();
     g_assert_cmpint(pid, >, 0);
     kill(pid, SIGKILL);
     wait_gone(pid);
-    g_assert_cmpint(run_hook(argv, xml, NULL, NULL), ==, 0);
+    hook_prepare("pf-test-k3");
     g_assert_cmpint(pagefoldd_pid(), >, 0);
+    wait_taken_back(all, G_N_ELEMENTS(all), before, "the kill");
+    pagefoldd_test_pace();
     for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
         g_autoptr(JsonObject) vm = wait_listed(all[i], "merge");
-        gint64 taken = 0;
 
         g_assert_cmpstr(json_object_get_string_member(vm, "merge_domain"), ==, "tenant-k");
-        /* Taken back a slice at a time: most of what it shared (the
-         * guest writes some meanwhile), before any pass could merge it
-         * again (the hook's pagefoldd scans 4000 pages every 10 ms). */
-        for (int t = 0; t < 100 && taken < before[i] / 2; t++) {
-            taken = stat_of(all[i]->name, "pages_sharing") +
-                    stat_of(all[i]->name, "pages_shared");
-            g_usleep(50000);
-        }
-        g_test_message("%s: %" G_GINT64_FORMAT " pages shared before the kill, %"
-                       G_GINT64_FORMAT " after it", all[i]->name, before[i], taken);
-        g_assert_cmpint(taken, >=, before[i] / 2);
-    }
-    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
         dom_expect(all[i], "PFGUEST CHECK ok");
         dom_destroy(all[i]);
         wait_unlisted(all[i]);
@@ -517,6 +556,122 @@ test_metadata(void)
     wait_unlisted(d2);
 }
 
+/* dpkg with one option and one argument, which must succeed; what it said
+ * on stdout and stderr. */
+static char *
+dpkg(const char *option, const char *arg)
+{
+    const char *argv[] = { "dpkg", option, arg, NULL };
+    g_autoptr(GSubprocess) p = NULL;
+    g_autoptr(GError) error = NULL;
+    g_autofree char *out = NULL;
+
+    p = g_subprocess_newv(argv, G_SUBPROCESS_FLAGS_STDOUT_PIPE | G_SUBPROCESS_FLAGS_STDERR_MERGE,
+                          &error);
+    g_assert_no_error(error);
+    g_assert_true(g_subprocess_communicate_utf8(p, NULL, NULL, &out, NULL, &error));
+    g_assert_no_error(error);
+    g_test_message("dpkg %s %s:\n%s", option, arg, out);
+    g_assert_true(g_subprocess_get_if_exited(p));
+    g_assert_cmpint(g_subprocess_get_exit_status(p), ==, 0);
+    return g_steal_pointer(&out);
+}
+
+/* Waits up to 30 s for a pagefoldd other than old_pid (0: any) to listen;
+ * its pid. */
+static int
+wait_pagefoldd(int old_pid)
+{
+    for (int i = 0; i < 300; i++) {
+        int pid = pagefoldd_pid();
+
+        if (pid > 0 && pid != old_pid) {
+            return pid;
+        }
+        g_usleep(100000);
+    }
+    g_error("no pagefoldd but %d listens after 30 s", old_pid);
+}
+
+/*
+ * The package pagefold upgraded (dpkg -i of a later build) while two
+ * domains share pages: the package restarts pagefoldd (systemd, or its
+ * postinst where pagefoldd was the hook's), the new one takes both VMs
+ * back in merge mode with most of what they shared, and the guests find
+ * every byte they wrote throughout.
+ */
+static void
+test_package_upgrade(gconstpointer deb)
+{
+    DomSpec s1 = { .name = "pf-test-u1", .memfd = TRUE, .seed = 31 };
+    DomSpec s2 = { .name = "pf-test-u2", .memfd = TRUE, .seed = 32 };
+    g_autoptr(Dom) d1 = dom_start(&s1);
+    g_autoptr(Dom) d2 = dom_start(&s2);
+    Dom *all[] = { d1, d2 };
+    gint64 before[2];
+    g_autofree char *out = NULL;
+    int old_pid, pid;
+
+    wait_merging(all, G_N_ELEMENTS(all));
+    wait_sharing(d1->name, 3072);
+    wait_sharing(d2->name, 3072);
+    shared_of(all, G_N_ELEMENTS(all), before);
+    old_pid = pagefoldd_pid();
+    out = dpkg("-i", deb);
+    pid = wait_pagefoldd(old_pid);
+    g_test_message("pagefoldd %d replaced by %d", old_pid, pid);
+    wait_taken_back(all, G_N_ELEMENTS(all), before, "the upgrade");
+    pagefoldd_test_pace();
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        dom_expect(all[i], "PFGUEST CHECK ok");
+        dom_expect(all[i], "PFGUEST CHECK ok");
+        dom_destroy(all[i]);
+        wait_unlisted(all[i]);
+    }
+}
+
+/*
+ * The package pagefold removed while two domains share pages: dpkg says
+ * what the VMs keep, pagefoldd is gone, and the domains run on with their
+ * merged pages valid, the guests finding every byte they wrote; installed
+ * again (the same later build), it takes them back.
+ */
+static void
+test_package_remove(gconstpointer deb)
+{
+    DomSpec s1 = { .name = "pf-test-rm1", .memfd = TRUE, .seed = 33 };
+    DomSpec s2 = { .name = "pf-test-rm2", .memfd = TRUE, .seed = 34 };
+    g_autoptr(Dom) d1 = dom_start(&s1);
+    g_autoptr(Dom) d2 = dom_start(&s2);
+    Dom *all[] = { d1, d2 };
+    g_autofree char *removed = NULL, *installed = NULL;
+
+    wait_merging(all, G_N_ELEMENTS(all));
+    wait_sharing(NULL, 4096);
+    removed = dpkg("-r", "pagefold");
+    g_assert_nonnull(strstr(removed, "its 2 VMs keep running"));
+    g_assert_nonnull(strstr(removed, "they stay valid"));
+    g_assert_cmpint(pagefoldd_pid(), ==, 0);
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        dom_expect(all[i], "PFGUEST CHECK ok");
+        dom_expect(all[i], "PFGUEST CHECK ok");
+        g_assert_cmpint(dom_pid(all[i]), >, 0);
+    }
+    installed = dpkg("-i", deb);
+    if (pagefoldd_pid() == 0) {
+        /* No systemd to start it: the hook does, for the next domain. */
+        hook_prepare("pf-test-rm3");
+    }
+    wait_pagefoldd(0);
+    pagefoldd_test_pace();
+    for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
+        json_object_unref(wait_listed(all[i], "merge"));
+        dom_expect(all[i], "PFGUEST CHECK ok");
+        dom_destroy(all[i]);
+        wait_unlisted(all[i]);
+    }
+}
+
 static void
 skip_all(gconstpointer why)
 {
@@ -547,6 +702,8 @@ main(int argc, char **argv)
         return g_test_run();
     }
     signal(SIGABRT, on_fatal);
+    /* g_error() ends the program with a breakpoint, not abort(). */
+    signal(SIGTRAP, on_fatal);
     signal(SIGTERM, on_fatal);
     /* A reader gone mid-write is an error to report, not a silent death
      * that leaves libvirtd and pagefoldd running for the suites after. */
@@ -564,6 +721,12 @@ main(int argc, char **argv)
     g_test_add_func("/libvirt/metadata", test_metadata);
     g_test_add_func("/libvirt/hook-bad-input", test_hook_bad_input);
     g_test_add_func("/libvirt/no-pagefoldd", test_no_pagefoldd);
+    if (installed_mode() && g_getenv("PAGEFOLD_TEST_UPGRADE_DEB") != NULL) {
+        const char *deb = g_getenv("PAGEFOLD_TEST_UPGRADE_DEB");
+
+        g_test_add_data_func("/libvirt/package/upgrade", deb, test_package_upgrade);
+        g_test_add_data_func("/libvirt/package/remove", deb, test_package_remove);
+    }
     rc = g_test_run();
     teardown();
     return rc;

@@ -337,7 +337,9 @@ pf_test_guest_qmp_error(Guest *g, const char *command, const char *arguments)
 char *
 pf_test_qemu_tool(const char *name)
 {
-    g_autofree char *dir = g_path_get_dirname(pf_test_bin("QEMU_BINARY"));
+    /* /usr/bin/qemu-system-x86_64-pagefold links to where its tools are. */
+    g_autofree char *real = realpath(pf_test_bin("QEMU_BINARY"), NULL);
+    g_autofree char *dir = g_path_get_dirname(real ? real : pf_test_bin("QEMU_BINARY"));
 
     return g_build_filename(dir, name, NULL);
 }
