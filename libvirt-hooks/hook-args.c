@@ -31,7 +31,9 @@ hook_parse_args(Hook *h, int argc, char **argv, GError **error)
         "socket", "pagefoldd", "pagefoldd-arg", "pagefoldd-log", "agent-group", "run-dir",
         "log-dir", NULL
     };
-    int n_opts = argc - 1 - 4;
+    /* libvirt's EXTRA, the last, is never that. */
+    gboolean start_only = argc >= 2 && g_str_equal(argv[argc - 1], "--start-pagefoldd");
+    int n_opts = start_only ? argc - 2 : argc - 1 - 4;
 
     /* libvirt's four come last, whatever they look like (a domain may be
      * called "--socket"): what is before them must be options. */
@@ -81,6 +83,10 @@ hook_parse_args(Hook *h, int argc, char **argv, GError **error)
         } else {
             h->log_dir = value;
         }
+    }
+    if (start_only) {
+        h->start_only = TRUE;
+        return TRUE;
     }
     h->name = argv[argc - 4];
     h->op = argv[argc - 3];

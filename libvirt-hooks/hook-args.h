@@ -1,7 +1,7 @@
 /*
  * hook-args.h - the hook's command line: its options, then libvirt's four
- * arguments (NAME OP SUBOP EXTRA), into a Hook; and whether the domain's
- * name may name a file.
+ * arguments (NAME OP SUBOP EXTRA) or --start-pagefoldd, into a Hook; and
+ * whether the domain's name may name a file.
  *
  * Apart from hook.c (which has main()) so that the fuzzer
  * (tests/fuzz/hook-args.c) can call it.  Owns nothing: the Hook points
@@ -15,7 +15,9 @@
 #include "hook-common.h"
 
 /* Fills h's options and libvirt's arguments from argv; FALSE with error
- * for anything libvirt and the options do not allow. */
+ * for anything libvirt and the options do not allow.  Options then
+ * --start-pagefoldd (the package's postinst) set start_only instead of
+ * libvirt's arguments. */
 gboolean hook_parse_args(Hook *h, int argc, char **argv, GError **error);
 
 /* The domain's name as a file name: libvirt refuses '/' in names, but the

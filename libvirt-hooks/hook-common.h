@@ -30,6 +30,9 @@ typedef struct {
     const char *agent_group;
     const char *run_dir;
     const char *log_dir;
+    /* --start-pagefoldd last, for the package's maintainer scripts: no
+     * libvirt arguments (name, op and subop NULL). */
+    gboolean start_only;
     /* libvirt's arguments. */
     const char *name;
     const char *op;

@@ -61,7 +61,11 @@ static const char usage_text[] =
     "  --agent-group GROUP    the agent socket's group, if it exists (" DEFAULT_AGENT_GROUP
     "; '' none)\n"
     "  --run-dir DIR          where libvirt keeps NAME.xml, the domain's status (" DEFAULT_RUN_DIR ")\n"
-    "  --log-dir DIR          libvirt's per-domain logs (" DEFAULT_LOG_DIR ")\n";
+    "  --log-dir DIR          libvirt's per-domain logs (" DEFAULT_LOG_DIR ")\n"
+    "   or: pagefold-libvirt-hook [OPTION...] --start-pagefoldd\n"
+    "  start pagefoldd as for a domain about to start, where it does not answer\n"
+    "  (the package's postinst, after an upgrade where systemd does not run);\n"
+    "  exit status 0 once it answers\n";
 
 /* ---- the domain's name and log ---- */
 
@@ -471,6 +475,27 @@ op_detach(Hook *h, const Domain *dom)
     }
 }
 
+/* pagefoldd running, started as for a domain about to start where it does
+ * not answer; 0 once it answers. */
+static int
+start_pagefoldd_only(Hook *h)
+{
+    /* No libvirtd waits on this one: 10 s for a busy host. */
+    gint64 until = g_get_monotonic_time() + 10 * G_USEC_PER_SEC;
+
+    h->deadline = until;
+    if (!hook_ping(h, NULL)) {
+        hook_start_pagefoldd(h);
+    }
+    while (!hook_ping(h, NULL)) {
+        if (g_get_monotonic_time() >= until) {
+            return 1;
+        }
+        g_usleep(100 * 1000);
+    }
+    return 0;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -498,6 +523,10 @@ main(int argc, char **argv)
         hook_say(&h, "%s; nothing done", error->message);
         (void)!write(STDERR_FILENO, usage_text, strlen(usage_text));
         return 0;
+    }
+    /* Not libvirt: the package's maintainer scripts, which want to know. */
+    if (h.start_only) {
+        return start_pagefoldd_only(&h);
     }
     if (!hook_name_is_file_name(h.name)) {
         h.name = NULL;

@@ -37,7 +37,8 @@ G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC(Run, run_clear)
 
 /* Runs the hook with exactly these arguments (NULL-terminated) and xml on
  * stdin, with HOOK_TEST_RECORD=record in its environment unless NULL;
- * fails the test unless it exits 0 with nothing on stdout. */
+ * fails the test unless it exits 0 (or 1, ending in --start-pagefoldd)
+ * with nothing on stdout. */
 void run_argv(const char *const *args, const char *xml, const char *record, Run *r);
 /* The same with the fixture's socket, run and log folders, then the
  * NULL-terminated arguments (more options, libvirt's four). */

@@ -278,6 +278,46 @@ test_prepare_starts_pagefoldd(Fixture *f, gconstpointer data)
 }
 
 /*
+ * --start-pagefoldd, the package's postinst after it stopped the old
+ * pagefoldd where systemd does not run: one started as prepare starts it,
+ * exit 0 once it answers; 0 again, starting none, while it runs; 1 when
+ * none can start.
+ */
+static void
+test_start_only(Fixture *f, gconstpointer data)
+{
+    g_autofree char *agent_sock = g_build_filename(f->dir, "agent.sock", NULL);
+    g_autofree char *agent_arg = g_strconcat("--pagefoldd-arg=", agent_sock, NULL);
+    g_autofree char *pflog = g_build_filename(f->dir, "pagefold", "pagefoldd.log", NULL);
+    g_autofree char *config = g_build_filename(f->dir, "pagefoldd.conf", NULL);
+    g_auto(Run) r = { 0 };
+
+    g_assert_true(g_file_set_contents(config, "", 0, NULL));
+    hook(f, &r, "", "--pagefoldd", pf_test_bin("PAGEFOLDD"), "--pagefoldd-arg",
+         "--agent-socket", agent_arg, "--pagefoldd-arg", "--config", "--pagefoldd-arg", config,
+         "--pagefoldd-arg", "--set", "--pagefoldd-arg", "run=0", "--pagefoldd-log", pflog,
+         "--agent-group", "", "--start-pagefoldd", NULL);
+    g_test_message("%s", r.err);
+    g_assert_cmpint(r.status, ==, 0);
+    f->spawned = started_pid(&r);
+    g_assert_cmpint(pf_test_listener_pid(f->sock), ==, f->spawned);
+
+    hook(f, &r, "", "--pagefoldd", pf_test_bin("PAGEFOLDD"), "--pagefoldd-log", pflog,
+         "--start-pagefoldd", NULL);
+    g_assert_cmpint(r.status, ==, 0);
+    g_assert_null(strstr(r.err, "started pagefoldd"));
+    g_assert_cmpint(pf_test_listener_pid(f->sock), ==, f->spawned);
+    kill_and_wait(f->spawned);
+    f->spawned = 0;
+
+    hook(f, &r, "", "--pagefoldd", "/nonexistent/pagefoldd", "--pagefoldd-log", pflog,
+         "--start-pagefoldd", NULL);
+    g_test_message("%s", r.err);
+    g_assert_cmpint(r.status, ==, 1);
+    g_assert_cmpint(pf_test_listener_pid(f->sock), ==, 0);
+}
+
+/*
  * The pagefoldd the hook starts is this program (HOOK_TEST_RECORD): it
  * writes down how it was started.  Detached: stdin /dev/null, stdout and
  * stderr the pagefoldd log, nothing else of the hook's (libvirtd reads
@@ -626,6 +666,7 @@ main(int argc, char **argv)
                test_prepare_starts_pagefoldd, teardown);
     g_test_add("/hook/prepare/detached", Fixture, NULL, setup_bare, test_prepare_detached,
                teardown);
+    g_test_add("/hook/start-pagefoldd", Fixture, NULL, setup_bare, test_start_only, teardown);
     g_test_add("/hook/requests/attach", Fixture, NULL, setup_bare, test_attach_requests,
                teardown);
     g_test_add("/hook/requests/answers", Fixture, NULL, setup_bare, test_answers, teardown);

@@ -46,6 +46,13 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         }
         return 0;
     }
+    if (h.start_only) {
+        /* Options, then --start-pagefoldd: no libvirt arguments. */
+        if (h.name != NULL || !g_str_equal(argv[argc - 1], "--start-pagefoldd")) {
+            abort();
+        }
+        return 0;
+    }
     if (argc < 5 || h.name != argv[argc - 4] || h.op != argv[argc - 3] ||
         h.subop != argv[argc - 2]) {
         fprintf(stderr, "fuzz: libvirt's arguments taken from the wrong places\n");
