@@ -658,7 +658,9 @@ test_package_remove(gconstpointer deb)
     wait_merging(all, G_N_ELEMENTS(all));
     wait_sharing(NULL, 4096);
     removed = dpkg("-r", "pagefold");
-    g_assert_nonnull(strstr(removed, "VMs keep running"));
+    /* Its two and any other of the host's (installed mode). */
+    g_assert_true(g_regex_match_simple("its [0-9]+ VMs keep running, with [0-9]+ pages merged",
+                                       removed, 0, 0));
     g_assert_nonnull(strstr(removed, "they stay valid"));
     g_assert_cmpint(pagefoldd_pid(), ==, 0);
     for (gsize i = 0; i < G_N_ELEMENTS(all); i++) {
