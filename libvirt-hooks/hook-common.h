@@ -19,6 +19,11 @@
 
 /* All the hook may take, from start to exit: libvirtd waits for it. */
 #define HOOK_DEADLINE_MS 1500
+/* How long a pagefoldd the hook started may take to answer, within
+ * HOOK_DEADLINE_MS; and for --start-pagefoldd, which no libvirtd waits
+ * on, on a busy host. */
+#define HOOK_READY_WAIT_MS 1000
+#define HOOK_START_ONLY_WAIT_MS 10000
 
 typedef struct {
     /* Options. */
@@ -39,6 +44,7 @@ typedef struct {
     const char *subop;
     int log_fd;     /* libvirt's log of the domain, or -1 */
     gint64 deadline; /* monotonic µs */
+    int ready_wait_ms; /* a start's wait for pagefoldd, within deadline */
 } Hook;
 
 /* Milliseconds left until deadline (monotonic µs), rounded up; 0 once it

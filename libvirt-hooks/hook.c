@@ -476,24 +476,14 @@ op_detach(Hook *h, const Domain *dom)
 }
 
 /* pagefoldd running, started as for a domain about to start where it does
- * not answer; 0 once it answers. */
+ * not answer; 0 once it answers.  No libvirtd waits on this one: it may
+ * wait longer, for a busy host. */
 static int
 start_pagefoldd_only(Hook *h)
 {
-    /* No libvirtd waits on this one: 10 s for a busy host. */
-    gint64 until = g_get_monotonic_time() + 10 * G_USEC_PER_SEC;
-
-    h->deadline = until;
-    if (!hook_ping(h, NULL)) {
-        hook_start_pagefoldd(h);
-    }
-    while (!hook_ping(h, NULL)) {
-        if (g_get_monotonic_time() >= until) {
-            return 1;
-        }
-        g_usleep(100 * 1000);
-    }
-    return 0;
+    h->deadline = g_get_monotonic_time() + HOOK_START_ONLY_WAIT_MS * 1000;
+    h->ready_wait_ms = HOOK_START_ONLY_WAIT_MS;
+    return hook_ping(h, NULL) || hook_start_pagefoldd(h) ? 0 : 1;
 }
 
 int
@@ -508,6 +498,7 @@ main(int argc, char **argv)
         .log_dir = DEFAULT_LOG_DIR,
         .log_fd = -1,
         .deadline = g_get_monotonic_time() + HOOK_DEADLINE_MS * 1000,
+        .ready_wait_ms = HOOK_READY_WAIT_MS,
     };
     g_autoptr(GPtrArray) extra = g_ptr_array_new();
     g_autoptr(GError) error = NULL;

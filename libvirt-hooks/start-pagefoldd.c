@@ -33,9 +33,6 @@
 
 #include "util.h"
 
-/* How long a pagefoldd it started may take to answer, within
- * HOOK_DEADLINE_MS. */
-#define READY_WAIT_MS 1000
 #define READY_POLL_MS 50
 
 /* Runs a short program (systemctl), its output into the log, within the
@@ -325,11 +322,11 @@ make_log_folder(const char *file, GError **error)
     return TRUE;
 }
 
-/* Waits until pagefoldd answers, a READY_WAIT_MS at most. */
+/* Waits until pagefoldd answers, h->ready_wait_ms at most. */
 static gboolean
 wait_ready(Hook *h)
 {
-    gint64 until = MIN(h->deadline, g_get_monotonic_time() + READY_WAIT_MS * 1000);
+    gint64 until = MIN(h->deadline, g_get_monotonic_time() + h->ready_wait_ms * 1000);
 
     for (;;) {
         g_autoptr(GError) error = NULL;
@@ -346,17 +343,18 @@ wait_ready(Hook *h)
     }
 }
 
-/* Says whether pagefoldd answers after a wait_ready(); see: where to look
- * if it does not. */
-static void
+/* Says whether pagefoldd answers after a wait_ready(), and returns it;
+ * see: where to look if it does not. */
+static gboolean
 say_whether_ready(Hook *h, const char *see)
 {
     if (wait_ready(h)) {
         hook_say(h, "pagefoldd answers on %s", h->socket_path);
-    } else {
-        hook_say(h, "pagefoldd does not answer on %s yet; the VM is attached if it does by the "
-            "time QEMU runs (see %s)", h->socket_path, see);
+        return TRUE;
     }
+    hook_say(h, "pagefoldd does not answer on %s yet; the VM is attached if it does by the "
+        "time QEMU runs (see %s)", h->socket_path, see);
+    return FALSE;
 }
 
 /*
@@ -435,29 +433,30 @@ spawn_logged(Hook *h, char **argv, const char *cmd, GError **error)
     return pid;
 }
 
-/* Spawns pagefoldd itself, one hook at a time. */
-static void
+/* Spawns pagefoldd itself, one hook at a time; whether it answers. */
+static gboolean
 spawn_pagefoldd(Hook *h)
 {
     g_autoptr(GError) error = NULL;
     g_autoptr(GError) ping_error = NULL;
     g_autoptr(GPtrArray) argv = NULL;
     g_autofree char *cmd = NULL;
+    gboolean answers;
     int lock_fd;
     pid_t pid;
 
     if (!make_log_folder(h->pagefoldd_log, &error)) {
         hook_say(h, "cannot start pagefoldd: %s", error->message);
-        return;
+        return FALSE;
     }
     lock_fd = take_turn(h);
     if (lock_fd < 0) {
-        return;
+        return FALSE;
     }
     if (hook_ping(h, &ping_error)) {
         hook_say(h, "pagefoldd answers on %s (another hook started it)", h->socket_path);
         close(lock_fd);
-        return;
+        return TRUE;
     }
     /* One that took the connection but has not greeted is setting up (it
      * greets once ready): it is there, as in op_ensure_daemon(). */
@@ -465,7 +464,7 @@ spawn_pagefoldd(Hook *h)
         hook_say(h, "pagefoldd is there but did not answer (%s): not starting another",
                  ping_error->message);
         close(lock_fd);
-        return;
+        return FALSE;
     }
     argv = pagefoldd_argv(h);
     cmd = g_strjoinv(" ", (char **)argv->pdata);
@@ -473,14 +472,15 @@ spawn_pagefoldd(Hook *h)
     if (pid == 0) {
         hook_say(h, "cannot start pagefoldd: %s", error->message);
         close(lock_fd);
-        return;
+        return FALSE;
     }
     hook_say(h, "started pagefoldd (pid %d): %s; its log: %s", (int)pid, cmd, h->pagefoldd_log);
-    say_whether_ready(h, h->pagefoldd_log);
+    answers = say_whether_ready(h, h->pagefoldd_log);
     close(lock_fd);
+    return answers;
 }
 
-void
+gboolean
 hook_start_pagefoldd(Hook *h)
 {
     if (!h->pagefoldd_given && h->pagefoldd_args->len == 0 &&
@@ -488,8 +488,7 @@ hook_start_pagefoldd(Hook *h)
         const char *const sc[] = { "systemctl", "start", "--no-block", SYSTEMD_UNIT, NULL };
 
         run_bounded(h, sc);
-        say_whether_ready(h, "journalctl -u " SYSTEMD_UNIT);
-        return;
+        return say_whether_ready(h, "journalctl -u " SYSTEMD_UNIT);
     }
-    spawn_pagefoldd(h);
+    return spawn_pagefoldd(h);
 }

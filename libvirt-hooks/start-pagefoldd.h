@@ -20,6 +20,7 @@
 /*
  * Where systemd is PID 1 and the hook was not told which pagefoldd to
  * run, systemd starts its unit (which says how, and restarts it);
- * otherwise the hook starts it itself.
+ * otherwise the hook starts it itself.  Whether it answers within
+ * h->ready_wait_ms (said either way).
  */
-void hook_start_pagefoldd(Hook *h);
+gboolean hook_start_pagefoldd(Hook *h);
