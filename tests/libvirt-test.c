@@ -391,6 +391,18 @@ shared_of(Dom *const *all, gsize n, gint64 *out)
     }
 }
 
+/* Each of n domains listed in merge mode, its guest ready, and sharing
+ * 3072 pages at least; before[i]: what each shares by then. */
+static void
+wait_each_sharing(Dom *const *all, gsize n, gint64 *before)
+{
+    wait_merging(all, n);
+    for (gsize i = 0; i < n; i++) {
+        wait_sharing(all[i]->name, 3072);
+    }
+    shared_of(all, n, before);
+}
+
 /* After a new pagefoldd came (what: how), each of n domains listed in merge
  * mode again with at least half of the pages it shared before (before[i]):
  * taken back a slice at a time, within 10 s, before any pass could merge as
@@ -485,10 +497,7 @@ test_pagefoldd_restart(void)
     gint64 before[2];
     int pid;
 
-    wait_merging(all, G_N_ELEMENTS(all));
-    wait_sharing(d1->name, 3072);
-    wait_sharing(d2->name, 3072);
-    shared_of(all, G_N_ELEMENTS(all), before);
+    wait_each_sharing(all, G_N_ELEMENTS(all), before);
     pid = pagefoldd_pid();
     g_assert_cmpint(pid, >, 0);
     kill(pid, SIGKILL);
@@ -612,10 +621,7 @@ test_package_upgrade(gconstpointer deb)
     g_autofree char *out = NULL;
     int old_pid, pid;
 
-    wait_merging(all, G_N_ELEMENTS(all));
-    wait_sharing(d1->name, 3072);
-    wait_sharing(d2->name, 3072);
-    shared_of(all, G_N_ELEMENTS(all), before);
+    wait_each_sharing(all, G_N_ELEMENTS(all), before);
     old_pid = pagefoldd_pid();
     out = dpkg("-i", deb);
     pid = wait_pagefoldd(old_pid);
